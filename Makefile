@@ -1,0 +1,28 @@
+# moetool: `make install`, `make test`, `make demo`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo clean
+
+install: $(STAMP)
+
+# torch first and pinned: an unpinned torch (or one pulled in by another package) is a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow"
+
+demo: install
+	$(VENV)/bin/moetool demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,338 @@
+"""Load a Hugging Face MoE model with its experts owned by moetool instead of the device.
+
+transformers 5 keeps each MoE block's experts as one fused module (`gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]; gpt_oss transposed with biases), decorated by `use_experts_implementation`.
+`load_model` lets transformers read the checkpoint (it knows every architecture's key layout and
+conversion), takes the fused expert tensors out of the model into a host-side `HostExperts`, puts a
+parameter-free `ProviderExperts` module in their place, and only then moves the rest of the model to
+the device: expert weights never reach the device except through an expert provider.
+
+    lm = load_model("path/to/ckpt", device="cpu", dtype=torch.float32)
+    lm.geometry.layers[0].num_experts, lm.experts.get(lm.geometry.layers[0].index, 3).gate_up.shape
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetool.artifacts import ModelFingerprint
+from moetool.errors import MoetoolError
+
+# Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
+# for an architecture whose experts are not a fused transformers module).
+_MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_config")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert's weights in a canonical, never-transposed layout."""
+
+    gate_up: torch.Tensor  # [2I, H] gated (rows in the model's own order: [gate; up], or interleaved for gpt_oss) or [I, H]
+    down: torch.Tensor  # [H, I]
+    gate_up_bias: torch.Tensor | None = None  # [2I]
+    down_bias: torch.Tensor | None = None  # [H]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        parts = {"gate_up": self.gate_up, "down": self.down, "gate_up_bias": self.gate_up_bias,
+                 "down_bias": self.down_bias}
+        return {k: v for k, v in parts.items() if v is not None}
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "ExpertWeights":
+        return ExpertWeights(**{k: v.to(device=device, dtype=dtype or v.dtype) for k, v in self.tensors().items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """Geometry of one MoE block; `index` is the decoder layer index, the layer key everywhere."""
+
+    index: int
+    path: str  # module path of the block, e.g. "model.layers.3.mlp"
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    gated: bool  # gate_up (act(gate) * up) vs a single up projection
+    transposed: bool  # checkpoint stores [E, H, 2I] (gpt_oss); ExpertWeights are always [2I, H]
+    has_bias: bool
+    concatenated: bool  # [gate; up] rows vs interleaved gate/up rows
+    router: str  # attribute name of the router inside the block ("gate" or "router")
+    shared_experts: tuple[str, ...]  # attribute names of always-on shared experts in the block
+
+
+@dataclass(frozen=True)
+class MoeGeometry:
+    model_type: str
+    num_hidden_layers: int
+    layers: tuple[MoeLayer, ...]
+    dense_layers: tuple[int, ...]  # decoder layers with a plain FFN (e.g. DeepSeek's first_k_dense_replace)
+
+    def layer(self, index: int) -> MoeLayer:
+        for layer in self.layers:
+            if layer.index == index:
+                return layer
+        raise KeyError(f"layer {index} is not a MoE layer")
+
+
+class ExpertProvider(Protocol):
+    """Anything that hands out one expert's weights, ready to compute on `device`."""
+
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+
+class HostExperts:
+    """The fused expert tensors taken out of the loaded model, kept in host memory.
+
+    `get` returns views (no copy) in the canonical layout; the engine's host store builds its
+    per-precision blobs from these, and the reference provider serves them directly.
+    """
+
+    def __init__(self, fused: dict[int, dict[str, torch.Tensor]], geometry: MoeGeometry):
+        self._fused = fused  # layer -> {"gate_up_proj": [E, 2I, H] or [E, H, 2I], "down_proj": ..., biases}
+        self.geometry = geometry
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        g = self.geometry.layer(layer)
+        t = self._fused[layer]
+        gate_up, down = t["gate_up_proj"][expert], t["down_proj"][expert]
+        if g.transposed:
+            gate_up, down = gate_up.t(), down.t()  # [H, 2I] -> [2I, H]; [I, H] -> [H, I]
+        return ExpertWeights(gate_up=gate_up, down=down,
+                             gate_up_bias=t["gate_up_proj_bias"][expert] if g.has_bias else None,
+                             down_bias=t["down_proj_bias"][expert] if g.has_bias else None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for d in self._fused.values() for v in d.values())
+
+
+class DeviceProvider:
+    """Serve host experts on a compute device, copying per call (the reference path, not the engine)."""
+
+    def __init__(self, host: HostExperts, device: torch.device | str, dtype: torch.dtype):
+        self.host, self.device, self.dtype = host, torch.device(device), dtype
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        w = self.host.get(layer, expert)
+        if w.gate_up.device == self.device and w.gate_up.dtype == self.dtype:
+            return w
+        return w.to(self.device, self.dtype)
+
+
+class ProviderExperts(nn.Module):
+    """Parameter-free stand-in for a fused experts module: same call, weights from a provider.
+
+    It keeps the original module (with its parameters removed) as `impl` so that the model's own
+    activation and gate (`act_fn`, gpt_oss's clamped `_apply_gate`) are used unchanged.
+    """
+
+    def __init__(self, original: nn.Module, layer: MoeLayer, provider: ExpertProvider):
+        super().__init__()
+        original._parameters.clear()
+        self.impl = original
+        self.layer = layer
+        self.provider = provider
+
+    def expert_forward(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        """One expert's MLP on its tokens: [n, H] -> [n, H], with the model's own activation."""
+        h = F.linear(x, w.gate_up, w.gate_up_bias)  # [n, 2I]
+        h = self.impl._apply_gate(h) if self.layer.gated else self.impl.act_fn(h)  # [n, I]
+        return F.linear(h, w.down, w.down_bias)  # [n, H]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)  # [T, H]
+        # The reference path loops over the experts hit in this call (a host sync is fine here;
+        # the engine's module replaces this loop with a planned, sync-free one).
+        for e in torch.unique(top_k_index).tolist():
+            if not 0 <= e < self.layer.num_experts:  # some routers mark dropped slots with E
+                continue
+            token_idx, slot = torch.where(top_k_index == e)  # [n], [n]
+            y = self.expert_forward(hidden_states[token_idx], self.provider.get(self.layer.index, e))
+            y = y * top_k_weights[token_idx, slot, None]  # [n, H]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+@dataclass
+class LoadedModel:
+    """A model whose experts live outside it, plus what the rest of moetool needs to know."""
+
+    model: nn.Module
+    tokenizer: Any
+    geometry: MoeGeometry
+    experts: HostExperts
+    fingerprint: ModelFingerprint
+    path: str
+
+    def non_expert_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def find_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Fused experts modules by path: those built by transformers' `use_experts_implementation`."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+            and (isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+                 or isinstance(getattr(m, "up_proj", None), torch.Tensor))}
+
+
+def inspect_geometry(model: nn.Module) -> MoeGeometry:
+    """Describe every MoE block of `model`; refuse dense models and unfused MoE architectures."""
+    cfg = model.config
+    model_type = getattr(cfg, "model_type", type(model).__name__)
+    experts = find_experts_modules(model)
+    if not experts:
+        if any(getattr(cfg, k, None) for k in _MOE_CONFIG_KEYS):
+            raise MoetoolError(f"moetool does not support the '{model_type}' architecture: its experts are not a "
+                               "fused transformers experts module (supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
+                               "deepseek_v2/v3, phimoe, granitemoe, gpt_oss and other fused-experts models).")
+        raise MoetoolError(f"'{model_type}' is a dense model with no Mixture-of-Experts layers; moetool needs a MoE model.")
+    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    layers = []
+    for path, m in experts.items():
+        block_path = path.rsplit(".", 1)[0]
+        block = model.get_submodule(block_path)
+        match = _LAYER_INDEX.search(path + ".")
+        if match is None:
+            raise MoetoolError(f"cannot tell the decoder layer of the experts module at '{path}' in '{model_type}'.")
+        w = m.gate_up_proj if m.has_gate else m.up_proj
+        num_experts = w.shape[0]
+        if m.is_transposed:
+            hidden, proj = w.shape[1], w.shape[2]
+        else:
+            proj, hidden = w.shape[1], w.shape[2]
+        router = next((n for n, c in block.named_children() if n in ("gate", "router")), "")
+        top_k = getattr(getattr(block, router, None), "top_k", None) or getattr(block, "top_k", None) \
+            or getattr(cfg, "num_experts_per_tok", None)
+        layers.append(MoeLayer(
+            index=int(match.group(1)), path=block_path, num_experts=int(num_experts), top_k=int(top_k),
+            hidden_size=int(hidden), intermediate_size=int(proj // 2 if m.has_gate else proj),
+            gated=bool(m.has_gate), transposed=bool(m.is_transposed), has_bias=bool(m.has_bias),
+            concatenated=bool(m.is_concatenated), router=router,
+            shared_experts=tuple(n for n, _ in block.named_children() if n.startswith("shared_expert"))))
+    layers.sort(key=lambda g: g.index)
+    moe_idx = {g.index for g in layers}
+    return MoeGeometry(model_type=model_type, num_hidden_layers=n_layers, layers=tuple(layers),
+                       dense_layers=tuple(i for i in range(n_layers) if i not in moe_idx))
+
+
+def model_fingerprint(config: Any, source: str) -> ModelFingerprint:
+    return ModelFingerprint.of_config(source, config.to_dict())
+
+
+def resolve_source(source: str | Path) -> str:
+    """A local directory as a string, or a hub id to let transformers resolve (from its cache offline)."""
+    text = str(source)
+    if text == "demo":
+        from moetool.demo import build_demo_model  # lazy: the demo pulls in GGUF conversion code
+
+        return str(build_demo_model().path)
+    p = Path(text).expanduser()
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise MoetoolError(f"{p} is not a Hugging Face model directory (no config.json in it).")
+        return str(p)
+    looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith((".", "/"))
+    if not looks_like_hub_id:
+        raise MoetoolError(f"{text} does not exist (give a local model directory or a hub id like org/name).")
+    return text
+
+
+def load_config(source: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
+
+
+def load_reference(source: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Plain transformers model on CPU with its experts inside, for comparisons."""
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_source(source)
+    config = load_config(src)
+    _check_architecture(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation="eager")
+    except Exception as e:  # noqa: BLE001 - the checkpoint is user input: any failure is one sentence
+        raise MoetoolError(f"cannot load the weights of '{src}': {_first_line(e)}") from None
+    return model.eval()
+
+
+def load_model(source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               provider: ExpertProvider | None = None) -> LoadedModel:
+    """Load `source` with every MoE block's experts replaced by a `ProviderExperts` module.
+
+    The checkpoint is read into host memory by transformers, the fused expert tensors are moved
+    into `HostExperts`, and only then is the rest of the model moved to `device`. Without
+    `provider`, experts are served from host memory (copied to `device` per call).
+    """
+    src = resolve_source(source)
+    model = load_reference(src, dtype=dtype)
+    geometry = inspect_geometry(model)
+    fused: dict[int, dict[str, torch.Tensor]] = {}
+    experts_modules = find_experts_modules(model)
+    for layer in geometry.layers:
+        module = experts_modules[f"{layer.path}.experts"]
+        fused[layer.index] = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
+    host = HostExperts(fused, geometry)
+    provider = provider or DeviceProvider(host, device, dtype)
+    for layer in geometry.layers:
+        block = model.get_submodule(layer.path)
+        block.experts = ProviderExperts(block.experts, layer, provider)
+    model.to(device)
+    return LoadedModel(model=model, tokenizer=load_tokenizer(src), geometry=geometry, experts=host,
+                       fingerprint=model_fingerprint(model.config, src), path=src)
+
+
+def load_tokenizer(source: str) -> Any:
+    """The checkpoint's tokenizer, or None for tokenizer-less test checkpoints."""
+    from transformers import AutoTokenizer
+
+    local = Path(source)
+    # transformers 5 builds an *empty* tokenizer for some model types when a directory has no
+    # tokenizer files, so a local directory must actually ship one.
+    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _check_architecture(config: Any) -> None:
+    """Refuse dense and unsupported models from the config alone, before reading any weights."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        model_type = getattr(config, "model_type", "?")
+        raise MoetoolError(f"moetool does not support the '{model_type}' architecture: transformers has no "
+                           "causal-LM class for it.") from None
+    except Exception as e:  # noqa: BLE001 - a config from disk that transformers cannot build
+        model_type = getattr(config, "model_type", "?")
+        raise MoetoolError(f"cannot build a '{model_type}' model from its config: {_first_line(e)}") from None
+    inspect_geometry(skeleton)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")

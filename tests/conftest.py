@@ -1,0 +1,19 @@
+import pytest
+
+from tiny import TINY_CONFIGS, save_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Build (once per session) and return the path of a tiny checkpoint of an architecture."""
+    cache: dict[str, object] = {}
+
+    def make(arch: str = "qwen2_moe"):
+        if arch not in cache:
+            cache[arch] = save_tiny(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+
+    return make
+
+
+ARCHS = sorted(TINY_CONFIGS)

@@ -1,0 +1,73 @@
+"""The model layer: bit-exact expert replacement on real architectures loaded from disk."""
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from moetool.check import check_model
+from moetool.errors import MoetoolError
+from moetool.model import find_experts_modules, load_model, load_reference
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_check_is_exact_on_every_architecture(tiny_ckpt, arch):
+    report = check_model(tiny_ckpt(arch))
+    assert report.passed, report
+    assert report.max_abs_diff <= 1e-5
+    assert report.layers and all(lc.routing_agreement == 1.0 for lc in report.layers)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_experts_are_not_model_parameters_after_load(tiny_ckpt, arch):
+    ref = load_reference(tiny_ckpt(arch))
+    expert_bytes = sum(p.numel() * p.element_size() for m in find_experts_modules(ref).values()
+                       for p in m.parameters(recurse=False))
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    lm = load_model(tiny_ckpt(arch))
+    assert expert_bytes > 0
+    assert lm.non_expert_bytes() == total - expert_bytes  # the device side holds no expert byte
+    assert lm.experts.nbytes == expert_bytes  # ... and host memory holds each expert once
+    assert not any("experts." in n and "shared" not in n for n, _ in lm.model.named_parameters())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_host_experts_match_checkpoint_weights_in_canonical_layout(tiny_ckpt, arch):
+    ref = load_reference(tiny_ckpt(arch))
+    lm = load_model(tiny_ckpt(arch))
+    g = lm.geometry.layers[-1]
+    fused = ref.get_submodule(f"{g.path}.experts")
+    w = lm.experts.get(g.index, 2)
+    want_gate_up = fused.gate_up_proj[2].t() if g.transposed else fused.gate_up_proj[2]
+    assert w.gate_up.shape == (2 * g.intermediate_size, g.hidden_size)
+    assert w.down.shape == (g.hidden_size, g.intermediate_size)
+    torch.testing.assert_close(w.gate_up, want_gate_up, rtol=0, atol=0)
+    if g.has_bias:
+        torch.testing.assert_close(w.down_bias, fused.down_proj_bias[2], rtol=0, atol=0)
+
+
+def test_geometry_describes_shared_experts_dense_layers_and_layouts(tiny_ckpt):
+    qwen = load_model(tiny_ckpt("qwen2_moe")).geometry
+    assert [g.index for g in qwen.layers] == [0, 1] and qwen.dense_layers == ()
+    assert qwen.layers[0].shared_experts == ("shared_expert", "shared_expert_gate")
+    assert (qwen.layers[0].num_experts, qwen.layers[0].top_k, qwen.layers[0].intermediate_size) == (4, 2, 16)
+    ds = load_model(tiny_ckpt("deepseek_v3")).geometry
+    assert ds.dense_layers == (0,) and [g.index for g in ds.layers] == [1, 2]
+    oss = load_model(tiny_ckpt("gpt_oss")).geometry.layers[0]
+    assert oss.transposed and oss.has_bias and not oss.concatenated and oss.router == "router"
+
+
+def test_a_wrong_expert_is_detected(tiny_ckpt):
+    """The check is not vacuous: swapping two experts' weights breaks it."""
+    lm = load_model(tiny_ckpt("mixtral"))
+    g = lm.geometry.layers[0]
+    fused = lm.experts._fused[g.index]["gate_up_proj"]
+    fused[[0, 1]] = fused[[1, 0]].clone()
+    ref = load_reference(tiny_ckpt("mixtral"))
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        assert (ref(ids).logits - lm.model(ids).logits).abs().max() > 1e-3
+
+
+def test_missing_path_is_one_sentence(tmp_path):
+    with pytest.raises(MoetoolError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
