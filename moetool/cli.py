@@ -104,6 +104,81 @@ def check(
         raise typer.Exit(1)
 
 
+def _settings(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise MoetoolError(f"--set takes key=value, not '{pair}'.")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.3f} ms"
+
+
+@command
+def run(
+    model: Annotated[str, typer.Option(help="Model directory, hub id, or 'demo'.")] = "demo",
+    bundle: Annotated[Path | None, typer.Option(help="Quantized bundle directory (default: bf16 experts from the checkpoint).")] = None,
+    policy: Annotated[str, typer.Option(help="Policy preset: resident, static, lod, lru, eap, fate, dymoe, smoe, dynaexq.")] = "lru",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")] = None,
+    fit: Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used.")] = None,
+    budget: Annotated[str, typer.Option(help="Device budget: a size (12GiB) or the expert cache as a share of bf16 experts (25%).")] = "25%",
+    clock: Annotated[str, typer.Option(help="wall (measured) or sim (modelled on --hw).")] = "wall",
+    hw: Annotated[str, typer.Option(help="Hardware profile for the sim clock: a preset name or a profile JSON.")] = "rtx3090",
+    prompt: Annotated[str | None, typer.Option(help="One prompt.")] = None,
+    prompts: Annotated[Path | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt (greedy).")] = 32,
+    batch_size: Annotated[int, typer.Option(help="Prompts per batch.")] = 1,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: float32, bfloat16, float16.")] = "float32",
+    save: Annotated[Path | None, typer.Option("--out", help="Where to write the Run artifact (JSON).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate greedily under a policy and a device budget; report TTFT/TPOT, hits and traffic.
+
+    Example: `moetool run --policy lru --budget 25% --clock sim --hw rtx3090 --prompt "Hello" --out lru.run.json`
+    """
+    from rich.progress import Progress
+
+    from moetool.run import RunConfig, read_prompts
+    from moetool.run import run as run_stage
+
+    if prompt is not None and prompts is not None:
+        raise MoetoolError("give --prompt or --prompts, not both.")
+    texts = read_prompts(prompts) if prompts is not None else (prompt or "The capital of France is",)
+    if isinstance(texts, str):
+        texts = (texts,)
+    cfg = RunConfig(model=model, bundle=bundle, policy=policy, settings=_settings(set_ or []), fit=fit,
+                    budget=budget, clock=clock, hw=hw, prompts=tuple(texts), max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, device=device, dtype=dtype)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"run {policy}", total=len(texts))
+        result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
+    if save is not None:
+        result.save(save)
+    if as_json:
+        out.print_json(json.dumps(result.to_json()))
+        return
+    for p, t in zip(result.prompts, result.texts):
+        out.print(f"[bold]{p}[/bold]{t}", highlight=False)
+    table = Table(title=f"{policy} on {result.model.source} ({result.clock} clock{', ' + result.hw if result.hw else ''})")
+    for col in ("TTFT", "TPOT mean", "TPOT p99", "hit rate", "bytes/token", "stall", "peak device", "budget"):
+        table.add_column(col, justify="right")
+    tp = result.tpot_s or {}
+    table.add_row(_fmt_s(result.ttft_s), _fmt_s(tp.get("mean")), _fmt_s(tp.get("p99")),
+                  "-" if result.hit_rate is None else f"{result.hit_rate:.3f}", f"{result.bytes_per_token / 2**20:.2f} MiB",
+                  f"{result.stall_s:.4f} s", f"{result.peak_device_bytes / 2**20:.1f} MiB",
+                  f"{result.budget_bytes / 2**20:.1f} MiB")
+    out.print(table)
+    b = result.budget
+    err.print(f"budget: non-expert {b['non_expert_bytes'] / 2**20:.1f} MiB, KV/activation margin "
+              f"{b['margin_bytes'] / 2**20:.1f} MiB, staging {b['staging_bytes'] / 2**20:.1f} MiB, expert cache "
+              f"{b['cache_bytes'] / 2**20:.1f} MiB", highlight=False)
+
+
 def main() -> None:
     app()
 

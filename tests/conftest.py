@@ -1,6 +1,11 @@
 import pytest
+import torch
 
 from tiny import TINY_CONFIGS, save_tiny
+
+# Tiny models gain nothing from intra-op threads, and OpenMP spin-waits make them crawl when the
+# machine's other core is busy.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,177 @@
+"""Clocks: `wall` measures real time; `sim` models it from a hardware profile.
+
+The simulated clock keeps three timelines, so overlap and stalls are modelled, not assumed:
+compute (the GPU's stream), copy (the host-to-device link) and cpu (host expert compute). A copy
+starts when the link is free and the request is made; a computation that needs it waits for it
+(the wait is a stall); a prefetch issued early overlaps with compute.
+
+    clock = SimClock(CostModel.for_model(load_hw("rtx3090"), lm, store))
+    clock.begin_step(); clock.compute(1e-3); ready = clock.copy(8 << 20); stall = clock.wait(ready)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+
+HW_DIR = Path(__file__).resolve().parents[2] / "profiles" / "hw"
+
+
+@dataclass(frozen=True)
+class HwProfile:
+    """Throughputs of one machine; every field is sourced in the profile JSON's `sources`."""
+
+    name: str
+    h2d_gbps: float  # effective pinned host-to-device bandwidth, GB/s
+    gpu_tflops: float  # dense bf16 tensor throughput, TFLOP/s
+    gpu_mem_gbps: float  # device memory bandwidth, GB/s
+    cpu_tflops: float  # host fp32/bf16 matmul throughput, TFLOP/s
+    cpu_mem_gbps: float  # host memory bandwidth, GB/s
+    kernel_s: float = 5e-6  # fixed cost per launched expert kernel group
+    copy_latency_s: float = 1e-5  # fixed cost per host-to-device copy
+
+
+def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
+    """A shipped preset by name (profiles/hw/NAME.json) or a profile JSON path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = HW_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []
+        raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(known) or 'none'}; "
+                           "or give a path to a profile JSON).")
+    data = json.loads(path.read_text())
+    fields = {k: data[k] for k in HwProfile.__dataclass_fields__ if k in data}
+    try:
+        return HwProfile(**fields), data
+    except TypeError as e:
+        raise MoetoolError(f"{path} is not a hardware profile ({e}).") from None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds for the engine's operations on one machine, for one model."""
+
+    hw: HwProfile
+    expert_bytes: dict[int, int]  # bits -> blob bytes
+    expert_flops_per_token: float  # 2 * params of one expert
+    reference_bytes: int  # one expert at the reference precision (what a GPU dequant writes)
+    dense_bytes_per_layer: float  # non-expert weights per MoE layer (attention, router, shared experts, share of head)
+    dense_flops_per_token_per_layer: float
+
+    def t_dense(self, tokens: int) -> float:
+        """Attention + router + shared experts of one layer (and its share of embeddings / lm_head)."""
+        return max(self.dense_bytes_per_layer / (self.hw.gpu_mem_gbps * 1e9),
+                   self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
+
+    def t_expert(self, bits: int, tokens: int) -> float:
+        """One expert on the GPU: read its weights (dequantizing if quantized) and multiply."""
+        read = self.expert_bytes[bits] + (self.reference_bytes if bits != 16 else 0)
+        return max(read / (self.hw.gpu_mem_gbps * 1e9),
+                   self.expert_flops_per_token * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
+
+    def t_copy(self, nbytes: int) -> float:
+        return nbytes / (self.hw.h2d_gbps * 1e9) + self.hw.copy_latency_s
+
+    def c_cpu(self, tokens: int) -> float:
+        """One expert on the host CPU at the reference precision (SMoE's C_CPU)."""
+        return max(self.reference_bytes / (self.hw.cpu_mem_gbps * 1e9),
+                   self.expert_flops_per_token * tokens / (self.hw.cpu_tflops * 1e12))
+
+    def policy_view(self) -> dict[str, Any]:
+        """The numbers cost-aware policies read (`EngineContext.hw`)."""
+        return {"t_load": {b: self.t_copy(n) for b, n in self.expert_bytes.items()},
+                "t_expert": {b: self.t_expert(b, 1) for b in self.expert_bytes},
+                "c_cpu": self.c_cpu(1), "t_attn": self.t_dense(1), "t_gate": self.hw.kernel_s,
+                "name": self.hw.name}
+
+
+class SimClock:
+    """Simulated time on three timelines (compute, copy, cpu)."""
+
+    kind = "sim"
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.now = 0.0  # compute timeline
+        self.copy_free = 0.0  # when the link is next idle
+        self.cpu_free = 0.0
+        self._step_start = 0.0
+
+    def begin_step(self) -> None:
+        self._step_start = self.now
+
+    def compute(self, seconds: float) -> None:
+        self.now += seconds
+
+    def copy(self, nbytes: int) -> float:
+        """Enqueue a copy requested now; return when it completes."""
+        start = max(self.copy_free, self.now)
+        self.copy_free = start + self.cost.t_copy(nbytes)
+        return self.copy_free
+
+    def cpu(self, seconds: float) -> float:
+        start = max(self.cpu_free, self.now)
+        self.cpu_free = start + seconds
+        return self.cpu_free
+
+    def wait(self, ready: float) -> float:
+        """Compute waits until `ready`; returns the stall."""
+        stall = max(0.0, ready - self.now)
+        self.now += stall
+        return stall
+
+    def ready(self, at: float) -> bool:
+        return at <= self.now
+
+    def end_step(self) -> float:
+        return self.now - self._step_start
+
+
+class WallClock:
+    """Real time: perf_counter around each step, after a device sync on CUDA (one per step)."""
+
+    kind = "wall"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def begin_step(self) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def compute(self, seconds: float) -> None:
+        pass
+
+    def copy(self, nbytes: int) -> float:
+        return 0.0
+
+    def cpu(self, seconds: float) -> float:
+        return 0.0
+
+    def wait(self, ready: float) -> float:
+        return 0.0
+
+    def ready(self, at: float) -> bool:
+        return True
+
+    def end_step(self) -> float:
+        self._sync()
+        return time.perf_counter() - self._t0
+
+
+def packaged_hw_names() -> list[str]:
+    return sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []
+

@@ -1,0 +1,94 @@
+"""Counters the engine keeps per step and per layer, and their summary for the Run artifact.
+
+Counting happens once per layer from host tensors the engine already has (no extra syncs).
+
+    stats = Stats(moe_layers=(0, 1)); stats.layer(0).hits[16] += 3; stats.summary()
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerStats:
+    hits: Counter = field(default_factory=Counter)  # bits -> expert uses served by a resident copy
+    misses: Counter = field(default_factory=Counter)  # bits -> expert uses that needed a demand load
+    precision_mix: Counter = field(default_factory=Counter)  # bits -> (token, slot) pairs run at bits
+    bytes_h2d: int = 0
+    stall_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0  # prefetched copies that a later plan used
+    needed: int = 0  # distinct experts run on the device (the prefetch recall denominator)
+    substitutions: int = 0
+    skips: int = 0
+    cpu_experts: int = 0
+
+    def to_json(self) -> dict:
+        issued, used = self.prefetch_issued, self.prefetch_used
+        uses = sum(self.hits.values()) + sum(self.misses.values())
+        return {
+            "hits": {str(k): v for k, v in sorted(self.hits.items())},
+            "misses": {str(k): v for k, v in sorted(self.misses.items())},
+            "hit_rate": sum(self.hits.values()) / uses if uses else None,
+            "precision_mix": {str(k): v for k, v in sorted(self.precision_mix.items())},
+            "bytes_h2d": self.bytes_h2d, "stall_s": self.stall_s,
+            "prefetch_issued": issued, "prefetch_used": used,
+            "prefetch_precision": used / issued if issued else None,
+            "prefetch_recall": used / self.needed if self.needed else None,
+            "substitutions": self.substitutions, "skips": self.skips, "cpu_experts": self.cpu_experts,
+        }
+
+
+@dataclass
+class StepRecord:
+    phase: str
+    tokens: int
+    seconds: float
+
+
+class Stats:
+    def __init__(self, moe_layers: tuple[int, ...]):
+        self.layers = {layer: LayerStats() for layer in moe_layers}
+        self.steps: list[StepRecord] = []
+        self.peak_device_bytes = 0
+
+    def layer(self, index: int) -> LayerStats:
+        return self.layers[index]
+
+    def total(self, name: str) -> float:
+        return sum(getattr(s, name) for s in self.layers.values())
+
+    def summary(self) -> dict:
+        hits = sum(sum(s.hits.values()) for s in self.layers.values())
+        misses = sum(sum(s.misses.values()) for s in self.layers.values())
+        decode = [s.seconds for s in self.steps if s.phase == "decode"]
+        prefill = [s.seconds for s in self.steps if s.phase == "prefill"]
+        decode_tokens = sum(s.tokens for s in self.steps if s.phase == "decode")
+        mix: Counter = Counter()
+        for s in self.layers.values():
+            mix.update(s.precision_mix)
+        return {
+            "ttft_s": statistics.mean(prefill) if prefill else None,
+            "tpot_s": _dist(decode),
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "bytes_h2d": int(self.total("bytes_h2d")),
+            "bytes_per_token": self.total("bytes_h2d") / max(1, decode_tokens + sum(
+                s.tokens for s in self.steps if s.phase == "prefill")),
+            "stall_s": self.total("stall_s"),
+            "substitutions": int(self.total("substitutions")), "skips": int(self.total("skips")),
+            "cpu_experts": int(self.total("cpu_experts")),
+            "prefetch_issued": int(self.total("prefetch_issued")), "prefetch_used": int(self.total("prefetch_used")),
+            "precision_mix": {str(k): v for k, v in sorted(mix.items())},
+            "peak_device_bytes": self.peak_device_bytes,
+        }
+
+
+def _dist(xs: list[float]) -> dict | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return {"mean": statistics.mean(s), "p50": statistics.median(s),
+            "p99": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))], "n": len(s)}

@@ -1,0 +1,142 @@
+"""Baseline policies: resident, static, lod, lru, eap.
+
+- `resident`: every expert on the device at the reference precision (the exact upper bound).
+- `static`: every expert on the device at one uniform precision (`--set bits=8|4|2`).
+- `lod`: load on demand, no reuse across tokens (every use is a transfer).
+- `lru`: a per-layer LRU cache of experts, as in mixtral-offloading.
+- `eap`: LRU cache + activation-path prefetch: the next layer's experts predicted from
+  co-activation counts of earlier tokens (the MoE-Infinity / Lina family; Fate's EAP baseline).
+
+    policy = make_policy("lru", {}, ctx)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import CacheView, EngineContext, Fetch, Key, LayerView, Params, Policy, register
+from moetool.policies.cache import ExpertCache, even_quota
+from moetool.policies.eviction import EVICTIONS
+
+
+def _all_experts(ctx: EngineContext) -> int:
+    return len(ctx.moe_layers) * ctx.num_experts
+
+
+@register("resident")
+class Resident(Policy):
+    @dataclass(frozen=True)
+    class Params(Params):
+        bits: int = 16
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        if params.bits not in ctx.available_bits:
+            raise MoetoolError(f"policy '{self.name}' wants {params.bits}-bit experts but the bundle has "
+                               f"{list(ctx.available_bits)} bits.")
+        need = _all_experts(ctx) * ctx.expert_bytes[params.bits]
+        if need > ctx.cache_bytes:
+            raise MoetoolError(f"policy '{self.name}' keeps all {_all_experts(ctx)} experts at {params.bits} bits "
+                               f"({need / 2**20:.1f} MiB) but the budget leaves {ctx.cache_bytes / 2**20:.1f} MiB "
+                               "for experts; raise --budget.")
+
+    def pools(self) -> dict[int, int]:
+        return {self.params.bits: _all_experts(self.ctx)}
+
+    def warm(self) -> list[Fetch]:
+        return [Fetch(layer, e, self.params.bits) for layer in self.ctx.moe_layers for e in range(self.ctx.num_experts)]
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        return []  # the pool holds every expert: nothing is ever evicted
+
+
+@register("static")
+class Static(Resident):
+    """Uniform quantization, all resident: `resident` at `bits` (default 4)."""
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        bits: int = 4
+
+
+@register("lod")
+class LoadOnDemand(Policy):
+    @dataclass(frozen=True)
+    class Params(Params):
+        bits: int = 16
+
+
+@register("lru")
+class LRUCache(Policy):
+    """Per-layer expert cache; the budget's slots split evenly over layers (mixtral-offloading)."""
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        bits: int = 16
+        eviction: str = "lru"
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        if params.eviction not in EVICTIONS:
+            raise MoetoolError(f"unknown eviction '{params.eviction}' (known: {', '.join(sorted(EVICTIONS))}).")
+        slots = min(ctx.cache_bytes // ctx.expert_bytes[params.bits], _all_experts(ctx))
+        self.cache = ExpertCache(params.bits, params.eviction, quota=even_quota(ctx.moe_layers, slots))
+
+    def pools(self) -> dict[int, int]:
+        return {self.params.bits: sum(self.cache.quota.values())}
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        return self.cache.make_room(want, cache, shield)
+
+    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
+        for e, _, hit in experts:
+            if hit:
+                self.cache.touch(layer, e)
+
+
+@register("eap")
+class ActivationPathPrefetch(LRUCache):
+    """LRU cache + prefetch of the next layer's experts predicted from co-activation statistics.
+
+    counts[l][i, j] counts tokens that used expert i in MoE layer l and expert j in layer l+1. For
+    the current tokens, the score of j is the sum of counts[l][i, j] over their experts i; the
+    top `k` (the model's top-k, or `--set k=`) are prefetched. Counts are updated from the actual
+    routing of each step, so the predictor learns online from previous tokens.
+    """
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        bits: int = 16
+        eviction: str = "lru"
+        k: int = 0  # experts to prefetch per layer; 0 = the model's top-k
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        E, n = ctx.num_experts, len(ctx.moe_layers)
+        self.counts = torch.zeros(n, E, E)  # [L, E, E]
+        self.prev: torch.Tensor | None = None  # [T, k] routing of the previous MoE layer this step
+        self.pos = {layer: i for i, layer in enumerate(ctx.moe_layers)}
+
+    def begin_step(self, step) -> None:
+        self.prev = None
+
+    def prefetch(self, view: LayerView) -> list[Fetch]:
+        i = self.pos[view.layer]
+        E = self.ctx.num_experts
+        now = torch.zeros(view.top_k_index.shape[0], E)  # [T, E] one-hot of this layer's experts
+        now.scatter_(1, view.top_k_index.clamp(0, E - 1), 1.0)
+        if self.prev is not None and i > 0:
+            self.counts[i - 1] += self.prev.t() @ now  # co-activation of layer i-1 -> layer i
+        self.prev = now
+        if i + 1 >= len(self.ctx.moe_layers):
+            return []
+        score = (now @ self.counts[i]).sum(0)  # [E]
+        if score.sum() == 0:
+            return []
+        k = self.params.k or self.ctx.top_k
+        nxt = self.ctx.moe_layers[i + 1]
+        return [Fetch(nxt, int(e), self.params.bits) for e in torch.topk(score, min(k, E)).indices
+                if score[e] > 0]
