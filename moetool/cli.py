@@ -179,6 +179,10 @@ def run(
               f"{b['cache_bytes'] / 2**20:.1f} MiB", highlight=False)
 
 
+# Commands in their own modules register themselves on `app` when imported.
+from moetool.commands import *  # noqa: E402,F401,F403
+
+
 def main() -> None:
     app()
 

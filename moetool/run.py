@@ -131,11 +131,20 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     return enc.input_ids, enc.attention_mask
 
 
-def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Run:
+@dataclass
+class Prepared:
+    """An engine-backed model ready to run: what run, eval and profile share."""
+
+    lm: LoadedModel
+    engine: Any
+    plan: BudgetPlan
+    inputs: dict[str, str]  # sha256 of the bundle manifest / fit artifact used
+
+
+def prepare(cfg: RunConfig, max_tokens: int = 2048) -> Prepared:
+    """Load the model, open the store, build the policy and the engine from `cfg`."""
     if cfg.dtype not in DTYPES:
         raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{cfg.dtype}'.")
-    if cfg.max_new_tokens < 1 or cfg.batch_size < 1:
-        raise MoetoolError("--max-new-tokens and --batch-size must be at least 1.")
     dtype = DTYPES[cfg.dtype]
     lm = load_model(cfg.model, device=cfg.device, dtype=dtype)
     store, inputs = open_store(lm, cfg.bundle, dtype)
@@ -144,10 +153,17 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
         fit = Fit.load(Path(cfg.fit), model=lm.fingerprint)
         fitted = fit.params.get(cfg.policy, {})
         inputs[str(cfg.fit)] = sha256_file(Path(cfg.fit))
-    longest = max(len(_encode(lm, [p])[0][0]) for p in cfg.prompts) + cfg.max_new_tokens
     engine, plan = build_engine(lm, store, cfg.policy, settings=cfg.settings, fitted=fitted, budget=cfg.budget,
-                                clock=cfg.clock, hw=cfg.hw, device=cfg.device, max_tokens=longest,
+                                clock=cfg.clock, hw=cfg.hw, device=cfg.device, max_tokens=max_tokens,
                                 batch=cfg.batch_size)
+    return Prepared(lm=lm, engine=engine, plan=plan, inputs=inputs)
+
+
+def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Run:
+    if cfg.max_new_tokens < 1 or cfg.batch_size < 1:
+        raise MoetoolError("--max-new-tokens and --batch-size must be at least 1.")
+    ready = prepare(cfg, max_tokens=4096)
+    lm, engine, plan, inputs = ready.lm, ready.engine, ready.plan, ready.inputs
     tokens: list[list[int]] = []
     texts: list[str] = []
     prompts = list(cfg.prompts)
@@ -175,4 +191,4 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                prompts=prompts, tokens=tokens, texts=texts)
 
 
-__all__ = ["Fit", "Run", "RunConfig", "BudgetPlan", "run", "read_prompts"]
+__all__ = ["Fit", "Prepared", "Run", "RunConfig", "BudgetPlan", "prepare", "run", "read_prompts"]

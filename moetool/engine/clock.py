@@ -36,6 +36,11 @@ class HwProfile:
     cpu_mem_gbps: float  # host memory bandwidth, GB/s
     kernel_s: float = 5e-6  # fixed cost per launched expert kernel group
     copy_latency_s: float = 1e-5  # fixed cost per host-to-device copy
+    # Measured on a machine by `moetool profile --what timing`; each one, when present, replaces
+    # the throughput-derived estimate (so a profile calibrates the sim clock for one model).
+    t_dense_s: float | None = None  # attention + router + shared experts of one MoE layer, one token
+    t_expert_s: dict[str, float] | None = None  # bits -> one expert on one token, on the device
+    c_cpu_s: float | None = None  # one reference-precision expert on one token, on the host CPU
 
 
 def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
@@ -68,11 +73,16 @@ class CostModel:
 
     def t_dense(self, tokens: int) -> float:
         """Attention + router + shared experts of one layer (and its share of embeddings / lm_head)."""
+        if self.hw.t_dense_s is not None:
+            # Measured at one token (the weight-read floor); more tokens cost compute beyond it.
+            return max(self.hw.t_dense_s, self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12))
         return max(self.dense_bytes_per_layer / (self.hw.gpu_mem_gbps * 1e9),
                    self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
 
     def t_expert(self, bits: int, tokens: int) -> float:
         """One expert on the GPU: read its weights (dequantizing if quantized) and multiply."""
+        if self.hw.t_expert_s and str(bits) in self.hw.t_expert_s:
+            return max(self.hw.t_expert_s[str(bits)], self.expert_flops_per_token * tokens / (self.hw.gpu_tflops * 1e12))
         read = self.expert_bytes[bits] + (self.reference_bytes if bits != 16 else 0)
         return max(read / (self.hw.gpu_mem_gbps * 1e9),
                    self.expert_flops_per_token * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
@@ -82,6 +92,8 @@ class CostModel:
 
     def c_cpu(self, tokens: int) -> float:
         """One expert on the host CPU at the reference precision (SMoE's C_CPU)."""
+        if self.hw.c_cpu_s is not None:
+            return self.hw.c_cpu_s * tokens
         return max(self.reference_bytes / (self.hw.cpu_mem_gbps * 1e9),
                    self.expert_flops_per_token * tokens / (self.hw.cpu_tflops * 1e12))
 

@@ -1,0 +1,1 @@
+"""One module per CLI command added after the core ones; each registers itself on `moetool.cli.app`."""
