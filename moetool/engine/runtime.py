@@ -49,6 +49,7 @@ class Engine:
         self.step: Step | None = None
         self._step_count = 0
         self._logits: dict[int, torch.Tensor] = {}
+        self._importance: dict[int, torch.Tensor] = {}  # layer -> [T] heavy-hitter scores, prefill only
         self._predicting = False
         self._loading: set[tuple[int, int, int]] = set()  # keys whose copies may still be in flight
         self._hooks: list[Any] = []
@@ -79,6 +80,12 @@ class Engine:
             block.experts = EngineExperts(block.experts.impl, g, self)
             router = block.get_submodule(g.router)
             self._hooks.append(router.register_forward_hook(self._router_hook(g.index)))
+        if self.policy.needs_token_importance:
+            # DyMoE eq. 1 needs attention probabilities, which only the eager kernel returns.
+            model.set_attn_implementation("eager")
+            for g in self.layers:
+                attn = model.get_submodule(g.path.rsplit(".", 1)[0]).get_submodule("self_attn")
+                self._hooks.append(attn.register_forward_hook(self._attention_hook(g.index)))
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward))
 
@@ -86,6 +93,15 @@ class Engine:
         def hook(module, args, output):
             if not self._predicting:
                 self._logits[layer] = output[0] if isinstance(output, tuple) else output  # [T, E]
+        return hook
+
+    def _attention_hook(self, layer: int):
+        def hook(module, args, output):
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Tq, Tk]
+            if weights is not None and self.step is not None and self.step.phase == Phase.PREFILL:
+                # DyMoE eq. 1: s_i = mean over heads of the attention token i receives. We read "the
+                # attention score of t_i" as H2O's accumulated score: summed over the query positions.
+                self._importance[layer] = weights.float().mean(1).sum(1).reshape(-1).cpu()  # [B*Tk]
         return hook
 
     def _before_forward(self, module, args, kwargs):
@@ -128,7 +144,8 @@ class Engine:
             num_experts=g.num_experts, step=self.step, top_k_index=idx,
             top_k_weights=top_k_weights.to("cpu", torch.float32),
             router_logits=logits.to("cpu", torch.float32) if logits is not None else torch.empty(0),
-            cache=self.cache, predict=lambda later: self._predict(later, hidden))
+            cache=self.cache, predict=lambda later: self._predict(later, hidden),
+            token_importance=self._importance.pop(g.index, None))
         plan = self.policy.plan(view)
         groups = self._groups(plan, st, idx)
         shield = {(g.index, e) for (e, b, w) in groups if w == Where.GPU}
@@ -182,25 +199,27 @@ class Engine:
         return out
 
     def _groups(self, plan: LayerPlan, st, idx: torch.Tensor) -> dict[tuple[int, int, int], tuple]:
-        """(expert, bits, where) -> (token indices, slot indices), from the host plan tensors."""
-        k = plan.expert.shape[1]
-        e, b, w = plan.expert.reshape(-1), plan.bits.reshape(-1), plan.where.reshape(-1)  # [T*k]
-        run = (e >= 0) & (w != Where.SKIP)
-        st.skips += int((~run).sum())
-        st.substitutions += int(((plan.expert != idx) & (plan.expert >= 0)).sum())
-        for bits, n in zip(*torch.unique(b[run & (w == Where.GPU)], return_counts=True)):
-            st.precision_mix[int(bits)] += int(n)
-        keys = torch.stack([e[run], b[run], w[run]])  # [3, n]
-        pos = run.nonzero().squeeze(1)  # [n] flat (token, slot) positions
-        if keys.shape[1] == 0:
-            return {}
-        uniq, inverse = torch.unique(keys, dim=1, return_inverse=True)
-        order = torch.argsort(inverse, stable=True)
-        counts = torch.bincount(inverse, minlength=uniq.shape[1]).tolist()
-        groups = {}
-        for key, chunk in zip(uniq.t().tolist(), torch.split(pos[order], counts)):
-            groups[tuple(key)] = (chunk // k, chunk % k)
-        return groups
+        """(expert, bits, where) -> (token indices, slot indices), from the host plan tensors.
+
+        Plain Python over `tolist()`: for decode-sized plans (a few tokens x k) this is several
+        times cheaper than a chain of small torch ops, and it stays linear for prefill.
+        """
+        skip = int(Where.SKIP)
+        lists: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
+        for t, (er, br, wr, ir) in enumerate(zip(plan.expert.tolist(), plan.bits.tolist(), plan.where.tolist(),
+                                                 idx.tolist())):
+            for s, (e, b, w, i) in enumerate(zip(er, br, wr, ir)):
+                if e < 0 or w == skip:
+                    st.skips += 1
+                    continue
+                if e != i:
+                    st.substitutions += 1
+                if w == Where.GPU:
+                    st.precision_mix[b] += 1
+                tok, slot = lists.setdefault((e, b, w), ([], []))
+                tok.append(t)
+                slot.append(s)
+        return {key: (torch.tensor(tok), torch.tensor(slot)) for key, (tok, slot) in lists.items()}
 
     def _accumulate(self, module: EngineExperts, out, hidden, w, tok, slot, weight) -> None:
         tok_d, slot_d = tok.to(hidden.device, non_blocking=True), slot.to(hidden.device, non_blocking=True)
