@@ -180,7 +180,7 @@ def run(
 
 
 # Commands in their own modules register themselves on `app` when imported.
-from moetool.commands import *  # noqa: E402,F401,F403
+import moetool.commands  # noqa: E402,F401  (each command module registers itself)
 
 
 def main() -> None:

@@ -36,6 +36,8 @@ class ExpertCache:
     def make_room(self, want: Fetch, cache: CacheView, shield: set[Key]) -> list[Fetch] | None:
         """Victims so that `want` fits, [] if it fits already, None if it should not be cached."""
         key = (want.layer, want.expert)
+        if self.quota is None or self.quota.get(want.layer, 0) > 0:
+            self.order(want.layer).request(key)
         if self.quota is not None:
             limit = self.quota.get(want.layer, 0)
             if limit <= 0:

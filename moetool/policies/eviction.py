@@ -20,6 +20,9 @@ from moetool.policies.base import Key
 class Eviction:
     """Interface: keep track of keys and pick a victim among candidates (never empty)."""
 
+    def request(self, key: Key) -> None:
+        """`key` missed and is about to be admitted (ARC adapts its target before choosing a victim)."""
+
     def touch(self, key: Key) -> None:
         """`key` was used while resident (a hit)."""
 
@@ -99,11 +102,11 @@ class LFU(Eviction):
 
 @register_eviction("arc")
 class ARC(Eviction):
-    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003, Fig. 4), Fate's per-layer eviction.
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), Fate's per-layer eviction.
 
     T1 holds resident keys referenced once recently, T2 those referenced at least twice; B1/B2 are
     ghosts (keys only) of what was evicted from T1/T2; `p` is the adaptive target size of T1. Cases
-    I-IV below are the paper's. ARC must see the incoming key before it picks a victim (case II/III
+    I-IV below are the paper's. ARC must see the incoming key before it picks a victim (cases II/III
     move `p`, and REPLACE breaks the tie |T1| = p by whether the key is in B2): a cache calls
     `request(key)` on a miss, then `victim`, `remove(victim)`, `insert(key)`. An `insert` that was not
     announced runs `request` itself, so a plain `ExpertCache` still gets ARC, with this one request's
@@ -199,7 +202,8 @@ class ARC(Eviction):
         self._seen = max(self._seen, len(self.t1) + len(self.t2))
 
     def _trim(self) -> None:
-        """Keep |T1|+|B1| <= c and the directory <= 2c when keys leave behind ARC's back (never in Fig. 4's flow)."""
+        """Keep |T1|+|B1| <= c and the directory <= 2c when keys leave behind ARC's back (a no-op in the
+        paper's own flow)."""
         c = self.capacity()
         if not c:
             return

@@ -1,0 +1,285 @@
+"""DyMoE (Huang et al., 2026): importance-driven mixed precision with a depth schedule and look-ahead prefetch.
+
+- importance: prefill, the heavy-hitter token load of each expert (eq. 1-2); decode, the gate score
+  (eq. 3);
+- depth-aware scheduling: retention r(l) on a cosine schedule (eq. 4), t_l = ceil(r(l) * M) critical
+  experts per layer (eq. 5), critical at `high_bits`, the rest at `low_bits` (0 = skipped);
+- look-ahead prefetch: the next layer's router on this layer's hidden state (eq. 6), token-frequency
+  top-t in prefill (eq. 7), direct top-t in decode (eq. 8);
+- a mixed-precision cache with three rules: no duplication, precision promotion, conservative reuse.
+
+    policy = make_policy("dymoe", {"config": "4/0", "r": "0.9"}, ctx)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase,
+                                   Policy, Where, register)
+from moetool.policies.cache import even_quota
+from moetool.policies.fate import (CrossLayerPrefetch, ReferenceCache, check_bits, check_eviction, popularity,
+                                   predicted_scores, valid_slots)
+
+EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
+
+
+# -- depth-aware precision scheduling (§4.3) -------------------------------------------------------
+
+
+def retention(l: int, L: int, lam: float) -> float:
+    """DyMoE eq. 4: r(l) = (1 - lam) * (cos(pi * l / (L - 1)) + 1) / 2 + lam, l = 0 .. L-1 MoE layers."""
+    x = l / (L - 1) if L > 1 else 0.0
+    return (1.0 - lam) * (math.cos(math.pi * x) + 1.0) / 2.0 + lam
+
+
+def critical_count(r_l: float, M: int) -> int:
+    """DyMoE eq. 5: t_l = ceil(r(l) * M)."""
+    return min(M, math.ceil(r_l * M - EPS))
+
+
+def solve_lambda(r: float, L: int) -> float:
+    """lam whose schedule averages retention `r` over L layers: mean r(l) = (1 - lam) * C + lam.
+
+    C is the mean of (cos + 1) / 2 over the layers, 1/2 for any L >= 2 (the cosine is symmetric), so
+    lam = 2r - 1 there: r = 0.75 -> lam = 0.5, r = 0.9 -> lam = 0.8. Targets below C are unreachable
+    with lam in [0, 1].
+    """
+    C = sum(retention(l, L, 0.0) for l in range(L)) / L
+    if C >= 1.0 - EPS:
+        return 1.0  # one MoE layer: r(0) = 1 whatever lam is
+    lam = (r - C) / (1.0 - C)
+    if not -EPS <= lam <= 1.0 + EPS:
+        raise MoetoolError(f"DyMoE cannot average a retention of {r} over {L} layers: the cosine schedule "
+                           f"(eq. 4) needs {C:.2f} <= r <= 1.")
+    return min(1.0, max(0.0, lam))
+
+
+# -- phase-adaptive importance (§4.2) --------------------------------------------------------------
+
+
+def prefill_importance(idx: torch.Tensor, s: torch.Tensor | None, num_experts: int,
+                       hh_ratio: float) -> torch.Tensor:
+    """DyMoE eq. 2: heavy-hitter tokens routed to each expert [E]; T_imp = the top ceil(hh_ratio * T) tokens by s_i.
+
+    s_i is eq. 1 (the engine averages the attention each token receives over heads). Without it
+    every token counts, which is the plain token load.
+    """
+    T = idx.shape[0]
+    if s is None or s.numel() != T:
+        return popularity(idx, num_experts).float()
+    n = max(1, math.ceil(hh_ratio * T - EPS))
+    heavy = torch.zeros(T, dtype=torch.bool)
+    heavy[torch.topk(s.float(), min(n, T)).indices] = True  # T_imp
+    return popularity(idx[heavy], num_experts).float()  # [E]
+
+
+def decode_importance(idx: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """DyMoE eq. 3: I(E_j) = g_j, the routing weight [E]; summed over tokens when a step decodes several."""
+    valid = valid_slots(idx, num_experts)
+    out = torch.zeros(num_experts)
+    out.index_add_(0, idx[valid], weights[valid].float())
+    return out  # [E]
+
+
+def critical_experts(view: LayerView, r_l: float, hh_ratio: float) -> set[int]:
+    """The t_l most important of the M experts selected in this layer (eq. 5).
+
+    M is the number of distinct experts the router selected in this layer for this forward: k for
+    one decode token (Fig. 9 ranks the token's top-k by gate score), the prompt's union in prefill
+    (Fig. 8 ranks the activated experts by heavy-hitter load). So r = 1 keeps every selected expert
+    critical, which is how Table 2's r = 1.0 column equals uniform Int4. Ties (often in prefill,
+    where many experts get no heavy hitter) go to the larger token load, then to the larger weight.
+    """
+    E, idx = view.num_experts, view.top_k_index
+    load = popularity(idx, E).float()  # [E]
+    weight = decode_importance(idx, view.top_k_weights, E)  # [E]
+    if view.step.phase == Phase.PREFILL:
+        primary = prefill_importance(idx, view.token_importance, E, hh_ratio)
+    else:
+        primary = weight
+    selected = (load > 0).nonzero().squeeze(1).tolist()
+    t = critical_count(r_l, len(selected))
+    ranked = sorted(selected, key=lambda e: (-float(primary[e]), -float(load[e]), -float(weight[e]), e))
+    return set(ranked[:t])
+
+
+# -- look-ahead prefetch (§4.4.1) ------------------------------------------------------------------
+
+
+class LookAhead:
+    """DyMoE eq. 6-8: the next layer's gate on this hidden state; prefetch its t critical experts at `bits`.
+
+    t is that layer's eq. 5 count with M predicted the same way (k in decode; the experts of the
+    predicted top-k union in prefill): the paper prefetches "critical experts", leaving t unnamed.
+    """
+
+    def __init__(self, ctx: EngineContext, bits: int, schedule: list[float]):
+        self.ctx, self.bits, self.schedule = ctx, bits, schedule
+
+    def __call__(self, view: LayerView) -> list[Fetch]:
+        pred = predicted_scores(view, self.ctx)  # eq. 6: g_hat = Softmax(h^(l) W_g^(l+1))
+        if pred is None:
+            return []
+        nxt, g_hat = pred  # [T, E]
+        r_next = self.schedule[view.moe_pos + 1]
+        k = min(self.ctx.top_k, g_hat.shape[1])
+        if view.step.phase == Phase.PREFILL:
+            c = popularity(torch.topk(g_hat, k, dim=-1).indices, g_hat.shape[1]).float()  # eq. 7: c_e
+            M = int((c > 0).sum())
+            key = c + g_hat.mean(0) * 1e-3  # ties: the larger mean predicted score (it is < 1)
+        else:
+            key = g_hat.sum(0)  # eq. 8: TopK_t(g_hat) (one token; summed when a step decodes several)
+            M = len(set(torch.topk(g_hat, k, dim=-1).indices.flatten().tolist()))
+        t = critical_count(r_next, M)
+        top = torch.topk(key, t).indices.tolist() if t > 0 else []
+        return [Fetch(nxt, e, self.bits) for e in top if self.bits not in view.cache.resident_bits(nxt, e)]
+
+
+# -- mixed-precision cache (§4.4.2) ----------------------------------------------------------------
+
+
+class MixedPrecisionCache:
+    """A per-layer LRU (or any eviction) over two precisions, governed by DyMoE's three rules.
+
+    - no duplication: an expert is held at one precision only;
+    - precision promotion: a high request on a low copy is a miss; the high copy is loaded and the
+      low one evicted (`make_room` returns it among the victims);
+    - conservative reuse: a low request on a high copy runs the high copy (`bits_for`), no I/O.
+    """
+
+    def __init__(self, high: int, low: int, eviction: str, high_quota: dict[int, int],
+                 low_quota: dict[int, int] | None):
+        self.high, self.low = high, low
+        self.caches = {high: ReferenceCache(high, eviction, high_quota)}
+        if low > 0 and low_quota is not None:
+            self.caches[low] = ReferenceCache(low, eviction, low_quota)
+
+    def bits_for(self, cache: CacheView, layer: int, expert: int, critical: bool) -> int:
+        """The precision to run: high if critical (rule 2: a low copy does not serve it), else the
+        resident high copy if any (rule 3), else low."""
+        if critical or self.high in cache.resident_bits(layer, expert):
+            return self.high
+        return self.low
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        layer, expert = want.layer, want.expert
+        held = set(cache.resident_bits(layer, expert)) | set(cache.loading_bits(layer, expert))
+        if want.bits not in self.caches or (want.bits == self.low and self.high in held):
+            return None  # rule 1: never a low copy next to a high one
+        victims = self.caches[want.bits].make_room(want, cache, shield, demand)
+        if victims is not None and want.bits == self.high and self.low in held:
+            self.caches[self.low].forget(layer, expert)  # rule 2: the promoted expert's low copy goes
+            victims = [Fetch(layer, expert, self.low), *victims]
+        return victims
+
+    def used(self, layer: int, expert: int, bits: int, hit: bool) -> None:
+        if bits in self.caches:
+            self.caches[bits].used(layer, expert, hit)
+
+    def observe(self, view: LayerView) -> None:
+        for c in self.caches.values():
+            c.observe(view)
+
+
+@register("dymoe")
+class DyMoE(Policy):
+    """Critical experts (eq. 2/3, 4, 5) at `high_bits`, the others at `low_bits` or skipped; look-ahead
+    prefetch (eq. 6-8); a mixed-precision per-layer cache (§4.4.2)."""
+
+    needs_token_importance = True
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        r: float = 0.75  # target average retention (§6.2 default); solved into lam (eq. 4)
+        lam: float = -1.0  # eq. 4's lambda in [0, 1]; < 0 = solve it from r
+        high_bits: int = 4  # critical experts (Tables 2-3: Int4)
+        low_bits: int = 2  # sub-critical experts; 0 = skip them ("0-bit")
+        config: str = ""  # Table 2's "High / Low": "4/2" or "4/0" (overrides high_bits / low_bits)
+        hh_ratio: float = 0.2  # share of prompt tokens that are heavy hitters (T_imp of eq. 2)
+        eviction: str = "lru"  # §4.4.2 extends LRU; any name in EVICTIONS
+        prefetcher: str = "dymoe"  # "dymoe" (eq. 6-8), "fate", or "none" (Table 3 rows 2 and 4)
+
+        def __post_init__(self) -> None:
+            if self.lam > 1.0 or not 0.0 < self.r <= 1.0 or not 0.0 < self.hh_ratio <= 1.0:
+                raise ValueError("lam must be <= 1 (negative: solve from r), r and hh_ratio in (0, 1]")
+            if self.config and (len(self.config.split("/")) != 2 or not all(x.strip().isdigit()
+                                                                            for x in self.config.split("/"))):
+                raise ValueError(f"config takes 'HIGH/LOW' bits such as '4/2' or '4/0', not '{self.config}'")
+            if self.prefetcher not in ("dymoe", "fate", "none"):
+                raise ValueError(f"prefetcher must be 'dymoe', 'fate' or 'none', not '{self.prefetcher}'")
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        self.high, self.low = params.high_bits, params.low_bits
+        if params.config:
+            self.high, self.low = (int(x) for x in params.config.split("/"))
+        if not self.high > self.low >= 0:
+            raise MoetoolError(f"policy 'dymoe': high bits must exceed low bits, not {self.high}/{self.low}.")
+        check_eviction(self.name, params.eviction)
+        check_bits(self.name, ctx, self.high, *((self.low,) if self.low else ()))
+        L = len(ctx.moe_layers)
+        self.lam = params.lam if params.lam >= 0 else solve_lambda(params.r, L)
+        self.schedule = [retention(l, L, self.lam) for l in range(L)]  # eq. 4 per MoE position
+        self.slots = self._split(sum(self.schedule) / L)
+        hi_q = even_quota(ctx.moe_layers, self.slots[self.high])
+        lo_q = even_quota(ctx.moe_layers, self.slots[self.low]) if self.low else None
+        self.cache = MixedPrecisionCache(self.high, self.low, params.eviction, hi_q, lo_q)
+        self.prefetcher = {
+            "dymoe": lambda: LookAhead(ctx, self.high, self.schedule),
+            "fate": lambda: CrossLayerPrefetch(ctx, self.high, self.high, 0.0, 0, 0.75),
+            "none": lambda: None,
+        }[params.prefetcher]()
+
+    def _split(self, r_mean: float) -> dict[int, int]:
+        """Slots per precision. The paper's single mixed LRU has no fixed split; our pools are fixed, so
+        bytes are shared in proportion to expected demand: r_mean of requests high, the rest low."""
+        hb = self.ctx.expert_bytes[self.high]
+        most = len(self.ctx.moe_layers) * self.ctx.num_experts
+        if not self.low:
+            return {self.high: min(most, self.ctx.cache_bytes // hb)}
+        lb = self.ctx.expert_bytes[self.low]
+        share = r_mean * hb / (r_mean * hb + (1.0 - r_mean) * lb)
+        hi = min(most, int(share * self.ctx.cache_bytes) // hb)
+        lo = min(most, (self.ctx.cache_bytes - hi * hb) // lb)
+        return {self.high: hi, self.low: lo}
+
+    def pools(self) -> dict[int, int]:
+        return {b: n for b, n in self.slots.items() if n > 0}
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        return self.cache.make_room(want, cache, shield, demand)
+
+    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
+        for e, bits, hit in experts:
+            self.cache.used(layer, e, bits, hit)
+
+    def plan(self, view: LayerView) -> LayerPlan:
+        """Critical experts at high bits; sub-critical at low bits (a resident high copy if any), or
+        skipped in 4/0 (their routing weight dropped, the others' weights kept as the model gave them)."""
+        self.cache.observe(view)
+        critical = critical_experts(view, self.schedule[view.moe_pos], self.params.hh_ratio)
+        plan = LayerPlan.identity(view, self.high)
+        valid = valid_slots(view.top_k_index, view.num_experts)  # [T, k]
+        plan.where[~valid] = Where.SKIP
+        plan.expert[~valid] = -1
+        for e in plan.expert[valid].unique().tolist():
+            mask = plan.expert == e  # [T, k]
+            if e not in critical and self.low == 0:
+                plan.where[mask] = Where.SKIP  # "4/0": a 0-bit expert is not run at all
+                plan.weight[mask] = 0.0
+            else:
+                plan.bits[mask] = self.cache.bits_for(view.cache, view.layer, e, e in critical)
+        return plan
+
+    def prefetch(self, view: LayerView) -> list[Fetch]:
+        return self.prefetcher(view) if self.prefetcher is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "lam_used": self.lam, "high": self.high, "low": self.low,
+                "retention": [round(x, 4) for x in self.schedule], "slots": self.slots}

@@ -1,0 +1,230 @@
+"""DynaExq (Chu et al., 2026): online, hotness-driven precision allocation under a fixed budget.
+
+Every expert is resident at `b_lo` (a pool sized to all of them); each MoE layer also holds up to
+`n_hi` experts at `b_hi`, chosen from a hotness EMA of router counts (§3.5) by a top-n rule with
+hysteresis. Promotions are background migrations (`end_step`), admitted by the budget
+(`make_room`), published by the engine only when their copy has completed; the forward always
+runs the version that is resident now (§3.2's invariant), so it never waits for a promotion.
+
+    policy = make_policy("dynaexq", {"config": "4/2"}, ctx)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy,
+                                   Step, Where, register)
+from moetool.policies.fate import check_bits, popularity, valid_slots
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+class HandleState(str, Enum):
+    """§3.2 residency states of an expert entry, as this policy tracks them.
+
+    The low version never leaves, so a demotion has nothing to transfer: DEMOTING marks a high copy
+    that has left the target set and still serves until a promotion reclaims its slot; EVICTING is
+    that copy once `make_room` has named it a victim (the handle already resolves to the low copy).
+    """
+
+    RESIDENT_HI = "RESIDENT-HI"
+    RESIDENT_LO = "RESIDENT-LO"
+    PROMOTING = "PROMOTING"
+    DEMOTING = "DEMOTING"
+    EVICTING = "EVICTING"
+
+
+class Hotness:
+    """§3.5 hotness: counters c_{l,e} over an update interval, then S <- ema * S + (1 - ema) * c.
+
+    The paper's interval T_u is wall time; here it is `interval_tokens` tokens, so runs repeat
+    exactly (an update happens at the first step boundary after that many tokens).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, ema: float, interval_tokens: int):
+        self.count = torch.zeros(num_layers, num_experts)  # [L, E] c, this interval
+        self.score = torch.zeros(num_layers, num_experts)  # [L, E] S
+        self.ema, self.interval = ema, interval_tokens
+        self.tokens = 0
+        self.updates = 0
+
+    def observe(self, pos: int, idx: torch.Tensor) -> None:
+        self.count[pos] += popularity(idx, self.count.shape[1]).float()
+
+    def tick(self, tokens: int) -> bool:
+        """Count a step's tokens; at the end of an interval update S, reset c, and say so."""
+        self.tokens += tokens
+        if self.tokens < self.interval:
+            return False
+        self.score.mul_(self.ema).add_((1.0 - self.ema) * self.count)  # S <- a S + (1 - a) c
+        self.count.zero_()
+        self.tokens = 0
+        self.updates += 1
+        return True
+
+
+def select_high(score: torch.Tensor, current: set[int], n: int, margin: float) -> set[int]:
+    """§3.5 H_l = TopN(S_l, n_hi) with hysteresis against the current set.
+
+    Free capacity is filled with the hottest experts that saw any traffic. Then an outside expert
+    replaces an inside one only if it is hotter by more than `margin` (additive, in routed tokens
+    per interval): hottest outside against coldest inside, and so on while that holds, which is
+    both of the paper's conditions at once (promote only above the coldest inside + margin, evict
+    only below the hottest outside - margin).
+    """
+    s = score.tolist()
+    H = set(current)
+    for e in sorted(H, key=lambda e: (s[e], -e))[: max(0, len(H) - n)]:
+        H.discard(e)  # the capacity shrank: drop the coldest
+    outside = sorted((e for e in range(len(s)) if e not in H), key=lambda e: (-s[e], e))
+    for e in outside:
+        if len(H) >= n or s[e] <= 0:
+            break
+        H.add(e)
+    outside = [e for e in outside if e not in H]
+    inside = sorted(H, key=lambda e: (s[e], -e))
+    for o, i in zip(outside, inside):
+        if s[o] <= s[i] + margin:
+            break
+        H.discard(i)
+        H.add(o)
+    return H
+
+
+@register("dynaexq")
+class DynaExq(Policy):
+    """Two tiers: all experts at b_lo, the n_hi hottest per layer also at b_hi (Tables 1-4)."""
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        b_hi: int = 16  # hot experts (FP16 for Qwen3-30B / Phi-3.5-MoE, §5.1)
+        b_lo: int = 4  # cold experts (INT4; "4/2" for Qwen3-80B)
+        config: str = ""  # "HI/LO" shorthand, e.g. "16/4" or "4/2" (overrides b_hi / b_lo)
+        n_hi: int = -1  # high-precision experts per layer; < 0 = the most the budget holds
+        ema: float = 0.9  # the EMA's alpha in S <- alpha S + (1 - alpha) c (§3.5; the paper gives no value)
+        interval_tokens: int = 32  # T_u, in tokens
+        hysteresis: float = 1.0  # additive margin on S (§3.5)
+
+        def __post_init__(self) -> None:
+            if not 0.0 <= self.ema < 1.0 or self.interval_tokens < 1 or self.hysteresis < 0:
+                raise ValueError("ema must be in [0, 1), interval_tokens >= 1 and hysteresis >= 0")
+            if self.config and (len(self.config.split("/")) != 2 or not all(x.strip().isdigit()
+                                                                            for x in self.config.split("/"))):
+                raise ValueError(f"config takes 'HI/LO' bits such as '16/4' or '4/2', not '{self.config}'")
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        self.hi, self.lo = params.b_hi, params.b_lo
+        if params.config:
+            self.hi, self.lo = (int(x) for x in params.config.split("/"))
+        if not self.hi > self.lo > 0:
+            raise MoetoolError(f"policy 'dynaexq': b_hi must exceed b_lo > 0, not {self.hi}/{self.lo}.")
+        check_bits(self.name, ctx, self.hi, self.lo)
+        L, E = len(ctx.moe_layers), ctx.num_experts
+        lo_bytes = L * E * ctx.expert_bytes[self.lo]
+        if lo_bytes > ctx.cache_bytes:
+            raise MoetoolError(f"policy 'dynaexq' keeps every expert at {self.lo} bits ({_size(lo_bytes)}) but the "
+                               f"budget leaves {_size(ctx.cache_bytes)} for experts; raise --budget.")
+        most = min(E, (ctx.cache_bytes - lo_bytes) // ctx.expert_bytes[self.hi] // L)  # budget initialization (§3.1)
+        if params.n_hi > most:
+            raise MoetoolError(f"policy 'dynaexq': n_hi={params.n_hi} does not fit the budget (at most {most}).")
+        self.n_hi = most if params.n_hi < 0 else params.n_hi
+        self.pos = {layer: i for i, layer in enumerate(ctx.moe_layers)}
+        self.hotness = Hotness(L, E, params.ema, params.interval_tokens)
+        self.target: dict[int, set[int]] = {layer: set() for layer in ctx.moe_layers}  # H_l
+        self.evicting: set[Key] = set()
+        self.cache: CacheView | None = None  # the engine's live view, seen at the first plan
+
+    def pools(self) -> dict[int, int]:
+        L, E = len(self.ctx.moe_layers), self.ctx.num_experts
+        return {self.lo: L * E, **({self.hi: L * self.n_hi} if self.n_hi else {})}
+
+    def warm(self) -> list[Fetch]:
+        return [Fetch(layer, e, self.lo) for layer in self.ctx.moe_layers for e in range(self.ctx.num_experts)]
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        """Admission control (§3.3 try_reserve): the low pool has a slot for every expert; a promotion
+        gets a free high slot of its layer, or reclaims a DEMOTING one (coldest first), or is deferred
+        (None; `end_step` offers it again)."""
+        self.cache = cache
+        if want.bits == self.lo:
+            return [] if cache.free(self.lo) > 0 else None
+        if want.bits != self.hi or want.expert not in self.target.get(want.layer, ()):
+            return None
+        holders = [k for k in cache.residents(self.hi) if k[0] == want.layer]
+        if len(holders) < self.n_hi and cache.free(self.hi) > 0:
+            return []
+        pos = self.pos[want.layer]
+        demoted = [k for k in holders if k[1] not in self.target[want.layer] and k not in shield
+                   and self.hi in cache.resident_bits(*k)]
+        if not demoted:
+            return None
+        victim = min(demoted, key=lambda k: (float(self.hotness.score[pos, k[1]]), k[1]))
+        self.evicting.add(victim)
+        return [Fetch(victim[0], victim[1], self.hi)]
+
+    def plan(self, view: LayerView) -> LayerPlan:
+        """Run every routed expert at the best precision resident now; a promotion in flight is not
+        waited for (the low copy runs until the engine publishes the high one)."""
+        self.cache = view.cache
+        self.hotness.observe(view.moe_pos, view.top_k_index)
+        plan = LayerPlan.identity(view, self.lo)
+        valid = valid_slots(view.top_k_index, view.num_experts)  # [T, k]
+        plan.where[~valid] = Where.SKIP
+        plan.expert[~valid] = -1
+        for e in plan.expert[valid].unique().tolist():
+            if self.hi in view.cache.resident_bits(view.layer, e):
+                plan.bits[plan.expert == e] = self.hi
+        return plan
+
+    def end_step(self, step: Step) -> list[Fetch]:
+        """At an interval's end, new targets H_l; every step, the promotions still outstanding."""
+        if self.cache is None or not self.n_hi:
+            self.hotness.tick(step.num_tokens)
+            return []
+        cache = self.cache
+        self.evicting = {k for k in self.evicting if self.hi in cache.resident_bits(*k)}
+        if self.hotness.tick(step.num_tokens):
+            held: dict[int, set[int]] = {layer: set() for layer in self.ctx.moe_layers}
+            for layer, e in cache.residents(self.hi):
+                held[layer].add(e)
+            for layer, i in self.pos.items():
+                self.target[layer] = select_high(self.hotness.score[i], held[layer], self.n_hi,
+                                                 self.params.hysteresis)
+        out = []
+        for layer, i in self.pos.items():
+            for e in sorted(self.target[layer], key=lambda e: -float(self.hotness.score[i, e])):
+                if self.hi not in cache.resident_bits(layer, e) and self.hi not in cache.loading_bits(layer, e):
+                    out.append(Fetch(layer, e, self.hi))
+        return out
+
+    def state(self, layer: int, expert: int, cache: CacheView | None = None) -> HandleState | None:
+        """The §3.2 state of one expert entry (None: not resident at all yet)."""
+        cache = cache or self.cache
+        if cache is None:
+            return None
+        key = (layer, expert)
+        if self.hi in cache.loading_bits(layer, expert):
+            return HandleState.PROMOTING
+        if self.hi in cache.resident_bits(layer, expert):
+            if key in self.evicting:
+                return HandleState.EVICTING
+            return HandleState.RESIDENT_HI if expert in self.target[layer] else HandleState.DEMOTING
+        if self.lo in cache.resident_bits(layer, expert) or self.lo in cache.loading_bits(layer, expert):
+            return HandleState.RESIDENT_LO
+        return None
+
+    def states(self, cache: CacheView | None = None) -> dict[Key, HandleState | None]:
+        return {(layer, e): self.state(layer, e, cache) for layer in self.ctx.moe_layers
+                for e in range(self.ctx.num_experts)}
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "b_hi_used": self.hi, "b_lo_used": self.lo, "n_hi_used": self.n_hi}

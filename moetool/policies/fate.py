@@ -1,0 +1,329 @@
+"""Fate (Fang et al., 2025): cross-layer gate prefetch, a shallow-favoring ARC cache, INT4/INT2 transfers.
+
+- prefetch: layer i+1's router applied to layer i's gate input (Table 1, position 2); in decode the
+  experts above the 75th percentile of predicted scores, at most n = T / t_expert of them (§4.3);
+  in prefill every predicted expert, in descending order of predicted popularity (§4.3, Fig. 6);
+- cache: the first `L` MoE layers fully cached if the budget allows, the rest split evenly
+  (`cache_deep`, §4.4), ARC eviction per layer;
+- quantization: cache at INT4; in prefill the least popular `p` of the experts move at INT2 (§4.5).
+
+    policy = make_policy("fate", {"L": "3", "p": "0.25"}, ctx)
+
+Also here, for the other presets to compose: `next_moe_layer`, `hw_seconds`, `ReferenceCache`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase,
+                                   Policy, Where, register)
+from moetool.policies.cache import ExpertCache
+from moetool.policies.eviction import EVICTIONS, ScoreEviction
+
+# -- shared small parts ----------------------------------------------------------------------------
+
+
+def next_moe_layer(ctx: EngineContext, moe_pos: int) -> int | None:
+    """Decoder index of the MoE layer after position `moe_pos` (what `LayerView.predict` takes)."""
+    return ctx.moe_layers[moe_pos + 1] if moe_pos + 1 < len(ctx.moe_layers) else None
+
+
+def hw_seconds(ctx: EngineContext, key: str, bits: int | None = None) -> float | None:
+    """`ctx.hw[key]` (or `ctx.hw[key][bits]`), None where the hardware profile lacks it."""
+    value: Any = ctx.hw.get(key)
+    if bits is not None:
+        value = value.get(bits, value.get(str(bits))) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def predicted_scores(view: LayerView, ctx: EngineContext) -> tuple[int, torch.Tensor] | None:
+    """(next MoE layer, its router's softmax scores [T, E] on this layer's gate input), or None."""
+    nxt = next_moe_layer(ctx, view.moe_pos)
+    if nxt is None:
+        return None
+    logits = view.predict(nxt)  # [T, E]
+    if logits is None or logits.numel() == 0:
+        return None
+    return nxt, torch.softmax(logits.float(), dim=-1)
+
+
+def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, k] bool: routing slots that name a real expert (some routers mark dropped slots with E)."""
+    return (idx >= 0) & (idx < num_experts)
+
+
+def popularity(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert [E] (Fate's popularity, DyMoE's token load)."""
+    flat = idx[valid_slots(idx, num_experts)]  # [n]
+    return torch.bincount(flat, minlength=num_experts)
+
+
+class ReferenceCache(ExpertCache):
+    """An `ExpertCache` that tells its eviction order what ARC and SMoE's score order need.
+
+    - a prefetched (or warmed) copy's first use is its first reference, not a second one (otherwise
+      every prefetched expert would enter ARC's frequency list T2 on first use);
+    - `observe` feeds the layer's router scores to a score order (SMoE eq. 3), for any preset.
+    """
+
+    def __init__(self, bits: int, eviction: str = "lru", quota: dict[int, int] | None = None):
+        super().__init__(bits, eviction, quota)
+        self.fresh: set[Key] = set()  # brought in ahead of use, not referenced yet
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key],
+                  demand: bool = True) -> list[Fetch] | None:
+        key = (want.layer, want.expert)
+        victims = super().make_room(want, cache, shield)  # announces `key` to the order (ARC.request) first
+        if victims is not None:
+            self.fresh.difference_update((v.layer, v.expert) for v in victims)
+            if not demand:
+                self.fresh.add(key)
+        return victims
+
+    def used(self, layer: int, expert: int, hit: bool) -> None:
+        key = (layer, expert)
+        if key in self.fresh:
+            self.fresh.discard(key)
+        elif hit:
+            self.touch(layer, expert)
+
+    def forget(self, layer: int, expert: int) -> None:
+        self.fresh.discard((layer, expert))
+        super().forget(layer, expert)
+
+    def observe(self, view: LayerView, window: int | None = None) -> None:
+        order = self.order(view.layer)
+        if isinstance(order, ScoreEviction) and view.router_logits.numel():
+            order.observe(view.layer, torch.softmax(view.router_logits.float(), -1).mean(0), window)  # [E]
+
+
+def check_eviction(policy: str, name: str) -> None:
+    if name not in EVICTIONS:
+        raise MoetoolError(f"policy '{policy}': unknown eviction '{name}' (known: {', '.join(sorted(EVICTIONS))}).")
+
+
+def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
+    for b in bits:
+        if b not in ctx.available_bits:
+            raise MoetoolError(f"policy '{policy}' wants {b}-bit experts but the bundle has "
+                               f"{list(ctx.available_bits)} bits.")
+
+
+# -- Fate's mechanisms -----------------------------------------------------------------------------
+
+
+def above_percentile(scores: torch.Tensor, q: float) -> list[int]:
+    """Experts whose predicted score exceeds the q-quantile of their token's scores (Fate §4.2: 75th).
+
+    Per token, then united; ordered by the best score any token gave them, highest first.
+    """
+    thr = torch.quantile(scores, q, dim=-1, keepdim=True)  # [T, 1]
+    best = torch.where(scores > thr, scores, torch.full_like(scores, -1.0)).amax(0)  # [E]
+    chosen = (best >= 0).nonzero().squeeze(1)  # [m]
+    return chosen[torch.argsort(best[chosen], descending=True, stable=True)].tolist()
+
+
+def transfer_cap(ctx: EngineContext, bits: int, n: int = 0) -> int:
+    """Fate §4.3: n = T / t_expert with T = t_moe + t_attn + t_gate, the decode transfers that overlap.
+
+    t_moe is the GPU time of the k routed experts of one token, t_expert the host-to-device time of
+    one expert at `bits`. A fitted or set `n` > 0 wins. Without `t_load` in the profile: k (one
+    token's worth). Floor, but at least 1: a transfer that half overlaps still helps.
+    """
+    if n > 0:
+        return n
+    t_io = hw_seconds(ctx, "t_load", bits)
+    if not t_io:
+        return ctx.top_k
+    t_moe = ctx.top_k * (hw_seconds(ctx, "t_expert", bits) or 0.0)
+    window = t_moe + (hw_seconds(ctx, "t_attn") or 0.0) + (hw_seconds(ctx, "t_gate") or 0.0)
+    return max(1, math.floor(window / t_io))
+
+
+def shallow_favoring(layers: tuple[int, ...], num_experts: int, L: int, total: int) -> dict[int, int]:
+    """Fate §4.4: slots per layer. The first L layers first (sequentially, whole layers), then
+    cache_deep = (cache_total - L * num_experts) / (num_layers - L) for each deeper layer.
+
+    Layers are MoE layers (a dense first layer has no experts to cache). cache_deep is floored and
+    the remainder goes one slot each to the shallowest deep layers; no layer gets more than E.
+    """
+    L = max(0, min(L, len(layers)))
+    quota = {layer: 0 for layer in layers}
+    left = total
+    for layer in layers[:L]:
+        quota[layer] = min(num_experts, left)
+        left -= quota[layer]
+    deep = layers[L:]
+    if left > 0 and deep:
+        cache_deep, extra = divmod(left, len(deep))  # Fate §4.4 cache_deep
+        for i, layer in enumerate(deep):
+            quota[layer] = min(num_experts, cache_deep + (1 if i < extra else 0))
+    return quota
+
+
+def int2_experts(counts: torch.Tensor, p: float) -> set[int]:
+    """Fate §4.5: the least popular floor(p * M) of the M active experts (ties: the higher index)."""
+    active = (counts > 0).nonzero().squeeze(1)  # [M]
+    n_low = math.floor(p * active.numel() + 1e-9)
+    if n_low <= 0:
+        return set()
+    order = torch.argsort(counts[active], descending=True, stable=True)  # most popular first
+    return set(active[order[active.numel() - n_low:]].tolist())
+
+
+class CrossLayerPrefetch:
+    """Fate §4.3: fetch layer i+1's experts predicted from layer i's gate input.
+
+    Decode: experts above the `percentile` of predicted scores, not yet resident, best first, capped
+    at n, at `bits`. Prefill: every expert in some token's predicted top-k, most popular first, the
+    least popular p of them at `low_bits` (§4.5).
+    """
+
+    def __init__(self, ctx: EngineContext, bits: int, low_bits: int, p: float, n: int, percentile: float):
+        self.ctx, self.bits, self.low_bits, self.p, self.percentile = ctx, bits, low_bits, p, percentile
+        self.n = transfer_cap(ctx, bits, n)
+
+    def __call__(self, view: LayerView) -> list[Fetch]:
+        pred = predicted_scores(view, self.ctx)
+        if pred is None:
+            return []
+        nxt, scores = pred  # [T, E]
+        if view.step.phase == Phase.DECODE:
+            wanted = [e for e in above_percentile(scores, self.percentile)
+                      if self.bits not in view.cache.resident_bits(nxt, e)]
+            return [Fetch(nxt, e, self.bits) for e in wanted[: self.n]]
+        k = min(self.ctx.top_k, scores.shape[1])
+        counts = popularity(torch.topk(scores, k, dim=-1).indices, scores.shape[1])  # [E] predicted popularity
+        low = int2_experts(counts, self.p) if self.low_bits != self.bits else set()
+        active = (counts > 0).nonzero().squeeze(1)
+        tie = scores.sum(0)[active]  # [M] equal popularity: the higher summed score first
+        order = sorted(range(active.numel()), key=lambda i: (-int(counts[active[i]]), -float(tie[i])))
+        out = []
+        for e in (int(active[i]) for i in order):
+            have = view.cache.resident_bits(nxt, e)
+            bits = self.low_bits if e in low else self.bits
+            if self.bits in have or bits in have:
+                continue
+            out.append(Fetch(nxt, e, bits))
+        return out
+
+
+@register("fate")
+class Fate(Policy):
+    """Cross-layer prefetch + shallow-favoring ARC cache at `cache_bits` + INT2 for unpopular prefill experts.
+
+    With cache_bits=16 and low_bits=16 every routed expert runs exactly, at 16 bits (lossless).
+    """
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        L: int = 3  # shallow/deep boundary in MoE layers (Qwen1.5-MoE's value, §4.4)
+        p: float = 0.25  # share of prefill experts moved at INT2, least popular first (§4.5)
+        n: int = 0  # decode transfers per layer; 0 = T / t_expert from the hardware profile (§4.3)
+        percentile: float = 0.75  # decode prefetch: predicted score above this quantile (§4.2)
+        cache_bits: int = 4  # precision of cached experts (HQQ INT4, §4.5)
+        low_bits: int = 2  # precision of the unpopular prefill experts (INT2, §4.5)
+        position: int = 2  # Table 1 input position for prediction; the engine provides position 2 only
+        eviction: str = "arc"  # per-layer eviction (§4.4)
+        prefetcher: str = "fate"  # "fate" or "none" (ablation, Fig. 14)
+
+        def __post_init__(self) -> None:
+            if self.position not in (1, 2, 3):
+                raise ValueError("position must be 1, 2 or 3 (Fate Table 1)")
+            if self.position != 2:
+                raise ValueError(f"position {self.position} is not available: the engine predicts from the "
+                                 "gate input of the previous layer (position 2) only")
+            if not 0.0 <= self.p <= 1.0 or not 0.0 <= self.percentile < 1.0:
+                raise ValueError("p must be in [0, 1] and percentile in [0, 1)")
+            if self.prefetcher not in ("fate", "none"):
+                raise ValueError(f"prefetcher must be 'fate' or 'none', not '{self.prefetcher}'")
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        check_eviction(self.name, params.eviction)
+        check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if params.p > 0 else ()))
+        E, layers = ctx.num_experts, ctx.moe_layers
+        budget = ctx.cache_bytes
+        self.low: ReferenceCache | None = None
+        if params.p > 0 and params.low_bits != params.cache_bits:
+            # Staging for INT2 copies: one layer's INT2 experts while the next layer's arrive; they are
+            # transient (§4.5 moves them for the prefill), so they live in a small LRU pool of their own.
+            lo_bytes = ctx.expert_bytes[params.low_bits]
+            slots = min(2 * math.ceil(params.p * E), budget // 2 // lo_bytes)
+            if slots > 0:
+                self.low = ReferenceCache(params.low_bits, "lru")
+                self.low_slots = slots
+                budget -= slots * lo_bytes
+        cache_total = budget // ctx.expert_bytes[params.cache_bits]  # §4.4 cache_total
+        self.quota = shallow_favoring(layers, E, params.L, cache_total)
+        self.cache = ReferenceCache(params.cache_bits, params.eviction, quota=self.quota)
+        self.prefetcher = CrossLayerPrefetch(ctx, params.cache_bits, params.low_bits, params.p, params.n,
+                                             params.percentile) if params.prefetcher == "fate" else None
+
+    def pools(self) -> dict[int, int]:
+        pools = {self.params.cache_bits: sum(self.quota.values())}
+        if self.low is not None:
+            pools[self.params.low_bits] = self.low_slots
+        return pools
+
+    def warm(self) -> list[Fetch]:
+        # Fully cached shallow layers are never evicted from: load them up front (§4.4, "all shallow
+        # layer experts are fully cached").
+        return [Fetch(layer, e, self.params.cache_bits) for layer, q in self.quota.items()
+                if q >= self.ctx.num_experts for e in range(self.ctx.num_experts)]
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        if want.bits == self.params.cache_bits:
+            return self.cache.make_room(want, cache, shield, demand)
+        if self.low is not None and want.bits == self.params.low_bits:
+            if self.params.cache_bits in cache.resident_bits(want.layer, want.expert):
+                return None
+            return self.low.make_room(want, cache, shield, demand)
+        return None
+
+    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
+        for e, bits, hit in experts:
+            if bits == self.params.cache_bits:
+                self.cache.used(layer, e, hit)
+            elif self.low is not None and bits == self.params.low_bits:
+                self.low.used(layer, e, hit)
+
+    def plan(self, view: LayerView) -> LayerPlan:
+        """Run every routed expert (no substitution, no skipping); only its precision is chosen.
+
+        Decode: `cache_bits` (§4.5, INT4 only). Prefill: a resident copy if there is one (the
+        prefetcher moved unpopular experts at INT2 on purpose), else INT2 for the least popular p of
+        this layer's actual routing and `cache_bits` for the rest.
+        """
+        self.cache.observe(view)
+        E = view.num_experts
+        plan = LayerPlan.identity(view, self.params.cache_bits)
+        valid = valid_slots(view.top_k_index, E)  # [T, k]
+        plan.where[~valid] = Where.SKIP
+        plan.expert[~valid] = -1
+        if view.step.phase == Phase.DECODE or self.low is None:
+            return plan
+        low = int2_experts(popularity(view.top_k_index, E), self.params.p)
+        bits_of = {}
+        for e in plan.expert[valid].unique().tolist():
+            have = view.cache.resident_bits(view.layer, e)
+            if self.params.cache_bits in have:
+                bits_of[e] = self.params.cache_bits
+            elif self.params.low_bits in have or e in low:
+                bits_of[e] = self.params.low_bits
+        for e, b in bits_of.items():
+            plan.bits[plan.expert == e] = b
+        return plan
+
+    def prefetch(self, view: LayerView) -> list[Fetch]:
+        return self.prefetcher(view) if self.prefetcher is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "quota": self.quota,
+                "transfer_cap": self.prefetcher.n if self.prefetcher is not None else None}

@@ -1,0 +1,236 @@
+"""SMoE (Zhu et al.): expert scheduling with substitution, score-based eviction, CPU-assisted compute.
+
+- expert-cache router (Algorithm 1): per token, S_{k+1} is the (k+1)-th highest gate score; active
+  experts above (1+alpha) S_{k+1} are top-score and always run; the other active ones are low-score
+  and, unless resident or top-score for some token, are substituted by inactive resident (or
+  top-score) experts scoring in [(1-alpha) S_{k+1}, S_{k+1}];
+- score-based eviction (eq. 3, `EVICTIONS["score"]`) with the engine's in-use shield;
+- top-score prefetch: the next layer's router on this layer's gate input (§IV-C);
+- CPU-assisted compute (Algorithm 2, eq. 4): misses split between PCIe loads and CPU compute.
+
+    policy = make_policy("smoe", {"alpha": "0.3"}, ctx)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy,
+                                   Where, register)
+from moetool.policies.cache import even_quota
+from moetool.policies.fate import (CrossLayerPrefetch, ReferenceCache, check_bits, check_eviction, hw_seconds,
+                                   predicted_scores, valid_slots)
+
+
+def gate_scores(router_logits: torch.Tensor) -> torch.Tensor:
+    """Router scores as probabilities [T, E] (the paper's models all route with a softmax)."""
+    return torch.softmax(router_logits.float(), dim=-1)
+
+
+def thresholds(scores: torch.Tensor, k: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Algorithm 1: T = (1+alpha) S_{k+1}, L = S_{k+1}, R = (1-alpha) S_{k+1}, each [T]."""
+    s_k1 = torch.sort(scores, dim=-1, descending=True).values[:, k]  # [T] (k+1)-th highest, 0-based k
+    return (1.0 + alpha) * s_k1, s_k1, (1.0 - alpha) * s_k1
+
+
+def cache_router(scores: torch.Tensor, idx: torch.Tensor, resident: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SMoE Algorithm 1 with the §IV-B rules; returns the experts to run [T, k] (substitutes in place).
+
+    scores [T, E], idx [T, k] the model's routing, resident [E] bool (usable on the device).
+    Choices where the paper is loose:
+    - sets are decided by membership first, thresholds second: B_t holds the token's active experts
+      below T, A_t its inactive experts in [R, L]. Algorithm 1 read literally would put the inactive
+      (k+1)-th expert (score exactly L) into B_t and keep it out of A_t; the constraint after eq. 2,
+      (1-alpha) S_{k+1} < Score(e) <= S_{k+1} for E_s, admits it as a substitute, as we do;
+    - C (top-score experts) is gathered over all tokens before any substitution, so one token's
+      low-score expert may be replaced by another token's top-score one (§VI-B, batch = 3);
+    - a low-score expert already resident or in C is kept (§IV-B text); only the rest form B_t;
+    - |A| >= |B|: the top |B| of A replace B (best substitute for the best-scored low expert);
+      |A| < |B|: all of A replace the lowest |A| of B, and the top |B| - |A| of B stay (to be
+      loaded or computed on the CPU).
+    """
+    T, k = idx.shape
+    E = scores.shape[1]
+    out = idx.clone()
+    if k >= E:
+        return out
+    valid = valid_slots(idx, E)  # [T, k]
+    hi, lo, low_bound = thresholds(scores, k, alpha)  # [T] each
+    sel = scores.gather(1, idx.clamp(0, E - 1))  # [T, k] scores of the active experts
+    top = valid & (sel > hi[:, None])  # [T, k] top-score slots
+    in_c = torch.zeros(E, dtype=torch.bool)
+    in_c[idx[top]] = True  # C: top-score experts of every token
+    usable = resident | in_c  # [E] where a substitute may come from
+    for t in range(T):
+        b_slots = [j for j in range(k) if valid[t, j] and not top[t, j] and sel[t, j] >= lo[t]
+                   and not usable[idx[t, j]]]
+        if not b_slots:
+            continue
+        inactive = torch.ones(E, dtype=torch.bool)
+        inactive[idx[t][valid[t]]] = False
+        cand = inactive & usable & (scores[t] >= low_bound[t]) & (scores[t] <= lo[t])  # [E] A_t
+        a = cand.nonzero().squeeze(1)
+        a = a[torch.argsort(scores[t, a], descending=True, stable=True)].tolist()  # best first
+        b_slots.sort(key=lambda j: -float(sel[t, j]))  # best first
+        if len(a) >= len(b_slots):
+            replaced = b_slots  # |A| >= |B|: every low-score expert gets one of the top |B| of A
+        else:
+            replaced = b_slots[len(b_slots) - len(a):]  # |A| < |B|: keep the top |B| - |A| of B
+        for j, e in zip(replaced, a):
+            out[t, j] = e
+    return out
+
+
+def cpu_split(costs_cpu: list[float], c_load: float, rule: str = "alg2") -> int:
+    """How many of the misses, sorted by score highest first, to load; the rest run on the CPU.
+
+    "alg2": SMoE Algorithm 2 as printed. Two pointers: the left one loads over PCIe (C_load each),
+    the right one computes on the CPU (its own cost); whichever running total is not larger advances.
+    It approximates eq. 4 but, comparing totals before the move, always sends the second expert to the
+    CPU however slow the CPU is. "eq4": the exact minimiser of eq. 4,
+    max(n_load C_load, T_CPU), over the same score order (the best-scored are loaded).
+    """
+    if rule == "eq4":
+        suffix = [0.0] * (len(costs_cpu) + 1)  # suffix[i]: CPU time of experts i.. on the CPU
+        for i in range(len(costs_cpu) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + costs_cpu[i]
+        return min(range(len(costs_cpu) + 1), key=lambda n: (max(n * c_load, suffix[n]), -n))
+    t_cpu = t_load = 0.0
+    n_load = 0
+    left, right = 0, len(costs_cpu) - 1
+    while left <= right:
+        if t_load <= t_cpu:
+            t_load += c_load
+            n_load += 1
+            left += 1
+        else:
+            t_cpu += costs_cpu[right]
+            right -= 1
+    return n_load
+
+
+class TopScorePrefetch:
+    """SMoE §IV-C: prefetch the next layer's predicted top-score experts (above (1+alpha) S_{k+1}).
+
+    The paper predicts from a hidden state that has been through the resident experts and the next
+    layer's attention; the engine offers the next router on this layer's gate input (Fate's
+    position 2), the closest signal available without running attention twice.
+    """
+
+    def __init__(self, ctx: EngineContext, bits: int, alpha: float):
+        self.ctx, self.bits, self.alpha = ctx, bits, alpha
+
+    def __call__(self, view: LayerView) -> list[Fetch]:
+        pred = predicted_scores(view, self.ctx)
+        if pred is None:
+            return []
+        nxt, scores = pred  # [T, E]
+        k = min(self.ctx.top_k, scores.shape[1] - 1)
+        hi, _, _ = thresholds(scores, k, self.alpha)
+        best = torch.where(scores > hi[:, None], scores, torch.full_like(scores, -1.0)).amax(0)  # [E]
+        chosen = (best >= 0).nonzero().squeeze(1)
+        chosen = chosen[torch.argsort(best[chosen], descending=True, stable=True)].tolist()
+        return [Fetch(nxt, e, self.bits) for e in chosen if self.bits not in view.cache.resident_bits(nxt, e)]
+
+
+@register("smoe")
+class SMoE(Policy):
+    """Expert-cache router + score eviction + top-score prefetch + CPU-assisted compute, at `bits`."""
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        alpha: float = 0.3  # substitution threshold (§VI-B uses 0.25-0.35; fit it with eq. 5)
+        window: int = 3  # eq. 3's n, iterations averaged (renamed: a fit's `n` is Fate's transfer count)
+        bits: int = 16  # SMoE runs unquantized experts
+        eviction: str = "score"  # eq. 3; any name in EVICTIONS
+        prefetcher: str = "smoe"  # "smoe" (top-score), "fate" (75th percentile, n cap) or "none"
+        cpu_assist: bool = True  # Algorithm 2; off: every miss is loaded
+        cpu_rule: str = "alg2"  # "alg2" (the printed two-pointer loop) or "eq4" (eq. 4's exact minimum)
+
+        def __post_init__(self) -> None:
+            if not 0.0 <= self.alpha < 1.0 or self.window < 0:
+                raise ValueError("alpha must be in [0, 1) and window >= 0")
+            if self.cpu_rule not in ("alg2", "eq4"):
+                raise ValueError(f"cpu_rule must be 'alg2' or 'eq4', not '{self.cpu_rule}'")
+            if self.prefetcher not in ("smoe", "fate", "none"):
+                raise ValueError(f"prefetcher must be 'smoe', 'fate' or 'none', not '{self.prefetcher}'")
+
+    def __init__(self, params: Params, ctx: EngineContext):
+        super().__init__(params, ctx)
+        check_eviction(self.name, params.eviction)
+        check_bits(self.name, ctx, params.bits)
+        slots = min(ctx.cache_bytes // ctx.expert_bytes[params.bits], len(ctx.moe_layers) * ctx.num_experts)
+        # The paper does not say how the cache is scoped; per layer, like the systems it compares with.
+        self.cache = ReferenceCache(params.bits, params.eviction, quota=even_quota(ctx.moe_layers, slots))
+        self.c_load = hw_seconds(ctx, "t_load", params.bits)
+        self.c_cpu = hw_seconds(ctx, "c_cpu")
+        self.prefetcher = {
+            "smoe": lambda: TopScorePrefetch(ctx, params.bits, params.alpha),
+            "fate": lambda: CrossLayerPrefetch(ctx, params.bits, params.bits, 0.0, 0, 0.75),
+            "none": lambda: None,
+        }[params.prefetcher]()
+
+    def pools(self) -> dict[int, int]:
+        n = sum(self.cache.quota.values())
+        return {self.params.bits: n} if n else {}
+
+    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        if want.bits != self.params.bits:
+            return None
+        return self.cache.make_room(want, cache, shield, demand)
+
+    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
+        for e, _, hit in experts:
+            self.cache.used(layer, e, hit)
+
+    def plan(self, view: LayerView) -> LayerPlan:
+        """Substitute (Algorithm 1), then split the remaining misses between PCIe and CPU (Algorithm 2).
+
+        A substitute takes the substituted slot's original routing weight: the paper does not say;
+        keeping the slot's weight leaves the weights' sum as the model made it.
+        """
+        bits, E = self.params.bits, view.num_experts
+        plan = LayerPlan.identity(view, bits)
+        valid = valid_slots(view.top_k_index, E)  # [T, k]
+        plan.where[~valid] = Where.SKIP
+        plan.expert[~valid] = -1
+        if view.router_logits.numel() == 0:
+            return plan  # no scores: run as routed
+        scores = gate_scores(view.router_logits)  # [T, E]
+        self.cache.observe(view, self.params.window)  # eq. 3: this iteration's scores, for a score order
+        resident = torch.tensor([bits in view.cache.resident_bits(view.layer, e) for e in range(E)])  # [E]
+        plan.expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
+        plan.expert[~valid] = -1
+        if self.params.cpu_assist and self.c_load and self.c_cpu:
+            self._assist(view, plan, scores, resident)
+        return plan
+
+    def _assist(self, view: LayerView, plan: LayerPlan, scores: torch.Tensor, resident: torch.Tensor) -> None:
+        """Algorithm 2 over the experts that are neither resident nor in flight, highest score first.
+
+        C_CPU is per expert per token (`ctx.hw["c_cpu"]`), times the tokens the expert serves: the
+        paper's constant C_CPU for one decode token, and no big prefill expert sent to the CPU. An
+        in-flight copy (a prefetch) stays on the device: the engine waits for its own event only.
+        """
+        e_flat = plan.expert[plan.expert >= 0]  # [n]
+        misses = [e for e in e_flat.unique().tolist() if not resident[e]
+                  and self.params.bits not in view.cache.loading_bits(view.layer, e)]
+        if not misses:
+            return
+        best = torch.where(plan.expert >= 0, scores.gather(1, plan.expert.clamp(min=0)), torch.zeros(()))  # [T, k]
+        score = {e: float(best[plan.expert == e].max()) for e in misses}
+        misses.sort(key=lambda e: -score[e])
+        costs = [self.c_cpu * int((plan.expert == e).any(1).sum()) for e in misses]
+        n_load = cpu_split(costs, self.c_load, self.params.cpu_rule)
+        for e in misses[n_load:]:
+            plan.where[plan.expert == e] = Where.CPU
+
+    def prefetch(self, view: LayerView) -> list[Fetch]:
+        return self.prefetcher(view) if self.prefetcher is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "c_load": self.c_load, "c_cpu": self.c_cpu,
+                "cpu_assist_active": bool(self.params.cpu_assist and self.c_load and self.c_cpu)}

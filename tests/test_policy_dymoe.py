@@ -1,0 +1,223 @@
+"""DyMoE's mechanisms against the paper's equations and cache rules, on hand-made views."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, Where, make_policy
+from moetool.policies.dymoe import (critical_count, critical_experts, prefill_importance, retention,
+                                    solve_lambda)
+
+BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
+
+
+class FakeCache:
+    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
+
+    def __init__(self, capacity):
+        self.cap = dict(capacity)
+        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
+
+    def resident_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
+
+    def loading_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
+
+    def residents(self, bits):
+        return list(self.held.get(bits, {}))
+
+    def capacity(self, bits):
+        return self.cap.get(bits, 0)
+
+    def free(self, bits):
+        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
+
+    def put(self, layer, expert, bits, loading=False):
+        self.held[bits][layer, expert] = not loading
+
+    def apply(self, victims, want):  # what the engine does with make_room's answer
+        for v in victims:
+            self.held[v.bits].pop((v.layer, v.expert), None)
+        self.put(want.layer, want.expert, want.bits)
+
+
+def make_ctx(layers=(0, 1, 2, 3), E=8, k=2, cache_bytes=20_000):
+    return EngineContext(moe_layers=tuple(layers), num_experts=E, top_k=k, expert_bytes=BYTES,
+                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2))
+
+
+def make_view(idx, cache, *, pos=0, n_layers=4, E=8, phase=Phase.DECODE, weights=None, importance=None,
+              predict=None):
+    idx = torch.tensor(idx)
+    T = idx.shape[0]
+    return LayerView(layer=pos, moe_pos=pos, num_moe_layers=n_layers, num_experts=E, step=Step(0, phase, T),
+                     top_k_index=idx, top_k_weights=weights if weights is not None else torch.full(idx.shape, 0.5),
+                     router_logits=torch.zeros(T, E), cache=cache, predict=predict or (lambda later: None),
+                     token_importance=importance)
+
+
+# -- eq. 4-5 ---------------------------------------------------------------------------------------
+
+
+def test_cosine_retention_and_critical_counts():
+    # L = 4, lam = 0.5: (cos(pi l / 3) + 1) / 2 = 1, .75, .25, 0 -> r = 1, .875, .625, .5
+    assert [retention(l, 4, 0.5) for l in range(4)] == pytest.approx([1.0, 0.875, 0.625, 0.5])
+    assert [critical_count(retention(l, 4, 0.5), 8) for l in range(4)] == [8, 7, 5, 4]
+    assert [critical_count(retention(l, 4, 0.5), 2) for l in range(4)] == [2, 2, 2, 1]
+    assert critical_count(0.75, 4) == 3  # exact products are not rounded up
+    assert retention(0, 1, 0.3) == 1.0  # a single MoE layer keeps everything
+
+
+def test_lambda_solved_from_average_retention():
+    assert solve_lambda(0.75, 4) == pytest.approx(0.5)
+    assert solve_lambda(0.9, 5) == pytest.approx(0.8)  # the cosine averages to 1/2 for any L >= 2
+    for L in (2, 3, 7, 24):
+        lam = solve_lambda(0.8, L)
+        assert sum(retention(l, L, lam) for l in range(L)) / L == pytest.approx(0.8)
+    with pytest.raises(MoetoolError, match="retention of 0.4"):
+        solve_lambda(0.4, 4)
+
+
+# -- eq. 1-3 and the critical set -------------------------------------------------------------------
+
+
+def test_prefill_heavy_hitter_load_eq2():
+    idx = torch.tensor([[0], [0], [0], [1], [2], [2]])
+    s = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.8, 0.05])  # heavy hitters (top 2 = ceil(0.3 * 6)): tokens 3, 4
+    assert prefill_importance(idx, s, 4, 0.3).tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert prefill_importance(idx, None, 4, 0.3).tolist() == [3.0, 1.0, 2.0, 0.0]  # no s_i: token load
+
+
+def test_prefill_critical_experts_follow_heavy_hitters_not_load():
+    # M = 3 selected experts; r = 0.5 -> t = ceil(1.5) = 2. Expert 0 has the largest load but no heavy hitter.
+    idx = [[0], [0], [0], [1], [2], [2]]
+    s = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.8, 0.05])
+    view = make_view(idx, FakeCache({4: 8}), phase=Phase.PREFILL, importance=s)
+    assert critical_experts(view, 0.5, 0.3) == {1, 2}
+    view.token_importance = None  # without s_i the token load decides
+    assert critical_experts(view, 0.5, 0.3) == {0, 2}
+
+
+def test_decode_critical_by_gate_score_eq3():
+    w = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
+    view = make_view([[4, 1, 6, 2]], FakeCache({4: 8}), weights=w)  # M = k = 4
+    assert critical_experts(view, 0.5, 0.2) == {1, 6}  # t = 2: the two largest g_j
+    assert critical_experts(view, 0.75, 0.2) == {1, 6, 2}  # t = 3; tie 4 vs 2 broken by index
+
+
+# -- plans: 4/2, 4/0, conservative reuse --------------------------------------------------------------
+
+
+def _policy(**settings):
+    return make_policy("dymoe", {k: str(v) for k, v in settings.items()}, make_ctx(k=4))
+
+
+def test_plan_4_2_and_4_0():
+    w = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
+    idx = [[4, 1, 6, 2]]
+    pol = _policy(lam=0.5)  # layer 3 of 4: r = 0.5 -> t = 2 critical of 4
+    plan = pol.plan(make_view(idx, FakeCache(pol.pools()), pos=3, weights=w))
+    assert plan.bits.tolist() == [[2, 4, 4, 2]]
+    assert (plan.where == Where.GPU).all() and torch.equal(plan.weight, w)
+    pol = _policy(lam=0.5, config="4/0")
+    plan = pol.plan(make_view(idx, FakeCache(pol.pools()), pos=3, weights=w))
+    assert plan.where.tolist() == [[Where.SKIP, Where.GPU, Where.GPU, Where.SKIP]]
+    assert torch.equal(plan.weight, torch.tensor([[0.0, 0.5, 0.3, 0.0]]))  # 0-bit drops its weight only
+    assert plan.bits[0, 1:3].tolist() == [4, 4]
+    assert list(pol.pools()) == [4]
+
+
+def test_rule_conservative_reuse():
+    pol = _policy(lam=0.5)
+    cache = FakeCache(pol.pools())
+    cache.put(3, 4, 4)  # a sub-critical expert already held at high precision
+    plan = pol.plan(make_view([[4, 1, 6, 2]], cache, pos=3, weights=torch.tensor([[0.1, 0.5, 0.3, 0.1]])))
+    assert plan.bits.tolist() == [[4, 4, 4, 2]]  # served by the high copy, no low load
+
+
+def test_rule_precision_promotion_evicts_the_low_copy():
+    pol = _policy()
+    cache = FakeCache(pol.pools())
+    cache.put(0, 5, 2)
+    plan = pol.plan(make_view([[5, 1, 2, 3]], cache, pos=0))  # layer 0: r = 1, all critical
+    assert plan.bits[0, 0] == 4  # a low copy does not serve a critical request: a miss
+    want = Fetch(0, 5, 4)
+    victims = pol.make_room(want, cache, shield=set(), demand=True)
+    assert Fetch(0, 5, 2) in victims
+    cache.apply(victims, want)
+    assert cache.resident_bits(0, 5) == (4,)
+
+
+def test_rule_no_duplication():
+    pol = _policy()
+    cache = FakeCache(pol.pools())
+    cache.put(0, 5, 4)
+    assert pol.make_room(Fetch(0, 5, 2), cache, set(), demand=False) is None
+    cache.put(1, 6, 4, loading=True)  # a high copy in flight also counts
+    assert pol.make_room(Fetch(1, 6, 2), cache, set(), demand=True) is None
+
+
+def test_lru_within_each_precision_pool():
+    # budget 2000 B, r = 1 at lam = 1 -> all bytes to the high pool: 5 slots, 4 layers -> 2,1,1,1
+    pol = make_policy("dymoe", {"lam": "1"}, make_ctx(cache_bytes=2000))
+    assert pol.pools() == {4: 5}
+    cache = FakeCache(pol.pools())
+    for e in (0, 1):
+        want = Fetch(0, e, 4)
+        cache.apply(pol.make_room(want, cache, set(), True), want)
+    pol.on_use(0, [(0, 4, True)])  # 0 used again: 1 is least recent
+    assert pol.make_room(Fetch(0, 2, 4), cache, set(), True) == [Fetch(0, 1, 4)]
+
+
+def test_eviction_knob_takes_any_registered_order():
+    for name in ("lru", "arc", "lfu", "score"):
+        assert make_policy("dymoe", {"eviction": name}, make_ctx()).params.eviction == name
+    with pytest.raises(MoetoolError, match="unknown eviction"):
+        make_policy("dymoe", {"eviction": "fifo"}, make_ctx())
+    pol = make_policy("dymoe", {"eviction": "score"}, make_ctx())
+    pol.plan(make_view([[0, 1]], FakeCache(pol.pools())))  # the plan feeds the layer's scores to the order
+    assert pol.cache.caches[4].order(0).mean_scores(0) is not None
+
+
+# -- look-ahead prefetch, eq. 6-8 --------------------------------------------------------------------
+
+
+def test_lookahead_prefill_token_frequency_eq7():
+    pol = make_policy("dymoe", {"lam": "0.5"}, make_ctx(k=1))
+    # layer 0 -> predicts layer 1 (r = .875); predicted top-1 of 6 tokens: 3 x3, 5 x2, 7 x1 -> M = 3, t = 3
+    top = torch.tensor([3, 3, 3, 5, 5, 7])
+    logits = torch.full((6, 8), -5.0)
+    logits[torch.arange(6), top] = 5.0
+    cache = FakeCache(pol.pools())
+    view = make_view([[0]] * 6, cache, phase=Phase.PREFILL, predict=lambda later: logits if later == 1 else None)
+    assert pol.prefetch(view) == [Fetch(1, 3, 4), Fetch(1, 5, 4), Fetch(1, 7, 4)]
+    view3 = make_view([[0]] * 6, cache, pos=2, phase=Phase.PREFILL, predict=lambda later: logits)
+    assert pol.prefetch(view3) == [Fetch(3, 3, 4), Fetch(3, 5, 4)]  # layer 3: r = .5, ceil(1.5) = 2
+
+
+def test_lookahead_decode_direct_topt_eq8():
+    pol = make_policy("dymoe", {"lam": "0.5"}, make_ctx(k=4))
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, 0.5, 2.0, -1.0, 1.5]])
+    cache = FakeCache(pol.pools())
+    cache.put(3, 3, 4)  # already resident at high precision: not fetched
+    view = make_view([[0, 1, 2, 3]], cache, pos=2, predict=lambda later: logits)
+    # layer 3: r = 0.5, M = k = 4 -> t = 2 -> top-2 of g_hat: 1, 3
+    assert pol.prefetch(view) == [Fetch(3, 1, 4)]
+    assert make_policy("dymoe", {"prefetcher": "none"}, make_ctx()).prefetch(view) == []
+
+
+def test_knobs_and_description():
+    pol = make_policy("dymoe", {"r": "0.9", "config": "4/0"}, make_ctx())
+    assert (pol.high, pol.low, pol.lam) == (4, 0, pytest.approx(0.8))
+    d = pol.describe()
+    assert d["retention"][0] == 1.0 and math.isclose(sum(d["retention"]) / 4, 0.9)
+    json.dumps(d)
+    assert type(pol).needs_token_importance
+    with pytest.raises(MoetoolError, match="config"):
+        make_policy("dymoe", {"config": "4-2"}, make_ctx())
+    with pytest.raises(MoetoolError, match="high bits"):
+        make_policy("dymoe", {"config": "2/4"}, make_ctx())

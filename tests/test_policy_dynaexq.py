@@ -1,0 +1,154 @@
+"""DynaExq: hotness EMA, top-n with hysteresis, budget admission, and publication without waiting."""
+
+import json
+
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, make_policy
+from moetool.policies.dynaexq import HandleState, Hotness, select_high
+
+BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
+
+
+class FakeCache:
+    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
+
+    def __init__(self, capacity):
+        self.cap = dict(capacity)
+        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
+
+    def resident_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
+
+    def loading_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
+
+    def residents(self, bits):
+        return list(self.held.get(bits, {}))
+
+    def capacity(self, bits):
+        return self.cap.get(bits, 0)
+
+    def free(self, bits):
+        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
+
+    def put(self, layer, expert, bits, loading=False):
+        self.held[bits][layer, expert] = not loading
+
+    def start(self, victims, want):  # the engine: evict the victims, start the copy (in flight)
+        for v in victims:
+            self.held[v.bits].pop((v.layer, v.expert), None)
+        self.put(want.layer, want.expert, want.bits, loading=True)
+
+    def publish(self, layer, expert, bits):  # the copy's event completed
+        self.held[bits][layer, expert] = True
+
+
+# 2 layers of 4 experts: the low tier takes 2 * 4 * 400 = 3200 B; 8000 B leave (8000 - 3200) // 1600 // 2 = 1 per layer
+def make_ctx(cache_bytes=8000, E=4):
+    return EngineContext(moe_layers=(0, 1), num_experts=E, top_k=1, expert_bytes=BYTES,
+                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2))
+
+
+def make_view(idx, cache, *, layer=0, E=4):
+    idx = torch.tensor(idx)
+    T = idx.shape[0]
+    return LayerView(layer=layer, moe_pos=layer, num_moe_layers=2, num_experts=E, step=Step(0, Phase.DECODE, T),
+                     top_k_index=idx, top_k_weights=torch.ones(idx.shape), router_logits=torch.zeros(T, E),
+                     cache=cache, predict=lambda later: None)
+
+
+def warmed(policy):
+    cache = FakeCache(policy.pools())
+    for f in policy.warm():
+        cache.put(f.layer, f.expert, f.bits)
+    return cache
+
+
+def test_hotness_ema_per_interval():
+    h = Hotness(1, 3, ema=0.5, interval_tokens=4)
+    h.observe(0, torch.tensor([[0], [0], [1]]))
+    assert not h.tick(3)  # 3 < T_u tokens: no update yet
+    h.observe(0, torch.tensor([[0]]))
+    assert h.tick(1)
+    assert h.score[0].tolist() == [1.5, 0.5, 0.0]  # S = 0.5 * 0 + 0.5 * c, c = [3, 1, 0]
+    assert h.count.sum() == 0  # counters reset
+    h.observe(0, torch.tensor([[2], [2], [2], [2]]))
+    h.tick(4)
+    assert h.score[0].tolist() == [0.75, 0.25, 2.0]
+
+
+def test_topn_with_hysteresis():
+    s = torch.tensor([5.0, 4.5, 1.0, 0.0])
+    assert select_high(s, set(), 2, 1.0) == {0, 1}  # free capacity: the hottest
+    assert select_high(s, {0, 2}, 2, 1.0) == {0, 1}  # 4.5 > 1.0 + 1: swap
+    assert select_high(s, {0, 2}, 2, 4.0) == {0, 2}  # 4.5 <= 1.0 + 4: the incumbent stays
+    assert select_high(torch.tensor([5.0, 2.5, 2.0, 0.0]), {0, 2}, 2, 1.0) == {0, 2}  # within the margin
+    assert select_high(torch.tensor([5.0, 2.0, 2.0, 0.0]), {0, 2}, 2, 0.0) == {0, 2}  # margin 0, tie: keep
+    assert select_high(s, {0, 1, 2}, 2, 1.0) == {0, 1}  # capacity shrank: the coldest leaves
+    assert select_high(torch.tensor([3.0, 0.0, 0.0, 0.0]), set(), 2, 1.0) == {0}  # no traffic, no promotion
+
+
+def test_pools_budget_and_knobs():
+    pol = make_policy("dynaexq", {}, make_ctx())
+    assert pol.pools() == {4: 8, 16: 2} and pol.n_hi == 1
+    assert pol.warm() == [Fetch(layer, e, 4) for layer in (0, 1) for e in range(4)]
+    assert make_policy("dynaexq", {"config": "4/2"}, make_ctx()).pools() == {2: 8, 4: 2 * 4}  # n_hi capped at E
+    assert make_policy("dynaexq", {"n_hi": "0"}, make_ctx()).pools() == {4: 8}
+    with pytest.raises(MoetoolError, match="n_hi=2 does not fit"):
+        make_policy("dynaexq", {"n_hi": "2"}, make_ctx())
+    with pytest.raises(MoetoolError, match="raise --budget"):
+        make_policy("dynaexq", {}, make_ctx(cache_bytes=3000))
+    json.dumps(make_policy("dynaexq", {}, make_ctx()).describe())
+
+
+def test_promotion_is_a_migration_published_without_waiting():
+    pol = make_policy("dynaexq", {"ema": "0", "interval_tokens": "1", "hysteresis": "0"}, make_ctx())
+    cache = warmed(pol)
+    plan = pol.plan(make_view([[2], [2], [1]], cache))
+    assert plan.bits.tolist() == [[4], [4], [4]]
+    promotions = pol.end_step(Step(0, Phase.DECODE, 3))
+    assert promotions == [Fetch(0, 2, 16)]  # layer 0's hottest; layer 1 saw no traffic
+    victims = pol.make_room(promotions[0], cache, set(), demand=False)
+    assert victims == []  # admitted: a free high slot in layer 0
+    cache.start(victims, promotions[0])
+    assert pol.state(0, 2) == HandleState.PROMOTING
+    plan = pol.plan(make_view([[2]], cache))
+    assert plan.bits.tolist() == [[4]]  # the forward runs the low copy while the high one is in flight
+    assert pol.end_step(Step(1, Phase.DECODE, 1)) == []  # in flight: not offered again
+    cache.publish(0, 2, 16)
+    assert pol.state(0, 2) == HandleState.RESIDENT_HI
+    assert pol.plan(make_view([[2]], cache)).bits.tolist() == [[16]]
+    assert pol.state(0, 1) == HandleState.RESIDENT_LO
+
+
+def test_demotion_reclaims_the_slot_and_admission_defers():
+    pol = make_policy("dynaexq", {"ema": "0", "interval_tokens": "1", "hysteresis": "0"}, make_ctx())
+    cache = warmed(pol)
+    pol.plan(make_view([[2]], cache))
+    [f] = pol.end_step(Step(0, Phase.DECODE, 1))
+    cache.start(pol.make_room(f, cache, set(), False), f)
+    cache.publish(0, 2, 16)
+    pol.plan(make_view([[3], [3]], cache))  # the hot set moves to expert 3
+    [f] = pol.end_step(Step(1, Phase.DECODE, 2))
+    assert f == Fetch(0, 3, 16) and pol.state(0, 2) == HandleState.DEMOTING
+    assert pol.make_room(f, cache, {(0, 2)}, demand=False) is None  # 2 is in use this layer: deferred
+    assert pol.end_step(Step(2, Phase.DECODE, 0)) == [f]  # and offered again
+    victims = pol.make_room(f, cache, set(), demand=False)
+    assert victims == [Fetch(0, 2, 16)] and pol.state(0, 2) == HandleState.EVICTING
+    cache.start(victims, f)
+    assert pol.state(0, 2) == HandleState.RESIDENT_LO
+    assert pol.make_room(Fetch(0, 1, 16), cache, set(), False) is None  # not in the target set
+
+
+def test_hysteresis_holds_the_incumbent():
+    pol = make_policy("dynaexq", {"ema": "0", "interval_tokens": "1", "hysteresis": "2"}, make_ctx())
+    cache = warmed(pol)
+    cache.put(0, 2, 16)
+    pol.target[0] = {2}
+    pol.plan(make_view([[2], [3], [3]], cache))  # 3 is hotter by 1 < margin 2
+    assert pol.end_step(Step(0, Phase.DECODE, 3)) == [] and pol.target[0] == {2}
+    pol.plan(make_view([[2], [3], [3], [3], [3]], cache))  # by 3 > 2
+    assert pol.end_step(Step(1, Phase.DECODE, 5)) == [Fetch(0, 3, 16)]

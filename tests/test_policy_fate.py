@@ -1,0 +1,268 @@
+"""Fate's mechanisms against the paper's rules, and ARC on a hand-computed textbook trace."""
+
+import json
+
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, Where, make_policy
+from moetool.policies.eviction import ARC
+from moetool.policies.fate import (ReferenceCache, above_percentile, int2_experts, popularity, shallow_favoring,
+                                   transfer_cap)
+
+BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
+
+
+class FakeCache:
+    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
+
+    def __init__(self, capacity):
+        self.cap = dict(capacity)
+        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
+
+    def resident_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
+
+    def loading_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
+
+    def residents(self, bits):
+        return list(self.held.get(bits, {}))
+
+    def capacity(self, bits):
+        return self.cap.get(bits, 0)
+
+    def free(self, bits):
+        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
+
+    def put(self, layer, expert, bits, loading=False):
+        self.held[bits][layer, expert] = not loading
+
+    def apply(self, victims, want):  # what the engine does with make_room's answer
+        for v in victims:
+            self.held[v.bits].pop((v.layer, v.expert), None)
+        self.put(want.layer, want.expert, want.bits)
+
+
+def make_ctx(layers=(0, 1), E=8, k=2, cache_bytes=10_000, hw=None):
+    return EngineContext(moe_layers=tuple(layers), num_experts=E, top_k=k, expert_bytes=BYTES,
+                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2), hw=hw or {})
+
+
+def make_view(idx, cache, *, layer=0, pos=0, n_layers=2, E=8, phase=Phase.DECODE, weights=None, logits=None,
+              predict=None):
+    idx = torch.tensor(idx)
+    T = idx.shape[0]
+    return LayerView(layer=layer, moe_pos=pos, num_moe_layers=n_layers, num_experts=E,
+                     step=Step(0, phase, T), top_k_index=idx,
+                     top_k_weights=weights if weights is not None else torch.full(idx.shape, 0.5),
+                     router_logits=logits if logits is not None else torch.zeros(T, E), cache=cache,
+                     predict=predict or (lambda later: None))
+
+
+# -- ARC (Megiddo & Modha, FAST 2003), c = 3 -------------------------------------------------------------
+
+
+def K(n):
+    return (0, n)
+
+
+def lists(arc):
+    return ([k[1] for k in arc.t1], [k[1] for k in arc.t2], [k[1] for k in arc.b1], [k[1] for k in arc.b2], arc.p)
+
+
+def access(arc, resident, x, c=3):
+    """A cache of c pages driving ARC as `ExpertCache` does: touch on a hit; request, victim, remove, insert."""
+    if K(x) in resident:
+        arc.touch(K(x))
+        return
+    arc.request(K(x))
+    if len(resident) == c:
+        v = arc.victim(sorted(resident))
+        arc.remove(v)
+        resident.discard(v)
+    arc.insert(K(x))
+    resident.add(K(x))
+
+
+# Hand-computed from the ARC algorithm (cases I-IV, REPLACE) (T1, T2, B1, B2 LRU -> MRU, then p), after each request.
+ARC_TRACE = [
+    (1, ([1], [], [], [], 0)),
+    (2, ([1, 2], [], [], [], 0)),
+    (3, ([1, 2, 3], [], [], [], 0)),
+    (1, ([2, 3], [1], [], [], 0)),  # case I: a hit moves 1 to T2
+    (4, ([3, 4], [1], [2], [], 0)),  # case IV.B: |T1| = 2 > p = 0, T1's LRU 2 becomes a B1 ghost
+    (5, ([4, 5], [1], [3], [], 0)),  # case IV.A, |T1| < c: B1's LRU (2) forgotten, then 3 -> B1
+    (3, ([5], [1, 3], [4], [], 1)),  # case II: p += 1 (|B1| >= |B2|); |T1| = 2 > 1 so 4 -> B1; 3 -> T2
+    (6, ([5, 6], [3], [4], [1], 1)),  # case IV.B: |T1| = 1 = p, 6 not in B2: T2's LRU 1 -> B2
+    (1, ([6], [3, 1], [4, 5], [], 0)),  # case III: p -= 1; |T1| = 2 > 0: 5 -> B1; 1 -> T2
+    (4, ([6], [1, 4], [5], [3], 1)),  # case II: p = 1; |T1| = 1 not > 1: T2's LRU 3 -> B2
+    (3, ([], [1, 4, 3], [5, 6], [], 0)),  # case III: p = 0; 6 -> B1
+    (7, ([7], [4, 3], [5, 6], [1], 0)),  # case IV.B: T1 empty, so T2's LRU 1 -> B2
+    (8, ([8], [4, 3], [6, 7], [1], 0)),  # case IV.A: B1's LRU 5 forgotten; 7 -> B1
+    (6, ([8], [3, 6], [7], [1, 4], 1)),  # case II (delta 1): T2's LRU 4 -> B2
+    (7, ([8], [6, 7], [], [1, 4, 3], 3)),  # case II with |B1| < |B2|: delta = 2/1, p = min(3, 1 + 2)
+    (1, ([8], [7, 1], [], [4, 3, 6], 2)),  # case III: p = 2; |T1| = 1 < p: T2's LRU 6 -> B2
+    (4, ([], [7, 1, 4], [8], [3, 6], 1)),  # case III: p = 1 = |T1| and 4 was in B2: REPLACE takes T1 (8)
+]
+
+
+def test_arc_textbook_trace():
+    arc, resident = ARC(c=3), set()
+    for x, expected in ARC_TRACE:
+        access(arc, resident, x)
+        assert lists(arc) == expected, f"after request {x}"
+        assert resident == set(arc.t1) | set(arc.t2)
+
+
+def test_arc_learns_capacity_and_matches_through_reference_cache():
+    """The registry builds ARC without c; through a per-layer cache of 3 slots it replays the same trace."""
+    cache = FakeCache({4: 3})
+    rc = ReferenceCache(4, "arc", quota={0: 3})
+    for x, expected in ARC_TRACE:
+        if 4 in cache.resident_bits(0, x):
+            rc.used(0, x, hit=True)
+        else:
+            want = Fetch(0, x, 4)
+            victims = rc.make_room(want, cache, shield=set(), demand=True)
+            cache.apply(victims, want)
+            rc.used(0, x, hit=False)
+        assert lists(rc.order(0)) == expected, f"after request {x}"
+
+
+def test_reference_cache_prefetched_copy_is_first_referenced_on_use():
+    cache, rc = FakeCache({4: 3}), ReferenceCache(4, "arc", quota={0: 3})
+    want = Fetch(0, 5, 4)
+    cache.apply(rc.make_room(want, cache, set(), demand=False), want)  # a prefetch
+    rc.used(0, 5, hit=True)  # its first use: still referenced once (T1)
+    assert lists(rc.order(0))[:2] == ([5], [])
+    rc.used(0, 5, hit=True)  # the second use is a re-reference (T2)
+    assert lists(rc.order(0))[:2] == ([], [5])
+
+
+def test_arc_never_picks_a_shielded_victim():
+    arc, resident = ARC(c=2), set()
+    for x in (1, 2):
+        access(arc, resident, x, c=2)
+    arc.request(K(3))
+    assert arc.victim([K(2)]) == K(2)  # T1's LRU (1) is in use this layer
+
+
+# -- Fate §4.2-4.5 ----------------------------------------------------------------------------------
+
+
+def test_75th_percentile_rule():
+    scores = torch.tensor([[0.30, 0.20, 0.15, 0.10, 0.10, 0.05, 0.05, 0.05]])
+    # sorted: .05 .05 .05 .10 .10 .15 .20 .30; q = 0.75 at rank 5.25 -> .15 + .25 * .05 = .1625
+    assert above_percentile(scores, 0.75) == [0, 1]
+    two = torch.tensor([[0.30, 0.20, 0.15, 0.10, 0.10, 0.05, 0.05, 0.05],
+                        [0.05, 0.05, 0.05, 0.10, 0.10, 0.15, 0.20, 0.30]])
+    assert above_percentile(two, 0.75) == [0, 7, 1, 6]  # united over tokens, best score first
+
+
+def test_transfer_cap_n_is_T_over_t_expert():
+    hw = {"t_load": {4: 6e-3}, "t_expert": {4: 1e-3}, "t_attn": 10e-3, "t_gate": 1e-3}
+    # T = t_moe + t_attn + t_gate = 2 * 1 ms + 10 ms + 1 ms = 13 ms; n = floor(13 / 6) = 2
+    assert transfer_cap(make_ctx(hw=hw), 4) == 2
+    assert transfer_cap(make_ctx(hw=hw), 4, n=5) == 5  # a fitted n wins
+    assert transfer_cap(make_ctx(k=3), 4) == 3  # no timings: one token's k
+    assert transfer_cap(make_ctx(hw={"t_load": {4: 1.0}}), 4) == 1  # never below one
+
+
+def test_decode_prefetch_above_percentile_capped_at_n():
+    hw = {"t_load": {4: 6e-3}, "t_expert": {4: 1e-3}, "t_attn": 10e-3, "t_gate": 1e-3}  # n = 2
+    policy = make_policy("fate", {}, make_ctx(E=16, hw=hw))
+    probs = torch.full((1, 16), 0.2 / 12)
+    probs[0, [0, 1, 4, 7]] = torch.tensor([0.30, 0.20, 0.17, 0.13])
+    cache = FakeCache(policy.pools())
+    view = make_view([[0, 1]], cache, E=16, predict=lambda later: probs.log() if later == 1 else None)
+    # q75 at rank 11.25 of 16: 0.0167 + 0.25 * (0.13 - 0.0167) = 0.045 -> 0, 1, 4, 7; capped at n = 2
+    assert policy.prefetch(view) == [Fetch(1, 0, 4), Fetch(1, 1, 4)]
+    cache.put(1, 0, 4)  # already resident: not a transfer, the next one takes its place
+    assert policy.prefetch(view) == [Fetch(1, 1, 4), Fetch(1, 4, 4)]
+
+
+def test_prefill_prefetch_by_popularity_with_int2_for_the_least_popular():
+    policy = make_policy("fate", {"p": "0.25"}, make_ctx(k=1))
+    # predicted top-1 of 8 tokens: expert 3 x4, 5 x2, 1 x1, 6 x1 -> M = 4, floor(0.25 * 4) = 1 at INT2
+    top = [3, 3, 3, 3, 5, 5, 1, 6]
+    logits = torch.full((8, 8), -5.0)
+    logits[torch.arange(8), torch.tensor(top)] = 5.0
+    logits[7, 1] = 0.0  # token 7 also leans to 1: 1 outranks 6 on the tie in popularity
+    view = make_view([[0]] * 8, FakeCache(policy.pools()), phase=Phase.PREFILL,
+                     predict=lambda later: logits)
+    assert policy.prefetch(view) == [Fetch(1, 3, 4), Fetch(1, 5, 4), Fetch(1, 1, 4), Fetch(1, 6, 2)]
+
+
+def test_int2_least_popular_share():
+    counts = torch.tensor([9, 0, 1, 5, 2, 0, 7, 3])  # 6 active
+    assert int2_experts(counts, 0.25) == {2}  # floor(1.5) = 1
+    assert int2_experts(counts, 0.5) == {2, 4, 7}
+    assert int2_experts(counts, 0.0) == set()
+
+
+def test_prefill_plan_runs_least_popular_at_int2_decode_at_int4():
+    policy = make_policy("fate", {"p": "0.25"}, make_ctx(k=2))
+    cache = FakeCache(policy.pools())
+    idx = [[0, 1], [0, 2], [0, 1], [0, 3]]  # popularity: 0 x4, 1 x2, 2 x1, 3 x1; M = 4 -> 1 at INT2 (3)
+    plan = policy.plan(make_view(idx, cache, phase=Phase.PREFILL))
+    assert plan.bits.tolist() == [[4, 4], [4, 4], [4, 4], [4, 2]]
+    assert torch.equal(plan.expert, torch.tensor(idx))
+    cache.put(0, 0, 2)  # a copy prefetched at INT2 is used as it is
+    plan = policy.plan(make_view(idx, cache, phase=Phase.PREFILL))
+    assert plan.bits[:, 0].tolist() == [2, 2, 2, 2]
+    plan = policy.plan(make_view([[3, 1]], cache, phase=Phase.DECODE))
+    assert plan.bits.tolist() == [[4, 4]]
+
+
+def test_lossless_at_16_16():
+    policy = make_policy("fate", {"cache_bits": "16", "low_bits": "16"}, make_ctx(cache_bytes=50_000))
+    idx = [[0, 1], [0, 2], [0, 1], [7, 3]]
+    w = torch.rand(4, 2)
+    for phase in (Phase.PREFILL, Phase.DECODE):
+        plan = policy.plan(make_view(idx, FakeCache(policy.pools()), phase=phase, weights=w))
+        assert torch.equal(plan.expert, torch.tensor(idx))
+        assert (plan.bits == 16).all() and (plan.where == Where.GPU).all()
+        assert torch.equal(plan.weight, w)
+    assert list(policy.pools()) == [16]
+
+
+def test_cache_deep_quota():
+    layers = tuple(range(6))
+    # not enough for the first L = 3 layers: filled sequentially
+    assert shallow_favoring(layers, 8, 3, 10) == {0: 8, 1: 2, 2: 0, 3: 0, 4: 0, 5: 0}
+    # cache_deep = (30 - 3 * 8) / (6 - 3) = 2
+    assert shallow_favoring(layers, 8, 3, 30) == {0: 8, 1: 8, 2: 8, 3: 2, 4: 2, 5: 2}
+    assert shallow_favoring(layers, 8, 3, 31) == {0: 8, 1: 8, 2: 8, 3: 3, 4: 2, 5: 2}
+    assert shallow_favoring(layers, 8, 3, 100) == {layer: 8 for layer in layers}  # no layer beyond E
+
+
+def test_fate_pools_and_warm_follow_the_quota():
+    # 6 layers, E = 8; INT2 staging: min(2 * ceil(0.25 * 8), 6000 // 2 // 200) = 4 slots (800 B);
+    # cache_total = (6000 - 800) // 400 = 13 -> layer 0 full, layer 1 gets 5
+    policy = make_policy("fate", {}, make_ctx(layers=range(6), cache_bytes=6000))
+    assert policy.pools() == {4: 13, 2: 4}
+    assert policy.quota == {0: 8, 1: 5, 2: 0, 3: 0, 4: 0, 5: 0}
+    assert policy.warm() == [Fetch(0, e, 4) for e in range(8)]
+    json.dumps(policy.describe())
+
+
+def test_fate_knob_errors():
+    with pytest.raises(MoetoolError, match="position 1"):
+        make_policy("fate", {"position": "1"}, make_ctx())
+    with pytest.raises(MoetoolError, match="eviction"):
+        make_policy("fate", {"eviction": "nope"}, make_ctx())
+
+
+def test_fate_composes_with_other_evictions():
+    policy = make_policy("fate", {"eviction": "lru", "p": "0"}, make_ctx(layers=(0,), cache_bytes=1200))
+    cache = FakeCache(policy.pools())
+    for e in (0, 1, 2):
+        want = Fetch(0, e, 4)
+        cache.apply(policy.make_room(want, cache, set(), True), want)
+    assert policy.make_room(Fetch(0, 3, 4), cache, {(0, 0)}, True) == [Fetch(0, 1, 4)]  # LRU, 0 shielded
+
+
+def test_popularity_ignores_dropped_slots():
+    assert popularity(torch.tensor([[0, 8], [1, -1]]), 8).tolist() == [1, 1, 0, 0, 0, 0, 0, 0]

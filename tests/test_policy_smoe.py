@@ -1,0 +1,204 @@
+"""SMoE's mechanisms: Algorithm 1 decisions, eq. 3 eviction with the shield, prefetch, Algorithm 2 splits."""
+
+import json
+
+import pytest
+import torch
+
+from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, Where, make_policy
+from moetool.policies.eviction import EVICTIONS, ScoreEviction
+from moetool.policies.smoe import cache_router, cpu_split, thresholds
+
+BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
+
+
+class FakeCache:
+    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
+
+    def __init__(self, capacity):
+        self.cap = dict(capacity)
+        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
+
+    def resident_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
+
+    def loading_bits(self, layer, expert):
+        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
+
+    def residents(self, bits):
+        return list(self.held.get(bits, {}))
+
+    def capacity(self, bits):
+        return self.cap.get(bits, 0)
+
+    def free(self, bits):
+        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
+
+    def put(self, layer, expert, bits, loading=False):
+        self.held[bits][layer, expert] = not loading
+
+    def apply(self, victims, want):  # what the engine does with make_room's answer
+        for v in victims:
+            self.held[v.bits].pop((v.layer, v.expert), None)
+        self.put(want.layer, want.expert, want.bits)
+
+
+def make_ctx(layers=(0, 1), E=8, k=3, cache_bytes=16_000, hw=None):
+    return EngineContext(moe_layers=tuple(layers), num_experts=E, top_k=k, expert_bytes=BYTES,
+                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2), hw=hw or {})
+
+
+def make_view(idx, logits, cache, *, layer=0, pos=0, phase=Phase.DECODE, weights=None, predict=None):
+    idx = torch.tensor(idx)
+    T = idx.shape[0]
+    return LayerView(layer=layer, moe_pos=pos, num_moe_layers=2, num_experts=logits.shape[1],
+                     step=Step(0, phase, T), top_k_index=idx,
+                     top_k_weights=weights if weights is not None else torch.full(idx.shape, 0.3),
+                     router_logits=logits, cache=cache, predict=predict or (lambda later: None))
+
+
+def mask(E, *experts):
+    m = torch.zeros(E, dtype=torch.bool)
+    m[list(experts)] = True
+    return m
+
+
+# One token, k = 3, alpha = 0.3. Active: 0 (.30), 7 (.15), 1 (.12); S_{k+1} = .11 (expert 2).
+# T = .143: 0 and 7 are top-score, 1 is low-score. Substitutes in [.077, .11]: 2 (.11), 3, 4, 5 (not 6).
+SCORES = torch.tensor([[0.30, 0.12, 0.11, 0.10, 0.09, 0.08, 0.05, 0.15]])
+IDX = torch.tensor([[0, 7, 1]])
+
+
+def test_thresholds():
+    hi, lo, low = thresholds(SCORES, 3, 0.3)
+    assert (hi.item(), lo.item(), low.item()) == pytest.approx((0.143, 0.11, 0.077))
+
+
+def test_alg1_enough_substitutes_A_ge_B():
+    out = cache_router(SCORES, IDX, mask(8, 3, 5, 6), 0.3)  # A = {3, 5}; 6 scores below R
+    assert out.tolist() == [[0, 7, 3]]  # the best substitute replaces the low-score expert
+
+
+def test_alg1_too_few_substitutes_A_lt_B():
+    scores = SCORES.clone()
+    scores[0, 7] = 0.13  # now 7 is low-score too: B = {7 (.13), 1 (.12)}
+    out = cache_router(scores, IDX, mask(8, 4), 0.3)  # A = {4}
+    assert out.tolist() == [[0, 7, 4]]  # keep the top |B| - |A| = 1 of B (7), replace the lowest (1)
+    assert cache_router(scores, IDX, mask(8), 0.3).tolist() == [[0, 7, 1]]  # A empty: nothing replaced
+
+
+def test_alg1_resident_low_score_expert_is_kept():
+    assert cache_router(SCORES, IDX, mask(8, 1, 3), 0.3).tolist() == [[0, 7, 1]]
+
+
+def test_alg1_the_k_plus_1_th_expert_is_a_substitute():
+    # Score exactly S_{k+1}: inside E_s's bound (1-a)S < s <= S (the constraint after eq. 2).
+    assert cache_router(SCORES, IDX, mask(8, 2), 0.3).tolist() == [[0, 7, 2]]
+
+
+def test_alg1_other_tokens_top_score_experts_are_substitutes():
+    scores = torch.cat([SCORES, torch.tensor([[0.02, 0.02, 0.02, 0.02, 0.02, 0.60, 0.02, 0.28]])])
+    idx = torch.tensor([[0, 7, 1], [5, 7, 0]])
+    out = cache_router(scores, idx, mask(8), 0.3)  # nothing resident, but 5 is token 1's top-score expert
+    assert out[0].tolist() == [0, 7, 5]
+
+
+def test_alg1_alpha_zero_substitutes_nothing():
+    assert cache_router(SCORES, IDX, mask(8, 2, 3, 4, 5), 0.0).tolist() == [[0, 7, 1]]
+
+
+def test_alg2_two_pointer_split():
+    # C_load = 2, C_CPU = 1, five misses: load, cpu, cpu, load, cpu -> n_load = 2 (max(4, 3) = 4, eq. 4's optimum)
+    assert cpu_split([1.0] * 5, 2.0) == 2
+    assert cpu_split([1.0] * 4, 1.0) == 2
+    assert cpu_split([1.0], 5.0) == 1  # the first pointer move is always a load
+    assert cpu_split([], 1.0) == 0
+    # printed Algorithm 2 compares the running totals only, so one expert goes to a slow CPU anyway ...
+    assert cpu_split([10.0] * 3, 1.0) == 2
+    # ... while eq. 4 itself would load all three: max(3, 0) = 3 < max(2, 10) = 10
+    assert cpu_split([10.0] * 3, 1.0, rule="eq4") == 3
+    assert cpu_split([1.0] * 5, 2.0, rule="eq4") == 2
+
+
+# -- eq. 3 eviction with the shield ------------------------------------------------------------------
+
+
+def test_score_eviction_eq3_window_and_shield():
+    order = EVICTIONS["score"]()
+    assert isinstance(order, ScoreEviction)
+    for key in [(0, 0), (0, 1), (0, 2)]:
+        order.insert(key)
+    for s in ([0.0, 0.9, 0.5], [0.1, 0.0, 0.5], [0.1, 0.0, 0.5], [0.9, 0.0, 0.5]):
+        order.observe(0, torch.tensor(s), n=2)  # eq. 3 averages iterations j-2 .. j
+    # means over the last 3: e0 = .367, e1 = 0, e2 = .5 (the first iteration fell out of the window)
+    assert order.victim([(0, 0), (0, 1), (0, 2)]) == (0, 1)
+    assert order.victim([(0, 0), (0, 2)]) == (0, 0)  # 1 shielded: the next lowest
+
+
+def test_score_eviction_without_scores_is_lru():
+    order = ScoreEviction()
+    for key in [(0, 0), (0, 1), (0, 2)]:
+        order.insert(key)
+    order.touch((0, 0))
+    assert order.victim([(0, 0), (0, 1), (0, 2)]) == (0, 1)
+
+
+def test_smoe_make_room_uses_scores_and_shield():
+    pol = make_policy("smoe", {"cpu_assist": "false", "prefetcher": "none"}, make_ctx(layers=(0,), cache_bytes=4800))
+    cache = FakeCache(pol.pools())  # 3 slots at 16 bits
+    logits = torch.log(torch.tensor([[0.05, 0.30, 0.10, 0.20, 0.05, 0.05, 0.05, 0.20]]))
+    pol.plan(make_view([[1, 3, 7]], logits, cache))  # records this iteration's scores
+    for e in (1, 2, 3):
+        want = Fetch(0, e, 16)
+        cache.apply(pol.make_room(want, cache, set(), True), want)
+    assert pol.make_room(Fetch(0, 7, 16), cache, set(), True) == [Fetch(0, 2, 16)]  # lowest mean score
+    assert pol.make_room(Fetch(0, 7, 16), cache, {(0, 2)}, True) == [Fetch(0, 3, 16)]  # 2 in use: shielded
+
+
+# -- plan and prefetch -------------------------------------------------------------------------------
+
+
+def test_plan_substitutes_keep_the_slot_weight_and_split_misses():
+    hw = {"t_load": {16: 2.0}, "c_cpu": 1.0}
+    pol = make_policy("smoe", {"alpha": "0.3"}, make_ctx(E=8, k=3, hw=hw))
+    cache = FakeCache(pol.pools())
+    cache.put(0, 3, 16)
+    w = torch.tensor([[0.5, 0.3, 0.2]])
+    plan = pol.plan(make_view(IDX.tolist(), SCORES.log(), cache, weights=w))
+    assert plan.expert.tolist() == [[0, 7, 3]]
+    assert torch.equal(plan.weight, w)  # 3 runs with 1's weight
+    # misses 0 (.30) and 7 (.15): Algorithm 2 loads the higher-scored, computes the other on the CPU
+    assert plan.where.tolist() == [[Where.GPU, Where.CPU, Where.GPU]]
+    cache.put(0, 7, 16, loading=True)  # a prefetch in flight stays on the device
+    plan = pol.plan(make_view(IDX.tolist(), SCORES.log(), cache, weights=w))
+    assert plan.where.tolist() == [[Where.GPU, Where.GPU, Where.GPU]]
+
+
+def test_plan_without_timings_loads_every_miss():
+    pol = make_policy("smoe", {}, make_ctx())
+    plan = pol.plan(make_view(IDX.tolist(), SCORES.log(), FakeCache(pol.pools())))
+    assert (plan.where == Where.GPU).all()
+    assert not pol.describe()["cpu_assist_active"]
+
+
+def test_top_score_prefetch_uses_the_next_router():
+    pol = make_policy("smoe", {"alpha": "0.3"}, make_ctx())
+    cache = FakeCache(pol.pools())
+    cache.put(1, 7, 16)
+    view = make_view(IDX.tolist(), SCORES.log(), cache, predict=lambda later: SCORES.log() if later == 1 else None)
+    assert pol.prefetch(view) == [Fetch(1, 0, 16)]  # top-score predicted: 0 and 7; 7 is resident
+
+
+def test_prefetcher_knob_composes_fates_prefetcher():
+    logits = SCORES.log()
+    for name, expected in (("fate", [Fetch(1, 0, 16), Fetch(1, 7, 16)]), ("none", [])):
+        pol = make_policy("smoe", {"prefetcher": name}, make_ctx(k=3))
+        view = make_view(IDX.tolist(), logits, FakeCache(pol.pools()), predict=lambda later: logits)
+        assert pol.prefetch(view) == expected  # fate: above the 75th percentile, n = k = 3 cap
+    json.dumps(pol.describe())
+
+
+def test_dropped_slots_are_not_run():
+    pol = make_policy("smoe", {}, make_ctx())
+    plan = pol.plan(make_view([[0, 8, 1]], SCORES.log(), FakeCache(pol.pools())))
+    assert plan.expert[0, 1] == -1 and plan.where[0, 1] == Where.SKIP
