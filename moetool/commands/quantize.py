@@ -1,0 +1,71 @@
+"""`moetool quantize`: every expert at every precision as one contiguous blob, in a bundle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from moetool.cli import JsonOpt, command, err, out
+from moetool.errors import MoetoolError
+
+
+@command
+def quantize(
+    model: Annotated[str, typer.Argument(help="Model directory, hub id, or 'demo'.")] = "demo",
+    bits: Annotated[str, typer.Option(help="Precisions to store, comma-separated; 16 (bf16) is always added.")] = "8,4,2",
+    method: Annotated[str, typer.Option(help="hqq (calibration-free) or gptq (needs moetool[gptq]).")] = "hqq",
+    group_size: Annotated[int, typer.Option(help="Input columns sharing one scale and zero.")] = 64,
+    save: Annotated[Path, typer.Option("--out", help="Bundle directory to write.")] = Path("bundle"),
+    calib_text: Annotated[Path | None, typer.Option(help="UTF-8 text to calibrate GPTQ on (default: shipped training text).")] = None,
+    calib_tokens: Annotated[int, typer.Option(help="Calibration tokens in total.")] = 2048,
+    calibrate: Annotated[bool, typer.Option(help="Also measure HQQ's output error on calibration activations.")] = False,
+    dtype: Annotated[str, typer.Option(help="dtype the checkpoint is loaded in.")] = "bfloat16",
+    verify: Annotated[str, typer.Option(help="Re-open check: fast (sizes, headers) or full (rehash shards).")] = "fast",
+    as_json: JsonOpt = False,
+) -> None:
+    """Quantize MODEL's experts at several precisions into a bundle (resumable).
+
+    Each (layer, expert, bits) is one contiguous uint8 blob (weights, scales, zeros, biases back to
+    back) so the engine moves it with one copy. An interrupted run leaves no bundle.json; rerun the
+    same command to continue from the finished shards.
+
+    Example: `moetool quantize demo --bits 8,4,2 --method hqq --out out/demo-bundle`
+    """
+    from moetool.quant.quantize import QuantizeConfig
+    from moetool.quant.quantize import quantize as quantize_stage
+
+    try:
+        wanted = sorted({16, *(int(b) for b in bits.split(",") if b.strip())}, reverse=True)
+    except ValueError:
+        raise MoetoolError(f"--bits takes comma-separated integers like 8,4,2, not '{bits}'.") from None
+    cfg = QuantizeConfig(model=model, out=save, bits=tuple(wanted), method=method, group_size=group_size,
+                         calib_text=calib_text, calib_tokens=calib_tokens, calibrate=calibrate, dtype=dtype,
+                         verify=verify)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("loading", total=None, rate="")
+
+        def progress(p) -> None:
+            speed = bar.tasks[task].speed
+            bar.update(task, total=p.total, completed=p.done,
+                       description=p.stage if p.layer is None else f"layer {p.layer}",
+                       rate=f"{speed:.1f} experts/s" if speed else "")
+
+        bundle = quantize_stage(cfg, progress=progress)
+    if as_json:
+        out.print_json(json.dumps(bundle.to_json()))
+        return
+    sizes = bundle.sizes()
+    ref = sizes.get(16) or max(sizes.values())
+    table = Table(title=f"bundle {save} ({bundle.method}, group {bundle.group_size})")
+    for col in ("bits", "bytes", "vs bf16"):
+        table.add_column(col, justify="right")
+    for b, n in sizes.items():
+        table.add_row(str(b), f"{n / 2**20:.1f} MiB", f"{n / ref:.3f}")
+    out.print(table)
