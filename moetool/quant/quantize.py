@@ -1,0 +1,322 @@
+"""The quantize stage: a Hugging Face MoE checkpoint in, a verified expert bundle out.
+
+    bundle = quantize(QuantizeConfig(model="path/to/ckpt", out=Path("out/b"), bits=(16, 8, 4, 2)),
+                      progress=lambda p: bar.update(p.done, total=p.total))
+
+One MoE layer at a time: every expert of the layer is quantized at every precision and streamed
+into that layer's shard. A journal next to the shards records each finished shard with its
+sha256, so an interrupted run leaves no `bundle.json` and the next run with the same settings
+continues from the shards that still hash right; other settings start clean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from moetool.artifacts import atomic_write_bytes, sha256_file
+from moetool.errors import MoetoolError
+from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
+from moetool.quant import gptq, hqq
+from moetool.quant.bundle import MANIFEST, Bundle, Entry, Shard, ShardWriter
+from moetool.quant.format import DTYPES, Bits, Layout, QTensor, dequantize, dequantize_qtensor, encode, \
+    make_layout, relative_error
+
+METHODS = ("hqq", "gptq")
+JOURNAL = ".quantize-journal.json"
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    model: str  # local checkpoint directory or hub id
+    out: Path  # bundle directory
+    bits: tuple[int, ...] = (16, 8, 4, 2)  # stored precisions; 16 is the bf16 reference
+    method: str = "hqq"  # "hqq" (calibration-free) or "gptq" (needs moetool[gptq])
+    group_size: int = 64  # input columns sharing one scale and zero
+    axis: int = 1  # hqq's grouping axis; 1 (consecutive input columns) is what GPTQ shares
+    calib_text: Path | None = None  # UTF-8 text to calibrate on (default: moetool's shipped training text)
+    calib_tokens: int = 2048  # calibration tokens in total
+    calib_seq_len: int = 256
+    calibrate: bool = False  # collect calibration tokens for HQQ too, to report output error
+    min_tokens: int = 32  # a GPTQ expert routed fewer calibration tokens than this falls back to HQQ
+    dtype: str = "bfloat16"  # dtype the checkpoint is loaded and calibrated in
+    device: str = "cpu"  # where hqq's optimizer runs ("cuda" is much faster where there is one)
+    seed: int = 0  # random calibration tokens for tokenizer-less test checkpoints
+    verify: str = "fast"  # how the finished bundle is re-opened: "fast" (sizes, headers) or "full" (rehash shards)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What `quantize` reports: stage is "load", "calibrate", "expert" (after each expert, all
+    precisions) or "shard" (after each layer's shard is in place); done/total count experts."""
+
+    stage: str
+    done: int
+    total: int
+    layer: int | None = None
+
+
+def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None) -> Bundle:
+    """Quantize every expert of `cfg.model` at `cfg.bits` into a bundle in `cfg.out`."""
+    report = progress or (lambda p: None)
+    bits = _check(cfg)
+    out = Path(cfg.out)
+    if (out / MANIFEST).exists():
+        raise MoetoolError(f"{out} already holds a finished bundle ({MANIFEST}); choose another output directory "
+                           "or delete it.")
+    if cfg.calib_text is not None and not Path(cfg.calib_text).is_file():
+        raise MoetoolError(f"calibration text {cfg.calib_text} does not exist.")
+    out.mkdir(parents=True, exist_ok=True)
+
+    lm = load_model(cfg.model, device="cpu", dtype=DTYPES[cfg.dtype])
+    layers = lm.geometry.layers
+    total = sum(layer.num_experts for layer in layers)
+    report(Progress("load", 0, total))
+    inputs = {"calib_text": sha256_file(Path(cfg.calib_text))} if cfg.calib_text else {}
+    settings = _settings(cfg, bits, inputs, lm.tokenizer is not None)
+    settings_sha = _sha256_json({"model_type": lm.fingerprint.model_type,
+                                 "config_sha256": lm.fingerprint.config_sha256, "settings": settings})
+    layouts = {layer.index: {b: make_layout(b, _gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
+                                            layer.has_bias, cfg.group_size, cfg.axis) for b in bits}
+               for layer in layers}
+
+    journal = Journal(out, settings_sha)
+    todo = [layer for layer in layers if layer.index not in journal.done]
+    done = total - sum(layer.num_experts for layer in todo)
+    calibration = {}
+    if todo and _calibrated(cfg):
+        calibration = collect_routed_inputs(lm, calibration_ids(lm, cfg))
+        report(Progress("calibrate", done, total))
+    for layer in todo:
+        def on_expert(expert: int, base: int = done, layer_index: int = layer.index) -> None:
+            report(Progress("expert", base + expert + 1, total, layer_index))
+
+        shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], calibration.get(layer.index), out,
+                                         settings_sha, on_expert)
+        journal.add(layer.index, shard, entries)
+        done += layer.num_experts
+        report(Progress("shard", done, total, layer.index))
+
+    bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
+                    group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
+                    layouts={_layout_key(lay): lay for per in layouts.values() for lay in per.values()},
+                    shards=tuple(journal.done[layer.index][0] for layer in layers),
+                    entries=tuple(e for layer in layers for e in journal.done[layer.index][1]))
+    bundle.save(out / MANIFEST)
+    journal.remove()
+    Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
+    return bundle
+
+
+def _check(cfg: QuantizeConfig) -> tuple[Bits, ...]:
+    """Refuse bad settings before loading anything (bits, method, axis, dtype, the gptq extra)."""
+    bits = tuple(sorted({Bits.parse(b) for b in cfg.bits}, reverse=True))
+    if not bits:
+        raise MoetoolError("no precisions to store; give bits such as 16,8,4,2.")
+    if cfg.method not in METHODS:
+        raise MoetoolError(f"unknown quantization method '{cfg.method}'; choose one of {', '.join(METHODS)}.")
+    if cfg.dtype not in DTYPES or cfg.dtype == "uint8":
+        raise MoetoolError(f"dtype '{cfg.dtype}' is not a float dtype moetool loads models in.")
+    if cfg.method == "gptq":
+        if cfg.axis != 1:
+            raise MoetoolError("GPTQ groups consecutive input columns (hqq axis 1); drop the axis 0 setting.")
+        if not gptq.available():
+            gptq.load_gptqmodel()  # raises the install hint
+    if cfg.verify not in ("fast", "full"):
+        raise MoetoolError(f"verify must be 'fast' or 'full', not '{cfg.verify}'.")
+    if cfg.calib_tokens < 1 or cfg.calib_seq_len < 1 or cfg.min_tokens < 0:
+        raise MoetoolError("calibration token counts must be positive.")
+    return bits
+
+
+def _settings(cfg: QuantizeConfig, bits: tuple[Bits, ...], inputs: dict[str, str], has_tokenizer: bool) -> dict:
+    settings = {"bits": [int(b) for b in bits], "method": cfg.method, "group_size": cfg.group_size,
+                "axis": cfg.axis, "dtype": cfg.dtype, "device": cfg.device,
+                "hqq": {"version": version("hqq"), "optimize": True, "round_zero": False}}
+    if _calibrated(cfg):
+        source = "file" if cfg.calib_text else "moetool.datasets.train_text" if has_tokenizer else "random ids"
+        settings["calibration"] = {"source": source, "text_sha256": inputs.get("calib_text"),
+                                   "tokens": cfg.calib_tokens, "seq_len": cfg.calib_seq_len, "seed": cfg.seed}
+    if cfg.method == "gptq":
+        settings["gptq"] = {"gptqmodel": version("gptqmodel"), "damp_percent": gptq.DAMP_PERCENT,
+                            "mse": gptq.MSE_NORM, "act_order": False, "sym": False, "min_tokens": cfg.min_tokens}
+    return settings
+
+
+def _calibrated(cfg: QuantizeConfig) -> bool:
+    return cfg.method == "gptq" or cfg.calibrate or cfg.calib_text is not None
+
+
+def _sha256_json(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _gate_up_shape(layer: MoeLayer) -> tuple[int, int]:
+    return (2 * layer.intermediate_size if layer.gated else layer.intermediate_size, layer.hidden_size)
+
+
+def _layout_key(layout: Layout) -> str:
+    gu, dn = (p.shape for p in layout.projections)
+    group = layout.projections[0].group_size
+    bias = "-bias" if any(p.name == "gate_up_bias" for p in layout.parts) else ""
+    return f"b{layout.bits}-g{group}-a{layout.projections[0].axis}-{gu[0]}x{gu[1]}-{dn[0]}x{dn[1]}{bias}"
+
+
+# ---- one layer ----------------------------------------------------------------------------------
+
+
+def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layouts: dict[Bits, Layout],
+                    routed: tuple[torch.Tensor, torch.Tensor] | None, out: Path, settings_sha: str,
+                    on_expert: Callable[[int], None]) -> tuple[Shard, list[Entry]]:
+    experts_module = lm.model.get_submodule(layer.path).experts  # the model's own activation lives here
+    per_expert = sum(lay.nbytes for lay in layouts.values())
+    writer = ShardWriter(out / f"layer-{layer.index:03d}.safetensors", layer.index,
+                         per_expert * layer.num_experts, settings_sha)
+    entries = []
+    try:
+        for expert in range(layer.num_experts):
+            ref = lm.experts.get(layer.index, expert).to("cpu", torch.float32)
+            x = None
+            if routed is not None:
+                hidden, top_k = routed  # [T, H], [T, k]
+                x = hidden[(top_k == expert).any(dim=1)]  # [n, H] tokens the router sent here
+            y_ref = experts_module.expert_forward(x, ref).float() if x is not None and len(x) else None  # [n, H]
+            for bits, layout in layouts.items():
+                method, q = _quantize_expert(ref, bits, layout, x, cfg, experts_module)
+                blob = encode(layout, ref, q)  # uint8 [layout.nbytes]
+                approx = dequantize(blob, layout)
+                out_error = None
+                if y_ref is not None:
+                    out_error = relative_error(y_ref, experts_module.expert_forward(x, approx))
+                entries.append(Entry(
+                    layer=layer.index, expert=expert, bits=int(bits), method=method, shard=writer.path.name,
+                    offset=writer.write(blob), nbytes=layout.nbytes, layout=_layout_key(layout),
+                    rel_error={p.name: relative_error(getattr(ref, p.name), getattr(approx, p.name))
+                               for p in layout.projections},
+                    out_error=out_error, tokens=None if x is None else len(x)))
+            on_expert(expert)
+        return writer.finish(), entries
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _quantize_expert(ref: ExpertWeights, bits: Bits, layout: Layout, x: torch.Tensor | None, cfg: QuantizeConfig,
+                     experts_module: torch.nn.Module) -> tuple[str, dict[str, QTensor] | None]:
+    """(method that made it, quantized projections) for one expert at one precision."""
+    if bits == Bits.BF16:
+        return "bf16", None
+    if cfg.method == "gptq" and x is not None and len(x) >= cfg.min_tokens:
+        projections = {p.name: p for p in layout.projections}
+        layer = experts_module.layer
+        impl = experts_module.impl
+
+        def act(h: torch.Tensor) -> torch.Tensor:  # [n, 2I] -> [n, I], as ProviderExperts.expert_forward does
+            return impl._apply_gate(h) if layer.gated else impl.act_fn(h)
+
+        return "gptq", gptq.quantize_expert(ref, bits, cfg.group_size, x, act,
+                                            lambda name, q: dequantize_qtensor(q, projections[name]))
+    return "hqq", hqq.quantize_expert(ref, bits, cfg.group_size, cfg.axis, cfg.device)
+
+
+# ---- calibration --------------------------------------------------------------------------------
+
+
+def calibration_ids(lm: LoadedModel, cfg: QuantizeConfig) -> torch.Tensor:
+    """[n_seq, seq_len] token ids from the calibration text (a file, else moetool's shipped training
+    text); seeded random ids for tokenizer-less test checkpoints."""
+    seq_len = cfg.calib_seq_len
+    n_seq = max(1, cfg.calib_tokens // seq_len)
+    if lm.tokenizer is None:
+        if cfg.calib_text is not None:
+            raise MoetoolError(f"{lm.fingerprint.source} has no tokenizer to read calibration text with.")
+        generator = torch.Generator().manual_seed(cfg.seed)
+        return torch.randint(0, lm.model.config.vocab_size, (n_seq, seq_len), generator=generator)
+    if cfg.calib_text is not None:
+        text, where = Path(cfg.calib_text).read_text(encoding="utf-8", errors="replace"), str(cfg.calib_text)
+    else:
+        from moetool.datasets import train_text  # lazy: reads the packaged text only when calibrating
+
+        text, where = train_text(), "moetool's training text"
+    # Tokenize a generous prefix first: the shipped text is ~1.7 MB and a few thousand tokens suffice.
+    ids = lm.tokenizer(text[:16 * n_seq * seq_len])["input_ids"]
+    if len(ids) < n_seq * seq_len:
+        ids = lm.tokenizer(text)["input_ids"]
+    ids = torch.tensor(ids, dtype=torch.long)
+    if len(ids) < seq_len:
+        raise MoetoolError(f"{where} holds {len(ids)} tokens, fewer than one calibration sequence "
+                           f"({seq_len}); give more text or a shorter sequence length.")
+    n_seq = min(n_seq, len(ids) // seq_len)
+    return ids[:n_seq * seq_len].view(n_seq, seq_len)
+
+
+def collect_routed_inputs(lm: LoadedModel, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE layer: the hidden states [T, H] entering its experts and the router's top_k_index [T, k]."""
+    captured: dict[int, tuple[list, list]] = {layer.index: ([], []) for layer in lm.geometry.layers}
+    hooks = []
+    for layer in lm.geometry.layers:
+        def grab(module, args, kwargs, index=layer.index):  # noqa: ANN001 - torch hook signature
+            hidden = args[0] if args else kwargs["hidden_states"]  # [T, H]
+            top_k = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [T, k]
+            captured[index][0].append(hidden.detach().float().cpu())
+            captured[index][1].append(top_k.detach().cpu())
+
+        module = lm.model.get_submodule(layer.path).experts
+        hooks.append(module.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.inference_mode():
+            for row in ids:  # one sequence at a time: no padding, bounded activation memory
+                lm.model(input_ids=row[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: (torch.cat(h), torch.cat(k)) for i, (h, k) in captured.items()}
+
+
+# ---- resume journal -----------------------------------------------------------------------------
+
+
+class Journal:
+    """The shards an unfinished run has completed: layer -> (Shard, entries), kept only while the
+    settings match and the shard still hashes to what was recorded."""
+
+    def __init__(self, out: Path, settings_sha: str):
+        self.path, self.settings_sha = out / JOURNAL, settings_sha
+        self.done: dict[int, tuple[Shard, list[Entry]]] = {}
+        for stray in out.glob(".layer-*.tmp"):  # temp shards of a killed run
+            stray.unlink()
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            records = {int(k): (Shard(**v["shard"]), [Entry(**e) for e in v["entries"]])
+                       for k, v in data["layers"].items()}
+            same = data["settings_sha256"] == settings_sha
+        except (ValueError, KeyError, TypeError):
+            records, same = {}, False
+        for layer, (shard, entries) in records.items():
+            path = out / shard.name
+            if same and path.is_file() and sha256_file(path) == shard.sha256:
+                self.done[layer] = (shard, entries)
+            elif not same:
+                path.unlink(missing_ok=True)  # made with other settings: start clean
+        self._save()
+
+    def add(self, layer: int, shard: Shard, entries: list[Entry]) -> None:
+        self.done[layer] = (shard, entries)
+        self._save()
+
+    def _save(self) -> None:
+        data = {"settings_sha256": self.settings_sha,
+                "layers": {str(k): {"shard": asdict(s), "entries": [asdict(e) for e in es]}
+                           for k, (s, es) in sorted(self.done.items())}}
+        atomic_write_bytes(self.path, json.dumps(data).encode())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

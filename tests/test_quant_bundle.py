@@ -1,0 +1,191 @@
+"""Bundles of a tiny Qwen2-MoE: layout on disk, verification, refusal of bad input, resume."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moetool.errors import MoetoolError
+from moetool.model import load_model
+from moetool.quant import Bundle, QuantizeConfig, quantize
+from moetool.quant.bundle import MANIFEST
+from moetool.quant.quantize import JOURNAL
+
+
+def tiny_moe(path: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                  shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2_moe", **kwargs)).save_pretrained(path)
+    return path
+
+
+def config(model: Path, out: Path, **overrides) -> QuantizeConfig:
+    # group 16: the tiny experts' down projection is only 16 columns wide
+    kwargs = dict(model=str(model), out=out, bits=(16, 8, 4, 2), group_size=16, dtype="float32", calibrate=True,
+                  calib_tokens=256, calib_seq_len=64)
+    kwargs.update(overrides)
+    return QuantizeConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return tiny_moe(root / "a"), tiny_moe(root / "b", seed=1, hidden_size=48)
+
+
+@pytest.fixture(scope="module")
+def built(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundles") / "a"
+    return quantize(config(models[0], out)), out
+
+
+def test_bundle_holds_every_expert_at_every_precision(built, models):
+    bundle, out = built
+    lm = load_model(str(models[0]), dtype=torch.float32)
+    assert len(bundle.entries) == 2 * 4 * 4 and len(bundle.shards) == 2
+    sizes = bundle.sizes()
+    assert list(sizes) == [16, 8, 4, 2] and sizes[16] > sizes[8] > sizes[4] > sizes[2]
+    ob = Bundle.open(out, verify="full", model=lm.fingerprint)
+    for layer in lm.geometry.layers:
+        for expert in range(layer.num_experts):
+            ref = lm.experts.get(layer.index, expert)
+            assert torch.equal(ob.dequantize(layer.index, expert, 16).gate_up, ref.gate_up.bfloat16().float())
+            errs = [ob.entry(layer.index, expert, b).rel_error["down"] for b in (16, 8, 4, 2)]
+            assert errs == sorted(errs) and errs[-1] < 0.6
+            outs = [ob.entry(layer.index, expert, b).out_error for b in (16, 8, 4, 2)]
+            assert all(e is not None for e in outs) and outs == sorted(outs)
+    e = ob.entry(0, 1, 4)
+    assert ob.blob(0, 1, 4).shape == (e.nbytes,) and ob.layout(e).projections[0].group_size == 16
+    assert bundle.settings["hqq"]["optimize"] is True and bundle.axis == 1
+    assert Bundle.load(out / MANIFEST) == bundle  # the manifest round-trips through JSON
+
+
+def test_shards_are_plain_safetensors(built):
+    bundle, out = built
+    ob = Bundle.open(out)
+    for shard in bundle.shards:
+        with safe_open(str(out / shard.name), framework="pt") as f:
+            assert torch.equal(f.get_tensor("blobs"), ob.shards[shard.name])
+            assert f.metadata()["layer"] == str(shard.layer)
+
+
+def test_corrupt_shard_byte_is_refused_naming_the_shard(built, tmp_path):
+    bundle, out = built
+    copy = tmp_path / "bundle"
+    shutil.copytree(out, copy)
+    shard = copy / bundle.shards[1].name
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    Bundle.open(copy, verify="fast")  # same size and header: only a full check can see a flipped byte
+    with pytest.raises(MoetoolError, match=r"shard layer-001\.safetensors .* corrupt"):
+        Bundle.open(copy, verify="full")
+    shard.write_bytes(bytes(data[:-1]))
+    with pytest.raises(MoetoolError, match=r"shard layer-001\.safetensors .* bytes"):
+        Bundle.open(copy, verify="fast")
+
+
+def test_bundle_of_another_model_is_refused(built, models):
+    _, out = built
+    other = load_model(str(models[1]), dtype=torch.float32).fingerprint
+    with pytest.raises(MoetoolError, match="was made for model"):
+        Bundle.open(out, model=other)
+
+
+def test_bad_settings_are_refused(models, tmp_path):
+    with pytest.raises(MoetoolError, match="5 is not a stored precision"):
+        quantize(config(models[0], tmp_path / "x", bits=(8, 5)))
+    with pytest.raises(MoetoolError, match="unknown quantization method"):
+        quantize(config(models[0], tmp_path / "x", method="awq"))
+    with pytest.raises(MoetoolError, match="group size 64 does not divide"):
+        quantize(config(models[0], tmp_path / "x", group_size=64))
+    assert not (tmp_path / "x" / MANIFEST).exists()
+
+
+def test_finished_bundle_is_not_overwritten(built, models):
+    _, out = built
+    with pytest.raises(MoetoolError, match="already holds a finished bundle"):
+        quantize(config(models[0], out))
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_after_first_shard(progress):
+    if progress.stage == "shard":
+        raise Interrupt
+
+
+def test_interrupted_run_resumes_to_an_identical_bundle(built, models, tmp_path):
+    bundle, out = built
+    resumed_dir = tmp_path / "resumed"
+    with pytest.raises(Interrupt):
+        quantize(config(models[0], resumed_dir), progress=interrupt_after_first_shard)
+    assert not (resumed_dir / MANIFEST).exists()
+    assert (resumed_dir / JOURNAL).exists() and (resumed_dir / "layer-000.safetensors").exists()
+    assert not list(resumed_dir.glob("*.tmp")) and not list(resumed_dir.glob(".*.tmp"))
+
+    seen = []
+    again = quantize(config(models[0], resumed_dir), progress=seen.append)
+    assert {p.layer for p in seen if p.stage == "expert"} == {1}  # layer 0 came from the journal
+    assert again == bundle
+    assert (resumed_dir / MANIFEST).read_text() == (out / MANIFEST).read_text()
+    assert not (resumed_dir / JOURNAL).exists()
+    Bundle.open(resumed_dir, verify="full")
+
+
+def test_resume_redoes_a_shard_that_no_longer_hashes_right(built, models, tmp_path):
+    bundle, _ = built
+    out = tmp_path / "c"
+    with pytest.raises(Interrupt):
+        quantize(config(models[0], out), progress=interrupt_after_first_shard)
+    shard = out / "layer-000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[200] ^= 0x01
+    shard.write_bytes(bytes(data))
+    seen = []
+    assert quantize(config(models[0], out, verify="full"), progress=seen.append) == bundle
+    assert {p.layer for p in seen if p.stage == "expert"} == {0, 1}
+
+
+def test_resume_with_other_settings_starts_clean(models, tmp_path):
+    out = tmp_path / "b"
+    with pytest.raises(Interrupt):
+        quantize(config(models[0], out, bits=(4,)), progress=interrupt_after_first_shard)
+    seen = []
+    bundle = quantize(config(models[0], out, bits=(2,)), progress=seen.append)
+    assert {p.layer for p in seen if p.stage == "expert"} == {0, 1}
+    assert bundle.bits == (2,) and {e.bits for e in bundle.entries} == {2}
+    journal_free = json.loads((out / MANIFEST).read_text())
+    assert journal_free["schema"] == "bundle" and not (out / JOURNAL).exists()
+
+
+def test_calibration_tokens_come_from_the_text_in_sequences(tmp_path):
+    from types import SimpleNamespace
+
+    from moetool.quant.quantize import calibration_ids
+
+    def char_tokenizer(text):  # one token per character: enough to check the slicing
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+    lm = SimpleNamespace(tokenizer=char_tokenizer, fingerprint=SimpleNamespace(source="stub"),
+                         model=SimpleNamespace(config=SimpleNamespace(vocab_size=128)))
+    text = tmp_path / "calib.txt"
+    text.write_text("abcdefghij" * 30)  # 300 tokens
+    ids = calibration_ids(lm, config(tmp_path, tmp_path / "o", calib_text=text, calib_tokens=256, calib_seq_len=64))
+    assert ids.shape == (4, 64) and ids[0, 0] == ord("a") and ids[1, 0] == ord("e")  # 64 % 10 == 4
+    text.write_text("too short")
+    with pytest.raises(MoetoolError, match="fewer than one calibration sequence"):
+        calibration_ids(lm, config(tmp_path, tmp_path / "o", calib_text=text, calib_seq_len=64))
+    lm.tokenizer = None
+    random_ids = calibration_ids(lm, config(tmp_path, tmp_path / "o", calib_tokens=128, calib_seq_len=64))
+    assert random_ids.shape == (2, 64) and int(random_ids.max()) < 128
