@@ -153,9 +153,9 @@ class Engine:
 
         out = torch.zeros_like(hidden)  # [T, H]
         gpu, cpu = [], []
-        for (e, b, where), (tok, slot) in groups.items():
+        for (e, b, where), (tok, slot, tok_host, slot_host) in groups.items():
             if where == Where.CPU:
-                cpu.append((e, b, tok, slot))
+                cpu.append((e, b, tok_host, slot_host))
                 continue
             h = self.cache.get(g.index, e, b)
             kind = 0 if h is not None and h.state == State.RESIDENT else 1 if h is not None else 2
@@ -199,7 +199,7 @@ class Engine:
         return out
 
     def _groups(self, plan: LayerPlan, st, idx: torch.Tensor) -> dict[tuple[int, int, int], tuple]:
-        """(expert, bits, where) -> (token indices, slot indices), from the host plan tensors.
+        """(expert, bits, where) -> token and slot indices (device, then host), from the host plan.
 
         Plain Python over `tolist()`: for decode-sized plans (a few tokens x k) this is several
         times cheaper than a chain of small torch ops, and it stays linear for prefill.
@@ -219,12 +219,29 @@ class Engine:
                 tok, slot = lists.setdefault((e, b, w), ([], []))
                 tok.append(t)
                 slot.append(s)
-        return {key: (torch.tensor(tok), torch.tensor(slot)) for key, (tok, slot) in lists.items()}
+        if not lists:
+            return {}
+        # One index tensor for the whole layer, moved to the device once; groups are slices of it.
+        flat_tok = torch.tensor([t for tok, _ in lists.values() for t in tok])  # [n]
+        flat_slot = torch.tensor([s for _, slot in lists.values() for s in slot])  # [n]
+        dev = self.device
+        tok_d = flat_tok.to(dev, non_blocking=True) if dev.type != "cpu" else flat_tok
+        slot_d = flat_slot.to(dev, non_blocking=True) if dev.type != "cpu" else flat_slot
+        groups, start = {}, 0
+        for key, (tok, _) in lists.items():
+            end = start + len(tok)
+            groups[key] = (tok_d[start:end], slot_d[start:end], flat_tok[start:end], flat_slot[start:end])
+            start = end
+        return groups
 
     def _accumulate(self, module: EngineExperts, out, hidden, w, tok, slot, weight) -> None:
-        tok_d, slot_d = tok.to(hidden.device, non_blocking=True), slot.to(hidden.device, non_blocking=True)
-        y = module.expert_forward(hidden[tok_d], w)  # [n, H]
-        out.index_add_(0, tok_d, (y * weight[tok_d, slot_d, None]).to(out.dtype))
+        if tok.device != hidden.device:  # a CPU-assisted expert: host indices, host weights, result moved back
+            x = hidden[tok.to(hidden.device)].to(w.gate_up.device)
+            y = module.expert_forward(x, w).to(hidden.device)  # [n, H]
+            tok, slot = tok.to(hidden.device), slot.to(hidden.device)
+        else:
+            y = module.expert_forward(hidden[tok], w)  # [n, H]
+        out.index_add_(0, tok, (y * weight[tok, slot, None]).to(out.dtype))
 
     # -- loads -------------------------------------------------------------------------------------
     def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False,
