@@ -52,19 +52,22 @@ def _root() -> None:
     """
 
 
-def command(fn: Callable[..., Any]) -> Callable[..., Any]:
+def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
     """Register `fn` as a command that turns a MoetoolError into one red line and exit code 1."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _quiet_libraries()
-        try:
-            return fn(*args, **kwargs)
-        except MoetoolError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _quiet_libraries()
+            try:
+                return fn(*args, **kwargs)
+            except MoetoolError as e:
+                err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+                raise typer.Exit(1) from None
 
-    return app.command()(wrapper)
+        return app.command(name=name)(wrapper)
+
+    return register(fn) if fn is not None else register
 
 
 @command
@@ -104,7 +107,7 @@ def check(
         raise typer.Exit(1)
 
 
-def _settings(pairs: list[str]) -> dict[str, str]:
+def parse_settings(pairs: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -151,7 +154,7 @@ def run(
     texts = read_prompts(prompts) if prompts is not None else (prompt or "The capital of France is",)
     if isinstance(texts, str):
         texts = (texts,)
-    cfg = RunConfig(model=model, bundle=bundle, policy=policy, settings=_settings(set_ or []), fit=fit,
+    cfg = RunConfig(model=model, bundle=bundle, policy=policy, settings=parse_settings(set_ or []), fit=fit,
                     budget=budget, clock=clock, hw=hw, prompts=tuple(texts), max_new_tokens=max_new_tokens,
                     batch_size=batch_size, device=device, dtype=dtype)
     with Progress(console=err, transient=True) as bar:

@@ -17,8 +17,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from moetool.datasets import heldout_text
 from moetool.errors import MoetoolError
+from moetool.pipeline import heldout_prompts
 from moetool.run import RunConfig, run
 
 # (label, policy, --set knobs): the presets of the issue, with DyMoE in both of its configurations.
@@ -32,20 +32,6 @@ POLICIES = [
     ("smoe", "smoe", {}),
     ("dynaexq", "dynaexq", {}),
 ]
-
-
-def heldout_prompts(n: int, words: int = 48) -> tuple[str, ...]:
-    """`n` prompts of about `words` words, from evenly spaced places in the held-out text."""
-    lines = [ln.strip() for ln in heldout_text().splitlines() if len(ln.split()) >= 6]
-    step = max(1, len(lines) // (n + 1))
-    prompts = []
-    for i in range(n):
-        chunk, j = [], (i + 1) * step
-        while len(" ".join(chunk).split()) < words and j < len(lines):
-            chunk.append(lines[j])
-            j += 1
-        prompts.append(" ".join(chunk))
-    return tuple(prompts)
 
 
 def main() -> None:

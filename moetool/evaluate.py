@@ -1,0 +1,486 @@
+"""`moetool eval`: lm-eval tasks and held-out perplexity, run through the engine under a policy.
+
+The engine-backed model from `run.prepare` goes to lm-eval as an `HFLM(pretrained=<model>)`, so
+every log-likelihood lm-eval asks for is a forward through the engine, and the engine's counters
+over the whole evaluation land in the `Eval` artifact beside the metrics.
+
+    result = evaluate(EvalConfig(task="bigbench-mc", policy="lru", budget="25%", limit=50))
+    result.metrics["acc"], result.summary["hit_rate"]
+    evaluate(EvalConfig(task="ppl", policy="dymoe", stepwise=True, limit=512)).metrics["ppl"]
+
+Tasks: any lm-eval task, group or tag (`mmlu`, `hellaswag`, ...), a task YAML path, moetool's
+packaged offline groups `bigbench-mc` (MMLU's lettered prompt) and `bigbench-mc-cloze` (each
+choice's text scored), and `ppl`. Perplexity windows: the text is cut into non-overlapping
+windows of `context` tokens and every token of a window but its first is predicted from the
+tokens before it in that window (no BOS is added). The prefill path runs one forward per batch of
+windows; `stepwise` feeds the same windows one token at a time through a KV cache, so a window is
+one 1-token prefill followed by decode steps (what decode-phase policies act on) and predicts the
+same tokens: the two agree to fp32 rounding for a lossless policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlparse
+
+import torch
+import torch.nn.functional as F
+
+from moetool.artifacts import Artifact, sha256_file
+from moetool.errors import MoetoolError
+from moetool.run import Prepared, RunConfig, prepare
+
+PPL = "ppl"
+TASKS_DIR = Path(__file__).with_name("tasks")  # moetool's lm-eval task YAMLs
+LOCAL_GROUPS = ("bigbench-mc", "bigbench-mc-cloze")
+MAX_LENGTH = 2048  # longest lm-eval sequence; the budget's KV margin is sized for it
+STEPWISE_TOKENS = 1024  # default --limit for --stepwise perplexity (one forward per token)
+BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of means is closed-form; bootstrapped metrics get 1000 resamples
+FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampler seed
+PROBE_TIMEOUT_S = 3.0
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Eval(Artifact):
+    """What one `moetool eval` measured: task metrics and the engine's counters while measuring.
+
+    `metrics` holds the headline values of `task` under lm-eval's metric names (`acc`,
+    `acc_norm`, ...; a filter other than lm-eval's "none" is kept as `name,filter`), or `ppl` and
+    `nll` (mean negative log-likelihood per predicted token, nats) for perplexity. `subtasks`
+    breaks a group down by leaf task. `samples` keeps what a paired comparison of two policies
+    needs: per example the target, lm-eval's filtered responses (for multiple choice one
+    [log-likelihood, is-greedy] pair per choice) and the per-example metrics; for perplexity, per
+    window its first token, predicted tokens and summed NLL.
+    """
+
+    SCHEMA: ClassVar[str] = "eval"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    task: str
+    metrics: dict[str, float]
+    stderr: dict[str, float]  # metric -> standard error, where lm-eval reports one
+    n: int  # examples scored (lm-eval tasks, summed over a group) or tokens predicted (ppl)
+    unit: str  # "examples" or "tokens"
+    subtasks: dict[str, dict[str, float]]  # leaf task -> metric (and metric_stderr) -> value
+    samples: dict[str, list[dict[str, Any]]]  # leaf task (or "ppl") -> per-example records
+    options: dict[str, Any]  # num_fewshot, limit, batch_size, context, stepwise, data, lm_eval version
+    policy: str
+    params: dict[str, Any]
+    clock: str
+    hw: str | None
+    device: str
+    budget_bytes: int
+    budget: dict[str, int]  # how the budget is spent (BudgetPlan)
+    summary: dict[str, Any]  # engine counters over the whole evaluation (precision mix, skips, hit rate, bytes)
+    layers: dict[str, dict[str, Any]]  # per MoE layer
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    task: str  # an lm-eval task/group/tag name, a task YAML path, or "ppl"
+    model: str = "demo"
+    bundle: Path | None = None
+    policy: str = "resident"
+    settings: dict[str, str] = field(default_factory=dict)
+    fit: Path | None = None
+    budget: str = "100%"
+    clock: str = "wall"
+    hw: str = "rtx3090"
+    num_fewshot: int | None = None
+    limit: int | None = None  # lm-eval: examples per task; ppl: tokens of text
+    include_path: Path | None = None  # a directory of extra lm-eval task YAMLs
+    data: Path | None = None  # ppl: a UTF-8 text file (default: the packaged held-out text)
+    stepwise: bool = False
+    context: int = 512  # ppl window length in tokens
+    batch_size: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(model=self.model, bundle=self.bundle, policy=self.policy, settings=self.settings,
+                         fit=self.fit, budget=self.budget, clock=self.clock, hw=self.hw,
+                         batch_size=self.batch_size, device=self.device, dtype=self.dtype)
+
+
+def evaluate(cfg: EvalConfig, progress: ProgressFn | None = None) -> Eval:
+    """Run `cfg.task` through the engine under `cfg.policy` and `cfg.budget`."""
+    _check(cfg)
+    if cfg.task == PPL:
+        return _evaluate_ppl(cfg, progress)
+    return _evaluate_lm_eval(cfg, progress)
+
+
+def _check(cfg: EvalConfig) -> None:
+    if cfg.batch_size < 1:
+        raise MoetoolError("--batch-size must be at least 1.")
+    if cfg.limit is not None and cfg.limit < 1:
+        raise MoetoolError("--limit must be at least 1.")
+    if cfg.num_fewshot is not None and cfg.num_fewshot < 0:
+        raise MoetoolError("--num-fewshot must be 0 or more.")
+    if cfg.include_path is not None and not Path(cfg.include_path).is_dir():
+        raise MoetoolError(f"--include-path {cfg.include_path} is not a directory.")
+    if cfg.task == PPL:
+        if cfg.data is not None and not Path(cfg.data).is_file():
+            raise MoetoolError(f"--data {cfg.data} does not exist.")
+        if cfg.context < 2:
+            raise MoetoolError("--context must be at least 2 tokens.")
+        if cfg.num_fewshot is not None or cfg.include_path is not None:
+            raise MoetoolError("--num-fewshot and --include-path are for lm-eval tasks, not ppl.")
+    elif cfg.data is not None or cfg.stepwise:
+        raise MoetoolError("--data and --stepwise are for ppl, not lm-eval tasks.")
+
+
+def _engine_record(cfg: EvalConfig, ready: Prepared) -> dict[str, Any]:
+    """The Eval fields that describe the policy, the budget and the engine's counters."""
+    engine, plan = ready.engine, ready.plan
+    s = engine.stats.summary()
+    return dict(model=ready.lm.fingerprint, policy=cfg.policy, params=engine.policy.describe(), clock=cfg.clock,
+                hw=cfg.hw if cfg.clock == "sim" else None, device=str(cfg.device), budget_bytes=plan.total_bytes,
+                budget=dataclasses.asdict(plan), summary={**s, "warm_bytes": engine.warm_bytes},
+                layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
+
+
+# -- perplexity -------------------------------------------------------------------------------------
+
+def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
+    if cfg.data is not None:
+        try:
+            text = Path(cfg.data).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise MoetoolError(f"--data {cfg.data} is not UTF-8 text.") from None
+        source, inputs = str(cfg.data), {str(cfg.data): sha256_file(Path(cfg.data))}
+    else:
+        from moetool.datasets import heldout_text
+
+        text, source = heldout_text(), "moetool/data/text/heldout.txt"
+        inputs = {source: sha256_file(TASKS_DIR.parent / "data" / "text" / "heldout.txt")}
+    ready = prepare(cfg.run_config(), max_tokens=cfg.context)
+    try:
+        ids = _tokenize(ready.lm, text)  # [N]
+        limit = cfg.limit if cfg.limit is not None else STEPWISE_TOKENS if cfg.stepwise else None
+        ids = ids[:limit]
+        if ids.numel() < 2:
+            raise MoetoolError(f"{source} holds fewer than 2 tokens; perplexity needs text to predict.")
+        windows = _perplexity_windows(ready.lm.model, ids, cfg.context, cfg.batch_size, cfg.stepwise,
+                                     torch.device(cfg.device), progress)
+    finally:
+        ready.engine.close()
+    nll = sum(w["nll"] for w in windows)
+    n = sum(w["tokens"] for w in windows)
+    return Eval(**_engine_record(cfg, ready), inputs={**ready.inputs, **inputs}, task=PPL,
+                metrics={"ppl": math.exp(nll / n), "nll": nll / n}, stderr={}, n=n, unit="tokens",
+                subtasks={}, samples={PPL: windows},
+                options={"data": source, "context": cfg.context, "limit": limit, "stepwise": cfg.stepwise,
+                         "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored"})
+
+
+def _tokenize(lm: Any, text: str) -> torch.Tensor:
+    """All of `text` as one id sequence; tokenizer-less test models fold its bytes into the vocab."""
+    if lm.tokenizer is None:
+        vocab = lm.model.config.vocab_size
+        return torch.tensor([b % vocab for b in text.encode()], dtype=torch.long)
+    return torch.tensor(lm.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+
+
+def _perplexity_windows(model: torch.nn.Module, ids: torch.Tensor, context: int, batch_size: int, stepwise: bool,
+                       device: torch.device, progress: ProgressFn | None = None) -> list[dict[str, Any]]:
+    """Summed NLL of every non-overlapping `context`-token window of `ids` [N] (see module docstring)."""
+    starts = [s for s in range(0, ids.numel(), context) if min(context, ids.numel() - s) >= 2]
+    # Equal-length windows batch together; only the last window can be shorter.
+    batches = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
+    batches = [b for batch in batches for b in _split_by_length(batch, ids.numel(), context)]
+    records: list[dict[str, Any]] = []
+    done, total = 0, sum(min(context, ids.numel() - s) - 1 for s in starts)
+    with torch.no_grad():
+        for batch in batches:
+            rows = torch.stack([ids[s:s + context] for s in batch]).to(device)  # [B, C]
+            if stepwise:
+                tick = (lambda t, d=done, b=rows.shape[0]: progress(d + t * b, total)) if progress else None
+                logits = _stepwise_logits(model, rows, tick)  # [B, C-1, V]
+            else:
+                logits = model(input_ids=rows, use_cache=False).logits[:, :-1]  # [B, C-1, V]
+            nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(),
+                                  reduction="none").view(rows.shape[0], -1).sum(1)  # [B]
+            for s, v in zip(batch, nll.tolist()):
+                records.append({"start": s, "tokens": rows.shape[1] - 1, "nll": v})
+            done += rows.numel() - rows.shape[0]
+            if progress:
+                progress(done, total)
+    return records
+
+
+def _split_by_length(batch: list[int], n: int, context: int) -> list[list[int]]:
+    full = [s for s in batch if n - s >= context]
+    short = [s for s in batch if n - s < context]
+    return [b for b in (full, short) if b]
+
+
+def _stepwise_logits(model: torch.nn.Module, rows: torch.Tensor,
+                     tick: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Logits [B, C-1, V] for tokens 1..C-1 of `rows` [B, C], fed one token at a time through a KV cache."""
+    past, steps = None, []
+    for t in range(rows.shape[1] - 1):  # the last token predicts nothing that is scored
+        out = model(input_ids=rows[:, t:t + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        steps.append(out.logits[:, -1])  # [B, V]
+        if tick:
+            tick(t + 1)
+    return torch.stack(steps, dim=1)
+
+
+# -- lm-eval ----------------------------------------------------------------------------------------
+
+def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
+    from lm_eval import __version__ as lm_eval_version
+    from lm_eval import evaluator
+
+    tm, spec, packaged = _find_task(cfg)
+    # moetool's own tasks read packaged files; anything else may need the hub, so ask once, quickly.
+    online = packaged or _hub_reachable()
+    with nullcontext() if online else _hub_offline():
+        loaded = _load_task(tm, spec, cfg, online)
+        ready = prepare(cfg.run_config(), max_tokens=MAX_LENGTH)
+        try:
+            lm = ready.lm
+            if lm.tokenizer is None:
+                raise MoetoolError(f"{lm.path} has no tokenizer; lm-eval tasks need one (ppl does not).")
+            hflm = _engine_lm(lm.model, lm.tokenizer, cfg.batch_size, progress)
+            for task in loaded["tasks"].values():
+                _set_fewshot(task, cfg.num_fewshot)
+            try:
+                results = evaluator.evaluate(lm=hflm, task_dict=loaded, limit=cfg.limit, log_samples=True,
+                                             bootstrap_iters=BOOTSTRAP_ITERS)
+            except (ConnectionError, OSError) as e:  # some tasks open their datasets only when evaluated
+                if online:
+                    raise MoetoolError(f"lm-eval could not read the data of '{cfg.task}': {_first_line(e)}") from None
+                raise MoetoolError(_offline_sentence(cfg.task)) from None
+        finally:
+            ready.engine.close()
+    res = results["results"]
+    top = _headline(loaded)
+    metrics, stderr = _metrics(res[top]) if top in res else ({}, {})
+    subtasks = {name: {**m, **{f"{k}_stderr": v for k, v in e.items()}}
+                for name, entry in res.items() if name != top for m, e in [_metrics(entry)]}
+    leaves = sorted(loaded["tasks"])
+    n = sum(results["n-samples"][t]["effective"] for t in leaves if t in results["n-samples"])
+    return Eval(**_engine_record(cfg, ready), inputs=ready.inputs, task=cfg.task, metrics=metrics, stderr=stderr,
+                n=n, unit="examples", subtasks=subtasks,
+                samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
+                options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,
+                         "include_path": str(cfg.include_path) if cfg.include_path else None,
+                         "n_shot": {t: results["n-shot"].get(t) for t in leaves},
+                         "lm_eval": lm_eval_version})
+
+
+def _hub_reachable() -> bool:
+    """False when the environment says offline or a TCP connection to the hub fails within seconds."""
+    if any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+           for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (80 if url.scheme == "http" else 443)
+    reached: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=PROBE_TIMEOUT_S).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    # A thread, because name resolution has no timeout of its own.
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(PROBE_TIMEOUT_S)
+    return bool(reached)
+
+
+@contextmanager
+def _hub_offline() -> Iterator[None]:
+    """Make datasets and huggingface_hub use only their caches, as HF_*_OFFLINE=1 would.
+
+    Both read those variables once, at import, so setting the environment now would change
+    nothing; without this, every dataset lm-eval asks for retries the network for ~25 s.
+    """
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def _offline_sentence(task: str) -> str:
+    return (f"'{task}' needs its dataset from the Hugging Face hub, which is not reachable from here (offline) and "
+            f"has no copy in the local cache; `moetool eval bigbench-mc` runs moetool's packaged multiple-choice "
+            f"tasks offline.")
+
+
+@lru_cache(maxsize=4)
+def _task_manager(include: tuple[str, ...], defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include), include_defaults=defaults)
+
+
+def _include(cfg: EvalConfig) -> tuple[str, ...]:
+    return (str(TASKS_DIR),) + ((str(Path(cfg.include_path).resolve()),) if cfg.include_path else ())
+
+
+def _find_task(cfg: EvalConfig) -> tuple[Any, str, bool]:
+    """A TaskManager that knows `cfg.task`, the spec to load, and whether it is one of moetool's own tasks.
+
+    moetool's tasks and --include-path are indexed first (about a second); lm-eval's index of
+    every built-in task (10+ s) is built only for names not found there. No network is used.
+    """
+    include = _include(cfg)
+    spec = cfg.task
+    if spec.endswith((".yaml", ".yml")):
+        if not Path(spec).is_file():
+            raise MoetoolError(f"task file {spec} does not exist.")
+        return _task_manager(include, False), str(Path(spec).resolve()), False
+    tm = _task_manager(include, False)
+    if spec in tm.all_tasks:
+        return tm, spec, cfg.include_path is None
+    tm = _task_manager(include, True)
+    if spec not in tm.all_tasks:
+        near = difflib.get_close_matches(spec, tm.all_tasks + [PPL], n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise MoetoolError(f"unknown task '{spec}'{hint}: give an lm-eval task, group or tag (`lm-eval ls tasks`), "
+                           f"a task YAML, {', '.join(LOCAL_GROUPS)}, or ppl.")
+    return tm, spec, False
+
+
+def _load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:
+    """lm-eval's task dict for `spec`; with the hub out of reach, a failure to load is that."""
+    try:
+        try:
+            return tm.load([spec])
+        except KeyError:  # a group of --include-path or a YAML file naming lm-eval's built-in tasks
+            return _task_manager(_include(cfg), True).load([spec])
+    except MoetoolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - dataset loaders raise anything; the user gets one sentence
+        if not online:
+            raise MoetoolError(_offline_sentence(cfg.task)) from None
+        raise MoetoolError(f"lm-eval cannot load task '{cfg.task}': {_first_line(e)}") from None
+
+
+def _headline(loaded: dict[str, Any]) -> str | None:
+    """The name whose results are the task's headline: the outermost group, or the only task (a tag has none)."""
+    children = {c for kids in loaded["group_map"].values() for c in kids}
+    groups = [g for g in loaded["group_map"] if g not in children]
+    if groups:
+        return groups[0]
+    return next(iter(loaded["tasks"])) if len(loaded["tasks"]) == 1 else None
+
+
+def _set_fewshot(task: Any, num_fewshot: int | None) -> None:
+    """What lm_eval.simple_evaluate does: --num-fewshot overrides a task's default unless it pins 0."""
+    default = task.get_config("num_fewshot")
+    if num_fewshot is not None and default != 0:
+        task.set_config(key="num_fewshot", value=num_fewshot)
+    elif default is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=FEWSHOT_SEED)
+
+
+def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress: ProgressFn | None) -> Any:
+    """lm-eval's HFLM over the engine-backed model, reporting finished requests to `progress`.
+
+    The subclasses live in here so that importing this module (for ppl) does not import lm-eval.
+    """
+    from lm_eval.api.model import CacheHook
+    from lm_eval.models.huggingface import HFLM
+
+    class Ticker(CacheHook):
+        # HFLM hands every finished request to its cache hook: the one per-request callback it has.
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.done = self.total = 0
+
+        def start(self, total: int) -> None:
+            self.done, self.total = 0, total
+
+        def add_partial(self, attr: str, req: Any, res: Any) -> None:
+            self.done = min(self.done + 1, self.total)
+            if progress:
+                progress(self.done, self.total)
+
+    class EngineLM(HFLM):
+        def loglikelihood(self, requests, disable_tqdm=False):  # noqa: ANN001 - lm-eval's signature
+            self.cache_hook.start(len(requests))
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):  # noqa: ANN001
+            self.cache_hook.start(len(requests))
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm=False):  # noqa: ANN001
+            self.cache_hook.start(len(requests))
+            return super().generate_until(requests, disable_tqdm=True)
+
+    max_length = min(MAX_LENGTH, int(getattr(model.config, "max_position_embeddings", MAX_LENGTH) or MAX_LENGTH))
+    # Log-softmax in fp32 whatever the compute dtype, so that bf16 runs of two policies differ by
+    # what the policies do, not by rounding in the scoring.
+    lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+                  softmax_dtype=torch.float32)
+    lm.set_cache_hook(Ticker())
+    return lm
+
+
+def _metrics(entry: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """lm-eval's "acc,none" / "acc_stderr,none" keys -> {"acc": v}, {"acc": stderr}."""
+    metrics, stderr = {}, {}
+    for key, value in entry.items():
+        name, sep, filt = key.partition(",")
+        if not sep or not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy scalars too
+            continue
+        if filt != "none":
+            name = f"{name},{filt}"
+        if "_stderr" in name:
+            stderr[name.replace("_stderr", "", 1)] = float(value)
+        else:
+            metrics[name] = float(value)
+    return metrics, stderr
+
+
+def _sample(s: dict[str, Any]) -> dict[str, Any]:
+    return {"doc_id": s["doc_id"], "target": _jsonable(s["target"]), "resps": _jsonable(s["filtered_resps"]),
+            **{m: _jsonable(s[m]) for m in s.get("metrics", []) if m in s}}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")
+
+
+__all__ = ["Eval", "EvalConfig", "evaluate", "PPL", "TASKS_DIR"]

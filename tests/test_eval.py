@@ -1,0 +1,259 @@
+"""`moetool eval`: lm-eval and perplexity through the engine equal plain transformers under lossless
+policies; the packaged multiple-choice tasks run with the network blocked; bad input is one sentence."""
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from moetool.cli import app
+from moetool.datasets import MC_TASKS, heldout_text, mc_task
+from moetool.evaluate import MAX_LENGTH, TASKS_DIR, Eval, EvalConfig, evaluate
+from moetool.model import load_reference, load_tokenizer
+from tiny import save_tiny
+
+runner = CliRunner()
+CONTEXT = 96  # ppl window: two full windows and a short one in the 240 tokens the tests score
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Every test here must run offline: a connection attempt fails at once, as on a cut-off machine."""
+    def refuse(*args, **kwargs):
+        raise OSError("network blocked by tests/test_eval.py")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def save_char_tokenizer(out: Path) -> None:
+    """A character-level tokenizer (printable ASCII and newline: 98 ids, within the tiny vocab of 128)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [chr(i) for i in range(32, 127)]
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """A tiny qwen2_moe checkpoint that ships a tokenizer, with room for few-shot prompts."""
+    out = tmp_path_factory.mktemp("tiny_lm")
+    save_tiny("qwen2_moe", out, max_position_embeddings=1024)
+    save_char_tokenizer(out)
+    return out
+
+
+def _plain_lm_eval(model_path, task: str, limit: int, num_fewshot: int, batch_size: int) -> dict:
+    """The same task through plain transformers (experts inside the model) and lm-eval's own API."""
+    from lm_eval import evaluator
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    loaded = TaskManager(include_path=str(TASKS_DIR), include_defaults=False).load([task])
+    for t in loaded["tasks"].values():
+        t.set_config(key="num_fewshot", value=num_fewshot)
+        t.set_fewshot_seed(seed=1234)
+    model = load_reference(model_path)
+    lm = HFLM(pretrained=model, tokenizer=load_tokenizer(str(model_path)), batch_size=batch_size,
+              max_length=min(MAX_LENGTH, model.config.max_position_embeddings), softmax_dtype=torch.float32)
+    return evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True, bootstrap_iters=0)
+
+
+def _assert_same_samples(ours: Eval, plain: dict, rel: float = 0.0, abs_: float = 0.0) -> None:
+    assert set(ours.samples) == set(plain["samples"])
+    for task, records in ours.samples.items():
+        ref = sorted(plain["samples"][task], key=lambda s: s["doc_id"])
+        assert [r["doc_id"] for r in records] == [s["doc_id"] for s in ref]
+        for r, s in zip(records, ref):
+            assert r["acc"] == s["acc"], (task, r["doc_id"])
+            assert [g for _, g in r["resps"]] == [g for _, g in s["filtered_resps"]]
+            assert [ll for ll, _ in r["resps"]] == pytest.approx([ll for ll, _ in s["filtered_resps"]], rel=rel,
+                                                                 abs=abs_)
+
+
+# -- the packaged tasks ------------------------------------------------------------------------------
+
+def test_every_packaged_mc_task_has_both_task_yamls():
+    for name in MC_TASKS:
+        assert (TASKS_DIR / "bigbench_mc" / f"bigbench_mc_{name}.yaml").is_file()
+        assert (TASKS_DIR / "bigbench_mc" / f"bigbench_mc_cloze_{name}.yaml").is_file()
+
+
+def test_lettered_split_shuffles_choices_but_keeps_the_answer():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bigbench_mc_utils", TASKS_DIR / "bigbench_mc" / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    items = mc_task("emoji_movie")  # BIG-bench lists the right answer first in every item
+    lettered = utils.load(task="emoji_movie", letters=True)
+    assert len(lettered["dev"]) == 5 and len(lettered["test"]) == len(items) - 5
+    rows = list(lettered["dev"]) + list(lettered["test"])
+    assert [r["choices"][r["answer"]] for r in rows] == [q.choices[q.answer] for q in items]
+    assert len({r["answer"] for r in rows}) > 1
+    assert rows == list(utils.load(task="emoji_movie", letters=True)["dev"]) + list(
+        utils.load(task="emoji_movie", letters=True)["test"])  # the same permutation every run
+    same_question = utils.load(task="logical_sequence", letters=True)["test"]  # one question text, many items
+    assert len({r["answer"] for r in same_question}) > 1
+    cloze = utils.load(task="emoji_movie")["test"][0]
+    assert cloze["answer"] == items[5].answer and cloze["choices"] == list(items[5].choices)
+
+
+# -- lm-eval through the engine == plain transformers --------------------------------------------------
+
+@pytest.mark.parametrize("task,policy,budget,batch_size,num_fewshot", [
+    ("bigbench-mc", "resident", "100%", 1, 0),
+    ("bigbench-mc-cloze", "lru", "30%", 2, 2),
+])
+def test_lm_eval_through_the_engine_equals_plain_transformers(tiny_lm, monkeypatch, task, policy, budget,
+                                                             batch_size, num_fewshot):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ours = evaluate(EvalConfig(task=task, model=str(tiny_lm), policy=policy, budget=budget, limit=4,
+                               batch_size=batch_size, num_fewshot=num_fewshot))
+    plain = _plain_lm_eval(tiny_lm, task, limit=4, num_fewshot=num_fewshot, batch_size=batch_size)
+    # Bitwise: with top-2 routing a token sums two expert outputs, and a + b == b + a, so the engine's
+    # hits-before-misses order cannot change a single bit.
+    _assert_same_samples(ours, plain)
+    assert ours.metrics["acc"] == pytest.approx(plain["results"][task]["acc,none"])
+    assert ours.n == 4 * len(MC_TASKS) and len(ours.subtasks) == len(MC_TASKS)
+    if policy == "lru":  # experts really moved and missed: the equality is not a resident run in disguise
+        assert ours.summary["bytes_h2d"] > 0 and ours.summary["hit_rate"] < 1
+        assert ours.options["n_shot"][f"bigbench_mc_cloze_{MC_TASKS[0]}"] == 2
+    assert Eval.from_json(json.loads(json.dumps(ours.to_json()))) == ours
+
+
+# -- perplexity ------------------------------------------------------------------------------------------
+
+def _plain_ppl(model_path, ids: torch.Tensor, context: int) -> float:
+    model = load_reference(model_path)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, ids.numel(), context):
+            w = ids[s:s + context][None]  # [1, C]
+            logits = model(input_ids=w).logits[0, :-1]  # [C-1, V]
+            nll += F.cross_entropy(logits, w[0, 1:], reduction="sum").item()
+            n += w.shape[1] - 1
+    return math.exp(nll / n)
+
+
+def test_ppl_through_the_engine_equals_plain_transformers_and_stepwise_equals_prefill(tiny_lm, tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                    "must be in want of a wife. However little known the feelings or views of such a man may be "
+                    "on his first entering a neighbourhood, this truth is so well fixed in the minds.\n" * 2)
+    ids = torch.tensor(load_tokenizer(str(tiny_lm))(data.read_text(), add_special_tokens=False).input_ids[:240])
+    plain = _plain_ppl(tiny_lm, ids, CONTEXT)
+    base = dict(task="ppl", model=str(tiny_lm), data=data, context=CONTEXT, limit=240)
+    prefill = evaluate(EvalConfig(**base, policy="resident", batch_size=2))
+    assert prefill.metrics["ppl"] == pytest.approx(plain, rel=1e-4)
+    assert prefill.n == 240 - 3 and [w["start"] for w in prefill.samples["ppl"]] == [0, 96, 192]
+    stepwise = evaluate(EvalConfig(**base, policy="resident", stepwise=True))
+    assert stepwise.metrics["ppl"] == pytest.approx(prefill.metrics["ppl"], rel=1e-5)
+    assert stepwise.summary["tpot_s"]["n"] == 240 - 2 * 3  # one 1-token prefill per window, then decode steps
+    lru = evaluate(EvalConfig(**base, policy="lru", budget="30%", stepwise=True))
+    assert lru.metrics["ppl"] == pytest.approx(prefill.metrics["ppl"], rel=1e-5)
+    assert lru.summary["bytes_h2d"] > 0
+
+
+# -- the command -----------------------------------------------------------------------------------------
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_cli_ppl_writes_the_eval_artifact(tiny_lm, tmp_path):
+    save = tmp_path / "resident.eval.json"
+    result = runner.invoke(app, ["eval", "ppl", "--model", str(tiny_lm), "--limit", "200", "--context", "64",
+                                 "--out", str(save)])
+    assert result.exit_code == 0, result.output
+    assert "ppl" in result.stdout and "hit rate 1.000" in result.stdout
+    art = Eval.load(save)
+    assert art.task == "ppl" and art.n == 200 - 4 and art.policy == "resident" and art.unit == "tokens"
+    assert art.summary["precision_mix"] and art.budget["cache_bytes"] >= art.budget["expert_bytes_reference"]
+
+
+def test_cli_mc_table_runs_offline(tiny_lm, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    result = runner.invoke(app, ["eval", "bigbench-mc-cloze", "--model", str(tiny_lm), "--limit", "1",
+                                 "--policy", "lru", "--budget", "30%", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["schema"] == "eval" and set(data["metrics"]) == {"acc", "acc_norm"} and data["n"] == len(MC_TASKS)
+
+
+def test_include_path_and_task_yaml_run_a_user_task_offline(tiny_lm, tmp_path, monkeypatch):
+    """A task of the user's own: lm-eval's `json` loader over a local file, by name via --include-path or by path."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = tmp_path / "colours.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n" for q, c, a in [
+        ("The sky is", ["blue", "green"], 0), ("Grass is", ["red", "green"], 1), ("Snow is", ["white", "black"], 0)]))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "colours.yaml").write_text(
+        f"task: colours\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n")
+    by_name = evaluate(EvalConfig(task="colours", model=str(tiny_lm), include_path=tasks))
+    by_path = evaluate(EvalConfig(task=str(tasks / "colours.yaml"), model=str(tiny_lm)))
+    assert by_name.n == by_path.n == 3 and by_name.samples == by_path.samples
+    assert set(by_name.metrics) == {"acc"} and by_name.metrics == by_path.metrics
+
+
+def test_cli_unknown_task(tiny_lm):
+    line = _one_error_line(runner.invoke(app, ["eval", "mmlu_astronomi", "--model", str(tiny_lm)]))
+    assert "unknown task 'mmlu_astronomi'" in line and "mmlu_astronomy" in line
+
+
+@pytest.mark.parametrize("env", [True, False], ids=["HF_DATASETS_OFFLINE", "no-connection"])
+def test_cli_mmlu_offline_points_at_bigbench(tiny_lm, monkeypatch, env):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    if env:
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    line = _one_error_line(runner.invoke(app, ["eval", "mmlu", "--model", str(tiny_lm)]))
+    assert "offline" in line and "moetool eval bigbench-mc" in line
+
+
+@pytest.mark.parametrize("args,words", [
+    (["bigbench-mc", "--include-path", "/no/such/dir"], "--include-path /no/such/dir is not a directory"),
+    (["ppl", "--data", "/no/such/file.txt"], "--data /no/such/file.txt does not exist"),
+    (["no/such/task.yaml"], "task file no/such/task.yaml does not exist"),
+    (["bigbench-mc", "--stepwise"], "for ppl"),
+])
+def test_cli_bad_input_is_one_sentence(tiny_lm, args, words):
+    assert words in _one_error_line(runner.invoke(app, ["eval", *args, "--model", str(tiny_lm)]))
+
+
+# -- the demo model --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,budget", [("resident", "100%"), ("lru", "25%")])
+def test_demo_model_lm_eval_and_ppl_through_the_engine_equal_plain_transformers(policy, budget):
+    demo = pytest.importorskip("moetool.demo", reason="the demo model builder (moetool/demo.py) is not in this tree")
+    if not demo.committed_params_path().is_file():
+        pytest.skip("the demo model's committed conversion parameters are not in this tree yet")
+    path = demo.build_demo_model().path
+    ours = evaluate(EvalConfig(task="bigbench-mc-cloze", model="demo", policy=policy, budget=budget, limit=20,
+                               batch_size=4))
+    plain = _plain_lm_eval(path, "bigbench-mc-cloze", limit=20, num_fewshot=0, batch_size=4)
+    _assert_same_samples(ours, plain, rel=1e-5, abs_=1e-4)
+    assert ours.metrics["acc"] == pytest.approx(plain["results"]["bigbench-mc-cloze"]["acc,none"])
+    ids = torch.tensor(load_tokenizer(path)(heldout_text(), add_special_tokens=False).input_ids[:2048])
+    ppl = evaluate(EvalConfig(task="ppl", model="demo", policy=policy, budget=budget, limit=2048))
+    assert ppl.metrics["ppl"] == pytest.approx(_plain_ppl(path, ids, 512), rel=1e-4)
