@@ -2,62 +2,21 @@
 
 import json
 import math
+from functools import partial
 
 import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, Where, make_policy
+from moetool.policies.base import Fetch, Phase, Where, make_policy
 from moetool.policies.dymoe import (critical_count, critical_experts, prefill_importance, retention,
                                     solve_lambda)
 
-BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
+import policy_fakes
+from policy_fakes import FakeCache
 
-
-class FakeCache:
-    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
-
-    def __init__(self, capacity):
-        self.cap = dict(capacity)
-        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
-
-    def resident_bits(self, layer, expert):
-        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
-
-    def loading_bits(self, layer, expert):
-        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
-
-    def residents(self, bits):
-        return list(self.held.get(bits, {}))
-
-    def capacity(self, bits):
-        return self.cap.get(bits, 0)
-
-    def free(self, bits):
-        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
-
-    def put(self, layer, expert, bits, loading=False):
-        self.held[bits][layer, expert] = not loading
-
-    def apply(self, victims, want):  # what the engine does with make_room's answer
-        for v in victims:
-            self.held[v.bits].pop((v.layer, v.expert), None)
-        self.put(want.layer, want.expert, want.bits)
-
-
-def make_ctx(layers=(0, 1, 2, 3), E=8, k=2, cache_bytes=20_000):
-    return EngineContext(moe_layers=tuple(layers), num_experts=E, top_k=k, expert_bytes=BYTES,
-                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2))
-
-
-def make_view(idx, cache, *, pos=0, n_layers=4, E=8, phase=Phase.DECODE, weights=None, importance=None,
-              predict=None):
-    idx = torch.tensor(idx)
-    T = idx.shape[0]
-    return LayerView(layer=pos, moe_pos=pos, num_moe_layers=n_layers, num_experts=E, step=Step(0, phase, T),
-                     top_k_index=idx, top_k_weights=weights if weights is not None else torch.full(idx.shape, 0.5),
-                     router_logits=torch.zeros(T, E), cache=cache, predict=predict or (lambda later: None),
-                     token_importance=importance)
+make_ctx = partial(policy_fakes.make_ctx, layers=(0, 1, 2, 3), cache_bytes=20_000)
+make_view = partial(policy_fakes.make_view, n_layers=4)
 
 
 # -- eq. 4-5 ---------------------------------------------------------------------------------------

@@ -1,63 +1,21 @@
 """DynaExq: hotness EMA, top-n with hysteresis, budget admission, and publication without waiting."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, make_policy
+from moetool.policies.base import Fetch, Phase, Step, make_policy
 from moetool.policies.dynaexq import HandleState, Hotness, select_high
 
-BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
-
-
-class FakeCache:
-    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
-
-    def __init__(self, capacity):
-        self.cap = dict(capacity)
-        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
-
-    def resident_bits(self, layer, expert):
-        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
-
-    def loading_bits(self, layer, expert):
-        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
-
-    def residents(self, bits):
-        return list(self.held.get(bits, {}))
-
-    def capacity(self, bits):
-        return self.cap.get(bits, 0)
-
-    def free(self, bits):
-        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
-
-    def put(self, layer, expert, bits, loading=False):
-        self.held[bits][layer, expert] = not loading
-
-    def start(self, victims, want):  # the engine: evict the victims, start the copy (in flight)
-        for v in victims:
-            self.held[v.bits].pop((v.layer, v.expert), None)
-        self.put(want.layer, want.expert, want.bits, loading=True)
-
-    def publish(self, layer, expert, bits):  # the copy's event completed
-        self.held[bits][layer, expert] = True
-
+import policy_fakes
+from policy_fakes import FakeCache
 
 # 2 layers of 4 experts: the low tier takes 2 * 4 * 400 = 3200 B; 8000 B leave (8000 - 3200) // 1600 // 2 = 1 per layer
-def make_ctx(cache_bytes=8000, E=4):
-    return EngineContext(moe_layers=(0, 1), num_experts=E, top_k=1, expert_bytes=BYTES,
-                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2))
-
-
-def make_view(idx, cache, *, layer=0, E=4):
-    idx = torch.tensor(idx)
-    T = idx.shape[0]
-    return LayerView(layer=layer, moe_pos=layer, num_moe_layers=2, num_experts=E, step=Step(0, Phase.DECODE, T),
-                     top_k_index=idx, top_k_weights=torch.ones(idx.shape), router_logits=torch.zeros(T, E),
-                     cache=cache, predict=lambda later: None)
+make_ctx = partial(policy_fakes.make_ctx, E=4, k=1, cache_bytes=8000)
+make_view = partial(policy_fakes.make_view, E=4, weight=1.0)
 
 
 def warmed(policy):

@@ -1,60 +1,20 @@
 """SMoE's mechanisms: Algorithm 1 decisions, eq. 3 eviction with the shield, prefetch, Algorithm 2 splits."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 
-from moetool.policies.base import EngineContext, Fetch, LayerView, Phase, Step, Where, make_policy
+from moetool.policies.base import Fetch, Where, make_policy
 from moetool.policies.eviction import EVICTIONS, ScoreEviction
 from moetool.policies.smoe import cache_router, cpu_split, thresholds
 
-BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
+import policy_fakes
+from policy_fakes import FakeCache
 
-
-class FakeCache:
-    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
-
-    def __init__(self, capacity):
-        self.cap = dict(capacity)
-        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
-
-    def resident_bits(self, layer, expert):
-        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
-
-    def loading_bits(self, layer, expert):
-        return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
-
-    def residents(self, bits):
-        return list(self.held.get(bits, {}))
-
-    def capacity(self, bits):
-        return self.cap.get(bits, 0)
-
-    def free(self, bits):
-        return self.cap.get(bits, 0) - len(self.held.get(bits, {}))
-
-    def put(self, layer, expert, bits, loading=False):
-        self.held[bits][layer, expert] = not loading
-
-    def apply(self, victims, want):  # what the engine does with make_room's answer
-        for v in victims:
-            self.held[v.bits].pop((v.layer, v.expert), None)
-        self.put(want.layer, want.expert, want.bits)
-
-
-def make_ctx(layers=(0, 1), E=8, k=3, cache_bytes=16_000, hw=None):
-    return EngineContext(moe_layers=tuple(layers), num_experts=E, top_k=k, expert_bytes=BYTES,
-                         cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2), hw=hw or {})
-
-
-def make_view(idx, logits, cache, *, layer=0, pos=0, phase=Phase.DECODE, weights=None, predict=None):
-    idx = torch.tensor(idx)
-    T = idx.shape[0]
-    return LayerView(layer=layer, moe_pos=pos, num_moe_layers=2, num_experts=logits.shape[1],
-                     step=Step(0, phase, T), top_k_index=idx,
-                     top_k_weights=weights if weights is not None else torch.full(idx.shape, 0.3),
-                     router_logits=logits, cache=cache, predict=predict or (lambda later: None))
+make_ctx = partial(policy_fakes.make_ctx, k=3, cache_bytes=16_000)
+make_view = partial(policy_fakes.make_view, weight=0.3)
 
 
 def mask(E, *experts):
@@ -147,7 +107,7 @@ def test_smoe_make_room_uses_scores_and_shield():
     pol = make_policy("smoe", {"cpu_assist": "false", "prefetcher": "none"}, make_ctx(layers=(0,), cache_bytes=4800))
     cache = FakeCache(pol.pools())  # 3 slots at 16 bits
     logits = torch.log(torch.tensor([[0.05, 0.30, 0.10, 0.20, 0.05, 0.05, 0.05, 0.20]]))
-    pol.plan(make_view([[1, 3, 7]], logits, cache))  # records this iteration's scores
+    pol.plan(make_view([[1, 3, 7]], cache, logits=logits))  # records this iteration's scores
     for e in (1, 2, 3):
         want = Fetch(0, e, 16)
         cache.apply(pol.make_room(want, cache, set(), True), want)
@@ -164,19 +124,19 @@ def test_plan_substitutes_keep_the_slot_weight_and_split_misses():
     cache = FakeCache(pol.pools())
     cache.put(0, 3, 16)
     w = torch.tensor([[0.5, 0.3, 0.2]])
-    plan = pol.plan(make_view(IDX.tolist(), SCORES.log(), cache, weights=w))
+    plan = pol.plan(make_view(IDX.tolist(), cache, logits=SCORES.log(), weights=w))
     assert plan.expert.tolist() == [[0, 7, 3]]
     assert torch.equal(plan.weight, w)  # 3 runs with 1's weight
     # misses 0 (.30) and 7 (.15): Algorithm 2 loads the higher-scored, computes the other on the CPU
     assert plan.where.tolist() == [[Where.GPU, Where.CPU, Where.GPU]]
     cache.put(0, 7, 16, loading=True)  # a prefetch in flight stays on the device
-    plan = pol.plan(make_view(IDX.tolist(), SCORES.log(), cache, weights=w))
+    plan = pol.plan(make_view(IDX.tolist(), cache, logits=SCORES.log(), weights=w))
     assert plan.where.tolist() == [[Where.GPU, Where.GPU, Where.GPU]]
 
 
 def test_plan_without_timings_loads_every_miss():
     pol = make_policy("smoe", {}, make_ctx())
-    plan = pol.plan(make_view(IDX.tolist(), SCORES.log(), FakeCache(pol.pools())))
+    plan = pol.plan(make_view(IDX.tolist(), FakeCache(pol.pools()), logits=SCORES.log()))
     assert (plan.where == Where.GPU).all()
     assert not pol.describe()["cpu_assist_active"]
 
@@ -185,7 +145,8 @@ def test_top_score_prefetch_uses_the_next_router():
     pol = make_policy("smoe", {"alpha": "0.3"}, make_ctx())
     cache = FakeCache(pol.pools())
     cache.put(1, 7, 16)
-    view = make_view(IDX.tolist(), SCORES.log(), cache, predict=lambda later: SCORES.log() if later == 1 else None)
+    view = make_view(IDX.tolist(), cache, logits=SCORES.log(),
+                     predict=lambda later: SCORES.log() if later == 1 else None)
     assert pol.prefetch(view) == [Fetch(1, 0, 16)]  # top-score predicted: 0 and 7; 7 is resident
 
 
@@ -193,12 +154,12 @@ def test_prefetcher_knob_composes_fates_prefetcher():
     logits = SCORES.log()
     for name, expected in (("fate", [Fetch(1, 0, 16), Fetch(1, 7, 16)]), ("none", [])):
         pol = make_policy("smoe", {"prefetcher": name}, make_ctx(k=3))
-        view = make_view(IDX.tolist(), logits, FakeCache(pol.pools()), predict=lambda later: logits)
+        view = make_view(IDX.tolist(), FakeCache(pol.pools()), logits=logits, predict=lambda later: logits)
         assert pol.prefetch(view) == expected  # fate: above the 75th percentile, n = k = 3 cap
     json.dumps(pol.describe())
 
 
 def test_dropped_slots_are_not_run():
     pol = make_policy("smoe", {}, make_ctx())
-    plan = pol.plan(make_view([[0, 8, 1]], SCORES.log(), FakeCache(pol.pools())))
+    plan = pol.plan(make_view([[0, 8, 1]], FakeCache(pol.pools()), logits=SCORES.log()))
     assert plan.expert[0, 1] == -1 and plan.where[0, 1] == Where.SKIP
