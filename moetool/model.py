@@ -159,7 +159,9 @@ class ProviderExperts(nn.Module):
         for e in torch.unique(top_k_index).tolist():
             if not 0 <= e < self.layer.num_experts:  # some routers mark dropped slots with E
                 continue
-            token_idx, slot = torch.where(top_k_index == e)  # [n], [n]
+            # (slot, token) order, as transformers' eager loop: same rows in the same GEMM positions,
+            # so fp32 results match bit for bit (BLAS rounds tail rows of a block differently).
+            slot, token_idx = torch.where((top_k_index == e).t())  # [n], [n]
             y = self.expert_forward(hidden_states[token_idx], self.provider.get(self.layer.index, e))
             y = y * top_k_weights[token_idx, slot, None]  # [n, H]
             out.index_add_(0, token_idx, y.to(out.dtype))

@@ -52,29 +52,35 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     src = resolve_source(args.model)
 
-    plain = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()
+    plain = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()  # transformers' default kernel
+    eager = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation="eager").to(device).eval()
     lm = load_model(src, device=device, dtype=dtype)
     engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, dtype), "resident", budget="100%",
                              device=device)
     ids = (lm.tokenizer("The history of the city begins", return_tensors="pt").input_ids if lm.tokenizer
            else torch.arange(1, 9)[None])
 
-    decode_times(plain, ids, 4, device)  # warm-up both
-    decode_times(lm.model, ids, 4, device)
-    # Interleave the two so drift in machine load hits both alike.
-    t_plain, t_engine = [], []
+    for m in (plain, eager, lm.model):  # warm-up
+        decode_times(m, ids, 4, device)
+    # Interleave the three so drift in machine load hits all alike.
+    t_plain, t_eager, t_engine = [], [], []
     for _ in range(2):
         tp, toks_p = decode_times(plain, ids, args.tokens // 2, device)
+        tq, _ = decode_times(eager, ids, args.tokens // 2, device)
         te, toks_e = decode_times(lm.model, ids, args.tokens // 2, device)
         t_plain += tp
+        t_eager += tq
         t_engine += te
-    mp, me = statistics.median(t_plain), statistics.median(t_engine)
+    mp, mq, me = statistics.median(t_plain), statistics.median(t_eager), statistics.median(t_engine)
     print(f"model {src} ({lm.geometry.model_type}), device {device}, dtype {args.dtype}, "
           f"threads {torch.get_num_threads()}, {len(t_plain)} decode steps each")
-    print(f"plain transformers  median decode step {mp * 1e3:8.3f} ms")
+    print(f"plain transformers  median decode step {mp * 1e3:8.3f} ms  (default experts kernel: "
+          f"{plain.config._experts_implementation})")
+    print(f"plain, eager loop   median decode step {mq * 1e3:8.3f} ms")
     print(f"engine resident     median decode step {me * 1e3:8.3f} ms")
     print(f"same tokens: {toks_p == toks_e}")
     print(f"ratio engine / plain = {me / mp:.3f}x (goal <= 1.05x)")
+    print(f"ratio engine / eager = {me / mq:.3f}x")
 
 
 if __name__ == "__main__":

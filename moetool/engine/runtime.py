@@ -206,9 +206,13 @@ class Engine:
         """
         skip = int(Where.SKIP)
         lists: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
-        for t, (er, br, wr, ir) in enumerate(zip(plan.expert.tolist(), plan.bits.tolist(), plan.where.tolist(),
-                                                 idx.tolist())):
-            for s, (e, b, w, i) in enumerate(zip(er, br, wr, ir)):
+        k = plan.expert.shape[1]
+        # Slot-major, token-minor, as transformers' eager loop: each expert's rows reach the GEMM in
+        # the same order, so a lossless policy matches the reference bit for bit.
+        cols = [(c.tolist() for c in (plan.expert[:, s], plan.bits[:, s], plan.where[:, s], idx[:, s]))
+                for s in range(k)]
+        for s, (er, br, wr, ir) in enumerate(cols):
+            for t, (e, b, w, i) in enumerate(zip(er, br, wr, ir)):
                 if e < 0 or w == skip:
                     st.skips += 1
                     continue
