@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -31,18 +32,13 @@ def demo_model(
     """
     from moetool.demo import build_demo_model
 
-    with _bar() as bar:
-        task = bar.add_task("demo model", total=None)
-
-        def progress(what: str, done: int, total: int) -> None:
-            bar.update(task, description=what, completed=done, total=total)
-
-        info = build_demo_model(save, refit=refit, progress=progress)
+    with err.status("demo model ...") as status:
+        info = build_demo_model(save, refit=refit, progress=lambda msg: status.update(f"demo model: {msg}"))
     table = Table(title="demo model")
     table.add_column("field")
     table.add_column("value")
-    for key, value in info.describe().items():
-        table.add_row(key, str(value))
+    for key, value in dataclasses.asdict(info).items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     out.print(table)
 
 

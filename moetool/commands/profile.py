@@ -1,0 +1,105 @@
+"""`moetool profile`: routing skew, sensitivity, similarity, prefetch accuracy and timings of a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+from rich.table import Table
+
+from moetool.cli import JsonOpt, command, err, out
+from moetool.errors import MoetoolError
+
+
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(v.strip() for item in values or [] for v in item.split(",") if v.strip())
+
+
+@command
+def profile(
+    save: Annotated[Path, typer.Option("--out", help="Where to write the profile artifact (NAME.profile.json).")],
+    model: Annotated[str, typer.Option(help="Model directory, hub id, or 'demo'.")] = "demo",
+    bundle: Annotated[Path | None, typer.Option(help="Quantized bundle for sensitivity and timing (default: HQQ in memory).")] = None,
+    data: Annotated[list[str] | None, typer.Option(help="Data set name (heldout, train, a BIG-bench task) or a text/JSONL file; repeat or comma-separate. Default: heldout, general_knowledge, movie_recommendation.")] = None,
+    what: Annotated[list[str] | None, typer.Option(help="all, routing, sensitivity, similarity, prefetch, timing; repeat or comma-separate.")] = None,
+    seqs: Annotated[int, typer.Option(help="Sequences (prompts) per data set.")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per text sequence.")] = 128,
+    decode_tokens: Annotated[int, typer.Option(help="Greedy decode steps traced after each prompt.")] = 16,
+    bits: Annotated[str, typer.Option(help="Sensitivity precisions, comma-separated (DyMoE Fig. 5 uses 2).")] = "2",
+    ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens scored per perplexity.")] = 512,
+    hw_base: Annotated[str, typer.Option(help="Preset whose throughputs the written hardware profile keeps.")] = "rtx3090",
+    hw_out: Annotated[Path | None, typer.Option(help="Hardware profile JSON to write from the timings (default: NAME.hw.json beside --out).")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure what the policies' knobs are fitted from, on MODEL over --data.
+
+    routing: expert counts per layer in prefill and decode, heavy-hitter load, skew, gate scores,
+    hot-set overlap across data sets, activation ratio vs batch. sensitivity: held-out perplexity
+    with one layer's experts at INT2, and with a share of experts at INT2 (Fate). similarity and
+    prefetch: adjacent-layer cosine and cross-layer prediction recall. timing: per-layer and
+    per-expert times on this machine, also written as a hardware profile for `run --clock sim`.
+
+    Example: `moetool profile --model demo --data heldout --data general_knowledge --what routing,prefetch --out demo.profile.json`
+    """
+    from moetool.profile import ProfileConfig
+    from moetool.profile import profile as profile_stage
+
+    try:
+        sens_bits = tuple(int(b) for b in bits.split(",") if b.strip())
+    except ValueError:
+        raise MoetoolError(f"--bits takes comma-separated integers such as 2,4, not '{bits}'.") from None
+    cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,
+                        what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
+                        decode_tokens=decode_tokens, sensitivity_bits=sens_bits, ppl_tokens=ppl_tokens,
+                        hw_base=hw_base, device=device, dtype=dtype)
+    bar = Progress(console=err, transient=True)
+    tasks: dict[str, int] = {}
+
+    def progress(part: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()  # only once work starts, so an early error is not preceded by a blank bar line
+        if part not in tasks:
+            tasks[part] = bar.add_task(part, total=total)
+        bar.update(tasks[part], completed=done, total=total)
+
+    try:
+        result = profile_stage(cfg, progress=progress)
+    finally:
+        bar.stop()
+    result.save(save)
+    if result.hw is not None:
+        hw_path = hw_out or save.with_name(save.name.removesuffix(".json").removesuffix(".profile") + ".hw.json")
+        from moetool.artifacts import atomic_write_bytes
+
+        atomic_write_bytes(hw_path, (json.dumps(result.hw, indent=1) + "\n").encode())
+        err.print(f"hardware profile for `run --clock sim --hw {hw_path}` written", highlight=False)
+    if as_json:
+        out.print_json(json.dumps(result.to_json()))
+        return
+    table = Table(title=f"profile of {result.model.source} ({', '.join(result.what)})")
+    table.add_column("layer", justify="right")
+    cols = []
+    if result.routing:
+        cols += [("gini", lambda i: f"{result.routing.layers[i].gini:.3f}"),
+                 ("top-10% share", lambda i: f"{result.routing.layers[i].top10_share:.3f}")]
+    if result.sensitivity:
+        b0 = str(result.sensitivity.bits[0]) if result.sensitivity.bits else None
+        if b0:
+            cols.append((f"Δppl INT{b0}", lambda i: f"{result.sensitivity.layers[i].delta[b0]:+.3f}"))
+    if result.prefetch:
+        recall = {lp.layer: lp.recall_topk.get("decode") for lp in result.prefetch.layers}
+        cols.append(("prefetch recall (decode)", lambda i: "-" if recall.get(result.info.moe_layers[i]) is None
+                     else f"{recall[result.info.moe_layers[i]]:.3f}"))
+    if result.timing:
+        cols.append(("t_moe ms", lambda i: f"{result.timing.layers[i].t_moe * 1e3:.3f}"))
+    for name, _ in cols:
+        table.add_column(name, justify="right")
+    for i, layer in enumerate(result.info.moe_layers):
+        table.add_row(str(layer), *[fn(i) for _, fn in cols])
+    out.print(table)
+    err.print(f"profile written to {save}", highlight=False)

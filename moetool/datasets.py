@@ -1,0 +1,85 @@
+"""Offline text and multiple-choice data shipped inside the package (extracted by scripts/fetch_data.py).
+
+Text: Shakespeare plays (Project Gutenberg, public domain) and Python 3.11 documentation pages
+(PSF licence), split by whole work into `train_text()` (router fitting, calibration) and
+`heldout_text()` (perplexity; never used for fitting). Multiple choice: BIG-bench tasks
+(Apache-2.0) as MMLU-like records. Sources, versions and licences: `manifest()`.
+
+    >>> from moetool.datasets import mc_task, heldout_text
+    >>> q = mc_task("general_knowledge")[0]
+    >>> q.choices[q.answer]
+    'four'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from moetool.errors import MoetoolError
+
+# BIG-bench tasks on which SmolLM2-135M-Instruct is above chance (see MANIFEST.json, "tasks").
+MC_TASKS: tuple[str, ...] = (
+    "general_knowledge",
+    "human_organs_senses",
+    "logical_sequence",
+    "movie_recommendation",
+    "phrase_relatedness",
+    "emoji_movie",
+)
+
+
+@dataclass(frozen=True)
+class MCQuestion:
+    """One multiple-choice item: `answer` indexes `choices`."""
+
+    question: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+def _data_file(*parts: str):
+    return resources.files("moetool").joinpath("data", *parts)
+
+
+def _read_text(*parts: str) -> str:
+    path = _data_file(*parts)
+    if not path.is_file():
+        raise MoetoolError(f"packaged data file moetool/data/{'/'.join(parts)} is missing; "
+                           "reinstall moetool or run scripts/fetch_data.py")
+    return path.read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=None)
+def train_text() -> str:
+    """Text for fitting routers and calibration (about 1.7 MB); disjoint from `heldout_text()`."""
+    return _read_text("text", "train.txt")
+
+
+@lru_cache(maxsize=None)
+def heldout_text() -> str:
+    """Text for held-out perplexity (about 190 kB); no work in it appears in `train_text()`."""
+    return _read_text("text", "heldout.txt")
+
+
+@lru_cache(maxsize=None)
+def mc_task(name: str) -> tuple[MCQuestion, ...]:
+    """All items of one multiple-choice task from `MC_TASKS`, in file order."""
+    if name not in MC_TASKS:
+        raise MoetoolError(f"unknown multiple-choice task {name!r}; choose one of {', '.join(MC_TASKS)}")
+    items = []
+    for n, line in enumerate(_read_text("mc", f"{name}.jsonl").splitlines(), 1):
+        rec = json.loads(line)
+        choices = tuple(rec["choices"])
+        if not 0 <= rec["answer"] < len(choices):
+            raise MoetoolError(f"moetool/data/mc/{name}.jsonl line {n} has an answer index out of range")
+        items.append(MCQuestion(rec["question"], choices, rec["answer"]))
+    return tuple(items)
+
+
+@lru_cache(maxsize=None)
+def manifest() -> dict:
+    """Where every packaged data file came from: registry, package, version, licence, sha256."""
+    return json.loads(_read_text("MANIFEST.json"))

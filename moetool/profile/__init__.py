@@ -1,0 +1,226 @@
+"""The profile stage: measure a model's routing, sensitivity, similarity, prefetch accuracy and timings.
+
+One pass of traced forwards (prefill, then greedy decode steps) over each data set feeds routing,
+similarity and prefetch; sensitivity scores held-out perplexity with experts swapped for quantized
+ones; timing runs decode steps with timers. Each part is optional (`what`).
+
+    prof = profile(ProfileConfig(model="demo", data=("heldout", "general_knowledge"), what=("routing",)))
+    prof.save(Path("demo.profile.json")); prof.routing.layers[0].gini
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from moetool.artifacts import Artifact, sha256_file
+from moetool.errors import MoetoolError
+from moetool.model import LoadedModel, load_model
+from moetool.profile.data import load_sequences
+from moetool.profile.prefetch import PrefetchAccumulator, PrefetchProfile
+from moetool.profile.routing import RoutingAccumulator, RoutingProfile
+from moetool.profile.sensitivity import INT2_SHARES, MemoryQuantizer, SensitivityProfile, group_size_for, \
+    measure_sensitivity
+from moetool.profile.similarity import SimilarityAccumulator, SimilarityProfile
+from moetool.profile.timing import TimingProfile, measure_timing
+from moetool.profile.trace import Tracer, route
+
+WHAT = ("routing", "sensitivity", "similarity", "prefetch", "timing")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Progress = Callable[[str, int, int], None]  # (part, done, total)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    model: str = "demo"
+    bundle: Path | None = None
+    data: tuple[str, ...] = ("heldout", "general_knowledge", "movie_recommendation")
+    what: tuple[str, ...] = ("all",)
+    seqs_per_data: int = 4  # sequences (prompts) per data set
+    seq_len: int = 128  # tokens per text sequence
+    decode_tokens: int = 16  # greedy decode steps after each prompt
+    hh_ratio: float = 0.2  # heavy-hitter share of a prompt's tokens (DyMoE eq. 2)
+    sensitivity_bits: tuple[int, ...] = (2,)  # DyMoE Fig. 5 uses INT2; add 4 for INT4
+    int2_shares: tuple[float, ...] = INT2_SHARES  # Fate Fig. 10; () to skip
+    ppl_data: str = "heldout"
+    ppl_tokens: int = 512
+    ppl_seq_len: int = 256
+    timing_steps: int = 8
+    hw_base: str = "rtx3090"  # preset whose throughputs the written hardware profile keeps
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What fit needs of the model without loading it: shapes and memory."""
+
+    moe_layers: tuple[int, ...]
+    num_hidden_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: dict[str, int]  # bits -> one expert's blob
+    expert_bytes_source: str  # "bundle DIR" or "layout (not quantized)"
+    non_expert_bytes: int  # at `dtype`
+    kv_margin_bytes: int  # KV cache for 4096 tokens (as `run` plans), batch 1, plus the activation margin
+    staging_bytes: int  # the engine's staging buffers
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Profile(Artifact):
+    """What `moetool profile` measured on one model. A part not asked for is None."""
+
+    SCHEMA: ClassVar[str] = "profile"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    what: tuple[str, ...]
+    data: dict[str, int]  # data set -> sequences profiled
+    settings: dict[str, Any]
+    info: ModelInfo
+    routing: RoutingProfile | None = None
+    sensitivity: SensitivityProfile | None = None
+    similarity: SimilarityProfile | None = None
+    prefetch: PrefetchProfile | None = None
+    timing: TimingProfile | None = None
+    hw: dict[str, Any] | None = None  # the hardware profile JSON written from `timing`
+
+
+def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    names = [w.strip() for item in items for w in str(item).split(",") if w.strip()]
+    bad = [w for w in names if w not in (*WHAT, "all")]
+    if bad:
+        raise MoetoolError(f"--what {bad[0]} is not one of all, {', '.join(WHAT)}.")
+    return WHAT if not names or "all" in names else tuple(w for w in WHAT if w in names)
+
+
+def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> ModelInfo:
+    from moetool.engine import kv_margin
+    from moetool.engine.cache import STAGING_SLOTS
+
+    g = lm.geometry.layers[0]
+    if bundle is not None:
+        sizes = {str(b): bundle.entry(g.index, 0, b).nbytes for b in bundle.manifest.bits}
+        how = f"bundle {bundle.directory}"
+    else:
+        from moetool.quant.format import make_layout
+
+        gate_up = (2 * g.intermediate_size if g.gated else g.intermediate_size, g.hidden_size)
+        gs = group_size_for(g)
+        sizes = {str(b): make_layout(b, gate_up, (g.hidden_size, g.intermediate_size), g.has_bias, gs).nbytes
+                 for b in (16, 8, 4, 2)}
+        how = f"hqq layout at group size {gs} (no bundle given)"
+    return ModelInfo(moe_layers=tuple(x.index for x in lm.geometry.layers),
+                     num_hidden_layers=lm.geometry.num_hidden_layers, num_experts=g.num_experts, top_k=g.top_k,
+                     expert_bytes=sizes, expert_bytes_source=how, non_expert_bytes=lm.non_expert_bytes(),
+                     kv_margin_bytes=kv_margin(lm.model.config, 4096, 1, dtype),  # what `moetool run` reserves
+                     staging_bytes=STAGING_SLOTS * sum(sizes.values()), dtype=dtype_name)
+
+
+def _check(cfg: ProfileConfig) -> None:
+    if cfg.dtype not in DTYPES:
+        raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{cfg.dtype}'.")
+    if cfg.seqs_per_data < 1 or cfg.seq_len < 2 or cfg.decode_tokens < 0 or cfg.ppl_tokens < 2:
+        raise MoetoolError("sequence counts and lengths must be positive.")
+    if not 0 < cfg.hh_ratio <= 1:
+        raise MoetoolError("the heavy-hitter ratio must be in (0, 1].")
+    if any(b not in (2, 4, 8) for b in cfg.sensitivity_bits):
+        raise MoetoolError("sensitivity bits must be among 2, 4, 8.")
+    if cfg.bundle is not None and not (Path(cfg.bundle) / "bundle.json").is_file():
+        raise MoetoolError(f"{cfg.bundle} is not a bundle directory (no bundle.json in it).")
+
+
+def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
+    """Measure `cfg.what` on `cfg.model` over `cfg.data`."""
+    _check(cfg)
+    tick = progress or (lambda part, done, total: None)
+    what = parse_what(cfg.what)
+    dtype = DTYPES[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    lm = load_model(cfg.model, device=cfg.device, dtype=dtype)
+    inputs: dict[str, str] = {}
+    bundle = None
+    if cfg.bundle is not None:
+        from moetool.quant.bundle import Bundle
+
+        bundle = Bundle.open(Path(cfg.bundle), model=lm.fingerprint)
+        inputs[str(Path(cfg.bundle) / "bundle.json")] = sha256_file(Path(cfg.bundle) / "bundle.json")
+        needed = (*cfg.sensitivity_bits, *((4, 2) if cfg.int2_shares else ())) if "sensitivity" in what else ()
+        missing = [b for b in needed if b not in bundle.manifest.bits]
+        if missing:
+            raise MoetoolError(f"the bundle in {cfg.bundle} lacks {missing[0]}-bit experts that the "
+                               "sensitivity measurement needs; quantize with those bits.")
+    data: dict[str, list[torch.Tensor]] = {}
+    for name in dict.fromkeys(cfg.data):
+        data[name], inputs[f"data:{name}"] = load_sequences(lm, name, cfg.seqs_per_data, cfg.seq_len)
+    parts: dict[str, Any] = {}
+    if {"routing", "similarity", "prefetch"} & set(what):
+        parts.update(_trace_parts(lm, cfg, what, data, tick))
+    if "sensitivity" in what:
+        seq_len = min(cfg.ppl_seq_len, cfg.ppl_tokens)
+        chunks, inputs[f"data:{cfg.ppl_data}"] = load_sequences(lm, cfg.ppl_data, cfg.ppl_tokens // seq_len, seq_len)
+        source = bundle or MemoryQuantizer(lm)
+        name = f"bundle {cfg.bundle}" if bundle is not None else "hqq in memory (calibration-free)"
+        parts["sensitivity"] = measure_sensitivity(
+            lm, source, chunks, tuple(cfg.sensitivity_bits), tuple(cfg.int2_shares), cfg.ppl_data, name,
+            progress=lambda d, t: tick("sensitivity", d, t))
+    if "timing" in what:
+        tick("timing", 0, 1)
+        ids = next(iter(data.values()))[0][:, :32]
+        parts["timing"] = measure_timing(lm, _timing_blobs(lm, bundle), ids, cfg.timing_steps)
+        from moetool.profile.timing import hw_profile
+
+        parts["hw"] = hw_profile(parts["timing"], cfg.hw_base,
+                                 name=f"{lm.fingerprint.model_type}-{parts['timing'].device}-measured")
+        tick("timing", 1, 1)
+    settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # tuples -> lists, as JSON reads back
+    return Profile(model=lm.fingerprint, inputs=inputs, what=what, data={k: len(v) for k, v in data.items()},
+                   settings=settings, info=_info(lm, bundle, dtype, cfg.dtype), **parts)
+
+
+def _trace_parts(lm: LoadedModel, cfg: ProfileConfig, what: tuple[str, ...], data: dict[str, list[torch.Tensor]],
+                 tick: Progress) -> dict[str, Any]:
+    g = lm.geometry.layers[0]
+    layers = tuple(x.index for x in lm.geometry.layers)
+    accs: dict[str, Any] = {}
+    if "routing" in what:
+        accs["routing"] = RoutingAccumulator(g.num_experts, g.top_k, layers, cfg.hh_ratio, cfg.seed)
+    if "similarity" in what:
+        accs["similarity"] = SimilarityAccumulator(layers)
+    if "prefetch" in what:
+        accs["prefetch"] = PrefetchAccumulator(lambda layer, h: route(lm, layer, h), g.num_experts, g.top_k)
+    tracer = Tracer(lm, attention_weights="routing" in what)
+    total, done = sum(len(v) for v in data.values()), 0
+    try:
+        for name, seqs in data.items():
+            for ids in seqs:
+                for trace in tracer.sequence_traces(ids, cfg.decode_tokens):
+                    for part, acc in accs.items():
+                        if part == "routing":
+                            acc.add(trace, name)
+                        else:
+                            acc.add(trace)
+                done += 1
+                tick("trace", done, total)
+    finally:
+        tracer.close()
+    return {part: acc.result() for part, acc in accs.items()}
+
+
+def _timing_blobs(lm: LoadedModel, bundle) -> dict[int, tuple[torch.Tensor, Any]]:
+    g = lm.geometry.layers[0]
+    if bundle is not None:
+        return {int(b): (bundle.blob(g.index, 0, b).clone(), bundle.layout(bundle.entry(g.index, 0, b)))
+                for b in bundle.manifest.bits}
+    quantizer = MemoryQuantizer(lm)
+    return {b: quantizer.blob(g.index, 0, b) for b in (16, 8, 4, 2)}
+
+
+__all__ = ["ModelInfo", "Profile", "ProfileConfig", "WHAT", "parse_what", "profile"]

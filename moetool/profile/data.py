@@ -1,0 +1,82 @@
+"""Token sequences to profile on: the packaged offline text and multiple-choice sets, or local files.
+
+A name is `train` or `heldout` (packaged text, `moetool.datasets`), a BIG-bench task name from
+`moetool.datasets.MC_TASKS` (each question is one prompt), or a path: a `.jsonl` file of prompts
+({"prompt": ...}, {"question": ...} or plain strings) or a UTF-8 text file cut into sequences.
+
+    seqs, sha = load_sequences(lm, "heldout", n=4, seq_len=128)   # 4 tensors [1, 128], sha256 of the text
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from moetool import datasets
+from moetool.check import prompt_ids
+from moetool.errors import MoetoolError
+from moetool.model import LoadedModel
+
+TEXTS = {"train": datasets.train_text, "heldout": datasets.heldout_text}
+
+
+def known_names() -> tuple[str, ...]:
+    return (*TEXTS, *datasets.MC_TASKS)
+
+
+def _ids(lm: LoadedModel, text: str) -> torch.Tensor:
+    return prompt_ids(lm.tokenizer, text, lm.model.config.vocab_size)[0]  # [T]
+
+
+def _chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:
+    """`n` windows of `seq_len` tokens spread evenly over `ids` (so a mixed text contributes all its parts)."""
+    if len(ids) < 2:
+        return []
+    seq_len = min(seq_len, len(ids))
+    last = len(ids) - seq_len
+    starts = sorted({round(i * last / max(1, n - 1)) for i in range(n)}) if n > 1 else [0]
+    return [ids[s:s + seq_len][None] for s in starts]
+
+
+def _prompts(lm: LoadedModel, prompts: list[str], n: int) -> list[torch.Tensor]:
+    return [_ids(lm, p)[None] for p in prompts[:n] if p.strip()]
+
+
+def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[list[torch.Tensor], str]:
+    """(`n` sequences [1, T] of `name`, sha256 of the data they come from)."""
+    if name in TEXTS:
+        text = TEXTS[name]()
+        return _chunks(_ids(lm, text), n, seq_len), hashlib.sha256(text.encode()).hexdigest()
+    if name in datasets.MC_TASKS:
+        items = datasets.mc_task(name)
+        prompts = [f"Question: {q.question}\nAnswer:" for q in items]
+        return _prompts(lm, prompts, n), hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+    path = Path(name)
+    if not path.is_file():
+        raise MoetoolError(f"--data {name} is neither a file nor a known data set ({', '.join(known_names())}).")
+    raw = path.read_bytes()
+    sha = hashlib.sha256(raw).hexdigest()
+    text = raw.decode("utf-8", errors="replace")
+    if path.suffix == ".jsonl":
+        prompts = []
+        for line_no, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                raise MoetoolError(f"{path} line {line_no} is not JSON.") from None
+            value = item if isinstance(item, str) else item.get("prompt", item.get("question")) \
+                if isinstance(item, dict) else None
+            if not isinstance(value, str):
+                raise MoetoolError(f"{path} line {line_no} has no string 'prompt' or 'question'.")
+            prompts.append(value)
+        seqs = _prompts(lm, prompts, n)
+    else:
+        seqs = _chunks(_ids(lm, text), n, seq_len)
+    if not seqs:
+        raise MoetoolError(f"{path} holds no text to profile on.")
+    return seqs, sha

@@ -1,0 +1,201 @@
+"""Timings on this machine: per layer t_attn, t_gate, t_moe in decode; per precision the load, dequant
+and compute time of one expert; C_CPU (SMoE); host-to-device bandwidth (CUDA only).
+
+`hw_profile` turns them into a hardware profile JSON for `moetool run --clock sim --hw FILE`: the
+measured `t_dense_s`, `t_expert_s` and `c_cpu_s` (and `h2d_gbps` on CUDA) over a shipped preset's
+throughputs, each field's origin written in `sources`.
+
+    t = measure_timing(lm, blobs, ids, steps=8)
+    json.dumps(hw_profile(t, base="rtx3090", name="demo-cpu"))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetool.engine.clock import load_hw
+from moetool.model import LoadedModel
+
+REPEATS = 15
+H2D_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    layer: int
+    t_attn: float  # s, self-attention of one decode token
+    t_gate: float  # s, the router
+    t_moe: float  # s, the whole MoE block (router, routed and shared experts)
+    t_experts: float  # s, the routed experts alone (k experts from host memory in this measurement)
+
+
+@dataclass(frozen=True)
+class ExpertTiming:
+    bits: int
+    nbytes: int  # one expert's blob
+    load_s: float  # host -> compute device copy of the blob (a host memcpy on CPU)
+    dequant_s: float  # blob -> weights in the compute dtype
+    compute_s: float  # one token through the expert
+
+
+@dataclass(frozen=True)
+class TimingProfile:
+    device: str
+    dtype: str
+    steps: int  # decode steps timed per layer (medians reported)
+    layers: tuple[LayerTiming, ...]
+    experts: tuple[ExpertTiming, ...]
+    c_cpu_s: float  # one reference-precision expert, one token, on the host CPU (SMoE's C_CPU)
+    h2d_gbps: float | None  # measured pinned host-to-device bandwidth; None without CUDA
+    t_dense_s: float  # mean over MoE layers of t_attn + t_gate + (t_moe - t_experts)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn` over `repeats` runs after one warm-up."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+@torch.no_grad()
+def layer_timings(lm: LoadedModel, ids: torch.Tensor, steps: int) -> tuple[LayerTiming, ...]:
+    """Medians over `steps` greedy decode steps (after a prefill of `ids` and one untimed step)."""
+    device = next(lm.model.parameters()).device
+    starts: dict[tuple[str, int], float] = {}
+    samples: dict[tuple[str, int], list[float]] = {}
+    recording = [False]
+    hooks = []
+
+    def around(module: torch.nn.Module, kind: str, layer: int) -> None:
+        def pre(*_):
+            if recording[0]:
+                _sync(device)
+                starts[kind, layer] = time.perf_counter()
+
+        def post(*_):
+            if recording[0]:
+                _sync(device)
+                samples.setdefault((kind, layer), []).append(time.perf_counter() - starts[kind, layer])
+
+        hooks.append(module.register_forward_pre_hook(pre))
+        hooks.append(module.register_forward_hook(post))
+
+    for g in lm.geometry.layers:
+        block = lm.model.get_submodule(g.path)
+        parent = lm.model.get_submodule(g.path.rsplit(".", 1)[0])
+        if hasattr(parent, "self_attn"):
+            around(parent.self_attn, "attn", g.index)
+        around(block.get_submodule(g.router), "gate", g.index)
+        around(block, "moe", g.index)
+        around(block.experts, "experts", g.index)
+    try:
+        out = lm.model(input_ids=ids.to(device), use_cache=True)
+        for step in range(steps + 1):
+            recording[0] = step > 0  # the first decode step warms caches and allocators
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = lm.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def med(kind: str, layer: int) -> float:
+        return statistics.median(samples.get((kind, layer), [0.0]))
+
+    return tuple(LayerTiming(layer=g.index, t_attn=med("attn", g.index), t_gate=med("gate", g.index),
+                             t_moe=med("moe", g.index), t_experts=med("experts", g.index))
+                 for g in lm.geometry.layers)
+
+
+@torch.no_grad()
+def expert_timings(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]]) -> tuple[ExpertTiming, ...]:
+    """Per precision: copy `blob` to the device, dequantize it, run one token through it.
+
+    `blobs` maps bits -> (host uint8 blob, quant.format.Layout) of one expert of the first MoE layer.
+    """
+    from moetool.quant.format import dequantize_into, empty_weights
+
+    p = next(lm.model.parameters())
+    device, dtype = p.device, p.dtype
+    g = lm.geometry.layers[0]
+    module = lm.model.get_submodule(g.path).experts
+    x = torch.randn(1, g.hidden_size, device=device, dtype=dtype)  # [1, H]
+    out = []
+    for bits, (blob, layout) in sorted(blobs.items(), reverse=True):
+        src = blob.pin_memory() if device.type == "cuda" else blob
+        dst = torch.empty_like(src, device=device)
+        w = empty_weights(layout, dtype, device)
+        load = timed(lambda: dst.copy_(src, non_blocking=True), device)
+        deq = timed(lambda: dequantize_into(dst, layout, w), device)
+        comp = timed(lambda: module.expert_forward(x, w), device)
+        out.append(ExpertTiming(bits=int(bits), nbytes=int(blob.numel()), load_s=load, dequant_s=deq,
+                                compute_s=comp))
+    return tuple(out)
+
+
+@torch.no_grad()
+def c_cpu(lm: LoadedModel) -> float:
+    """SMoE's C_CPU: one expert at the reference precision on one token, on the host."""
+    g = lm.geometry.layers[0]
+    module = lm.model.get_submodule(g.path).experts
+    w = lm.experts.get(g.index, 0).to("cpu", torch.float32)
+    x = torch.randn(1, g.hidden_size)  # [1, H]; the activation holds no weights, so it runs on the host too
+    return timed(lambda: module.expert_forward(x, w), torch.device("cpu"))
+
+
+def h2d_bandwidth(device: torch.device) -> float | None:
+    """Pinned host -> device copy bandwidth in GB/s (10^9 bytes), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(H2D_BYTES, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(H2D_BYTES, dtype=torch.uint8, device=device)
+    return H2D_BYTES / timed(lambda: dst.copy_(src, non_blocking=True), device, repeats=10) / 1e9
+
+
+def measure_timing(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]], ids: torch.Tensor,
+                   steps: int = 8) -> TimingProfile:
+    p = next(lm.model.parameters())
+    layers = layer_timings(lm, ids, steps)
+    t_dense = sum(t.t_attn + t.t_gate + max(0.0, t.t_moe - t.t_experts) for t in layers) / max(1, len(layers))
+    return TimingProfile(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""), steps=steps,
+                         layers=layers, experts=expert_timings(lm, blobs), c_cpu_s=c_cpu(lm),
+                         h2d_gbps=h2d_bandwidth(p.device), t_dense_s=t_dense)
+
+
+def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
+    """A hardware profile JSON: `base`'s throughputs, overridden by what `t` measured."""
+    _, raw = load_hw(base)
+    data = {k: v for k, v in raw.items() if k not in ("t_dense_s", "t_expert_s", "c_cpu_s")}
+    sources = dict(raw.get("sources", {}))
+    where = f"measured by moetool profile --what timing on {t.device} ({t.dtype})"
+    data.update(name=name, description=f"{raw.get('description', base)}; per-layer and per-expert times {where}",
+                t_dense_s=t.t_dense_s, t_expert_s={str(e.bits): e.dequant_s + e.compute_s for e in t.experts},
+                c_cpu_s=t.c_cpu_s)
+    sources.update(t_dense_s=f"{where}: mean over MoE layers of t_attn + t_gate + shared/other MoE-block time, "
+                             "one decode token",
+                   t_expert_s=f"{where}: dequantize + one token through one expert, per precision",
+                   c_cpu_s=f"{where}: one reference-precision expert on one token on the host CPU")
+    if t.h2d_gbps is not None:
+        data["h2d_gbps"] = t.h2d_gbps
+        sources["h2d_gbps"] = f"{where}: pinned {H2D_BYTES >> 20} MiB copies, median"
+    else:
+        sources["h2d_gbps"] = f"from preset '{base}' (no CUDA device to measure here): {sources.get('h2d_gbps', '')}"
+    data["sources"] = sources
+    data["base"] = base
+    return data

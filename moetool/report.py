@@ -1,0 +1,412 @@
+"""The report stage: PNG figures and a markdown summary from profile, fit, run and eval artifacts.
+
+Figures (matplotlib, Agg): per-layer quantization sensitivity (DyMoE Fig. 5), the routing heat map,
+adjacent-layer similarity (DyMoE Fig. 6, Fate Table 1), per-layer prefetch recall with the fitted L
+(Fate Fig. 7), perplexity vs INT2 share (Fate Fig. 10), gate scores by rank (SMoE Fig. 4), the
+alpha-TPOT polynomial (SMoE eq. 5), TPOT vs accuracy per policy, accuracy vs DyMoE retention
+(DyMoE Fig. 11). `summary.md` holds every table, DyMoE Table 3's ablation among them.
+
+    paths = report([Path("out/")], Path("out/report"))   # [..., out/report/summary.md]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from moetool.artifacts import atomic_write_bytes  # noqa: E402
+from moetool.errors import MoetoolError  # noqa: E402
+from moetool.fit import primary_metric  # noqa: E402
+from moetool.profile import Profile  # noqa: E402
+from moetool.run import Fit, Run  # noqa: E402
+
+LABEL_KEYS = ("config", "bits", "alpha", "r", "L", "p", "n", "n_hi", "prefetcher")
+ABLATION = ("1. Load on Demand", "2. Cache", "3. Cache + Prefetch", "4. Cache+Dyquant(4/2)",
+            "5. Cache+Dyquant(4/2)+Prefetcher", "6. Cache+Dyquant(4/0)+Prefetcher", "Cache+Dyquant(4/0)")
+
+
+def _collect(inputs: list[Path]) -> dict[str, list[tuple[Path, Any]]]:
+    files: list[Path] = []
+    for p in map(Path, inputs):
+        if p.is_dir():
+            files += sorted(p.rglob("*.json"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise MoetoolError(f"{p} does not exist.")
+    readers = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_json,
+               "eval": lambda d, where: d}
+    found: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if schema in readers:
+            found[schema].append((f, readers[schema](data, where=str(f))))
+    if not found:
+        raise MoetoolError(f"no profile, fit, run or eval artifacts in {', '.join(map(str, inputs))}.")
+    return found
+
+
+def _save(fig, path: Path, out: list[Path]) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    out.append(path)
+
+
+def _int_axis(ax, lo: float, hi: float) -> None:
+    ax.set_xlim(lo - 0.5, hi + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.5g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
+
+
+def _label(policy: str, params: dict[str, Any]) -> str:
+    knobs = [f"{k}={params[k]}" for k in LABEL_KEYS if k in params and params[k] not in ("", None)]
+    return f"{policy} " + " ".join(knobs) if knobs else policy
+
+
+def _tag(path: Path, many: bool) -> str:
+    return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name.split(".")[0]) if many else ""
+
+
+# -- profile figures and tables --------------------------------------------------------------------
+
+
+def _profile_figures(prof: Profile, fits: list[Fit], out_dir: Path, tag: str, out: list[Path]) -> None:
+    layers = list(prof.info.moe_layers)
+    if prof.sensitivity and prof.sensitivity.layers:
+        s = prof.sensitivity
+        fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(layers) + 3), 4))
+        width = 0.8 / len(s.bits)
+        for i, b in enumerate(s.bits):
+            ax.bar(np.arange(len(s.layers)) + i * width, [ls.delta[str(b)] for ls in s.layers], width,
+                   label=f"INT{b}")
+        ax.set_xticks(np.arange(len(s.layers)) + 0.4 - width / 2, [str(ls.layer) for ls in s.layers], fontsize=7)
+        ax.set(xlabel="MoE layer quantized (others at full precision)", ylabel="Δ held-out perplexity",
+               title=f"Per-layer quantization sensitivity (DyMoE Fig. 5)\nbase perplexity {s.base_ppl:.3f} "
+                     f"on {s.tokens} {s.data} tokens")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.legend()
+        _save(fig, out_dir / f"sensitivity{tag}.png", out)
+    if prof.sensitivity and prof.sensitivity.int2_share:
+        curve = sorted((float(k), v) for k, v in prof.sensitivity.int2_share.items())
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([100 * p for p, _ in curve], [v for _, v in curve], "o-")
+        for f in fits:
+            if "p" in f.params.get("fate", {}):
+                ax.axvline(100 * f.params["fate"]["p"], color="red", ls="--", label=f"fitted p = {f.params['fate']['p']:g}")
+                ax.legend()
+        ax.set(xlabel="% of active experts at INT2 (least popular first), rest INT4", ylabel="held-out perplexity",
+               title="Perplexity vs INT2 share (Fate Fig. 10)")
+        _save(fig, out_dir / f"int2_share{tag}.png", out)
+    if prof.routing:
+        r = prof.routing
+        load = np.array([np.add(lr.prefill, lr.decode) for lr in r.layers], float)
+        load = load / np.maximum(load.sum(1, keepdims=True), 1)
+        fig, ax = plt.subplots(figsize=(max(6, 0.12 * r.num_experts + 3), max(3.5, 0.2 * len(layers) + 1.5)))
+        im = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_yticks(range(len(layers)), [str(x) for x in layers], fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="expert", ylabel="MoE layer", title="Routing load per layer (prefill + decode)")
+        fig.colorbar(im, ax=ax, label="share of the layer's routed tokens")
+        _save(fig, out_dir / f"routing_heatmap{tag}.png", out)
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for i in sorted({0, len(r.layers) // 2, len(r.layers) - 1}):
+            ax.plot(range(1, r.num_experts + 1), r.layers[i].mean_sorted_score, label=f"layer {r.layers[i].layer}")
+        ax.axvline(r.top_k + 0.5, color="gray", ls="--", label=f"top-k = {r.top_k}")
+        ax.axhline(1 / r.num_experts, color="black", lw=0.5, ls=":", label=f"uniform 1/E = {1 / r.num_experts:.3g}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="expert rank by gate score", ylabel="mean gate score (decode)", yscale="log",
+               title="Mean gate score by rank")
+        ax.legend()
+        edges = np.array(r.score_bins)
+        for name in ("selected", "unselected"):
+            counts = np.array(r.score_hist[name], float)
+            ax2.stairs(counts / max(1.0, counts.sum()), np.maximum(edges, 1e-5), label=f"{name} experts")
+        ax2.set(xscale="log", xlabel="gate score (softmax)", ylabel="share of (token, expert) pairs",
+                title="Score distribution, all layers, decode")
+        ax2.legend()
+        fig.suptitle("Gate scores of selected vs unselected experts (SMoE Fig. 4)")
+        _save(fig, out_dir / f"gate_scores{tag}.png", out)
+    if prof.similarity and prof.similarity.adjacent:
+        s = prof.similarity
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        ax.plot(range(len(s.adjacent)), s.adjacent, "o-", label="h(l) vs h(l+1), decoder layer outputs")
+        for pos, name in (("1", "Attn_in(i+1)"), ("2", "Gate_in(i)"), ("3", "Attn_in(i)")):
+            ax.plot([ls.previous for ls in s.layers], [ls.positions[pos] for ls in s.layers], ".--",
+                    label=f"Fate pos. {pos}: {name} vs Gate_in(i+1)")
+        _int_axis(ax, 0, max(len(s.adjacent) - 1, *[ls.previous for ls in s.layers]))
+        ax.set(xlabel="layer l (i)", ylabel="mean cosine similarity",
+               title="Adjacent-layer similarity (DyMoE Fig. 6, Fate Table 1)")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / f"similarity{tag}.png", out)
+    if prof.prefetch and prof.prefetch.layers:
+        p = prof.prefetch
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        xs = [lp.layer for lp in p.layers]
+        for name, style, get in (("decode, top-k", "o-", lambda lp: lp.recall_topk.get("decode")),
+                                 ("decode, 75th pct", "s--", lambda lp: lp.recall_p75.get("decode")),
+                                 ("prefill, top-k", "^:", lambda lp: lp.recall_topk.get("prefill"))):
+            ax.plot(xs, [get(lp) if get(lp) is not None else np.nan for lp in p.layers], style, label=name)
+        _int_axis(ax, layers[0], layers[-1])
+        for f in fits:
+            fl = f.evidence.get("fate", {}).get("L")
+            if fl:
+                ax.axhline(fl["threshold"], color="gray", ls=":", label=f"threshold {fl['threshold']:g}")
+                if fl["value"] < len(layers):
+                    ax.axvline(layers[fl["value"]] - 0.5, color="red", ls="--", label=f"fitted L = {fl['value']}")
+        ax.set(xlabel="predicted MoE layer", ylabel="recall of the true experts", ylim=(0, 1.05),
+               title="Cross-layer prefetch accuracy (Fate Fig. 7)")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / f"prefetch{tag}.png", out)
+
+
+def _profile_tables(path: Path, prof: Profile) -> str:
+    md = [f"## Profile `{path.name}`\n\n", f"Model {prof.model.source} ({prof.model.model_type}); parts: "
+          f"{', '.join(prof.what)}; data: {', '.join(f'{k} ({v} seqs)' for k, v in prof.data.items())}.\n"]
+    r = prof.routing
+    if r:
+        md.append(f"\n### Routing\n\nTokens per layer: {r.tokens}; top-k {r.top_k} of {r.num_experts}; "
+                  f"token importance: {r.importance}.\n\n")
+        md.append(_table(["layer", "gini", "entropy", "top-10% share", "top-25% share", "corr(load, heavy-hitter load)"],
+                         [[lr.layer, lr.gini, lr.entropy, lr.top10_share, lr.top25_share, lr.hh_load_corr]
+                          for lr in r.layers]))
+        if r.jaccard:
+            md.append(f"\nWorkload shift (DynaExq Fig. 2): mean Jaccard of per-layer top-{r.hot_k} hot sets.\n\n")
+            md.append(_table(["data sets", "Jaccard"], [[k.replace("|", " vs "), v] for k, v in r.jaccard.items()]))
+        if r.activation_ratio:
+            sizes = sorted({int(b) for d in r.activation_ratio.values() for b in d})
+            md.append("\nExpert activation ratio (%) vs batch size (DynaExq Tables 1-2; decode batches are random "
+                      "decode tokens, prefill batches random prompts).\n\n")
+            md.append(_table(["phase", *map(str, sizes)], [[ph, *[100 * d[str(b)] if str(b) in d else None for b in sizes]]
+                                                          for ph, d in r.activation_ratio.items()]))
+    s = prof.sensitivity
+    if s:
+        md.append(f"\n### Sensitivity\n\nBase perplexity {s.base_ppl:.3f} on {s.tokens} tokens of {s.data}; "
+                  f"quantized weights: {s.source}.\n\n")
+        md.append(_table(["layer", *[f"Δppl INT{b}" for b in s.bits]],
+                         [[ls.layer, *[ls.delta[str(b)] for b in s.bits]] for ls in s.layers]))
+        if s.int2_share:
+            md.append("\nINT2 share (Fate Fig. 10), INT4 otherwise:\n\n")
+            md.append(_table(["share p", "perplexity"], [[k, v] for k, v in s.int2_share.items()]))
+    if prof.similarity and prof.similarity.positions:
+        pf = prof.prefetch.positions if prof.prefetch else {}
+        md.append("\n### Fate Table 1 (positions vs Gate_in(i+1))\n\n")
+        md.append(_table(["position", "mean cosine", "prefetch recall prefill", "prefetch recall decode"],
+                         [[pos, v, pf.get(pos, {}).get("prefill"), pf.get(pos, {}).get("decode")]
+                          for pos, v in prof.similarity.positions.items()]))
+    if prof.prefetch:
+        md.append("\n### Prefetch accuracy per layer\n\n")
+        md.append(_table(["layer", "top-k prefill", "top-k decode", "p75 decode", "experts fetched p75 decode",
+                          "SMoE top-score recall", "SMoE top-score precision"],
+                         [[lp.layer, lp.recall_topk.get("prefill"), lp.recall_topk.get("decode"),
+                           lp.recall_p75.get("decode"), lp.fetched_p75.get("decode"), lp.smoe_recall,
+                           lp.smoe_precision] for lp in prof.prefetch.layers]))
+    t = prof.timing
+    if t:
+        md.append(f"\n### Timing on {t.device} ({t.dtype}), decode medians\n\nC_CPU {t.c_cpu_s * 1e6:.1f} µs; "
+                  f"H2D {'%.2f GB/s' % t.h2d_gbps if t.h2d_gbps else 'not measured (no CUDA)'}; "
+                  f"t_dense {t.t_dense_s * 1e3:.3f} ms.\n\n")
+        md.append(_table(["layer", "t_attn ms", "t_gate ms", "t_moe ms", "t_experts ms"],
+                         [[x.layer, x.t_attn * 1e3, x.t_gate * 1e3, x.t_moe * 1e3, x.t_experts * 1e3] for x in t.layers]))
+        md.append("\n" + _table(["bits", "bytes", "load µs", "dequant µs", "compute µs (1 token)"],
+                                [[e.bits, e.nbytes, e.load_s * 1e6, e.dequant_s * 1e6, e.compute_s * 1e6]
+                                 for e in t.experts]))
+    return "".join(md)
+
+
+# -- fits, runs, evals -----------------------------------------------------------------------------
+
+
+def _fit_figure(fit: Fit, out_dir: Path, tag: str, out: list[Path]) -> None:
+    a = fit.evidence.get("smoe", {}).get("alpha")
+    if not a:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pts = np.array([p[:2] for p in a["points"]], float)
+    ax.plot(pts[:, 0], pts[:, 1] * 1e3, "o", label="measured TPOT")
+    ax.plot(a["grid"], np.array(a["predicted"]) * 1e3, "-", label=f"degree-{a['degree']} fit (LOO)")
+    if a.get("target_tpot") is not None:
+        ax.axhline(a["target_tpot"] * 1e3, color="gray", ls=":", label=f"R = {a['target_tpot'] * 1e3:.3g} ms")
+    if a.get("alpha") is not None:
+        ax.axvline(a["alpha"], color="red", ls="--", label=f"chosen alpha = {a['alpha']:.3f}")
+    ax.set(xlabel="alpha (SMoE substitution threshold)", ylabel="mean TPOT (ms)", title="T(alpha) (SMoE eq. 5)")
+    ax.legend(fontsize=8)
+    _save(fig, out_dir / f"alpha_tpot{tag}.png", out)
+
+
+def _fit_tables(path: Path, fit: Fit) -> str:
+    md = [f"## Fit `{path.name}`\n\n",
+          _table(["policy", "knob", "value"], [[p, k, v] for p, knobs in fit.params.items() for k, v in knobs.items()])]
+    for w in fit.evidence.get("warnings", []):
+        md.append(f"\n- warning: {w}")
+    for k, v in fit.evidence.get("skipped", {}).items():
+        md.append(f"\n- not fitted: {k}: {v}")
+    lam = fit.evidence.get("dymoe", {}).get("lam")
+    if lam:
+        md.append(f"\n\nDyMoE schedule (eq. 4-5), lam = {lam['value']:.4f}, r = {lam['r']:.4f}, M = {lam['M']}:\n\n")
+        md.append(_table(["MoE position", "r(l)", "t_l"], [[row["position"], row["r"], row["t"]] for row in lam["schedule"]]))
+    return "".join(md) + "\n"
+
+
+def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> list[dict[str, Any]]:
+    """One row per eval, with the TPOT of the run made with the same policy and knobs."""
+    rows = []
+    for epath, e in evals:
+        m = primary_metric(e.get("metrics", {}))
+        if m is None:
+            continue
+        pol, params = e.get("policy", "?"), e.get("params") or {}
+        same = [(p, r) for p, r in runs if r.policy == pol and all(
+            r.params[k] == v for k, v in params.items() if k in r.params and isinstance(v, (str, int, float, bool)))]
+        if not same:
+            same = [(p, r) for p, r in runs if r.policy == pol]
+            same = same if len(same) == 1 else []
+        tpot = same[0][1].tpot_s["mean"] if same and same[0][1].tpot_s else None
+        source = same[0][0].name if tpot is not None else None
+        if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
+            tpot = ((e.get("summary") or {}).get("tpot_s") or {}).get("mean")
+            source = "eval counters" if tpot is not None else None
+        rows.append({"label": _label(pol, params), "policy": pol, "params": params, "metric": m[0], "value": m[1],
+                     "higher": m[2], "tpot": tpot, "eval": epath.name, "run": source})
+    return rows
+
+
+def _ablation_row(r: Run) -> str | None:
+    p = r.params
+    if r.policy == "lod":
+        return ABLATION[0]
+    if r.policy in ("lru", "eap"):
+        return ABLATION[1 if r.policy == "lru" else 2]
+    if r.policy != "dymoe":
+        return None
+    prefetch = p.get("prefetcher", "dymoe") != "none"
+    if float(p.get("r", 0)) >= 1.0:
+        return ABLATION[2 if prefetch else 1]
+    if int(p.get("low", p.get("low_bits", 2))) == 0:
+        return ABLATION[5 if prefetch else 6]
+    return ABLATION[4 if prefetch else 3]
+
+
+def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
+    md = ["## Runs\n\n", _table(["run", "setting", "clock", "budget MiB", "TTFT ms", "TPOT mean ms", "hit rate"],
+                                [[p.name, _label(r.policy, r.params), f"{r.clock}{'/' + r.hw if r.hw else ''}",
+                                  r.budget_bytes / 2**20, r.ttft_s * 1e3 if r.ttft_s is not None else None,
+                                  r.tpot_s["mean"] * 1e3 if r.tpot_s else None, r.hit_rate] for p, r in runs])]
+    if rows:
+        md += ["\n## Policy comparison (eval + run)\n\n",
+               _table(["setting", "metric", "value", "TPOT mean ms", "eval", "TPOT from"],
+                      [[x["label"], x["metric"], x["value"], x["tpot"] * 1e3 if x["tpot"] else None, x["eval"],
+                        x["run"]] for x in rows])]
+    cells: dict[tuple[str, int], list[Run]] = defaultdict(list)
+    names: dict[str, list[str]] = defaultdict(list)
+    for path, r in runs:
+        row = _ablation_row(r)
+        if row:
+            cells[row, r.budget_bytes].append(r)
+            names[row].append(path.name)
+    if cells:
+        budgets = sorted({b for _, b in cells})
+        heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.0f} MiB", f"TPOT(s) {b / 2**20:.0f} MiB")]
+        body = []
+        for name in ABLATION:
+            if not any((name, b) in cells for b in budgets):
+                continue
+            vals = []
+            for b in budgets:
+                rs = cells.get((name, b), [])
+                vals.append(float(np.mean([r.ttft_s for r in rs if r.ttft_s is not None])) if rs else None)
+                vals.append(float(np.mean([r.tpot_s["mean"] for r in rs if r.tpot_s])) if rs else None)
+            body.append([name, *vals, ", ".join(names[name])])
+        clocks = sorted({f"{r.clock}{'/' + r.hw if r.hw else ''}" for rs in cells.values() for r in rs})
+        md += [f"\n## Ablation in the style of DyMoE Table 3 (clock: {', '.join(clocks)}; a cell averages its runs)\n\n",
+               _table(["Configuration", *heads, "runs"], body)]
+    return "".join(md)
+
+
+def _comparison_figures(rows: list[dict], out_dir: Path, out: list[Path]) -> None:
+    pts = [x for x in rows if x["tpot"] is not None]
+    if pts:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        same_spot: dict[tuple[float, float], list[str]] = defaultdict(list)
+        for x in pts:
+            same_spot[round(x["tpot"] * 1e3, 6), round(x["value"], 9)].append(x["label"])
+        mid = (min(k[0] for k in same_spot) + max(k[0] for k in same_spot)) / 2
+        for (t, v), labels in same_spot.items():
+            ax.scatter(t, v, s=30)
+            right = t > mid  # labels of right-hand points go to their left, inside the axes
+            ax.annotate("\n".join(labels), (t, v), fontsize=7, xytext=(-4 if right else 4, 3),
+                        textcoords="offset points", ha="right" if right else "left")
+        ax.margins(x=0.15, y=0.12)
+        metric = ", ".join(sorted({x["metric"] for x in pts}))
+        better = "higher" if all(x["higher"] for x in pts) else "lower" if not any(x["higher"] for x in pts) else None
+        ax.set(xlabel="mean TPOT (ms)", ylabel=metric + (f" ({better} is better)" if better else ""),
+               title="Policies: TPOT vs quality (one point per policy/setting)")
+        _save(fig, out_dir / "policies.png", out)
+    dy = defaultdict(list)
+    for x in rows:
+        if x["policy"] == "dymoe" and "r" in x["params"]:
+            cfg = x["params"].get("config") or f"{x['params'].get('high', x['params'].get('high_bits'))}/" \
+                                                f"{x['params'].get('low', x['params'].get('low_bits'))}"
+            dy[cfg].append((float(x["params"]["r"]), x["value"]))
+    if dy:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for cfg, pts_ in sorted(dy.items()):
+            pts_.sort()
+            ax.plot([p for p, _ in pts_], [v for _, v in pts_], "o-", label=f"DyMoE {cfg}")
+        dy_rows = [x for x in rows if x["policy"] == "dymoe"]
+        ax.set(xlabel="retention ratio r", ylabel=dy_rows[0]["metric"] + ("" if dy_rows[0]["higher"] else " (lower is better)"),
+               title="Quality vs retention (DyMoE Fig. 11)")
+        ax.legend()
+        _save(fig, out_dir / "dymoe_retention.png", out)
+
+
+def report(inputs: list[Path], out_dir: Path) -> list[Path]:
+    """Write figures and `summary.md` for the artifacts in `inputs` (files or directories) to `out_dir`."""
+    found = _collect(list(inputs))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out: list[Path] = []
+    fits = [f for _, f in found.get("fit", [])]
+    md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in found.items()
+                                                          for p, _ in items) + "\n\n"]
+    for path, prof in found.get("profile", []):
+        same = [f for f in fits if f.model.same_model(prof.model)]
+        _profile_figures(prof, same, out_dir, _tag(path, len(found["profile"]) > 1), out)
+        md.append(_profile_tables(path, prof) + "\n")
+    for path, fit in found.get("fit", []):
+        _fit_figure(fit, out_dir, _tag(path, len(fits) > 1), out)
+        md.append(_fit_tables(path, fit))
+    runs = found.get("run", [])
+    rows = _joined(runs, found.get("eval", []))
+    if runs or rows:
+        md.append(_runs_tables(runs, rows))
+    _comparison_figures(rows, out_dir, out)
+    md.append("\n## Figures\n\n" + "".join(f"- ![{p.stem}]({p.name})\n" for p in out))
+    summary = out_dir / "summary.md"
+    atomic_write_bytes(summary, "".join(md).encode())
+    return [*out, summary]
+
+
+__all__ = ["report"]

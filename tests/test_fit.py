@@ -1,0 +1,192 @@
+"""moetool fit: the alpha polynomial and eq. 5, Fate's L/n/p, DyMoE's lambda, DynaExq's n_hi."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from moetool.artifacts import ModelFingerprint
+from moetool.cli import app
+from moetool.commands.fit import parse_seconds
+from moetool.errors import MoetoolError
+from moetool.fit import (FitConfig, boundary_L, budget_retention, cache_bytes, choose_alpha, dymoe_schedule,
+                         dynaexq_n_hi, fit, fit_polynomial, int2_share, transfer_count)
+from moetool.policies.dymoe import retention
+from moetool.profile import ModelInfo, Profile
+from moetool.profile.prefetch import LayerPrefetch, PrefetchProfile
+from moetool.profile.sensitivity import LayerSensitivity, SensitivityProfile
+from moetool.profile.timing import ExpertTiming, LayerTiming, TimingProfile
+from moetool.run import Fit, Run
+
+runner = CliRunner()
+FP = ModelFingerprint(source="synthetic", model_type="qwen2_moe", config_sha256="a" * 64)
+OTHER = ModelFingerprint(source="other", model_type="qwen2_moe", config_sha256="b" * 64)
+INFO = ModelInfo(moe_layers=(0, 1, 2, 3), num_hidden_layers=4, num_experts=8, top_k=2,
+                 expert_bytes={"16": 4096, "8": 2304, "4": 1280, "2": 768}, expert_bytes_source="layout",
+                 non_expert_bytes=1 << 20, kv_margin_bytes=1 << 20, staging_bytes=2 * (4096 + 2304 + 1280 + 768),
+                 dtype="float32")
+
+
+def synthetic_profile(model: ModelFingerprint = FP) -> Profile:
+    """A profile of a 4-layer, 8-expert model with prefetch, sensitivity and timing parts."""
+    acc = {1: 0.6, 2: 0.9, 3: 0.95}
+    prefetch = PrefetchProfile(
+        layers=tuple(LayerPrefetch(layer=i, previous=i - 1, recall_topk={"prefill": 1.0, "decode": a},
+                                   recall_p75={"prefill": 1.0, "decode": min(1.0, a + 0.05)},
+                                   fetched_p75={"prefill": 8.0, "decode": 2.0}, smoe_recall=a, smoe_precision=a,
+                                   positions={p: {"prefill": 1.0, "decode": a} for p in "123"})
+                     for i, a in acc.items()),
+        positions={p: {"prefill": 1.0, "decode": 0.8} for p in "123"}, percentile=0.75, smoe_alpha=0.3,
+        samples={"prefill": 4, "decode": 32})
+    sens = SensitivityProfile(
+        base_ppl=10.0, tokens=510, data="heldout", source="hqq in memory", bits=(2,),
+        layers=tuple(LayerSensitivity(layer=i, ppl={"2": 10.0 + d}, delta={"2": d})
+                     for i, d in enumerate((3.0, 1.0, 0.4, 0.1))),
+        int2_share={"0": 11.0, "0.125": 11.02, "0.25": 11.08, "0.375": 11.2, "0.5": 11.05})
+    timing = TimingProfile(device="cpu", dtype="float32", steps=4,
+                           layers=tuple(LayerTiming(layer=i, t_attn=1e-4, t_gate=1e-5, t_moe=2e-4, t_experts=1.5e-4)
+                                        for i in range(4)),
+                           experts=tuple(ExpertTiming(bits=b, nbytes=n, load_s=1e-6, dequant_s=1e-5, compute_s=1e-5)
+                                         for b, n in ((16, 4096), (4, 1280), (2, 768))),
+                           c_cpu_s=2e-5, h2d_gbps=None, t_dense_s=1.6e-4)
+    hw = {"name": "x", "h2d_gbps": 0.01, "copy_latency_s": 0.0}  # t_expert(INT4) = 128 us
+    return Profile(model=model, inputs={}, what=("sensitivity", "prefetch", "timing"), data={"heldout": 2},
+                   settings={"hw_base": "x"}, info=INFO, sensitivity=sens, prefetch=prefetch, timing=timing, hw=hw)
+
+
+def synthetic_run(policy: str, params: dict, tpot: float, budget: int = 64 << 20, model=FP, ttft: float = 0.5) -> Run:
+    return Run(model=model, inputs={}, policy=policy, params=params, clock="sim", hw="rtx3090", device="cpu",
+               budget_bytes=budget, budget={}, peak_device_bytes=0, ttft_s=ttft,
+               tpot_s={"mean": tpot, "p50": tpot, "p99": tpot, "n": 8}, hit_rate=0.5, bytes_h2d=0,
+               bytes_per_token=0.0, stall_s=0.0, summary={}, layers={}, prompts=["x"], tokens=[[1]], texts=[""])
+
+
+def test_polynomial_degree_by_leave_one_out_and_eq5_selection():
+    a = np.linspace(0, 0.5, 6)
+    quad = fit_polynomial(list(a), list(0.1 - 0.2 * a + 0.3 * a**2))
+    assert quad["degree"] == 2 and quad["coefficients"] == pytest.approx([0.3, -0.2, 0.1], abs=1e-9)
+    lin = fit_polynomial(list(a), list(0.1 - 0.1 * a))
+    assert lin["degree"] == 1 and max(map(abs, lin["residuals"])) < 1e-12
+    noisy = fit_polynomial(list(a), list(0.1 - 0.1 * a + np.array([1, -1, 1, -1, 1, -1]) * 1e-3))
+    assert noisy["degree"] == min(map(int, noisy["loo_rmse"]), key=lambda d: noisy["loo_rmse"][str(d)])
+    assert set(noisy["loo_rmse"]) == {"0", "1", "2", "3"} and noisy["degree"] < 3  # a cubic chases the noise
+    pick = choose_alpha(lin["coefficients"], 0.0, 0.5, 0.07)
+    assert pick["feasible"] and pick["alpha"] == pytest.approx(0.3, abs=0.005)
+    assert all(t > 0.07 for g, t in zip(pick["grid"], pick["predicted"]) if g < pick["alpha"] - 1e-9)
+    too_fast = choose_alpha(lin["coefficients"], 0.0, 0.5, 0.01)
+    assert too_fast["feasible"] is False and too_fast["alpha"] == pytest.approx(0.5)
+    assert choose_alpha(lin["coefficients"], 0.0, 0.5, None)["alpha"] is None
+
+
+def test_boundary_L_on_a_synthetic_accuracy_curve():
+    assert boundary_L([None, 0.5, 0.9, 0.7, 0.85, 0.9, 0.95], 0.8) == 4
+    assert boundary_L([None, 0.9, 0.95], 0.8) == 1  # the first layer has no predictor: always shallow
+    assert boundary_L([None, 0.9, 0.5], 0.8) == 3
+    assert transfer_count(1e-3, 3e-4, 64) == 3 and transfer_count(1e-5, 1e-3, 64) == 1
+    assert transfer_count(1.0, 1e-6, 64) == 64
+
+
+def test_int2_share_stops_at_the_first_loss_over_the_limit():
+    losses = {0.0: 0.0, 0.125: 0.002, 0.25: 0.008, 0.375: 0.02, 0.5: 0.005}
+    assert int2_share(losses, 0.01) == 0.25
+    assert int2_share({0.0: 0.0, 0.25: 0.5}, 0.01) == 0.0
+
+
+def test_lambda_solved_for_r():
+    for r, lam in ((0.75, 0.5), (0.9, 0.8), (1.0, 1.0)):
+        got, table = dymoe_schedule(r, 8, 4)
+        assert got == pytest.approx(lam)
+        assert np.mean([row["r"] for row in table]) == pytest.approx(r)
+        assert table[0]["r"] == pytest.approx(1.0) and table[-1]["r"] == pytest.approx(lam)
+        assert all(row["t"] == min(4, int(np.ceil(retention(row["position"], 8, lam) * 4 - 1e-9))) for row in table)
+    with pytest.raises(MoetoolError):
+        dymoe_schedule(0.3, 8, 4)
+
+
+def test_budget_to_retention_and_n_hi():
+    n = 4 * 8
+    cache = n * (INFO.expert_bytes["4"] + INFO.expert_bytes["2"]) // 2  # half the experts at INT4
+    assert budget_retention(cache, INFO, 4, 2) == pytest.approx(0.5, abs=1e-3)
+    assert budget_retention(10**9, INFO, 4, 2) == 1.0
+    cache = n * INFO.expert_bytes["4"] + 4 * 3 * INFO.expert_bytes["16"]
+    assert dynaexq_n_hi(cache, INFO, 16, 4) == 3
+    assert dynaexq_n_hi(0, INFO, 16, 4) == 0
+    assert cache_bytes("50%", INFO) == n * 4096 // 2
+    reserved = INFO.non_expert_bytes + INFO.kv_margin_bytes + INFO.staging_bytes
+    assert cache_bytes("4MiB", INFO) == (4 << 20) - reserved
+
+
+def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    runs = [synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(tmp_path / f"a{a}.run.json")
+            for a in (0.0, 0.1, 0.2, 0.3, 0.4)]
+    result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075, budget="50%"))
+    assert result.params["smoe"]["alpha"] == pytest.approx(0.25, abs=0.006)
+    assert result.params["fate"] == {"L": 2, "n": 2, "p": 0.25}  # n = 310 us // 128 us
+    assert result.params["dymoe"]["lam"] == pytest.approx(2 * result.params["dymoe"]["r"] - 1, abs=1e-3)
+    assert result.params["dynaexq"]["n_hi"] == dynaexq_n_hi(cache_bytes("50%", INFO), INFO, 16, 4)
+    ev = result.evidence
+    assert ev["smoe"]["alpha"]["from"] == "runs" and len(ev["smoe"]["alpha"]["points"]) == 5
+    assert ev["fate"]["L"]["threshold"] == 0.7 and ev["fate"]["L"]["accuracy"] == [None, 0.6, 0.9, 0.95]
+    assert "profile.sensitivity.int2_share" in ev["fate"]["p"]["from"]
+    assert set(result.inputs) == {str(prof), *map(str, runs)}
+    saved = result.save(tmp_path / "s.fit.json")
+    assert Fit.load(saved, model=FP) == result
+
+
+def test_fit_without_runs_or_budget_skips_and_says_why(tmp_path):
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    result = fit(FitConfig(profile=prof))
+    assert "smoe" not in result.params and "dynaexq" not in result.params
+    assert result.params["dymoe"] == {"r": 0.75, "lam": 0.5}
+    assert set(result.evidence["skipped"]) == {"smoe.alpha", "dynaexq.n_hi"}
+
+
+def test_runs_of_another_model_are_refused(tmp_path):
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    run = synthetic_run("smoe", {"alpha": 0.1}, 0.1, model=OTHER).save(tmp_path / "o.run.json")
+    with pytest.raises(MoetoolError, match="was made for model other"):
+        fit(FitConfig(profile=prof, runs=(run,)))
+
+
+def test_fate_p_from_eval_artifacts(tmp_path):
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    evals = []
+    for p, acc in ((0.0, 0.50), (0.25, 0.497), (0.5, 0.45)):
+        path = tmp_path / f"fate{p}.eval.json"
+        path.write_text(json.dumps({"schema": "eval", "schema_version": 1, "model": FP.__dict__, "policy": "fate",
+                                    "params": {"p": p}, "metrics": {"acc": acc}}))
+        evals.append(path)
+    result = fit(FitConfig(profile=prof, runs=tuple(evals)))
+    assert result.params["fate"]["p"] == 0.25 and result.evidence["fate"]["p"]["metric"] == "acc"
+
+
+def test_cli_fit(tmp_path):
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    runs = [str(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(tmp_path / f"a{a}.run.json"))
+            for a in (0.0, 0.2, 0.4)]
+    out = tmp_path / "s.fit.json"
+    result = runner.invoke(app, ["fit", str(prof), "--runs", *runs, "--target-tpot", "80ms", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert Fit.load(out).params["smoe"]["alpha"] == pytest.approx(0.2, abs=0.006)
+    assert parse_seconds("50ms") == pytest.approx(0.05) and parse_seconds("0.1") == 0.1
+    assert "Example" in runner.invoke(app, ["fit", "--help"]).output
+
+
+def test_sweep_refuses_a_model_other_than_the_profiles(tiny_ckpt, tmp_path):
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    with pytest.raises(MoetoolError, match="is not the model"):
+        fit(FitConfig(profile=prof, sweep=True, model=str(tiny_ckpt("qwen2_moe"))))
+
+
+def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
+    from moetool.profile import ProfileConfig, profile
+
+    path = str(tiny_ckpt("qwen2_moe"))
+    prof = profile(ProfileConfig(model=path, data=("heldout",), seqs_per_data=1, seq_len=8, decode_tokens=1,
+                                 what=("prefetch",))).save(tmp_path / "t.profile.json")
+    result = fit(FitConfig(profile=prof, sweep=True, alphas=(0.0, 0.2, 0.4), max_new_tokens=2, target_tpot=1.0))
+    a = result.evidence["smoe"]["alpha"]
+    assert [p[0] for p in a["points"]] == [0.0, 0.2, 0.4] and all(p[1] > 0 for p in a["points"])
+    assert a["from"].startswith("sweep: sim clock") and result.params["smoe"]["alpha"] == 0.0  # R = 1 s: any alpha

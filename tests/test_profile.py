@@ -1,0 +1,173 @@
+"""moetool profile: routing, similarity, prefetch, sensitivity and timing on tiny models."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moetool.cli import app
+from moetool.engine.clock import load_hw
+from moetool.errors import MoetoolError
+from moetool.model import load_model
+from moetool.profile import Profile, ProfileConfig, parse_what, profile
+from moetool.profile.routing import RoutingAccumulator, entropy, gini, jaccard, top_share
+from moetool.profile.trace import LayerTrace, Trace
+
+runner = CliRunner()
+SMALL = dict(data=("heldout", "general_knowledge"), seqs_per_data=2, seq_len=16, decode_tokens=3, ppl_tokens=32,
+             ppl_seq_len=16, int2_shares=(0.0, 0.5), timing_steps=2)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_ckpt):
+    path = tiny_ckpt("qwen2_moe")
+    return path, profile(ProfileConfig(model=str(path), **SMALL))
+
+
+def test_routing_counts_sum_to_tokens_times_k(full):
+    _, prof = full
+    r = prof.routing
+    assert r.tokens["decode"] == 2 * 2 * 3  # data sets x prompts x decode steps
+    for lr in r.layers:
+        assert sum(lr.prefill) == r.tokens["prefill"] * r.top_k
+        assert sum(lr.decode) == r.tokens["decode"] * r.top_k
+        assert sum(sum(c) for c in lr.by_data.values()) == (r.tokens["prefill"] + r.tokens["decode"]) * r.top_k
+        assert 0 < sum(lr.heavy_hitter) < sum(lr.prefill)  # only the top 20% of each prompt's tokens
+        assert 0 <= lr.gini < 1 and 0 < lr.entropy <= 1 and lr.top10_share <= lr.top25_share <= 1
+        assert len(lr.mean_sorted_score) == r.num_experts
+        assert list(lr.mean_sorted_score) == sorted(lr.mean_sorted_score, reverse=True)
+    assert "eager" in r.importance
+    assert set(r.jaccard) == {"general_knowledge|heldout"}
+    assert r.activation_ratio["decode"]["1"] == pytest.approx(r.top_k / r.num_experts)
+    assert sum(r.score_hist["selected"]) == r.tokens["decode"] * r.top_k * len(r.layers)
+
+
+def test_similarity_and_prefetch_are_bounded(full):
+    _, prof = full
+    s = prof.similarity
+    assert len(s.adjacent) == prof.info.num_hidden_layers - 1
+    values = [*s.adjacent, *[v for ls in s.layers for v in ls.positions.values()]]
+    assert all(-1.0 <= v <= 1.0 for v in values)
+    p = prof.prefetch
+    assert [lp.layer for lp in p.layers] == list(prof.info.moe_layers[1:])
+    for lp in p.layers:
+        for d in (lp.recall_topk, lp.recall_p75):
+            assert set(d) == {"prefill", "decode"} and all(0.0 <= v <= 1.0 for v in d.values())
+
+
+def test_sensitivity_and_timing(full, tmp_path):
+    _, prof = full
+    s = prof.sensitivity
+    assert math.isfinite(s.base_ppl) and s.base_ppl > 1 and s.tokens == 2 * 15
+    assert [ls.layer for ls in s.layers] == list(prof.info.moe_layers)
+    assert all(ls.delta["2"] == pytest.approx(ls.ppl["2"] - s.base_ppl) for ls in s.layers)
+    assert set(s.int2_share) == {"0", "0.5"}
+    t = prof.timing
+    assert t.h2d_gbps is None and t.c_cpu_s > 0 and t.t_dense_s > 0
+    assert {e.bits for e in t.experts} == {16, 8, 4, 2}
+    assert all(x.t_moe >= x.t_gate > 0 for x in t.layers)
+    path = tmp_path / "measured.hw.json"
+    path.write_text(json.dumps(prof.hw))
+    hw, _ = load_hw(str(path))
+    assert hw.t_dense_s == t.t_dense_s and set(hw.t_expert_s) == {"16", "8", "4", "2"} and hw.c_cpu_s == t.c_cpu_s
+
+
+def test_profile_round_trips_and_is_refused_for_another_model(full, tiny_ckpt, tmp_path):
+    path, prof = full
+    saved = prof.save(tmp_path / "a.profile.json")
+    assert Profile.load(saved, model=prof.model) == prof
+    other = load_model(tiny_ckpt("mixtral")).fingerprint
+    with pytest.raises(MoetoolError, match="was made for model"):
+        Profile.load(saved, model=other)
+
+
+def _same_input_ckpt(tmp_path):
+    """Tiny mixtral whose layer 1 router sees exactly layer 0's gate input, through the same router.
+
+    Layer 0's experts output zero and layer 1's attention outputs zero, so the residual stream is
+    unchanged between the two routers; the post-attention norms and router weights are shared.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tiny import save_tiny
+
+    src = save_tiny("mixtral", tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    layers = model.model.layers
+    with torch.no_grad():
+        layers[0].mlp.experts.down_proj.zero_()
+        layers[1].self_attn.o_proj.weight.zero_()
+        layers[1].post_attention_layernorm.weight.copy_(layers[0].post_attention_layernorm.weight)
+        layers[1].mlp.gate.weight.copy_(layers[0].mlp.gate.weight)
+    model.save_pretrained(tmp_path / "same")
+    return tmp_path / "same"
+
+
+def test_prefetch_recall_is_one_when_the_next_router_sees_the_same_input(tmp_path):
+    path = _same_input_ckpt(tmp_path)
+    prof = profile(ProfileConfig(model=str(path), **{**SMALL, "what": ("prefetch", "similarity")}))
+    (lp,) = prof.prefetch.layers
+    assert lp.recall_topk == {"prefill": 1.0, "decode": 1.0}
+    assert lp.positions["2"] == {"prefill": 1.0, "decode": 1.0}
+    assert lp.smoe_recall == 1.0 and lp.smoe_precision == 1.0
+    assert prof.similarity.positions["2"] == pytest.approx(1.0)
+    assert prof.routing is None and prof.timing is None
+
+
+def test_routing_statistics():
+    assert gini(np.ones(8)) == pytest.approx(0.0)
+    assert gini(np.eye(8)[0]) == pytest.approx(7 / 8)
+    assert entropy(np.ones(8)) == pytest.approx(1.0) and entropy(np.eye(8)[0]) == 0.0
+    assert top_share(np.array([5, 1, 1, 1, 1, 1, 0, 0, 0, 0]), 0.10) == pytest.approx(0.5)
+    assert jaccard({1, 2, 3}, {2, 3, 4}) == pytest.approx(0.5)
+
+
+def test_routing_accumulator_on_a_synthetic_trace():
+    E, k, T = 6, 2, 5
+    top_k = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [5, 0]])
+    lt = LayerTrace(layer=0, attn_in=torch.zeros(T, 4), gate_in=torch.zeros(T, 4), logits=torch.randn(T, E),
+                    top_k=top_k, importance=torch.tensor([9.0, 0, 0, 0, 0]))
+    acc = RoutingAccumulator(E, k, (0,), hh_ratio=0.2)
+    acc.add(Trace("prefill", [lt]), "a")
+    lr = acc.result().layers[0]
+    assert lr.prefill == (5, 2, 1, 1, 0, 1) and lr.heavy_hitter == (1, 1, 0, 0, 0, 0)
+    assert lr.hot_sets["a"] == (0,)
+
+
+def test_what_and_data_are_checked(tiny_ckpt):
+    assert parse_what(["routing,timing"]) == ("routing", "timing")
+    assert parse_what(["all"]) == parse_what([]) == ("routing", "sensitivity", "similarity", "prefetch", "timing")
+    with pytest.raises(MoetoolError, match="--what"):
+        parse_what(["speed"])
+    with pytest.raises(MoetoolError, match="neither a file nor a known data set"):
+        profile(ProfileConfig(model=str(tiny_ckpt("qwen2_moe")), data=("nope.txt",), what=("routing",)))
+
+
+def test_cli_profile_writes_artifact_and_hw(tiny_ckpt, tmp_path):
+    out = tmp_path / "t.profile.json"
+    result = runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--data", "heldout",
+                                 "--what", "routing,timing", "--seqs", "1", "--seq-len", "12", "--decode-tokens", "2",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert Profile.load(out).what == ("routing", "timing")
+    assert load_hw(str(tmp_path / "t.hw.json"))[0].t_expert_s
+    help_text = runner.invoke(app, ["profile", "--help"]).output
+    assert "Example" in help_text
+
+
+def test_sensitivity_reads_a_bundle_and_refuses_missing_bits(tiny_ckpt, tmp_path):
+    from moetool.quant import QuantizeConfig, quantize
+
+    path = str(tiny_ckpt("qwen2_moe"))
+    quantize(QuantizeConfig(model=path, out=tmp_path / "b", bits=(16, 4, 2), group_size=16))
+    cfg = ProfileConfig(model=path, bundle=tmp_path / "b", what=("sensitivity",), sensitivity_bits=(2, 4),
+                        int2_shares=(0.0, 1.0), ppl_tokens=32, ppl_seq_len=16)
+    prof = profile(cfg)
+    assert prof.sensitivity.source.startswith("bundle") and prof.info.expert_bytes_source.startswith("bundle")
+    assert set(prof.sensitivity.layers[0].delta) == {"2", "4"} and prof.inputs
+    with pytest.raises(MoetoolError, match="lacks 8-bit experts"):
+        profile(dataclasses.replace(cfg, sensitivity_bits=(8,)))

@@ -1,0 +1,96 @@
+"""moetool report: figures and summary.md from synthetic artifacts."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from moetool.cli import app
+from moetool.errors import MoetoolError
+from moetool.fit import FitConfig, fit
+from moetool.profile.routing import SCORE_BINS, LayerRouting, RoutingProfile
+from moetool.profile.similarity import LayerSimilarity, SimilarityProfile
+from moetool.report import report
+from test_fit import FP, synthetic_profile, synthetic_run
+
+runner = CliRunner()
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _routing() -> RoutingProfile:
+    layers = tuple(LayerRouting(layer=i, prefill=tuple(range(8)), decode=(1,) * 8, heavy_hitter=(1,) * 8,
+                                hh_load_corr=0.9, top10_share=0.2, top25_share=0.4, gini=0.3, entropy=0.9,
+                                mean_sorted_score=tuple(0.5 / (r + 1) for r in range(8)),
+                                by_data={"a": (1,) * 8, "b": (2,) * 8}, hot_sets={"a": (0, 1), "b": (1, 2)})
+                   for i in range(4))
+    return RoutingProfile(tokens={"prefill": 28, "decode": 8}, top_k=2, num_experts=8, hh_ratio=0.2,
+                          importance="eager", hot_k=2, layers=layers, score_bins=SCORE_BINS,
+                          score_hist={"selected": (1,) * 25, "unselected": (2,) * 25}, jaccard={"a|b": 1 / 3},
+                          activation_ratio={"decode": {"1": 0.25, "2": 0.4}, "prefill": {"1": 0.9}})
+
+
+def _similarity() -> SimilarityProfile:
+    return SimilarityProfile(adjacent=(0.9, 0.92, 0.95),
+                             layers=tuple(LayerSimilarity(layer=i, previous=i - 1,
+                                                          positions={"1": 0.93, "2": 0.89, "3": 0.84})
+                                          for i in (1, 2, 3)),
+                             positions={"1": 0.93, "2": 0.89, "3": 0.84}, tokens=36)
+
+
+@pytest.fixture
+def artifacts(tmp_path):
+    import dataclasses
+
+    d = tmp_path / "art"
+    d.mkdir()
+    prof = dataclasses.replace(synthetic_profile(), routing=_routing(), similarity=_similarity())
+    prof_path = prof.save(d / "s.profile.json")
+    runs = [synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(d / f"smoe{a}.run.json") for a in (0.0, 0.2, 0.4)]
+    fit(FitConfig(profile=prof_path, runs=tuple(runs), target_tpot=0.09, budget="50%")).save(d / "s.fit.json")
+    ablation = [("lod", {}, 0.28), ("lru", {}, 0.15), ("eap", {}, 0.13),
+                ("dymoe", {"r": 0.9, "high": 4, "low": 2, "prefetcher": "none"}, 0.13),
+                ("dymoe", {"r": 0.9, "high": 4, "low": 2, "prefetcher": "dymoe"}, 0.115),
+                ("dymoe", {"r": 0.9, "high": 4, "low": 0, "prefetcher": "dymoe"}, 0.105)]
+    for budget in (16 << 20, 24 << 20):
+        for i, (pol, params, tpot) in enumerate(ablation):
+            synthetic_run(pol, params, tpot * (16 << 20) / budget, budget=budget).save(d / f"abl{i}-{budget}.run.json")
+    for cfg, low in (("4/2", 2), ("4/0", 0)):
+        for r, acc in ((0.75, 0.40), (0.9, 0.43), (1.0, 0.44)):
+            params = {"r": r, "config": cfg, "high": 4, "low": low, "prefetcher": "dymoe"}
+            (d / f"dymoe{cfg.replace('/', '')}-{r}.eval.json").write_text(json.dumps(
+                {"schema": "eval", "schema_version": 1, "model": FP.__dict__, "policy": "dymoe", "params": params,
+                 "metrics": {"acc": acc - 0.01 * (low == 0)}}))
+            synthetic_run("dymoe", params, 0.05 + 0.05 * r, budget=8 << 20).save(
+                d / f"dymoe{cfg.replace('/', '')}-{r}.run.json")
+    (d / "bundle.json").write_text(json.dumps({"schema": "bundle"}))  # not read by report
+    return d
+
+
+def test_report_writes_figures_and_summary(artifacts, tmp_path):
+    paths = report([artifacts], tmp_path / "rep")
+    names = {p.name for p in paths}
+    expected = {"sensitivity.png", "int2_share.png", "routing_heatmap.png", "gate_scores.png", "similarity.png",
+                "prefetch.png", "alpha_tpot.png", "policies.png", "dymoe_retention.png", "summary.md"}
+    assert names == expected
+    for p in paths:
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    for text in ("## Ablation in the style of DyMoE Table 3 (clock", "1. Load on Demand", "6. Cache+Dyquant(4/0)+Prefetcher",
+                 "TPOT(s) 16 MiB", "TPOT(s) 24 MiB", "## Policy comparison", "Fate Table 1", "DyMoE schedule",
+                 "| smoe | alpha |", "Jaccard", "![prefetch](prefetch.png)"):
+        assert text in md, text
+    row = next(line for line in md.splitlines() if line.startswith("| 5. Cache+Dyquant(4/2)+Prefetcher"))
+    assert "| 0.115 |" in row and "| 0.076667 |" in row  # 16 MiB and 24 MiB TPOT (8 MiB: the r-sweep runs)
+
+
+def test_report_refuses_an_empty_input(tmp_path):
+    with pytest.raises(MoetoolError, match="no profile, fit, run or eval"):
+        report([tmp_path], tmp_path / "rep")
+
+
+def test_cli_report(artifacts, tmp_path):
+    result = runner.invoke(app, ["report", str(artifacts / "s.profile.json"), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r" / "summary.md").is_file() and (tmp_path / "r" / "prefetch.png").is_file()
+    assert "Example" in runner.invoke(app, ["report", "--help"]).output
