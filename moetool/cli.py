@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,12 @@ err = Console(stderr=True)
 
 ModelArg = Annotated[str, typer.Argument(help="A local Hugging Face model directory, a hub id, or 'demo'.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
+
+
+# torchao (pulled in by the gptq extra) logs kernel-library misses and deprecations on import;
+# on a CLI they would bury the one line moetool prints.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 def _quiet_libraries() -> None:
