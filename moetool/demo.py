@@ -296,6 +296,15 @@ def _umask_permissions(d: Path) -> None:
         os.chmod(f, 0o666 & ~umask)
 
 
+def _remove_stale_partials(out: Path, max_age_s: float = 3600.0) -> None:
+    # Leftovers of builds that were killed outright; a live build's directory is younger.
+    if not out.parent.is_dir():
+        return
+    for d in out.parent.glob(f".{out.name}.*-*"):
+        if (".partial-" in d.name or ".old-" in d.name) and time.time() - d.stat().st_mtime > max_age_s:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _info(out: Path, marker: dict, built: bool, t0: float) -> DemoModelInfo:
     s, e, m, k = marker["shared"], marker["experts"], marker["expert_size"], marker["top_k"]
     return DemoModelInfo(out, e, k, m, s, (s + k * m) / (s + e * m), marker["params_sha256"],
@@ -309,8 +318,8 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     A valid existing build is reused. The build happens in a temporary directory next to `out`
     that is renamed into place at the end, so an interrupted build never leaves a half-written
     model; a damaged earlier build is detected and rebuilt. refit=True reruns the fitting
-    (scripts/fit_demo_moe.py does the same, about 20 minutes on 2 CPU cores) instead of using the
-    committed conversion parameters.
+    (as scripts/fit_demo_moe.py does; 6-15 minutes on 2 CPU cores) instead of using the
+    committed conversion parameters, and keeps them next to `out` as <out>.conversion.safetensors.
     """
     t0 = time.perf_counter()
     out = (cache_root() / "demo-moe" if out is None else Path(out)).expanduser()
@@ -320,15 +329,16 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     params_sha = _sha256(committed)
     if out.exists() and not out.is_dir():
         raise MoetoolError(f"{out} is a file, not a directory; choose another --out")
+    if out.exists() and not (out / MARKER).exists() and not (out / "config.json").exists() \
+            and any(out.iterdir()):
+        raise MoetoolError(f"{out} exists and is not a moetool demo model; choose another --out or remove it")
     if not refit:
         marker = _marker_ok(out, params_sha)
         if marker is not None:
             return _info(out, marker, False, t0)
-        if out.exists() and not (out / MARKER).exists() and any(out.iterdir()) \
-                and not (out / "config.json").exists():
-            raise MoetoolError(f"{out} exists and is not a moetool demo model; choose another --out or remove it")
         if out.exists():
             _say(progress, f"the demo model in {out} is incomplete, damaged or outdated; rebuilding it")
+    _remove_stale_partials(out)
 
     gguf = fetch_dense_gguf(progress=progress)
     _say(progress, "loading the dense SmolLM2-135M-Instruct GGUF")

@@ -1,6 +1,7 @@
 """Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors.
 
-Run once by a maintainer (about 15-20 minutes on 2 CPU cores); CI only applies the result:
+Run once by a maintainer (the fit takes ~6 minutes on 2 idle CPU cores, the evaluation ~3 more);
+CI only applies the result:
 
     .venv/bin/python scripts/fit_demo_moe.py                   # fit, evaluate, write the file
     .venv/bin/python scripts/fit_demo_moe.py --experts 64 --top-k 16 --shared 512 --out /tmp/c.safetensors

@@ -177,6 +177,19 @@ def test_damaged_cache_is_not_accepted(tmp_path, built):
     assert demo._marker_ok(built.path, marker["params_sha256"]) is not None
 
 
+def test_interrupted_build_leaves_nothing_behind(tmp_path, monkeypatch, dense, tok):
+    monkeypatch.setattr(demo, "load_dense", lambda gguf: (dense, tok))
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_write_marker", interrupted)  # after the weights were written
+    out = tmp_path / "demo-moe"
+    with pytest.raises(KeyboardInterrupt):
+        demo.build_demo_model(out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_foreign_directory_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(MoetoolError, match="not a moetool demo model"):
