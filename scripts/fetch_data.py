@@ -13,8 +13,6 @@ is deterministic: rerunning it on the same downloads rewrites byte-identical fil
 from __future__ import annotations
 
 import argparse
-import glob
-import hashlib
 import io
 import json
 import os
@@ -23,6 +21,8 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from moetool.artifacts import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "moetool" / "data"
@@ -64,12 +64,6 @@ MC_TASKS = {  # name -> (items scored, accuracy, chance)
 MC_MAX_EXAMPLES = 500  # keeps the committed JSONL small; the first N valid examples in file order
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pip_download(name: str, version: str, dest: Path) -> Path:
