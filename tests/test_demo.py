@@ -6,8 +6,6 @@ never skips, when the package index cannot be reached.
 
 import json
 import math
-import os
-import time
 
 import pytest
 import torch
@@ -159,11 +157,9 @@ def test_greedy_chat_answer_is_english(moe, tok):
     assert len(words) >= 3 and sum(w.strip(".,!?").isalpha() for w in words) >= len(words) / 2, text
 
 
-def test_valid_cache_is_reused_quickly(built):
-    t0 = time.perf_counter()
+def test_valid_cache_is_reused(built):
     again = demo.build_demo_model(built.path)
-    assert not again.built and again.path == built.path
-    assert time.perf_counter() - t0 < 10
+    assert not again.built and again.path == built.path  # reused, not rebuilt
 
 
 def test_damaged_cache_is_not_accepted(tmp_path, built):
