@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from moetool.cli import app
+from moetool.demo import build_demo_model
 from moetool.datasets import MC_TASKS, heldout_text, mc_task
 from moetool.evaluate import MAX_LENGTH, TASKS_DIR, Eval, EvalConfig, evaluate
 from moetool.model import load_reference, load_tokenizer
@@ -243,21 +244,13 @@ def test_cli_bad_input_is_one_sentence(tiny_lm, args, words):
 # -- the demo model --------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "open finding: on the demo model, lm-eval at batch 4 through the engine gives one choice of 5 a log-likelihood "
-    "0.14 nats off the eager reference (-38.254 vs -38.112) although `moetool check demo` is bit-exact at batch 1 "
-    "and the same comparison is bit-exact on a tiny model; suspected: padded batches plus the demo router's "
-    "near-uniform top-16-of-48 scores flipping a near-tied routing decision. Left open in issue 8."))
 @pytest.mark.parametrize("policy,budget", [("resident", "100%"), ("lru", "25%")])
 def test_demo_model_lm_eval_and_ppl_through_the_engine_equal_plain_transformers(policy, budget):
-    demo = pytest.importorskip("moetool.demo", reason="the demo model builder (moetool/demo.py) is not in this tree")
-    if not demo.committed_params_path().is_file():
-        pytest.skip("the demo model's committed conversion parameters are not in this tree yet")
-    path = demo.build_demo_model().path
+    path = build_demo_model().path
     ours = evaluate(EvalConfig(task="bigbench-mc-cloze", model="demo", policy=policy, budget=budget, limit=20,
                                batch_size=4))
     plain = _plain_lm_eval(path, "bigbench-mc-cloze", limit=20, num_fewshot=0, batch_size=4)
-    _assert_same_samples(ours, plain, rel=1e-5, abs_=1e-4)
+    _assert_same_samples(ours, plain)  # bit for bit: same routing, same fp32 sums
     assert ours.metrics["acc"] == pytest.approx(plain["results"]["bigbench-mc-cloze"]["acc,none"])
     ids = torch.tensor(load_tokenizer(path)(heldout_text(), add_special_tokens=False).input_ids[:2048])
     ppl = evaluate(EvalConfig(task="ppl", model="demo", policy=policy, budget=budget, limit=2048))

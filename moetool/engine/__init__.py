@@ -46,12 +46,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype) -> int:
-    """Bytes of a KV cache for `batch` sequences of `max_tokens`, plus an activation margin."""
+def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype, top_k: int = 0) -> int:
+    """Bytes of a KV cache for `batch` sequences of `max_tokens`, plus activations.
+
+    The activations are a fixed workspace margin plus the engine's per-layer expert outputs, held
+    for a prefill of `max_tokens` until they are summed in expert order (T * top_k rows of H).
+    """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = 2 * cfg.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    item = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * cfg.num_hidden_layers * heads * head_dim * item + top_k * cfg.hidden_size * item
     return per_token * max_tokens * batch + ACTIVATION_MARGIN
 
 
@@ -61,7 +66,7 @@ def plan_budget(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = 
     ref = n_experts * store.slot_bytes(REFERENCE_BITS) if REFERENCE_BITS in store.bits else \
         n_experts * store.slot_bytes(max(store.bits)) * 16 // max(store.bits)
     non_expert = lm.non_expert_bytes()
-    margin = kv_margin(lm.model.config, max_tokens, batch, store.compute_dtype)
+    margin = kv_margin(lm.model.config, max_tokens, batch, store.compute_dtype, lm.geometry.layers[0].top_k)
     staging = STAGING_SLOTS * sum(store.slot_bytes(b) for b in store.bits)
     fixed = non_expert + margin + staging
     text = spec.strip()

@@ -151,7 +151,6 @@ class Engine:
         shield = {(g.index, e) for (e, b, w) in groups if w == Where.GPU}
         weight = plan.weight.to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
 
-        out = torch.zeros_like(hidden)  # [T, H]
         gpu, cpu = [], []
         for (e, b, where), (tok, slot, tok_host, slot_host) in groups.items():
             if where == Where.CPU:
@@ -169,10 +168,11 @@ class Engine:
         if staged:
             self._copy_staged(*staged.pop(0))
         cpu_ready = 0.0
+        parts = []  # (expert, bits, token rows, weighted output), summed in expert order at the end
         for e, b, tok, slot in cpu:  # SMoE Alg. 2: these run on the host, concurrently with the GPU
             cpu_ready = max(cpu_ready, self.clock.cpu(self.cost.c_cpu(len(tok))))
             w = self.store.decode(self.store.blob(g.index, e, b), g.index, e, b)
-            self._accumulate(module, out, hidden, w, tok, slot, weight)
+            parts.append((e, b, *self._expert_out(module, hidden, w, tok, slot, weight)))
             st.cpu_experts += 1
         used = []
         for kind, e, b, tok, slot, h in gpu:
@@ -189,8 +189,16 @@ class Engine:
             (st.hits if kind < 2 else st.misses)[b] += 1
             w = self.store.decode(h.staging if h.staging is not None else self.cache.view(b, h), g.index, e, b)
             self.clock.compute(self.cost.t_expert(b, len(tok)))
-            self._accumulate(module, out, hidden, w, tok, slot, weight)
+            parts.append((e, b, *self._expert_out(module, hidden, w, tok, slot, weight)))
             used.append((e, b, kind < 2))
+        # Experts compute in arrival order (hits, then copies as they land), but a token's k
+        # contributions are summed in ascending expert order, as transformers' eager loop sums them:
+        # fp32 addition is not associative, and with k = 16 a different order moves logits by ~1e-5,
+        # enough to flip a near-tied routing decision downstream. Holding the [n, H] outputs until
+        # here costs T*k*H activations, which the budget's margin counts (`kv_margin`).
+        out = torch.zeros_like(hidden)  # [T, H]
+        for _, _, tok, y in sorted(parts, key=lambda p: (p[0], p[1])):
+            out.index_add_(0, tok, y)
         st.needed += len(used)
         st.stall_s += self.clock.wait(cpu_ready)
         self.policy.on_use(g.index, used)
@@ -238,14 +246,16 @@ class Engine:
             start = end
         return groups
 
-    def _accumulate(self, module: EngineExperts, out, hidden, w, tok, slot, weight) -> None:
+    @staticmethod
+    def _expert_out(module: EngineExperts, hidden, w, tok, slot, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token rows, routing-weighted expert output [n, H]) of one expert group, on hidden's device."""
         if tok.device != hidden.device:  # a CPU-assisted expert: host indices, host weights, result moved back
             x = hidden[tok.to(hidden.device)].to(w.gate_up.device)
             y = module.expert_forward(x, w).to(hidden.device)  # [n, H]
             tok, slot = tok.to(hidden.device), slot.to(hidden.device)
         else:
             y = module.expert_forward(hidden[tok], w)  # [n, H]
-        out.index_add_(0, tok, (y * weight[tok, slot, None]).to(out.dtype))
+        return tok, (y * weight[tok, slot, None]).to(hidden.dtype)
 
     # -- loads -------------------------------------------------------------------------------------
     def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False,

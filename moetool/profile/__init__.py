@@ -120,7 +120,7 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
     return ModelInfo(moe_layers=tuple(x.index for x in lm.geometry.layers),
                      num_hidden_layers=lm.geometry.num_hidden_layers, num_experts=g.num_experts, top_k=g.top_k,
                      expert_bytes=sizes, expert_bytes_source=how, non_expert_bytes=lm.non_expert_bytes(),
-                     kv_margin_bytes=kv_margin(lm.model.config, 4096, 1, dtype),  # what `moetool run` reserves
+                     kv_margin_bytes=kv_margin(lm.model.config, 4096, 1, dtype, lm.geometry.layers[0].top_k),  # as `run` reserves
                      staging_bytes=STAGING_SLOTS * sum(sizes.values()), dtype=dtype_name)
 
 
