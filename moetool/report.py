@@ -293,6 +293,50 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
     return rows
 
 
+def _choices(e: dict) -> dict[tuple[str, Any], int]:
+    """(leaf task, doc id) -> the choice with the highest log-likelihood, for multiple-choice evals."""
+    return {(task, r["doc_id"]): max(range(len(r["resps"])), key=lambda i: r["resps"][i][0])
+            for task, recs in (e.get("samples") or {}).items() for r in recs
+            if isinstance(r, dict) and r.get("resps") and "doc_id" in r}
+
+
+def _quality_table(evals: list[tuple[Path, dict]]) -> str:
+    """One row per setting (policy, knobs, budget), one column per task: what each policy costs in quality.
+
+    "agree" is the share of questions answered like `resident` (the exact model) on the same
+    questions: a paired measure that still separates policies when accuracy sits near chance.
+    """
+    tasks = sorted({e.get("task", "?") for _, e in evals if primary_metric(e.get("metrics", {}))})
+    if not tasks:
+        return ""
+    rows: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
+    for _, e in evals:
+        if primary_metric(e.get("metrics", {})):
+            cache = int((e.get("budget") or {}).get("cache_bytes") or 0)  # total budgets differ by the KV margin
+            rows[_label(e.get("policy", "?"), e.get("params") or {}), cache][e.get("task", "?")] = e
+    ref = {t: _choices(e) for (label, _), by_task in rows.items() if label.startswith("resident")
+           for t, e in by_task.items()}
+    with_err = {t for _, e in evals if e.get("stderr") for t in [e.get("task")]}
+    heads, body = ["setting", "expert cache MiB"], []
+    for t in tasks:
+        heads += [t] + (["± stderr"] if t in with_err else []) + (["agree w/ resident"] if ref.get(t) else [])
+    for (label, budget), by_task in sorted(rows.items(), key=lambda kv: (not kv[0][0].startswith("resident"), kv[0])):
+        cells: list[Any] = [label, budget / 2**20]
+        for t in tasks:
+            e = by_task.get(t)
+            m = primary_metric(e.get("metrics", {})) if e else None
+            cells.append(m[1] if m else None)
+            if t in with_err:
+                cells.append((e.get("stderr") or {}).get(m[0].split(".")[-1]) if m else None)
+            if ref.get(t):
+                mine = _choices(e) if e else {}
+                shared = [k for k in mine if k in ref[t]]
+                cells.append(sum(mine[k] == ref[t][k] for k in shared) / len(shared) if shared else None)
+        body.append(cells)
+    return ("\n## Quality under each setting\n\nOne row per policy, knobs and budget; \"agree w/ resident\" is the "
+            "share of the same questions answered as the exact model answers them.\n\n" + _table(heads, body))
+
+
 def _ablation_row(r: Run) -> str | None:
     p = r.params
     if r.policy == "lod":
@@ -402,6 +446,7 @@ def report(inputs: list[Path], out_dir: Path) -> list[Path]:
     rows = _joined(runs, found.get("eval", []))
     if runs or rows:
         md.append(_runs_tables(runs, rows))
+    md.append(_quality_table(found.get("eval", [])))
     _comparison_figures(rows, out_dir, out)
     md.append("\n## Figures\n\n" + "".join(f"- ![{p.stem}]({p.name})\n" for p in out))
     summary = out_dir / "summary.md"

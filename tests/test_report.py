@@ -94,3 +94,29 @@ def test_cli_report(artifacts, tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "r" / "summary.md").is_file() and (tmp_path / "r" / "prefetch.png").is_file()
     assert "Example" in runner.invoke(app, ["report", "--help"]).output
+
+
+def _mc_eval(policy: str, params: dict, picks: list[int], target: int = 0, cache: int = 8 << 20) -> dict:
+    samples = [{"doc_id": i, "target": target, "acc": float(p == target),
+                "resps": [[-1.0 - abs(c - p), False] for c in range(4)]} for i, p in enumerate(picks)]
+    return {"schema": "eval", "schema_version": 1, "model": FP.__dict__, "task": "mc", "policy": policy,
+            "params": params, "budget": {"cache_bytes": cache}, "samples": {"mc_leaf": samples},
+            "metrics": {"acc": sum(p == target for p in picks) / len(picks)}, "stderr": {"acc": 0.1}}
+
+
+def test_quality_table_pairs_every_setting_with_resident(tmp_path):
+    """Agreement is counted question by question against resident's picks, not from accuracies."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    evals = {"resident": _mc_eval("resident", {"bits": 16}, [0, 1, 2, 3]),
+             "lossy": _mc_eval("static", {"bits": 2}, [0, 2, 1, 3]),  # same accuracy as resident, half the picks
+             "ppl": {"schema": "eval", "schema_version": 1, "model": FP.__dict__, "task": "ppl", "policy": "static",
+                     "params": {"bits": 2}, "budget": {"cache_bytes": 8 << 20}, "metrics": {"ppl": 12.5},
+                     "stderr": {}}}
+    for name, e in evals.items():
+        (d / f"{name}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| setting | expert cache MiB | mc | ± stderr | agree w/ resident | ppl |" in md
+    assert "| resident bits=16 | 8 | 0.25 | 0.1 | 1 | - |" in md
+    assert "| static bits=2 | 8 | 0.25 | 0.1 | 0.5 | 12.5 |" in md  # ppl and mc of one setting share a row
