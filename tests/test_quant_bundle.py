@@ -189,3 +189,12 @@ def test_calibration_tokens_come_from_the_text_in_sequences(tmp_path):
     lm.tokenizer = None
     random_ids = calibration_ids(lm, config(tmp_path, tmp_path / "o", calib_tokens=128, calib_seq_len=64))
     assert random_ids.shape == (2, 64) and int(random_ids.max()) < 128
+
+
+@pytest.mark.parametrize("moe_width,group", [(16, 16), (24, 8), (128, 64)])
+def test_default_group_size_is_the_largest_that_tiles_every_projection(tmp_path, moe_width, group):
+    """64 where the widths allow it; the demo model's 16-neuron experts need 16 (quantize must not refuse them)."""
+    model = tiny_moe(tmp_path / "m", hidden_size=64, moe_intermediate_size=moe_width)
+    bundle = quantize(config(model, tmp_path / "b", bits=(16, 4), group_size=0, calibrate=False))
+    assert bundle.group_size == group
+    assert {p.group_size for lay in bundle.layouts.values() if lay.bits == 4 for p in lay.projections} == {group}

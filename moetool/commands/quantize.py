@@ -19,7 +19,8 @@ def quantize(
     model: Annotated[str, typer.Argument(help="Model directory, hub id, or 'demo'.")] = "demo",
     bits: Annotated[str, typer.Option(help="Precisions to store, comma-separated; 16 (bf16) is always added.")] = "8,4,2",
     method: Annotated[str, typer.Option(help="hqq (calibration-free) or gptq (needs moetool[gptq]).")] = "hqq",
-    group_size: Annotated[int, typer.Option(help="Input columns sharing one scale and zero.")] = 64,
+    group_size: Annotated[int, typer.Option(help="Input columns sharing one scale and zero; 0 = 64, or the "
+                                            "largest power of two under 64 that divides the expert widths.")] = 0,
     save: Annotated[Path, typer.Option("--out", help="Bundle directory to write.")] = Path("bundle"),
     calib_text: Annotated[Path | None, typer.Option(help="UTF-8 text to calibrate GPTQ on (default: shipped training text).")] = None,
     calib_tokens: Annotated[int, typer.Option(help="Calibration tokens in total.")] = 2048,

@@ -16,6 +16,8 @@ to hqq's own `Quantizer.dequantize` and kernels unchanged.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -194,7 +196,7 @@ def make_layout(bits: Bits | int, gate_up_shape: tuple[int, ...], down_shape: tu
             packing = PACKINGS[bits]
             if group_size <= 0 or shape[1] % group_size:
                 raise MoetoolError(f"group size {group_size} does not divide the {name} projection's input width "
-                                   f"{shape[1]}; pick a group size that does (e.g. 64 or 32).")
+                                   f"{shape[1]}; pick one that does (e.g. {math.gcd(64, shape[1])}).")
             proj = Projection(name, shape, packing.name, group_size, axis)
             rows, cols = proj.grouped_shape()
             if rows % packing.per_byte:

@@ -11,8 +11,10 @@ continues from the shards that still hash right; other settings start clean.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
@@ -38,7 +40,7 @@ class QuantizeConfig:
     out: Path  # bundle directory
     bits: tuple[int, ...] = (16, 8, 4, 2)  # stored precisions; 16 is the bf16 reference
     method: str = "hqq"  # "hqq" (calibration-free) or "gptq" (needs moetool[gptq])
-    group_size: int = 64  # input columns sharing one scale and zero
+    group_size: int = 0  # input columns sharing one scale and zero; 0: auto (`auto_group_size`)
     axis: int = 1  # hqq's grouping axis; 1 (consecutive input columns) is what GPTQ shares
     calib_text: Path | None = None  # UTF-8 text to calibrate on (default: moetool's shipped training text)
     calib_tokens: int = 2048  # calibration tokens in total
@@ -62,6 +64,19 @@ class Progress:
     layer: int | None = None
 
 
+PREFERRED_GROUP = 64  # HQQ's and GPTQ's usual group; the bundle sizes quoted in the README are at 64
+
+
+def auto_group_size(layers) -> int:
+    """64, or the largest power of two under it that divides every expert's input widths.
+
+    A projection's input width must split into whole groups: the demo model's experts are 16
+    neurons wide, so its `down` projection takes group 16 (a real model's widths are multiples of 64).
+    """
+    widths = {w for g in layers for w in (g.hidden_size, g.intermediate_size)}
+    return math.gcd(PREFERRED_GROUP, *widths)
+
+
 def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None) -> Bundle:
     """Quantize every expert of `cfg.model` at `cfg.bits` into a bundle in `cfg.out`."""
     report = progress or (lambda p: None)
@@ -76,6 +91,8 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
 
     lm = load_model(cfg.model, device="cpu", dtype=DTYPES[cfg.dtype])
     layers = lm.geometry.layers
+    if cfg.group_size == 0:
+        cfg = dataclasses.replace(cfg, group_size=auto_group_size(layers))
     total = sum(layer.num_experts for layer in layers)
     report(Progress("load", 0, total))
     inputs = {"calib_text": sha256_file(Path(cfg.calib_text))} if cfg.calib_text else {}
