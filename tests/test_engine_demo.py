@@ -19,22 +19,30 @@ def demo():
     tok = load_model(path).tokenizer
     ids = tok(PROMPT, return_tensors="pt").input_ids
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-    return path, ids, want
+    with torch.no_grad():
+        logits = ref(want).logits
+    return path, ids, want, logits
 
 
-@pytest.mark.parametrize("policy,budget", [("lod", "10%"), ("lru", "25%"), ("eap", "50%"), ("resident", "100%")])
-def test_lossless_policies_match_transformers_on_the_demo_model(demo, policy, budget):
-    path, ids, want = demo
+@pytest.mark.parametrize("policy,budget,knobs", [
+    ("lod", "10%", {}), ("lru", "25%", {}), ("eap", "50%", {}), ("resident", "100%", {}),
+    ("fate", "25%", {"cache_bits": "16", "low_bits": "16"}),  # Fate's mechanisms without its quantization
+])
+def test_lossless_policies_match_transformers_on_the_demo_model(demo, policy, budget, knobs):
+    """Same tokens and bit-identical logits: top-16 routing with misses arriving after hits."""
+    path, ids, want, logits = demo
     lm = load_model(path)
-    engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), policy, budget=budget,
-                                clock="sim")
+    engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), policy, settings=knobs,
+                                budget=budget, clock="sim")
     got = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(lm.model(want).logits, logits)
     assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
 
 
 def test_sim_clock_lod_is_slower_than_lru_at_a_quarter_budget(demo):
-    path, ids, _ = demo
+    path, ids, _, _ = demo
     tpot, hit = {}, {}
     for policy in ("lod", "lru"):
         lm = load_model(path)
