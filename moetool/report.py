@@ -288,7 +288,9 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
             tpot = ((e.get("summary") or {}).get("tpot_s") or {}).get("mean")
             source = "eval counters" if tpot is not None else None
-        rows.append({"label": _label(pol, params), "policy": pol, "params": params, "metric": m[0], "value": m[1],
+        task = e.get("task", "?")
+        rows.append({"label": _label(pol, params), "policy": pol, "params": params, "value": m[1],
+                     "metric": m[0] if task in (m[0], "?") else f"{task} {m[0]}",  # acc of which task
                      "higher": m[2], "tpot": tpot, "eval": epath.name, "run": source})
     return rows
 
@@ -389,40 +391,54 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
     return "".join(md)
 
 
+def _metric_axes(metrics: list[str], width: float, height: float):
+    """One panel per metric side by side: accuracy and perplexity never share a y axis."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(width * len(metrics), height), squeeze=False)
+    return fig, dict(zip(metrics, axes[0]))
+
+
+def _ylabel(rows: list[dict], metric: str) -> str:
+    higher = next(x["higher"] for x in rows if x["metric"] == metric)
+    return f"{metric} ({'higher' if higher else 'lower'} is better)"
+
+
 def _comparison_figures(rows: list[dict], out_dir: Path, out: list[Path]) -> None:
     pts = [x for x in rows if x["tpot"] is not None]
     if pts:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        same_spot: dict[tuple[float, float], list[str]] = defaultdict(list)
-        for x in pts:
-            same_spot[round(x["tpot"] * 1e3, 6), round(x["value"], 9)].append(x["label"])
-        mid = (min(k[0] for k in same_spot) + max(k[0] for k in same_spot)) / 2
-        for (t, v), labels in same_spot.items():
-            ax.scatter(t, v, s=30)
-            right = t > mid  # labels of right-hand points go to their left, inside the axes
-            ax.annotate("\n".join(labels), (t, v), fontsize=7, xytext=(-4 if right else 4, 3),
-                        textcoords="offset points", ha="right" if right else "left")
-        ax.margins(x=0.15, y=0.12)
-        metric = ", ".join(sorted({x["metric"] for x in pts}))
-        better = "higher" if all(x["higher"] for x in pts) else "lower" if not any(x["higher"] for x in pts) else None
-        ax.set(xlabel="mean TPOT (ms)", ylabel=metric + (f" ({better} is better)" if better else ""),
-               title="Policies: TPOT vs quality (one point per policy/setting)")
-        _save(fig, out_dir / "policies.png", out)
-    dy = defaultdict(list)
+        metrics = sorted({x["metric"] for x in pts})
+        labels = sorted({x["label"] for x in pts})
+        style = {lab: (f"C{i % 10}", "osD^v<>ph*"[i // 10 % 10]) for i, lab in enumerate(labels)}
+        fig, axes = _metric_axes(metrics, 5.5, 4.5)
+        for x in pts:  # same setting, same colour and marker in every panel; one legend for all
+            color, marker = style[x["label"]]
+            axes[x["metric"]].scatter(x["tpot"] * 1e3, x["value"], color=color, marker=marker, s=40, label=x["label"])
+        for metric, ax in axes.items():
+            ax.set(xlabel="mean TPOT (ms)", ylabel=_ylabel(pts, metric), title=metric)
+            ax.margins(x=0.12, y=0.12)
+            ax.grid(alpha=0.3)
+        handles = [plt.Line2D([], [], color=c, marker=m, linestyle="", label=lab) for lab, (c, m) in style.items()]
+        fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=8, frameon=False)
+        fig.suptitle("Policies: TPOT vs quality (one point per setting)")
+        fig.tight_layout(rect=(0, 0.07 * ((len(handles) + 2) // 3), 1, 1))
+        fig.savefig(out_dir / "policies.png", dpi=120)
+        plt.close(fig)
+        out.append(out_dir / "policies.png")
+    dy: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for x in rows:
         if x["policy"] == "dymoe" and "r" in x["params"]:
             cfg = x["params"].get("config") or f"{x['params'].get('high', x['params'].get('high_bits'))}/" \
                                                 f"{x['params'].get('low', x['params'].get('low_bits'))}"
-            dy[cfg].append((float(x["params"]["r"]), x["value"]))
+            dy[x["metric"]][cfg].append((float(x["params"]["r"]), x["value"]))
     if dy:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for cfg, pts_ in sorted(dy.items()):
-            pts_.sort()
-            ax.plot([p for p, _ in pts_], [v for _, v in pts_], "o-", label=f"DyMoE {cfg}")
-        dy_rows = [x for x in rows if x["policy"] == "dymoe"]
-        ax.set(xlabel="retention ratio r", ylabel=dy_rows[0]["metric"] + ("" if dy_rows[0]["higher"] else " (lower is better)"),
-               title="Quality vs retention (DyMoE Fig. 11)")
-        ax.legend()
+        fig, axes = _metric_axes(sorted(dy), 5, 4)
+        for metric, ax in axes.items():
+            for cfg, pts_ in sorted(dy[metric].items()):
+                pts_.sort()
+                ax.plot([p for p, _ in pts_], [v for _, v in pts_], "o-", label=f"DyMoE {cfg}")
+            ax.set(xlabel="retention ratio r", ylabel=_ylabel(rows, metric), title=metric)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle("Quality vs retention (DyMoE Fig. 11)")
         _save(fig, out_dir / "dymoe_retention.png", out)
 
 

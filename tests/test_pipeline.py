@@ -2,7 +2,7 @@
 
 import pytest
 
-from moetool.pipeline import EVAL_POLICIES, RUN_POLICIES, DemoConfig, demo_pipeline
+from moetool.pipeline import EVAL_POLICIES, MC_TASK, RUN_POLICIES, DemoConfig, demo_pipeline
 from moetool.quant.bundle import Bundle
 from test_eval import save_char_tokenizer
 from tiny import save_tiny
@@ -30,7 +30,7 @@ def test_every_stage_leaves_its_artifact(piped):
         assert (paths["runs"] / f"{label}.run.json").is_file() ^ (paths["runs"] / f"{label}.refused.txt").is_file()
     assert (paths["runs"] / "resident.run.json").is_file() and (paths["runs"] / "lru.run.json").is_file()
     for label, _, _, _ in EVAL_POLICIES:
-        for task in ("ppl", "bigbench-mc"):
+        for task in ("ppl", MC_TASK):
             done = (paths["evals"] / f"{label}.{task}.eval.json").is_file()
             assert done ^ (paths["evals"] / f"{label}.{task}.refused.txt").is_file()
     md = (paths["report"] / "summary.md").read_text()
