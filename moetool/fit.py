@@ -258,7 +258,34 @@ def _fit_smoe(cfg: FitConfig, prof: Profile, runs: list, params: dict, ev: dict,
     if not choice["feasible"]:
         ev["warnings"].append(f"no alpha in [{min(x):g}, {max(x):g}] meets TPOT {cfg.target_tpot:g} s; "
                               f"chose the fastest, alpha={choice['alpha']:.3f}.")
-    params["smoe"] = {"alpha": round(choice["alpha"], 4)}
+    alpha = measured_guard(choice["alpha"], points, cfg.target_tpot)
+    if alpha != choice["alpha"]:
+        ev["smoe"]["alpha"]["guarded"] = alpha
+        ev["warnings"].append(f"the degree-{poly['degree']} T(alpha) chose alpha={choice['alpha']:.3f}, but the runs "
+                              f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
+                              "measured alpha that meets R, is used instead.")
+    params["smoe"] = {"alpha": round(alpha, 4)}
+
+
+def measured_guard(alpha: float, points: list[tuple[float, float, Any]], target: float) -> float:
+    """Our addition to SMoE eq. 5: never choose an alpha the measurements contradict.
+
+    The paper fits a polynomial T(alpha) and takes the smallest alpha with T(alpha) <= R. When TPOT
+    is a step in alpha (a near-uniform router: any alpha > 0 substitutes almost every miss), the
+    best polynomial by leave-one-out is flat and can choose an alpha that was measured slower than
+    R. So the choice is checked against the runs themselves, interpolated linearly between measured
+    alphas (mean TPOT where one alpha was run more than once): if they put it above R, the smallest
+    measured alpha that met R is taken instead; otherwise the polynomial's choice stands.
+    """
+    by_alpha: dict[float, list[float]] = {}
+    for a, t, _ in points:
+        by_alpha.setdefault(float(a), []).append(float(t))
+    xs = sorted(by_alpha)
+    measured = float(np.interp(alpha, xs, [float(np.mean(by_alpha[a])) for a in xs]))
+    meets = [a for a in xs if np.mean(by_alpha[a]) <= target]
+    if measured > target * (1 + 1e-9) and meets:
+        return meets[0]
+    return alpha
 
 
 def _fit_fate(cfg: FitConfig, prof: Profile, evals: list, params: dict, ev: dict) -> None:

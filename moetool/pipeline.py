@@ -45,6 +45,9 @@ class DemoConfig:
     tokens: int = 32
     mc_limit: int = 40  # questions per multiple-choice task
     ppl_tokens: int = 2048
+    # SMoE's R (eq. 5) for the alpha fit: about the TPOT with every expert resident on the simulated
+    # RTX 3090 (2.8 ms), i.e. "as fast as if the model fit". Another --hw wants another R.
+    target_tpot: float = 0.003
 
 
 Progress = Callable[[str, int, int], None]  # (step description, done, total)
@@ -126,6 +129,7 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
     step("fit")
     if not _valid(fitted, Fit, fp):
         fit(FitConfig(profile=prof, sweep=True, budget=cfg.budget, model=model, bundle=bundle, hw=cfg.hw,
+                      target_tpot=cfg.target_tpot,
                       sweep_budget=cfg.budget)).save(fitted)
 
     prompts = heldout_prompts(cfg.prompts)

@@ -11,7 +11,7 @@ from moetool.cli import app
 from moetool.commands.fit import parse_seconds
 from moetool.errors import MoetoolError
 from moetool.fit import (FitConfig, boundary_L, budget_retention, cache_bytes, choose_alpha, dymoe_schedule,
-                         dynaexq_n_hi, fit, fit_polynomial, int2_share, transfer_count)
+                         dynaexq_n_hi, fit, fit_polynomial, int2_share, measured_guard, transfer_count)
 from moetool.policies.dymoe import retention
 from moetool.profile import ModelInfo, Profile
 from moetool.profile.prefetch import LayerPrefetch, PrefetchProfile
@@ -77,6 +77,21 @@ def test_polynomial_degree_by_leave_one_out_and_eq5_selection():
     too_fast = choose_alpha(lin["coefficients"], 0.0, 0.5, 0.01)
     assert too_fast["feasible"] is False and too_fast["alpha"] == pytest.approx(0.5)
     assert choose_alpha(lin["coefficients"], 0.0, 0.5, None)["alpha"] is None
+
+
+def test_a_step_in_tpot_is_not_hidden_by_a_flat_polynomial(tmp_path):
+    """The demo's trace: alpha 0 is slow, every alpha > 0 equally fast. LOO picks a flat fit that
+    meets R everywhere, so eq. 5 alone would answer alpha = 0, which was measured at 5 ms > R."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    step = [(0.0, 0.005), (0.1, 0.00226), (0.2, 0.00226), (0.3, 0.00226), (0.4, 0.00226), (0.5, 0.00226)]
+    runs = tuple(synthetic_run("smoe", {"alpha": a}, t).save(tmp_path / f"a{a}.run.json") for a, t in step)
+    result = fit(FitConfig(profile=prof, runs=runs, target_tpot=0.003))
+    ev = result.evidence["smoe"]["alpha"]
+    assert ev["degree"] == 0 and ev["alpha"] == 0.0  # what the polynomial alone chooses
+    assert result.params["smoe"]["alpha"] == 0.1 and ev["guarded"] == 0.1
+    assert any("smallest measured alpha that meets R" in w for w in result.evidence["warnings"])
+    # a smooth trace the polynomial fits is left alone
+    assert measured_guard(0.25, [(0.0, 0.1, ""), (0.2, 0.08, ""), (0.3, 0.07, "")], 0.075) == 0.25
 
 
 def test_boundary_L_on_a_synthetic_accuracy_curve():

@@ -180,3 +180,12 @@ def test_knobs_and_description():
         make_policy("dymoe", {"config": "4-2"}, make_ctx())
     with pytest.raises(MoetoolError, match="high bits"):
         make_policy("dymoe", {"config": "2/4"}, make_ctx())
+
+
+def test_set_r_overrides_a_fitted_lambda():
+    """A fit carries r and the lam solved for it; `--set r=` must re-solve lam, not keep the fit's."""
+    fitted = {"r": 0.5, "lam": 0.0}
+    assert make_policy("dymoe", {}, make_ctx(), fitted).lam == 0.0
+    pol = make_policy("dymoe", {"r": "0.9"}, make_ctx(), fitted)
+    assert pol.lam == pytest.approx(0.8) and math.isclose(sum(pol.describe()["retention"]) / 4, 0.9)
+    assert make_policy("dymoe", {"r": "0.9", "lam": "0.2"}, make_ctx(), fitted).lam == 0.2  # both set: lam wins

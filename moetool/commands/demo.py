@@ -47,6 +47,7 @@ def demo(
     save: Annotated[Path, typer.Option("--out", help="Directory for every artifact of the demo.")] = Path("out/demo"),
     budget: Annotated[str, typer.Option(help="Device budget the policies are compared at.")] = "25%",
     hw: Annotated[str, typer.Option(help="Hardware profile of the simulated clock.")] = "rtx3090",
+    target_tpot: Annotated[str, typer.Option(help="SMoE's TPOT target R for fitting alpha (e.g. 3ms).")] = "3ms",
 ) -> None:
     """Run the whole pipeline on the demo model and write the report (reuses valid artifacts).
 
@@ -55,6 +56,7 @@ def demo(
 
     Example: `moetool demo --out out/demo`
     """
+    from moetool.commands.fit import parse_seconds
     from moetool.pipeline import DemoConfig, demo_pipeline
 
     with _bar() as bar:
@@ -64,7 +66,8 @@ def demo(
             bar.update(task, description=what, completed=done, total=total)
             err.print(f"[dim]{done + 1}/{total}[/dim] {what}", highlight=False)
 
-        paths = demo_pipeline(DemoConfig(out=save, budget=budget, hw=hw), progress=progress)
+        paths = demo_pipeline(DemoConfig(out=save, budget=budget, hw=hw, target_tpot=parse_seconds(target_tpot)),
+                              progress=progress)
     summary = paths["report"] / "summary.md"
     out.print(f"report: {paths['report']}  (summary: {summary})")
     if summary.is_file():

@@ -130,6 +130,9 @@ class Policy:
     Params: ClassVar[type[Params]] = Params
     # Ask the engine for DyMoE's heavy-hitter token scores in prefill (needs eager attention weights).
     needs_token_importance: ClassVar[bool] = False
+    # knob -> the knob it is derived from: a fitted value of the former is dropped when `--set`
+    # gives the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
+    derived: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Params, ctx: EngineContext):
         self.params = params
@@ -190,7 +193,9 @@ def parse_params(cls: type[Policy], settings: dict[str, str], fitted: dict[str, 
     """Build `cls.Params` from fitted values overridden by `--set key=value` strings."""
     fields = {f.name: f for f in dataclasses.fields(cls.Params)}
     values: dict[str, Any] = {}
-    for source, items in (("fit", fitted or {}), ("--set", settings)):
+    fitted = {k: v for k, v in (fitted or {}).items()
+              if not (k in cls.derived and cls.derived[k] in settings and k not in settings)}
+    for source, items in (("fit", fitted), ("--set", settings)):
         for key, raw in items.items():
             if key not in fields:
                 known = ", ".join(sorted(fields)) or "none"
