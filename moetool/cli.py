@@ -30,6 +30,8 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True)
+# Progress bars use `disable=not err.is_terminal`: on a pipe or a log file a bar cannot redraw, and
+# its teardown would put a blank line before a one-line error.
 
 ModelArg = Annotated[str, typer.Argument(help="A local Hugging Face model directory, a hub id, or 'demo'.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
@@ -164,7 +166,7 @@ def run(
     cfg = RunConfig(model=model, bundle=bundle, policy=policy, settings=parse_settings(set_ or []), fit=fit,
                     budget=budget, clock=clock, hw=hw, prompts=tuple(texts), max_new_tokens=max_new_tokens,
                     batch_size=batch_size, device=device, dtype=dtype)
-    with Progress(console=err, transient=True) as bar:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(f"run {policy}", total=len(texts))
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
     if save is not None:

@@ -15,7 +15,7 @@ from moetool.cli import command, err, out
 
 def _bar() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err, transient=True)
+                    console=err, transient=True, disable=not err.is_terminal)
 
 
 @command(name="demo-model")

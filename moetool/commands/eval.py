@@ -59,7 +59,7 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                      batch_size=batch_size, device=device, dtype=dtype)
     unit = "tokens" if task == PPL else "requests"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():
         job = bar.add_task(f"eval {task} ({policy})", total=None)
         result = evaluate(cfg, progress=lambda done, total: bar.update(
             job, completed=done, total=total, description=f"eval {task} ({policy}), {unit}"))

@@ -60,7 +60,7 @@ def fit(
                     target_tpot=parse_seconds(target_tpot), max_loss=max_loss, l_threshold=l_threshold, r=r,
                     budget=budget, model=model, bundle=bundle, hw=hw, sweep_budget=sweep_budget,
                     max_new_tokens=max_new_tokens)
-    with Progress(console=err, transient=True) as bar:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("smoe sweep", total=len(grid), visible=sweep)
         result = fit_stage(cfg, progress=lambda part, done, total: bar.update(task, completed=done))
     result.save(save)

@@ -57,7 +57,7 @@ def profile(
                         what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
                         decode_tokens=decode_tokens, sensitivity_bits=sens_bits, ppl_tokens=ppl_tokens,
                         hw_base=hw_base, device=device, dtype=dtype)
-    bar = Progress(console=err, transient=True)
+    bar = Progress(console=err, transient=True, disable=not err.is_terminal)
     tasks: dict[str, int] = {}
 
     def progress(part: str, done: int, total: int) -> None:

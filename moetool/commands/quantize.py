@@ -49,7 +49,7 @@ def quantize(
                          verify=verify)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("loading", total=None, rate="")
 
         def progress(p) -> None:

@@ -87,7 +87,6 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
                            "or delete it.")
     if cfg.calib_text is not None and not Path(cfg.calib_text).is_file():
         raise MoetoolError(f"calibration text {cfg.calib_text} does not exist.")
-    out.mkdir(parents=True, exist_ok=True)
 
     lm = load_model(cfg.model, device="cpu", dtype=DTYPES[cfg.dtype])
     layers = lm.geometry.layers
@@ -103,6 +102,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
                                             layer.has_bias, cfg.group_size, cfg.axis) for b in bits}
                for layer in layers}
 
+    out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
     journal = Journal(out, settings_sha)
     todo = [layer for layer in layers if layer.index not in journal.done]
     done = total - sum(layer.num_experts for layer in todo)
