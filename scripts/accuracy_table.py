@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--mc-limit", type=int, default=40, help="questions per BIG-bench task (0: skip MC)")
     ap.add_argument("--task", default="bigbench-mc")
     ap.add_argument("--only", default="", help="comma-separated labels to run (default all)")
+    ap.add_argument("--mc-only", default="", help="comma-separated labels that also get the MC task (default all)")
     ap.add_argument("--out", type=Path, default=Path("out/accuracy"))
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
@@ -60,6 +61,7 @@ def main() -> None:
     console = Console(width=200)
     args.out.mkdir(parents=True, exist_ok=True)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
+    mc_only = {s.strip() for s in args.mc_only.split(",") if s.strip()}
     tasks = [("ppl", args.ppl_tokens)] + ([(args.task, args.mc_limit)] if args.mc_limit else [])
     results: dict[str, dict] = {}
     for label, policy, knobs, budget in SETTINGS:
@@ -67,6 +69,8 @@ def main() -> None:
             continue
         results[label] = {"policy": policy, "knobs": knobs, "budget": budget or args.budget}
         for task, limit in tasks:
+            if task != "ppl" and mc_only and label not in mc_only:
+                continue
             path = args.out / f"{label.replace(' ', '_').replace('/', '-')}.{task}.eval.json"
             if not path.is_file():
                 cfg = EvalConfig(task=task, model=args.model, bundle=args.bundle, policy=policy, settings=knobs,

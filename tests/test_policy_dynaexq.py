@@ -110,3 +110,13 @@ def test_hysteresis_holds_the_incumbent():
     assert pol.end_step(Step(0, Phase.DECODE, 3)) == [] and pol.target[0] == {2}
     pol.plan(make_view([[2], [3], [3], [3], [3]], cache))  # by 3 > 2
     assert pol.end_step(Step(1, Phase.DECODE, 5)) == [Fetch(0, 3, 16)]
+
+
+def test_set_tiers_drop_a_fitted_n_hi():
+    """A fit's n_hi holds for its tiers: asking for 4/2 re-derives n_hi from the budget instead."""
+    ctx = make_ctx()
+    own = make_policy("dynaexq", {"config": "4/2"}, ctx)
+    assert own.n_hi > 0
+    assert make_policy("dynaexq", {"config": "4/2"}, ctx, {"n_hi": 0}).n_hi == own.n_hi
+    assert make_policy("dynaexq", {}, ctx, {"n_hi": 0}).n_hi == 0  # the fit's own tiers: kept
+    assert make_policy("dynaexq", {"config": "4/2", "n_hi": "1"}, ctx, {"n_hi": 0}).n_hi == 1

@@ -130,9 +130,9 @@ class Policy:
     Params: ClassVar[type[Params]] = Params
     # Ask the engine for DyMoE's heavy-hitter token scores in prefill (needs eager attention weights).
     needs_token_importance: ClassVar[bool] = False
-    # knob -> the knob it is derived from: a fitted value of the former is dropped when `--set`
-    # gives the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
-    derived: ClassVar[dict[str, str]] = {}
+    # knob -> the knobs it is derived from: a fitted value of the former is dropped when `--set`
+    # gives one of the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
+    derived: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, params: Params, ctx: EngineContext):
         self.params = params
@@ -194,7 +194,7 @@ def parse_params(cls: type[Policy], settings: dict[str, str], fitted: dict[str, 
     fields = {f.name: f for f in dataclasses.fields(cls.Params)}
     values: dict[str, Any] = {}
     fitted = {k: v for k, v in (fitted or {}).items()
-              if not (k in cls.derived and cls.derived[k] in settings and k not in settings)}
+              if not (k in cls.derived and any(d in settings for d in cls.derived[k]) and k not in settings)}
     for source, items in (("fit", fitted), ("--set", settings)):
         for key, raw in items.items():
             if key not in fields:

@@ -193,7 +193,7 @@ class DyMoE(Policy):
     prefetch (eq. 6-8); a mixed-precision per-layer cache (§4.4.2)."""
 
     needs_token_importance = True
-    derived = {"lam": "r"}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
+    derived = {"lam": ("r",)}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
 
     @dataclass(frozen=True)
     class Params(Params):

@@ -103,6 +103,9 @@ def select_high(score: torch.Tensor, current: set[int], n: int, margin: float) -
 class DynaExq(Policy):
     """Two tiers: all experts at b_lo, the n_hi hottest per layer also at b_hi (Tables 1-4)."""
 
+    # a fitted n_hi was sized for the fit's tiers (16/4 by default), not for `--set config=4/2`
+    derived = {"n_hi": ("config", "b_hi", "b_lo")}
+
     @dataclass(frozen=True)
     class Params(Params):
         b_hi: int = 16  # hot experts (FP16 for Qwen3-30B / Phi-3.5-MoE, §5.1)
