@@ -31,7 +31,8 @@ SETTINGS = [
     ("fate", "fate", {}, None),
     *[(f"dymoe {c} r={r}", "dymoe", {"config": c, "r": r}, None) for c in ("4/2", "4/0") for r in ("0.75", "0.9", "1.0")],
     ("smoe (fitted alpha)", "smoe", {}, None),
-    ("dynaexq 4/2", "dynaexq", {"config": "4/2"}, None),
+    # at 25% the INT2 low tier alone fills the demo's budget (n_hi = 0); 40% leaves room for a hot INT4 set
+    ("dynaexq 4/2", "dynaexq", {"config": "4/2"}, "40%"),
 ]
 
 
