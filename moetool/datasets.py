@@ -83,3 +83,20 @@ def mc_task(name: str) -> tuple[MCQuestion, ...]:
 def manifest() -> dict:
     """Where every packaged data file came from: registry, package, version, licence, sha256."""
     return json.loads(_read_text("MANIFEST.json"))
+
+
+def parse_prompt_lines(text: str, where: object) -> list[str]:
+    """Prompts of a JSONL text: one per line, a string or an object with "prompt" (or "question")."""
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise MoetoolError(f"{where} line {n} is not JSON (expected {{\"prompt\": \"...\"}}).") from None
+        value = item.get("prompt", item.get("question")) if isinstance(item, dict) else item
+        if not isinstance(value, str):
+            raise MoetoolError(f"{where} line {n} has no string 'prompt' or 'question'.")
+        prompts.append(value)
+    return prompts

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from moetool.artifacts import Artifact, sha256_file
 from moetool.check import prompt_ids
+from moetool.datasets import parse_prompt_lines
 from moetool.engine import BudgetPlan, build_engine
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
@@ -96,18 +96,7 @@ def read_prompts(path: Path) -> tuple[str, ...]:
     """A JSONL file of {"prompt": ...} objects (or plain strings), one per line."""
     if not Path(path).is_file():
         raise MoetoolError(f"{path} does not exist.")
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            raise MoetoolError(f"{path} line {n} is not JSON (expected {{\"prompt\": \"...\"}}).") from None
-        text = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(text, str):
-            raise MoetoolError(f"{path} line {n} has no string 'prompt'.")
-        prompts.append(text)
+    prompts = parse_prompt_lines(Path(path).read_text(), path)
     if not prompts:
         raise MoetoolError(f"{path} holds no prompts.")
     return tuple(prompts)

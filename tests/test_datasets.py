@@ -47,3 +47,13 @@ def test_mc_task_loads_with_valid_answers(name):
 def test_unknown_mc_task_is_a_user_error():
     with pytest.raises(MoetoolError, match="unknown multiple-choice task"):
         datasets.mc_task("mmlu_everything")
+
+
+def test_prompt_lines_take_strings_prompts_and_questions_and_name_the_bad_line():
+    parse_prompt_lines = datasets.parse_prompt_lines
+    text = '"plain"\n\n{"prompt": "p"}\n{"question": "q"}\n'
+    assert parse_prompt_lines(text, "f.jsonl") == ["plain", "p", "q"]
+    with pytest.raises(MoetoolError, match="f.jsonl line 2 is not JSON"):
+        parse_prompt_lines('"ok"\n{oops\n', "f.jsonl")
+    with pytest.raises(MoetoolError, match="f.jsonl line 1 has no string 'prompt' or 'question'"):
+        parse_prompt_lines('{"text": "x"}\n', "f.jsonl")

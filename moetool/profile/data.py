@@ -10,7 +10,6 @@ A name is `train` or `heldout` (packaged text, `moetool.datasets`), a BIG-bench 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -61,19 +60,7 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
     sha = hashlib.sha256(raw).hexdigest()
     text = raw.decode("utf-8", errors="replace")
     if path.suffix == ".jsonl":
-        prompts = []
-        for line_no, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError:
-                raise MoetoolError(f"{path} line {line_no} is not JSON.") from None
-            value = item if isinstance(item, str) else item.get("prompt", item.get("question")) \
-                if isinstance(item, dict) else None
-            if not isinstance(value, str):
-                raise MoetoolError(f"{path} line {line_no} has no string 'prompt' or 'question'.")
-            prompts.append(value)
+        prompts = datasets.parse_prompt_lines(text, path)
         seqs = _prompts(lm, prompts, n)
     else:
         seqs = _chunks(_ids(lm, text), n, seq_len)
