@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetool.artifacts import Artifact
+from moetool.artifacts import Artifact, atomic_write_bytes
 from moetool.errors import MoetoolError
 
 # (file label, policy, knobs): what `run` compares at the demo budget.
@@ -81,8 +81,6 @@ def _valid(path: Path, kind: type[Artifact], model) -> bool:
 
 
 def _refused(path: Path, why: Exception) -> None:
-    from moetool.artifacts import atomic_write_bytes
-
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, f"{why}\n".encode())
 
@@ -129,8 +127,7 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
     step("fit")
     if not _valid(fitted, Fit, fp):
         fit(FitConfig(profile=prof, sweep=True, budget=cfg.budget, model=model, bundle=bundle, hw=cfg.hw,
-                      target_tpot=cfg.target_tpot,
-                      sweep_budget=cfg.budget)).save(fitted)
+                      sweep_budget=cfg.budget, target_tpot=cfg.target_tpot)).save(fitted)
 
     prompts = heldout_prompts(cfg.prompts)
     runs = out / "runs"

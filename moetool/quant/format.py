@@ -17,7 +17,6 @@ to hqq's own `Quantizer.dequantize` and kernels unchanged.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
