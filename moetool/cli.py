@@ -132,8 +132,10 @@ def _fmt_s(x: float | None) -> str:
 
 @command
 def run(
-    model: Annotated[str, typer.Option(help="Model directory, hub id, or 'demo'.")] = "demo",
-    bundle: Annotated[Path | None, typer.Option(help="Quantized bundle directory (default: bf16 experts from the checkpoint).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model directory, hub id, or 'demo' (default: the --bundle's own "
+                                              "model, else demo).")] = None,
+    bundle: Annotated[Path | None, typer.Option(help="Quantized bundle directory; it holds the whole model, so "
+                                                "--model is optional (default: experts from the checkpoint).")] = None,
     policy: Annotated[str, typer.Option(help="Policy preset: resident, static, lod, lru, eap, fate, dymoe, smoe, dynaexq.")] = "lru",
     set_: Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")] = None,
     fit: Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used.")] = None,
@@ -145,13 +147,17 @@ def run(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt (greedy).")] = 32,
     batch_size: Annotated[int, typer.Option(help="Prompts per batch.")] = 1,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="Compute dtype: float32, bfloat16, float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, "
+                                       "float16.")] = "auto",
+    host_budget: Annotated[str | None, typer.Option(help="Host memory for pinned experts and the staging ring "
+                                                    "(e.g. 32GiB; default on CUDA: free memory less a margin; on a "
+                                                    "CPU, experts are read from the mapped bundle unless given).")] = None,
     save: Annotated[Path | None, typer.Option("--out", help="Where to write the Run artifact (JSON).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate greedily under a policy and a device budget; report TTFT/TPOT, hits and traffic.
 
-    Example: `moetool run --policy lru --budget 25% --clock sim --hw rtx3090 --prompt "Hello" --out lru.run.json`
+    Example: `moetool run --bundle out/bundle --policy lru --budget 25% --clock sim --hw rtx3090 --prompt "Hello" --out lru.run.json`
     """
     from rich.progress import Progress
 
@@ -165,7 +171,7 @@ def run(
         texts = (texts,)
     cfg = RunConfig(model=model, bundle=bundle, policy=policy, settings=parse_settings(set_ or []), fit=fit,
                     budget=budget, clock=clock, hw=hw, prompts=tuple(texts), max_new_tokens=max_new_tokens,
-                    batch_size=batch_size, device=device, dtype=dtype)
+                    batch_size=batch_size, device=device, dtype=dtype, host_budget=host_budget)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(f"run {policy}", total=len(texts))
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
@@ -200,4 +206,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m moetool.cli`: the commands registered themselves on the package module's app, not on
+    # this __main__ copy's, so run that one.
+    from moetool.cli import main as package_main
+
+    package_main()

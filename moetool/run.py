@@ -1,8 +1,14 @@
 """`moetool run`: greedy generation under a policy and a device budget, with the engine's stats.
 
-    result = run(RunConfig(model="path/to/ckpt", policy="lru", budget="25%", clock="sim", hw="rtx3090",
+    result = run(RunConfig(bundle=Path("out/bundle"), policy="lru", budget="25%", clock="sim", hw="rtx3090",
                            prompts=("Hello",), max_new_tokens=16))
     result.tpot_s["p50"], result.hit_rate
+
+A bundle is self-contained: with `bundle` and no `model`, the model (config, tokenizer,
+non-expert weights) comes from the bundle and nothing of the checkpoint is read. With `model`
+too, the non-expert weights come from the checkpoint (streamed, experts never read) and the
+bundle must be of that model. With `model` alone, experts are packed in memory from the checkpoint
+at the reference precision (small models; quantize a bundle for large ones).
 """
 
 from __future__ import annotations
@@ -18,12 +24,22 @@ import torch
 from moetool.artifacts import Artifact, sha256_file
 from moetool.check import prompt_ids
 from moetool.datasets import parse_prompt_lines
-from moetool.engine import BudgetPlan, build_engine
+from moetool.engine import BudgetPlan, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, load_model
+from moetool.model import LoadedModel, load_bundle_model, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """`auto` is bf16 on CUDA (what the kernels and the bundles are made for) and fp32 on CPU (exact
+    against transformers, and CPU bf16 matmuls are slow); any other name is taken as it is."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise MoetoolError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not '{name}'.")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -63,11 +79,12 @@ class Run(Artifact):
     prompts: list[str]
     tokens: list[list[int]]  # generated token ids per prompt
     texts: list[str]
+    dtype: str = "float32"  # the compute dtype (`--dtype auto` resolved); older artifacts ran in fp32
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: str = "demo"
+    model: str | None = None  # checkpoint; None: the bundle's own model, or the demo model without a bundle
     bundle: Path | None = None
     policy: str = "lru"
     settings: dict[str, str] = field(default_factory=dict)
@@ -79,17 +96,24 @@ class RunConfig:
     max_new_tokens: int = 32
     batch_size: int = 1
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    host_budget: str | None = None  # host bytes for pinned experts and the staging ring (default: free memory less a margin)
 
 
-def open_store(lm: LoadedModel, bundle: Path | None, dtype: torch.dtype) -> tuple[HostStore, dict[str, str]]:
-    """The bundle's blobs, or a reference-precision store built in memory from the checkpoint."""
-    if bundle is None:
-        return HostStore.from_experts(lm.experts, dtype), {}
-    from moetool.quant.bundle import Bundle
+def load(cfg: RunConfig, dtype: torch.dtype) -> tuple[LoadedModel, HostStore, dict[str, str]]:
+    """The model and the host store `cfg` asks for (see the module docstring), and the inputs' sha256."""
+    if cfg.bundle is None:
+        lm = load_model(cfg.model or "demo", device=cfg.device, dtype=dtype)
+        return lm, HostStore.from_experts(lm.experts, dtype), {}
+    from moetool.quant.bundle import MANIFEST, Bundle
 
-    opened = Bundle.open(Path(bundle), model=lm.fingerprint)
-    return HostStore.from_bundle(opened, dtype), {str(Path(bundle) / "bundle.json"): sha256_file(Path(bundle) / "bundle.json")}
+    bundle = Path(cfg.bundle)
+    if cfg.model is None:
+        lm = load_bundle_model(bundle, device=cfg.device, dtype=dtype)
+    else:
+        lm = load_model(cfg.model, device=cfg.device, dtype=dtype)
+        lm.bundle = Bundle.open(bundle, model=lm.fingerprint)
+    return lm, HostStore.from_bundle(lm.bundle, dtype), {str(bundle / MANIFEST): sha256_file(bundle / MANIFEST)}
 
 
 def read_prompts(path: Path) -> tuple[str, ...]:
@@ -128,15 +152,16 @@ class Prepared:
     engine: Any
     plan: BudgetPlan
     inputs: dict[str, str]  # sha256 of the bundle manifest / fit artifact used
+    dtype: str = "float32"  # the compute dtype, resolved
 
 
 def prepare(cfg: RunConfig, max_tokens: int = 2048) -> Prepared:
     """Load the model, open the store, build the policy and the engine from `cfg`."""
-    if cfg.dtype not in DTYPES:
-        raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{cfg.dtype}'.")
-    dtype = DTYPES[cfg.dtype]
-    lm = load_model(cfg.model, device=cfg.device, dtype=dtype)
-    store, inputs = open_store(lm, cfg.bundle, dtype)
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
+    host_budget = None if cfg.host_budget is None else parse_size(cfg.host_budget, "--host-budget")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise MoetoolError(f"--device {cfg.device} asks for CUDA, but this machine has no usable CUDA device.")
+    lm, store, inputs = load(cfg, dtype)
     fitted = None
     if cfg.fit is not None:
         fit = Fit.load(Path(cfg.fit), model=lm.fingerprint)
@@ -144,8 +169,8 @@ def prepare(cfg: RunConfig, max_tokens: int = 2048) -> Prepared:
         inputs[str(cfg.fit)] = sha256_file(Path(cfg.fit))
     engine, plan = build_engine(lm, store, cfg.policy, settings=cfg.settings, fitted=fitted, budget=cfg.budget,
                                 clock=cfg.clock, hw=cfg.hw, device=cfg.device, max_tokens=max_tokens,
-                                batch=cfg.batch_size)
-    return Prepared(lm=lm, engine=engine, plan=plan, inputs=inputs)
+                                batch=cfg.batch_size, host_budget=host_budget)
+    return Prepared(lm=lm, engine=engine, plan=plan, inputs=inputs, dtype=str(dtype).removeprefix("torch."))
 
 
 def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Run:
@@ -177,7 +202,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                hit_rate=s["hit_rate"], bytes_h2d=s["bytes_h2d"], bytes_per_token=s["bytes_per_token"],
                stall_s=s["stall_s"], summary={**s, "warm_bytes": engine.warm_bytes},
                layers={str(k): v.to_json() for k, v in engine.stats.layers.items()},
-               prompts=prompts, tokens=tokens, texts=texts)
+               prompts=prompts, tokens=tokens, texts=texts, dtype=ready.dtype)
 
 
-__all__ = ["Fit", "Prepared", "Run", "RunConfig", "BudgetPlan", "prepare", "run", "read_prompts"]
+__all__ = ["Fit", "Prepared", "Run", "RunConfig", "BudgetPlan", "load", "prepare", "resolve_dtype", "run", "read_prompts"]

@@ -1,10 +1,12 @@
 """Quality under every policy: held-out perplexity and offline multiple-choice accuracy, one table.
 
-Each setting is evaluated through the engine (`moetool eval`) on the same text and questions; the
-Eval artifacts go to --out (a setting whose artifact is already there is not re-run), and the
-table is printed as markdown and written to OUT/accuracy.json. "agree" is the share of questions
-where the setting picks the same choice as `resident` (the exact model): on a model near chance
-accuracy it says more about what a policy changes than accuracy does.
+The settings are the packaged grid moetool/grids/accuracy-table.yaml (each policy x ppl and one
+multiple-choice task), run by `moetool sweep`'s code (on a local Ray by default, `--workers 0` for
+one after another in this process). The Eval artifacts and sweep.json go to --out (a cell whose
+artifact is valid is not re-run), and the table is printed as markdown and written to
+OUT/accuracy.json. "agree" is the share of questions where the setting picks the same choice as
+`resident` (the exact model): on a model near chance accuracy it says more about what a policy
+changes than accuracy does.
 
     .venv/bin/python scripts/accuracy_table.py --bundle out/demo/bundle --fit out/demo/demo.fit.json \
         --budget 25% --ppl-tokens 4096 --mc-limit 40 --out out/accuracy
@@ -20,20 +22,11 @@ import torch
 from rich.console import Console
 
 from moetool.errors import MoetoolError
-from moetool.evaluate import EvalConfig, evaluate
+from moetool.grid import load_grid
+from moetool.sweep import SweepConfig, sweep
 
-# (label, policy, knobs, budget or None for --budget): the settings of the eval issue.
-SETTINGS = [
-    ("resident", "resident", {}, "100%"),
-    ("static int4", "static", {"bits": "4"}, "100%"),
-    ("static int2", "static", {"bits": "2"}, "100%"),
-    ("lru", "lru", {}, None),
-    ("fate", "fate", {}, None),
-    *[(f"dymoe {c} r={r}", "dymoe", {"config": c, "r": r}, None) for c in ("4/2", "4/0") for r in ("0.75", "0.9", "1.0")],
-    ("smoe (fitted alpha)", "smoe", {}, None),
-    # at 25% the INT2 low tier alone fills the demo's budget (n_hi = 0); 40% leaves room for a hot INT4 set
-    ("dynaexq 4/2", "dynaexq", {"config": "4/2"}, "40%"),
-]
+GRID = "accuracy-table"
+TASK_SEP = "_task="  # cells are named <setting>_task=<task>
 
 
 def _choices(samples: dict) -> dict[tuple[str, int], int]:
@@ -44,7 +37,7 @@ def _choices(samples: dict) -> dict[tuple[str, int], int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundle's own model)")
     ap.add_argument("--bundle", type=Path, required=True, help="bundle with 16/4/2 bits")
     ap.add_argument("--fit", type=Path, default=None, help="fit artifact (SMoE's alpha)")
     ap.add_argument("--budget", default="25%")
@@ -52,44 +45,48 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--mc-limit", type=int, default=40, help="questions per BIG-bench task (0: skip MC)")
     ap.add_argument("--task", default="bigbench-mc")
-    ap.add_argument("--only", default="", help="comma-separated labels to run (default all)")
-    ap.add_argument("--mc-only", default="", help="comma-separated labels that also get the MC task (default all)")
+    ap.add_argument("--only", default="", help="comma-separated settings (cell names before _task=) to run (default all)")
+    ap.add_argument("--mc-only", default="", help="comma-separated settings that get the MC task (default: those of --only)")
     ap.add_argument("--out", type=Path, default=Path("out/accuracy"))
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=None, help="local Ray CPUs (default all; 0: in this process)")
+    ap.add_argument("--address", default=None, help="an existing Ray cluster")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads with --workers 0")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=200)
-    args.out.mkdir(parents=True, exist_ok=True)
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
-    mc_only = {s.strip() for s in args.mc_only.split(",") if s.strip()}
-    tasks = [("ppl", args.ppl_tokens)] + ([(args.task, args.mc_limit)] if args.mc_limit else [])
+    grid = load_grid(GRID)
+    tasks = [{"task": "ppl", "limit": args.ppl_tokens}] + (
+        [{"task": args.task, "limit": args.mc_limit}] if args.mc_limit else [])
+    grid["grid"]["task"] = tasks
+    grid.update({"bundle": str(args.bundle.resolve()), "budget": args.budget, "hw": args.hw})
+    grid.update({"model": args.model} if args.model else {})
+    grid.update({"fit": str(args.fit.resolve())} if args.fit else {})
+    only = [s.strip() for s in args.only.split(",") if s.strip()] or ["*"]
+    mc = [s.strip() for s in args.mc_only.split(",") if s.strip()] or only
+    patterns = tuple(f"{o}{TASK_SEP}ppl" for o in only) + tuple(f"{o}{TASK_SEP}{args.task}" for o in mc if args.mc_limit)
+    try:
+        with console.status("sweeping ...") as status:
+            index = sweep(SweepConfig(grid=grid, out=args.out, only=patterns, workers=args.workers,
+                                      address=args.address),
+                          progress=lambda name, state, done, total: status.update(f"{done}/{total} {name}: {state}"))
+    except MoetoolError as e:
+        raise SystemExit(f"error: {e}") from None
     results: dict[str, dict] = {}
-    for label, policy, knobs, budget in SETTINGS:
-        if only and label not in only:
+    for name, cell in index.cells.items():
+        label, task = name.split(TASK_SEP)
+        r = results.setdefault(label, {"policy": cell["settings"]["policy"], "knobs": cell["settings"]["settings"],
+                                       "budget": cell["settings"].get("budget")})
+        if cell["status"] != "done":
+            r[task] = {"refused": cell["reason"]}
+            console.print(f"[yellow]{label}: {task} {cell['status']}: {cell['reason']}")
             continue
-        results[label] = {"policy": policy, "knobs": knobs, "budget": budget or args.budget}
-        for task, limit in tasks:
-            if task != "ppl" and mc_only and label not in mc_only:
-                continue
-            path = args.out / f"{label.replace(' ', '_').replace('/', '-')}.{task}.eval.json"
-            if not path.is_file():
-                cfg = EvalConfig(task=task, model=args.model, bundle=args.bundle, policy=policy, settings=knobs,
-                                 fit=args.fit, budget=budget or args.budget, clock="sim", hw=args.hw, limit=limit)
-                try:
-                    with console.status(f"{label}: {task} ..."):
-                        evaluate(cfg).save(path)
-                except MoetoolError as e:
-                    results[label][task] = {"refused": str(e)}
-                    console.print(f"[yellow]{label}: {task} refused: {e}")
-                    continue
-            e = json.loads(path.read_text())
-            results[label][task] = {"metrics": e["metrics"], "stderr": e["stderr"], "n": e["n"],
-                                    "params": e["params"], "summary": {k: e["summary"].get(k) for k in
-                                                                       ("precision_mix", "skips", "substitutions",
-                                                                        "hit_rate", "cpu_experts")}}
-            if task != "ppl":
-                results[label][task]["choices"] = _choices(e["samples"])
+        e = json.loads((args.out / cell["artifact"]).read_text())
+        r[task] = {"metrics": e["metrics"], "stderr": e["stderr"], "n": e["n"], "params": e["params"],
+                   "summary": {k: e["summary"].get(k) for k in ("precision_mix", "skips", "substitutions",
+                                                                 "hit_rate", "cpu_experts")}}
+        if task != "ppl":
+            r[task]["choices"] = _choices(e["samples"])
     ref = results.get("resident", {}).get(args.task, {}).get("choices")
     lines = ["| setting | budget | ppl | " + f"{args.task} acc | agree w/ resident | precision mix (ppl) | skips | subst. |",
              "|---|---|---|---|---|---|---|---|"]

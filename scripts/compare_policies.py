@@ -1,10 +1,12 @@
 """Compare every policy on one model, budget and (simulated) machine: TPOT, hit rate, traffic.
 
-Each policy decodes the same prompts (held-out text, never seen by the demo's router fitting)
-greedily; the table and a JSON of every Run artifact are written to --out.
+The settings are the packaged grid moetool/grids/compare-policies.yaml, run by `moetool sweep`'s
+code (on a local Ray by default, `--workers 0` for one after another in this process): each
+policy decodes the same held-out prompts greedily. The Run artifacts and sweep.json go to --out,
+where a re-run reuses every valid one; the table is printed and written to OUT/compare.json.
 
-    .venv/bin/python scripts/compare_policies.py --bundle out/demo-bundle --budget 25% --hw rtx3090 \
-        --prompts 8 --tokens 64 --out out/compare
+    .venv/bin/python scripts/compare_policies.py --bundle out/demo/bundle --fit out/demo/demo.fit.json \
+        --budget 25% --hw rtx3090 --prompts 8 --tokens 64 --out out/compare
 """
 
 from __future__ import annotations
@@ -18,25 +20,15 @@ from rich.console import Console
 from rich.table import Table
 
 from moetool.errors import MoetoolError
-from moetool.pipeline import heldout_prompts
-from moetool.run import RunConfig, run
+from moetool.run import Run
+from moetool.sweep import SweepConfig, sweep
 
-# (label, policy, --set knobs): the presets of the issue, with DyMoE in both of its configurations.
-POLICIES = [
-    ("lod", "lod", {}),
-    ("lru", "lru", {}),
-    ("eap", "eap", {}),
-    ("fate", "fate", {}),
-    ("dymoe 4/2", "dymoe", {"config": "4/2"}),
-    ("dymoe 4/0", "dymoe", {"config": "4/0"}),
-    ("smoe", "smoe", {}),
-    ("dynaexq", "dynaexq", {}),
-]
+GRID = "compare-policies"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the bundle's own model, else demo)")
     ap.add_argument("--bundle", type=Path, default=None, help="bundle with 16/8/4/2 bits (needed by fate, dymoe, dynaexq)")
     ap.add_argument("--budget", default="25%")
     ap.add_argument("--hw", default="rtx3090")
@@ -44,31 +36,35 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--fit", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("out/compare"))
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=None, help="local Ray CPUs (default all; 0: in this process)")
+    ap.add_argument("--address", default=None, help="an existing Ray cluster")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads with --workers 0")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=200)  # a wide table: keep columns whole when piped to a file
-    prompts = heldout_prompts(args.prompts)
-    args.out.mkdir(parents=True, exist_ok=True)
-    table = Table(title=f"policies on {args.model}: budget {args.budget}, sim clock {args.hw}, "
-                        f"{args.prompts} prompts x {args.tokens} tokens, batch 1")
+    overrides = {"model": args.model or (None if args.bundle else "demo"), "budget": args.budget, "hw": args.hw,
+                 "prompts": {"heldout": args.prompts}, "max_new_tokens": args.tokens}
+    overrides.update({k: str(v.resolve()) for k, v in (("bundle", args.bundle), ("fit", args.fit)) if v})
+    cfg = SweepConfig(grid=GRID, out=args.out, overrides={k: v for k, v in overrides.items() if v is not None},
+                      workers=args.workers, address=args.address)
+    try:
+        with console.status("sweeping ...") as status:
+            index = sweep(cfg, progress=lambda name, state, done, total: status.update(f"{done}/{total} {name}: {state}"))
+    except MoetoolError as e:
+        raise SystemExit(f"error: {e}") from None
+    table = Table(title=f"policies on {args.model or args.bundle or 'demo'}: budget {args.budget}, sim clock "
+                        f"{args.hw}, {args.prompts} prompts x {args.tokens} tokens, batch 1")
     for col in ("policy", "TPOT mean (ms)", "TPOT p99 (ms)", "TTFT (ms)", "hit rate", "MiB / token",
                 "stall (s)", "subst.", "skips", "CPU experts", "precision mix"):
         table.add_column(col, justify="right")
     rows = {}
-    for label, policy, knobs in POLICIES:
-        cfg = RunConfig(model=args.model, bundle=args.bundle, policy=policy, settings=knobs, fit=args.fit,
-                        budget=args.budget, clock="sim", hw=args.hw, prompts=prompts,
-                        max_new_tokens=args.tokens)
-        try:
-            with console.status(f"{label} ..."):
-                r = run(cfg)
-        except MoetoolError as e:
-            table.add_row(label, *["-"] * 9, f"refused: {e}")
-            rows[label] = {"refused": str(e)}
+    for label, cell in index.cells.items():
+        if cell["status"] != "done":
+            table.add_row(label, *["-"] * 9, f"{cell['status']}: {cell['reason']}")
+            rows[label] = {cell["status"]: cell["reason"]}
             continue
-        r.save(args.out / f"{label.replace(' ', '_').replace('/', '-')}.run.json")
+        r = Run.load(args.out / cell["artifact"])
         s = r.summary
         mix = ", ".join(f"{b}b:{n}" for b, n in s["precision_mix"].items())
         table.add_row(label, f"{r.tpot_s['mean'] * 1e3:.2f}", f"{r.tpot_s['p99'] * 1e3:.2f}", f"{r.ttft_s * 1e3:.1f}",

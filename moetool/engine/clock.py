@@ -21,7 +21,7 @@ import torch
 
 from moetool.errors import MoetoolError
 
-HW_DIR = Path(__file__).resolve().parents[2] / "profiles" / "hw"
+HW_DIR = Path(__file__).parents[1] / "hw_presets"  # profiles/hw in the repo (a link), shipped in the wheel
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,12 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
         known = sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []
         raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(known) or 'none'}; "
                            "or give a path to a profile JSON).")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoetoolError(f"{path} is not a readable hardware profile JSON ({e.__class__.__name__}).") from None
+    if not isinstance(data, dict):
+        raise MoetoolError(f"{path} is not a hardware profile (its top level is not an object).")
     fields = {k: data[k] for k in HwProfile.__dataclass_fields__ if k in data}
     try:
         return HwProfile(**fields), data

@@ -66,8 +66,10 @@ class Engine:
             for v in victims:
                 self.cache.evict(v.layer, v.expert, v.bits)
             handle, dst = self.cache.begin_load(f.layer, f.expert, f.bits)
-            src = self.store.blob(f.layer, f.expert, f.bits)
-            self.copier.wait(self.copier.copy(dst[: src.numel()], src))
+            src, ring_slot = self.store.source(f.layer, f.expert, f.bits)
+            event = self.copier.copy(dst[: src.numel()], src)
+            self.store.release(ring_slot, event)
+            self.copier.wait(event)
             self.cache.publish(f.layer, f.expert, f.bits)
             moved += src.numel()
         return moved
@@ -171,7 +173,7 @@ class Engine:
         parts = []  # (expert, bits, token rows, weighted output), summed in expert order at the end
         for e, b, tok, slot in cpu:  # SMoE Alg. 2: these run on the host, concurrently with the GPU
             cpu_ready = max(cpu_ready, self.clock.cpu(self.cost.c_cpu(len(tok))))
-            w = self.store.decode(self.store.blob(g.index, e, b), g.index, e, b)
+            w = self.store.decode(self.store.host(g.index, e, b), g.index, e, b)
             parts.append((e, b, *self._expert_out(module, hidden, w, tok, slot, weight)))
             st.cpu_experts += 1
         used = []
@@ -286,11 +288,12 @@ class Engine:
         self._copy(handle, handle.staging, want, demand=True)
 
     def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool) -> None:
-        src = self.store.blob(want.layer, want.expert, want.bits)
+        t0 = time.perf_counter()
+        src, ring_slot = self.store.source(want.layer, want.expert, want.bits)
         if handle.staging is not None:
             handle.staging = dst = dst[: src.numel()]
-        t0 = time.perf_counter()
         handle.event = self.copier.copy(dst[: src.numel()], src)
+        self.store.release(ring_slot, handle.event)
         st = self.stats.layer(want.layer)
         if demand and self.device.type == "cpu" and self.clock.kind == "wall":
             st.stall_s += time.perf_counter() - t0  # a synchronous copy blocks compute: it is a stall

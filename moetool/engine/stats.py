@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -54,6 +55,8 @@ class Stats:
         self.layers = {layer: LayerStats() for layer in moe_layers}
         self.steps: list[StepRecord] = []
         self.peak_device_bytes = 0
+        # What the run was set up with, read when summarised (compute dtype, host memory tiers).
+        self.context: Callable[[], dict] = dict
 
     def layer(self, index: int) -> LayerStats:
         return self.layers[index]
@@ -83,6 +86,7 @@ class Stats:
             "prefetch_issued": int(self.total("prefetch_issued")), "prefetch_used": int(self.total("prefetch_used")),
             "precision_mix": {str(k): v for k, v in sorted(mix.items())},
             "peak_device_bytes": self.peak_device_bytes,
+            **self.context(),
         }
 
 

@@ -1,21 +1,26 @@
 """Host store: every (layer, expert, bits) as one contiguous uint8 blob, plus how to read it back.
 
-A blob is what one host-to-device copy moves. The store hands out host blobs (pinned lazily per
-layer when CUDA is present, so a huge bundle never has to be pinned at once) and decodes a blob
+A blob is what one host-to-device copy moves. The store hands out host blobs and decodes a blob
 that has landed on the device into an expert's weights, without copying the reference precision.
+Host memory follows a budget (`configure_host`, on CUDA): the precisions the policy uses are pinned
+lazily per layer while the budget lasts, and the rest is copied from the memory-mapped bundle
+through a small pinned staging ring (MoE-Infinity's SSD tier), so a bundle larger than the
+machine's memory runs.
 
     store = HostStore.from_experts(lm.experts, dtype=torch.float32)   # reference precision only
-    blob = store.blob(layer=3, expert=5, bits=16); w = store.decode(blob, 3, 5, 16)
+    blob, _ = store.source(layer=3, expert=5, bits=16); w = store.decode(blob, 3, 5, 16)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from moetool.model import ExpertWeights, HostExperts
+from moetool.errors import MoetoolError
+from moetool.model import ExpertWeights
 
 REFERENCE_BITS = 16  # the unquantized precision (bf16 in bundles; the model's dtype in memory)
 
@@ -65,40 +70,95 @@ def unpack_reference(blob: torch.Tensor, parts: tuple[Part, ...]) -> ExpertWeigh
 
 
 Decoder = Callable[[torch.Tensor, int, int, int], ExpertWeights]
+Key3 = tuple[int, int, int]  # (layer, expert, bits)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"
+
+
+class StagingRing:
+    """A few host buffers that blobs outside the pinned tier are copied through on their way to the device.
+
+    Pinned (page-locked) where CUDA exists, so the host-to-device copy is asynchronous; a slot is
+    reused only after the copy that last read it has completed (its event), which costs a host wait
+    only when more copies are in flight than the ring has slots.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, page_lock: bool):
+        self.buf = torch.empty(slots, slot_bytes, dtype=torch.uint8)  # [slots, bytes]
+        if page_lock:
+            self.buf = self.buf.pin_memory()
+        self.events: list[Any] = [None] * slots
+        self.next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    def stage(self, blob: torch.Tensor) -> tuple[torch.Tensor, int]:
+        i = self.next
+        self.next = (i + 1) % len(self.events)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+            self.events[i] = None
+        view = self.buf[i, : blob.numel()]
+        view.copy_(blob)
+        return view, i
+
+    def release(self, slot: int, event: Any) -> None:
+        self.events[slot] = event
 
 
 class HostStore:
-    """Blobs by (layer, expert, bits) on the host, and the decoder for each precision."""
+    """Blobs by (layer, expert, bits) on the host, and the decoder for each precision.
 
-    def __init__(self, blobs: dict[tuple[int, int, int], torch.Tensor], decoders: dict[int, Decoder],
-                 compute_dtype: torch.dtype):
-        self._blobs = blobs
+    Blobs are fetched lazily from their source (a memory-mapped bundle, or blobs packed in memory).
+    With host tiers on (CUDA), the precisions the policy uses are pinned a layer at a time while
+    the host budget lasts; every other blob reaches the device through the staging ring.
+    """
+
+    def __init__(self, fetch: Callable[[int, int, int], torch.Tensor], sizes: dict[Key3, int],
+                 decoders: dict[int, Decoder], compute_dtype: torch.dtype):
+        self._fetch = fetch
+        self._sizes = sizes
         self._decoders = decoders
         self.compute_dtype = compute_dtype
         self.bits = tuple(sorted(decoders, reverse=True))
-        self._slot_bytes = {b: max(v.numel() for (_, _, bb), v in blobs.items() if bb == b) for b in self.bits}
+        self._slot_bytes = {b: max(n for (_, _, bb), n in sizes.items() if bb == b) for b in self.bits}
+        self._pinned: dict[Key3, torch.Tensor] = {}
         self._pinned_layers: set[int] = set()
+        self.tiers = False
+        self.pin_bits: tuple[int, ...] = ()
+        self.pin_capacity = 0
+        self.page_lock = False
+        self.ring: StagingRing | None = None
+        self.pinned_bytes = 0
+        self.staged_bytes = 0
 
     @classmethod
-    def from_experts(cls, experts: HostExperts, dtype: torch.dtype) -> "HostStore":
-        """A reference-precision store built in memory from the checkpoint's experts."""
-        blobs: dict[tuple[int, int, int], torch.Tensor] = {}
+    def from_experts(cls, experts, dtype: torch.dtype) -> "HostStore":
+        """A reference-precision store packed in memory from the checkpoint's experts, a layer at a time."""
+        blobs: dict[Key3, torch.Tensor] = {}
         layouts: dict[tuple[int, int], tuple[Part, ...]] = {}
         for g in experts.geometry.layers:
             for e in range(g.num_experts):
                 blobs[g.index, e, REFERENCE_BITS], layouts[g.index, e] = pack_reference(experts.get(g.index, e), dtype)
+            experts.clear()  # the packed blobs are the copy now: keep one, not two
 
         def decode(blob: torch.Tensor, layer: int, expert: int, bits: int) -> ExpertWeights:
             return unpack_reference(blob, layouts[layer, expert])
 
-        return cls(blobs, {REFERENCE_BITS: decode}, dtype)
+        return cls(lambda layer, expert, bits: blobs[layer, expert, bits], {k: v.numel() for k, v in blobs.items()},
+                   {REFERENCE_BITS: decode}, dtype)
 
     @classmethod
     def from_bundle(cls, bundle, dtype: torch.dtype) -> "HostStore":
-        """A store over a verified, memory-mapped bundle (`quant.bundle.Bundle.open`)."""
+        """A store over a verified, memory-mapped bundle (`quant.bundle.Bundle.open`); each blob's
+        checksum is checked by the bundle the first time it is read."""
         from moetool.quant.format import dequantize_into, empty_weights
 
-        blobs = {(e.layer, e.expert, e.bits): bundle.blob(e.layer, e.expert, e.bits) for e in bundle.manifest.entries}
+        sizes = {(e.layer, e.expert, e.bits): e.nbytes for e in bundle.manifest.entries}
         scratch: dict[tuple[str, str], ExpertWeights] = {}  # (layout, device) -> preallocated output
 
         def decode(blob: torch.Tensor, layer: int, expert: int, bits: int) -> ExpertWeights:
@@ -109,15 +169,49 @@ class HostStore:
             # One buffer per layout is safe: experts of a layer run one after another on one stream.
             return dequantize_into(blob, bundle.layout(entry), scratch[key])
 
-        return cls(blobs, {int(b): decode for b in bundle.manifest.bits}, dtype)
+        return cls(bundle.blob, sizes, {int(b): decode for b in bundle.manifest.bits}, dtype)
+
+    def configure_host(self, *, bits: tuple[int, ...], host_budget: int, ring_slots: int, page_lock: bool) -> None:
+        """Turn on host tiers: pin `bits` per layer within `host_budget`, stage the rest through a ring.
+
+        The ring (`ring_slots` blobs of the largest used precision: one layer's demand loads for a
+        token) comes off the budget first; a budget that cannot hold it is refused.
+        """
+        used = tuple(b for b in bits if b in self.bits) or self.bits
+        ring_bytes = ring_slots * max(self._slot_bytes[b] for b in used)
+        if host_budget < ring_bytes:
+            raise MoetoolError(f"--host-budget {_size(host_budget)} cannot hold one layer's staging ring "
+                               f"({ring_slots} blobs of {max(used)} bits, {_size(ring_bytes)}); raise it.")
+        self.tiers, self.pin_bits, self.page_lock = True, used, page_lock
+        self.pin_capacity = host_budget - ring_bytes
+        self.ring = StagingRing(ring_slots, ring_bytes // ring_slots, page_lock)
 
     def slot_bytes(self, bits: int) -> int:
         return self._slot_bytes[bits]
 
-    def blob(self, layer: int, expert: int, bits: int) -> torch.Tensor:
-        if torch.cuda.is_available() and layer not in self._pinned_layers:
+    def host(self, layer: int, expert: int, bits: int) -> torch.Tensor:
+        """The blob where it lies on the host (for compute there): the pinned copy or the mapped file."""
+        pinned = self._pinned.get((layer, expert, bits))
+        return pinned if pinned is not None else self._fetch(layer, expert, bits)
+
+    def source(self, layer: int, expert: int, bits: int) -> tuple[torch.Tensor, int | None]:
+        """What a host-to-device copy of the blob reads: the blob, its pinned copy, or a staging-ring
+        slot it was just copied into (with the slot's index, to `release` after the copy starts)."""
+        if not self.tiers:
+            return self._fetch(layer, expert, bits), None
+        if layer not in self._pinned_layers:
             self._pin_layer(layer)
-        return self._blobs[layer, expert, bits]
+        pinned = self._pinned.get((layer, expert, bits))
+        if pinned is not None:
+            return pinned, None
+        view, slot = self.ring.stage(self._fetch(layer, expert, bits))
+        self.staged_bytes += view.numel()
+        return view, slot
+
+    def release(self, slot: int | None, event: Any) -> None:
+        """The copy out of ring slot `slot` has been issued; `event` marks its completion."""
+        if slot is not None:
+            self.ring.release(slot, event)
 
     def decode(self, blob: torch.Tensor, layer: int, expert: int, bits: int) -> ExpertWeights:
         """Weights of the expert whose blob is `blob` (on any device), in the compute dtype."""
@@ -126,8 +220,18 @@ class HostStore:
             w = w.to(w.gate_up.device, self.compute_dtype)
         return w
 
+    def host_stats(self) -> dict[str, int | bool]:
+        return {"host_tiers": self.tiers, "host_pinned_bytes": self.pinned_bytes,
+                "host_staging_bytes": self.ring.nbytes if self.ring else 0, "host_staged_bytes": self.staged_bytes,
+                "host_pin_capacity_bytes": self.pin_capacity}
+
     def _pin_layer(self, layer: int) -> None:
-        # Pinned (page-locked) host memory is what lets a copy stream overlap with compute.
-        for key in [k for k in self._blobs if k[0] == layer]:
-            self._blobs[key] = self._blobs[key].pin_memory()
+        # Pinned (page-locked) host memory is what lets a copy stream overlap with compute; only the
+        # precisions the policy uses, and only while the host budget lasts (the rest is staged).
+        for (lay, expert, bits), n in self._sizes.items():
+            if lay != layer or bits not in self.pin_bits or self.pinned_bytes + n > self.pin_capacity:
+                continue
+            blob = self._fetch(lay, expert, bits)  # checksum checked here, on the first read
+            self._pinned[lay, expert, bits] = blob.pin_memory() if self.page_lock else blob.clone()
+            self.pinned_bytes += n
         self._pinned_layers.add(layer)

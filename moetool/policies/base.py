@@ -143,6 +143,17 @@ class Policy:
         """Slots per precision, carved from `ctx.cache_bytes` once at start (no churn later)."""
         return {}
 
+    def bits_in_use(self) -> tuple[int, ...]:
+        """Precisions this policy may ask the engine for: the host store pins only these.
+
+        Its pools' precisions and every precision knob (`bits`, `*_bits`, DynaExq's `b_hi`/`b_lo`);
+        a policy that picks precisions another way overrides this.
+        """
+        knobs = {v for k, v in dataclasses.asdict(self.params).items()
+                 if (k == "bits" or k.endswith("_bits") or k in ("b_hi", "b_lo")) and isinstance(v, int)}
+        wanted = set(self.pools()) | knobs
+        return tuple(sorted((b for b in wanted if b in self.ctx.available_bits), reverse=True))
+
     def warm(self) -> list[Fetch]:
         """Experts to load before the first step (e.g. all of them for `resident`); not counted per token."""
         return []

@@ -250,6 +250,9 @@ class DyMoE(Policy):
         lo = min(most, (self.ctx.cache_bytes - hi * hb) // lb)
         return {self.high: hi, self.low: lo}
 
+    def bits_in_use(self) -> tuple[int, ...]:
+        return tuple(b for b in (self.high, self.low) if b in self.ctx.available_bits)  # `config` overrides the knobs
+
     def pools(self) -> dict[int, int]:
         return {b: n for b, n in self.slots.items() if n > 0}
 

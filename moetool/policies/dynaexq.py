@@ -146,6 +146,9 @@ class DynaExq(Policy):
         self.evicting: set[Key] = set()
         self.cache: CacheView | None = None  # the engine's live view, seen at the first plan
 
+    def bits_in_use(self) -> tuple[int, ...]:
+        return tuple(b for b in (self.hi, self.lo) if b in self.ctx.available_bits)  # `config` overrides the knobs
+
     def pools(self) -> dict[int, int]:
         L, E = len(self.ctx.moe_layers), self.ctx.num_experts
         return {self.lo: L * E, **({self.hi: L * self.n_hi} if self.n_hi else {})}

@@ -21,7 +21,7 @@ import torch
 
 from moetool.artifacts import Artifact, sha256_file
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, load_model
+from moetool.model import LoadedModel, load_bundle_model, load_model
 from moetool.profile.data import load_sequences
 from moetool.profile.prefetch import PrefetchAccumulator, PrefetchProfile
 from moetool.profile.routing import RoutingAccumulator, RoutingProfile
@@ -30,15 +30,15 @@ from moetool.profile.sensitivity import INT2_SHARES, MemoryQuantizer, Sensitivit
 from moetool.profile.similarity import SimilarityAccumulator, SimilarityProfile
 from moetool.profile.timing import TimingProfile, measure_timing
 from moetool.profile.trace import Tracer, route
+from moetool.run import resolve_dtype
 
 WHAT = ("routing", "sensitivity", "similarity", "prefetch", "timing")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[str, int, int], None]  # (part, done, total)
 
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    model: str = "demo"
+    model: str | None = None  # None: the bundle's own model, or the demo model without a bundle
     bundle: Path | None = None
     data: tuple[str, ...] = ("heldout", "general_knowledge", "movie_recommendation")
     what: tuple[str, ...] = ("all",)
@@ -54,7 +54,7 @@ class ProfileConfig:
     timing_steps: int = 8
     hw_base: str = "rtx3090"  # preset whose throughputs the written hardware profile keeps
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (recorded resolved in `info.dtype`)
     seed: int = 0
 
 
@@ -125,8 +125,7 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
 
 
 def _check(cfg: ProfileConfig) -> None:
-    if cfg.dtype not in DTYPES:
-        raise MoetoolError(f"--dtype must be one of {', '.join(DTYPES)}, not '{cfg.dtype}'.")
+    resolve_dtype(cfg.dtype, cfg.device)  # refuses an unknown dtype in one sentence
     if cfg.seqs_per_data < 1 or cfg.seq_len < 2 or cfg.decode_tokens < 0 or cfg.ppl_tokens < 2:
         raise MoetoolError("sequence counts and lengths must be positive.")
     if not 0 < cfg.hh_ratio <= 1:
@@ -142,15 +141,18 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     _check(cfg)
     tick = progress or (lambda part, done, total: None)
     what = parse_what(cfg.what)
-    dtype = DTYPES[cfg.dtype]
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model, device=cfg.device, dtype=dtype)
     inputs: dict[str, str] = {}
     bundle = None
+    if cfg.bundle is not None and cfg.model is None:  # the bundle's own model: no checkpoint is read
+        lm = load_bundle_model(Path(cfg.bundle), device=cfg.device, dtype=dtype)
+    else:
+        lm = load_model(cfg.model or "demo", device=cfg.device, dtype=dtype)
     if cfg.bundle is not None:
         from moetool.quant.bundle import Bundle
 
-        bundle = Bundle.open(Path(cfg.bundle), model=lm.fingerprint)
+        bundle = lm.bundle or Bundle.open(Path(cfg.bundle), model=lm.fingerprint)
         inputs[str(Path(cfg.bundle) / "bundle.json")] = sha256_file(Path(cfg.bundle) / "bundle.json")
         needed = (*cfg.sensitivity_bits, *((4, 2) if cfg.int2_shares else ())) if "sensitivity" in what else ()
         missing = [b for b in needed if b not in bundle.manifest.bits]
@@ -182,7 +184,7 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
         tick("timing", 1, 1)
     settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # tuples -> lists, as JSON reads back
     return Profile(model=lm.fingerprint, inputs=inputs, what=what, data={k: len(v) for k, v in data.items()},
-                   settings=settings, info=_info(lm, bundle, dtype, cfg.dtype), **parts)
+                   settings=settings, info=_info(lm, bundle, dtype, str(dtype).removeprefix("torch.")), **parts)
 
 
 def _trace_parts(lm: LoadedModel, cfg: ProfileConfig, what: tuple[str, ...], data: dict[str, list[torch.Tensor]],

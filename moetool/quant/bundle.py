@@ -1,8 +1,14 @@
-"""The bundle artifact: `bundle.json` plus one safetensors shard of expert blobs per MoE layer.
+"""The bundle artifact: `bundle.json`, one safetensors shard of expert blobs per MoE layer, and `model/`.
 
 Each shard holds a single uint8 tensor "blobs": every expert of its layer at every stored
 precision, expert-major, each blob ALIGN-aligned. `bundle.json` says where each (layer, expert,
-bits) blob lies, how it is laid out, how it was made and how far it is from the reference.
+bits) blob lies, how it is laid out, how it was made, how far it is from the reference, and its
+CRC-32. `model/` holds what a run needs besides the experts (config, generation config, tokenizer
+files, and the non-expert weights in `non_expert.safetensors`), so a bundle runs on its own.
+
+Integrity without rehashing gigabytes at every start: opening checks sizes, headers and the
+manifest's own checksum; each blob's CRC-32 is checked the first time it is read; `verify_all`
+(`moetool verify`) rehashes everything.
 
     ob = Bundle.open(Path("out/qwen-bundle"), verify="fast", model=lm.fingerprint)
     blob = ob.blob(layer=3, expert=7, bits=4)          # uint8 view of the memory-mapped shard
@@ -16,6 +22,8 @@ import json
 import os
 import struct
 import tempfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -30,6 +38,8 @@ from moetool.quant.format import ALIGN, Layout, dequantize
 
 MANIFEST = "bundle.json"
 TENSOR = "blobs"  # the one tensor name inside every shard
+MODEL_DIR = "model"  # config, generation config, tokenizer files and the non-expert weights
+NON_EXPERT = "non_expert.safetensors"
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class Entry:
     offset: int  # bytes from the start of the shard's blob tensor
     nbytes: int
     layout: str  # key into Bundle.layouts: packing, shapes, group size, part offsets and dtypes
+    crc32: int  # of the blob's bytes: checked the first time the blob is read
     rel_error: dict[str, float]  # projection -> ||W - W_hat||_F / ||W||_F against the loaded weights
     out_error: float | None = None  # ||f(X) - f_hat(X)||_F / ||f(X)||_F on the expert's calibration tokens
     tokens: int | None = None  # calibration tokens the router sent to this expert
@@ -58,6 +69,16 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class ModelFile:
+    """One file under `model/`: the non-expert weights, config, tokenizer."""
+
+    name: str  # path relative to model/
+    nbytes: int
+    sha256: str
+    crc32: int  # checked whenever the file is read (the non-expert weights at every load)
+
+
+@dataclass(frozen=True)
 class Bundle(Artifact):
     """Manifest of a quantized expert bundle (`bundle.json`).
 
@@ -67,7 +88,8 @@ class Bundle(Artifact):
     """
 
     SCHEMA: ClassVar[str] = "bundle"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    # 2: self-contained (model/ with the non-expert weights), a CRC-32 per blob, a manifest checksum.
+    SCHEMA_VERSION: ClassVar[int] = 2
 
     method: str
     bits: tuple[int, ...]
@@ -78,6 +100,26 @@ class Bundle(Artifact):
     layouts: dict[str, Layout]
     shards: tuple[Shard, ...]
     entries: tuple[Entry, ...]
+    model_files: tuple[ModelFile, ...]
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:
+        if version < 2:
+            raise MoetoolError("this bundle was written by an older moetool (bundle format 1: no non-expert weights, "
+                               "no per-blob checksums); re-quantize it with `moetool quantize MODEL --out DIR`.")
+        return data
+
+    def to_json(self) -> dict[str, Any]:
+        body = super().to_json()
+        return {**body, "checksum": _manifest_checksum(body)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, where: str = "artifact") -> "Bundle":
+        bundle = super().from_json(data, where=where)  # refuses other schemas and older formats first
+        if data.get("checksum") != _manifest_checksum({k: v for k, v in data.items() if k != "checksum"}):
+            raise MoetoolError(f"{where} has been modified since it was written (its checksum does not match its "
+                               "content); re-run moetool quantize.")
+        return bundle
 
     def sizes(self) -> dict[int, int]:
         """Bytes stored per precision, over all experts."""
@@ -97,13 +139,23 @@ class Bundle(Artifact):
         if verify not in ("fast", "full"):
             raise MoetoolError(f"verify must be 'fast' or 'full', not '{verify}'.")
         directory = Path(directory)
+        if not (directory / MANIFEST).is_file():
+            what = "does not exist" if not directory.exists() else f"is not a bundle directory (no {MANIFEST} in it)"
+            raise MoetoolError(f"{directory} {what}.")
         manifest = cls.load(directory / MANIFEST, model=model)
+        for f in manifest.model_files:
+            check_model_file(directory, f, full=verify == "full")
+        if NON_EXPERT not in {f.name for f in manifest.model_files}:
+            raise MoetoolError(f"the bundle in {directory} records no non-expert weights; re-run moetool quantize.")
         blobs = {}
         for shard in manifest.shards:
             path = directory / shard.name
             check_shard(path, shard, manifest.settings_sha256, full=verify == "full")
             blobs[shard.name] = map_shard(path)
-        return OpenBundle(directory, manifest, blobs)
+        opened = OpenBundle(directory, manifest, blobs)
+        if verify == "full":
+            opened.verify_all()
+        return opened
 
 
 class OpenBundle:
@@ -114,6 +166,18 @@ class OpenBundle:
         self.manifest = manifest
         self.shards = blobs  # shard name -> uint8 [n], the whole mapped blob tensor
         self._index = {(e.layer, e.expert, e.bits): e for e in manifest.entries}
+        self._verified: set[tuple[int, int, int]] = set()
+
+    @property
+    def model_dir(self) -> Path:
+        return self.directory / MODEL_DIR
+
+    @property
+    def non_expert_path(self) -> Path:
+        """The non-expert weights, checked against their CRC-32 (they are read whole at every load anyway)."""
+        record = next(f for f in self.manifest.model_files if f.name == NON_EXPERT)
+        check_model_file(self.directory, record, full=False, crc=True)
+        return self.model_dir / NON_EXPERT
 
     def entry(self, layer: int, expert: int, bits: int) -> Entry:
         try:
@@ -126,8 +190,29 @@ class OpenBundle:
         return self.manifest.layouts[entry.layout]
 
     def blob(self, layer: int, expert: int, bits: int) -> torch.Tensor:
+        """uint8 [nbytes] view of the mapped shard (no copy); its CRC-32 is checked on the first read."""
         e = self.entry(layer, expert, bits)
-        return self.shards[e.shard][e.offset:e.offset + e.nbytes]  # uint8 [nbytes], no copy
+        view = self.shards[e.shard][e.offset:e.offset + e.nbytes]
+        key = (e.layer, e.expert, e.bits)
+        if key not in self._verified:
+            if blob_crc32(view) != e.crc32:
+                raise MoetoolError(f"expert {e.expert} of layer {e.layer} at {e.bits} bits in shard {e.shard} of the "
+                                   f"bundle in {self.directory} is corrupt (checksum mismatch); re-run moetool quantize "
+                                   "(`moetool verify` checks the whole bundle).")
+            self._verified.add(key)
+        return view
+
+    def verify_all(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Rehash everything: every shard's sha256, every blob's CRC-32, every model file's sha256."""
+        for f in self.manifest.model_files:
+            check_model_file(self.directory, f, full=True)
+        for i, shard in enumerate(self.manifest.shards):
+            for e in self.manifest.entries:  # blobs first: a bad one is named down to the expert
+                if e.shard == shard.name:
+                    self.blob(e.layer, e.expert, e.bits)
+            check_shard(self.directory / shard.name, shard, self.manifest.settings_sha256, full=True)
+            if progress:
+                progress(i + 1, len(self.manifest.shards))
 
     def dequantize(self, layer: int, expert: int, bits: int, dtype: torch.dtype = torch.float32) -> ExpertWeights:
         e = self.entry(layer, expert, bits)
@@ -162,12 +247,13 @@ class ShardWriter:
         self.file.write(data)
         self.hash.update(data)
 
-    def write(self, blob: torch.Tensor) -> int:
-        """Append one uint8 blob; returns its offset in the blob tensor."""
+    def write(self, blob: torch.Tensor) -> tuple[int, int]:
+        """Append one uint8 blob; returns its offset in the blob tensor and its CRC-32."""
         offset = self.written
-        self._write(memoryview(blob.contiguous().numpy()))
+        data = memoryview(blob.contiguous().numpy())
+        self._write(data)
         self.written += blob.numel()
-        return offset
+        return offset, zlib.crc32(data)
 
     def finish(self) -> Shard:
         if self.written != self.nbytes:
@@ -181,8 +267,41 @@ class ShardWriter:
                      sha256=self.hash.hexdigest())
 
     def abort(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.file.close()  # flushes what is buffered: on a full disk that fails too
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor (never a second copy of them all in memory), atomically."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for t in tensors.values():
+                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -217,6 +336,38 @@ def check_shard(path: Path, shard: Shard, settings_sha256: str, full: bool) -> N
                            "re-run moetool quantize.")
     if full and sha256_file(path) != shard.sha256:
         raise MoetoolError(f"{where} is corrupt (its sha256 does not match the manifest); re-run moetool quantize.")
+
+
+def blob_crc32(blob: torch.Tensor) -> int:
+    """CRC-32 of a uint8 tensor's bytes (a few GB/s: cheap next to reading the blob from disk)."""
+    return zlib.crc32(memoryview(blob.contiguous().numpy()))
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = False) -> None:
+    """Refuse, in one sentence naming the file, a model file that is missing, resized or corrupt."""
+    path = directory / MODEL_DIR / f.name
+    what = "non-expert weights" if f.name == NON_EXPERT else f.name
+    if not path.is_file():
+        raise MoetoolError(f"the bundle in {directory} lacks its {what} ({MODEL_DIR}/{f.name}); it is incomplete: "
+                           "re-run moetool quantize.")
+    if path.stat().st_size != f.nbytes:
+        raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is {path.stat().st_size} bytes, not the "
+                           f"{f.nbytes} its manifest records; re-run moetool quantize.")
+    if (crc and file_crc32(path) != f.crc32) or (full and sha256_file(path) != f.sha256):
+        raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is corrupt (checksum mismatch); "
+                           "re-run moetool quantize.")
+
+
+def _manifest_checksum(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def map_shard(path: Path) -> torch.Tensor:

@@ -3,10 +3,18 @@
     bundle = quantize(QuantizeConfig(model="path/to/ckpt", out=Path("out/b"), bits=(16, 8, 4, 2)),
                       progress=lambda p: bar.update(p.done, total=p.total))
 
-One MoE layer at a time: every expert of the layer is quantized at every precision and streamed
-into that layer's shard. A journal next to the shards records each finished shard with its
-sha256, so an interrupted run leaves no `bundle.json` and the next run with the same settings
-continues from the shards that still hash right; other settings start clean.
+One MoE layer at a time, eight experts at a time: experts are read from the memory-mapped
+checkpoint (`checkpoint.py`), each is quantized at every precision and streamed into its layer's
+shard, and the span is dropped before the next is read, so host memory is the non-expert weights
+plus a few experts whatever the model's size. Calibrated runs (GPTQ, or HQQ with
+`calibrate`) are layer-sequential as GPTQ tools are: one batched forward over the calibration
+sequences, and each MoE layer is quantized when the hidden states reach it, from the tokens its
+router sends to each expert. The non-expert weights, config, generation config and tokenizer go
+to `model/`, so the bundle runs without the checkpoint.
+
+A journal next to the shards records each finished shard with its sha256, so an interrupted run
+(a Ctrl-C, a full disk) leaves no `bundle.json` and the next run with the same settings continues
+from the shards that still hash right; other settings start clean.
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
@@ -26,11 +37,13 @@ from moetool.artifacts import atomic_write_bytes, sha256_file
 from moetool.errors import MoetoolError
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
-from moetool.quant.bundle import MANIFEST, Bundle, Entry, Shard, ShardWriter
+from moetool.quant.bundle import MANIFEST, MODEL_DIR, NON_EXPERT, Bundle, Entry, ModelFile, Shard, ShardWriter, \
+    file_crc32, write_safetensors
 from moetool.quant.format import DTYPES, Bits, Layout, QTensor, dequantize, dequantize_qtensor, encode, \
     make_layout, relative_error
 
 METHODS = ("hqq", "gptq")
+READ_CHUNK = 8  # experts read from the checkpoint at once: memory stays flat in the number of experts
 JOURNAL = ".quantize-journal.json"
 
 
@@ -49,6 +62,7 @@ class QuantizeConfig:
     min_tokens: int = 32  # a GPTQ expert routed fewer calibration tokens than this falls back to HQQ
     dtype: str = "bfloat16"  # dtype the checkpoint is loaded and calibrated in
     device: str = "cpu"  # where hqq's optimizer runs ("cuda" is much faster where there is one)
+    hqq_optimize: bool = True  # hqq's proximal solver; False rounds to nearest on its grid (~10x faster on CPU)
     seed: int = 0  # random calibration tokens for tokenizer-less test checkpoints
     verify: str = "fast"  # how the finished bundle is re-opened: "fast" (sizes, headers) or "full" (rehash shards)
 
@@ -78,7 +92,7 @@ def auto_group_size(layers) -> int:
 
 
 def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None) -> Bundle:
-    """Quantize every expert of `cfg.model` at `cfg.bits` into a bundle in `cfg.out`."""
+    """Quantize every expert of `cfg.model` at `cfg.bits` into a self-contained bundle in `cfg.out`."""
     report = progress or (lambda p: None)
     bits = _check(cfg)
     out = Path(cfg.out)
@@ -88,7 +102,9 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     if cfg.calib_text is not None and not Path(cfg.calib_text).is_file():
         raise MoetoolError(f"calibration text {cfg.calib_text} does not exist.")
 
-    lm = load_model(cfg.model, device="cpu", dtype=DTYPES[cfg.dtype])
+    # The streamed experts keep only the span being quantized (and the calibration forward walks
+    # each layer's experts in ascending order, so each span is read once per layer).
+    lm = load_model(cfg.model, device="cpu", dtype=DTYPES[cfg.dtype], expert_cache_bytes=0, expert_chunk=READ_CHUNK)
     layers = lm.geometry.layers
     if cfg.group_size == 0:
         cfg = dataclasses.replace(cfg, group_size=auto_group_size(layers))
@@ -102,33 +118,88 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
                                             layer.has_bias, cfg.group_size, cfg.axis) for b in bits}
                for layer in layers}
 
-    out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
-    journal = Journal(out, settings_sha)
-    todo = [layer for layer in layers if layer.index not in journal.done]
-    done = total - sum(layer.num_experts for layer in todo)
-    calibration = {}
-    if todo and _calibrated(cfg):
-        calibration = collect_routed_inputs(lm, calibration_ids(lm, cfg))
-        report(Progress("calibrate", done, total))
-    for layer in todo:
-        def on_expert(expert: int, base: int = done, layer_index: int = layer.index) -> None:
-            report(Progress("expert", base + expert + 1, total, layer_index))
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
+        journal = Journal(out, settings_sha)
+        model_files = write_model_files(lm, out)
+        todo = [layer for layer in layers if layer.index not in journal.done]
+        done = total - sum(layer.num_experts for layer in todo)
 
-        shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], calibration.get(layer.index), out,
-                                         settings_sha, on_expert)
-        journal.add(layer.index, shard, entries)
-        done += layer.num_experts
-        report(Progress("shard", done, total, layer.index))
+        def quantize_layer(layer: MoeLayer, routed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+            nonlocal done
 
-    bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
-                    group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
-                    layouts={_layout_key(lay): lay for per in layouts.values() for lay in per.values()},
-                    shards=tuple(journal.done[layer.index][0] for layer in layers),
-                    entries=tuple(e for layer in layers for e in journal.done[layer.index][1]))
-    bundle.save(out / MANIFEST)
-    journal.remove()
+            def on_expert(expert: int, base: int = done) -> None:
+                report(Progress("expert", base + expert + 1, total, layer.index))
+
+            shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], routed, out, settings_sha, on_expert)
+            journal.add(layer.index, shard, entries)
+            done += layer.num_experts
+            report(Progress("shard", done, total, layer.index))
+
+        if todo and _calibrated(cfg):
+            report(Progress("calibrate", done, total))
+            calibrate_layer_by_layer(lm, calibration_ids(lm, cfg), {g.index for g in todo}, quantize_layer)
+        else:
+            for layer in todo:
+                quantize_layer(layer, None)
+
+        bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
+                        group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
+                        layouts={_layout_key(lay): lay for per in layouts.values() for lay in per.values()},
+                        shards=tuple(journal.done[layer.index][0] for layer in layers),
+                        entries=tuple(e for layer in layers for e in journal.done[layer.index][1]),
+                        model_files=model_files)
+        bundle.save(out / MANIFEST)
+        journal.remove()
+    except OSError as e:
+        # A full disk, a read-only or vanished directory: what was finished stays journaled for a re-run.
+        where = e.filename or out
+        raise MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); finished layers are kept, "
+                           "re-run the same command to continue.") from None
     Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
     return bundle
+
+
+def write_model_files(lm: LoadedModel, out: Path) -> tuple[ModelFile, ...]:
+    """Write `out/model/`: config, generation config, tokenizer and the non-expert weights.
+
+    Built in a temp directory beside it and renamed into place, so an interrupted write never
+    leaves a half `model/`; rewritten on every (re)run, since it is small next to the experts.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR}.", suffix=".tmp", dir=out))
+    try:
+        lm.model.config.save_pretrained(tmp)
+        if lm.model.generation_config is not None:
+            lm.model.generation_config.save_pretrained(tmp)
+        if lm.tokenizer is not None:
+            lm.tokenizer.save_pretrained(str(tmp))
+        write_safetensors(tmp / NON_EXPERT, non_expert_state(lm.model), {"format": "pt"})
+        records = []
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            os.chmod(f, 0o644)
+            records.append(ModelFile(name=str(f.relative_to(tmp)), nbytes=f.stat().st_size, sha256=sha256_file(f),
+                                     crc32=file_crc32(f)))
+        final = out / MODEL_DIR
+        if final.exists():
+            shutil.rmtree(final)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tuple(records)
+
+
+def non_expert_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every real parameter and persistent buffer, each tied tensor once under its first name (the
+    embedding before lm_head: `tie_weights` restores the other at load)."""
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.is_meta or (t.numel() and t.data_ptr() in seen):
+            continue
+        seen.add(t.data_ptr())
+        state[name] = t
+    return state
 
 
 def _check(cfg: QuantizeConfig) -> tuple[Bits, ...]:
@@ -155,7 +226,7 @@ def _check(cfg: QuantizeConfig) -> tuple[Bits, ...]:
 def _settings(cfg: QuantizeConfig, bits: tuple[Bits, ...], inputs: dict[str, str], has_tokenizer: bool) -> dict:
     settings = {"bits": [int(b) for b in bits], "method": cfg.method, "group_size": cfg.group_size,
                 "axis": cfg.axis, "dtype": cfg.dtype, "device": cfg.device,
-                "hqq": {"version": version("hqq"), "optimize": True, "round_zero": False}}
+                "hqq": {"version": version("hqq"), "optimize": cfg.hqq_optimize, "round_zero": False}}
     if _calibrated(cfg):
         source = "file" if cfg.calib_text else "moetool.datasets.train_text" if has_tokenizer else "random ids"
         settings["calibration"] = {"source": source, "text_sha256": inputs.get("calib_text"),
@@ -198,7 +269,7 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
     entries = []
     try:
         for expert in range(layer.num_experts):
-            ref = lm.experts.get(layer.index, expert).to("cpu", torch.float32)
+            ref = lm.experts.get(layer.index, expert).to("cpu", torch.float32)  # read a span at a time
             x = None
             if routed is not None:
                 hidden, top_k = routed  # [T, H], [T, k]
@@ -208,12 +279,13 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
                 method, q = _quantize_expert(ref, bits, layout, x, cfg, experts_module)
                 blob = encode(layout, ref, q)  # uint8 [layout.nbytes]
                 approx = dequantize(blob, layout)
+                offset, crc = writer.write(blob)
                 out_error = None
                 if y_ref is not None:
                     out_error = relative_error(y_ref, experts_module.expert_forward(x, approx))
                 entries.append(Entry(
                     layer=layer.index, expert=expert, bits=int(bits), method=method, shard=writer.path.name,
-                    offset=writer.write(blob), nbytes=layout.nbytes, layout=_layout_key(layout),
+                    offset=offset, nbytes=layout.nbytes, layout=_layout_key(layout), crc32=crc,
                     rel_error={p.name: relative_error(getattr(ref, p.name), getattr(approx, p.name))
                                for p in layout.projections},
                     out_error=out_error, tokens=None if x is None else len(x)))
@@ -239,7 +311,7 @@ def _quantize_expert(ref: ExpertWeights, bits: Bits, layout: Layout, x: torch.Te
 
         return "gptq", gptq.quantize_expert(ref, bits, cfg.group_size, x, act,
                                             lambda name, q: dequantize_qtensor(q, projections[name]))
-    return "hqq", hqq.quantize_expert(ref, bits, cfg.group_size, cfg.axis, cfg.device)
+    return "hqq", hqq.quantize_expert(ref, bits, cfg.group_size, cfg.axis, cfg.device, cfg.hqq_optimize)
 
 
 # ---- calibration --------------------------------------------------------------------------------
@@ -273,27 +345,33 @@ def calibration_ids(lm: LoadedModel, cfg: QuantizeConfig) -> torch.Tensor:
     return ids[:n_seq * seq_len].view(n_seq, seq_len)
 
 
-def collect_routed_inputs(lm: LoadedModel, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per MoE layer: the hidden states [T, H] entering its experts and the router's top_k_index [T, k]."""
-    captured: dict[int, tuple[list, list]] = {layer.index: ([], []) for layer in lm.geometry.layers}
+def calibrate_layer_by_layer(lm: LoadedModel, ids: torch.Tensor, layers: set[int],
+                             on_layer: Callable[[MoeLayer, tuple[torch.Tensor, torch.Tensor]], None]) -> None:
+    """One batched forward over the calibration sequences; when the hidden states reach a MoE layer
+    in `layers`, `on_layer(layer, (hidden [T, H], top_k_index [T, k]))` quantizes it there.
+
+    The forward itself advances through one decoder layer at a time with the layer's reference
+    experts (read from the checkpoint when reached, dropped after), so calibration needs one
+    layer's experts in memory, as GPTQ tools' layer-sequential loop does.
+    """
     hooks = []
     for layer in lm.geometry.layers:
-        def grab(module, args, kwargs, index=layer.index):  # noqa: ANN001 - torch hook signature
+        if layer.index not in layers:
+            continue
+
+        def grab(module, args, kwargs, layer=layer):  # noqa: ANN001 - torch hook signature
             hidden = args[0] if args else kwargs["hidden_states"]  # [T, H]
             top_k = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [T, k]
-            captured[index][0].append(hidden.detach().float().cpu())
-            captured[index][1].append(top_k.detach().cpu())
+            on_layer(layer, (hidden.detach().float().cpu(), top_k.detach().cpu()))
 
         module = lm.model.get_submodule(layer.path).experts
         hooks.append(module.register_forward_pre_hook(grab, with_kwargs=True))
     try:
-        with torch.inference_mode():
-            for row in ids:  # one sequence at a time: no padding, bounded activation memory
-                lm.model(input_ids=row[None])
+        with torch.no_grad():  # not inference_mode: the quantizers run inside the hooks
+            lm.model(input_ids=ids)
     finally:
         for h in hooks:
             h.remove()
-    return {i: (torch.cat(h), torch.cat(k)) for i, (h, k) in captured.items()}
 
 
 # ---- resume journal -----------------------------------------------------------------------------
@@ -308,6 +386,8 @@ class Journal:
         self.done: dict[int, tuple[Shard, list[Entry]]] = {}
         for stray in out.glob(".layer-*.tmp"):  # temp shards of a killed run
             stray.unlink()
+        for stray in out.glob(f".{MODEL_DIR}.*.tmp"):  # a killed run's half-written model/
+            shutil.rmtree(stray, ignore_errors=True)
         if not self.path.exists():
             return
         try:

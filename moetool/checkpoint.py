@@ -1,0 +1,257 @@
+"""Open a Hugging Face MoE checkpoint without materializing it: non-expert weights now, experts one layer at a time.
+
+transformers builds the model skeleton with every parameter on the meta device; moetool loads the
+non-expert weights into it and reads a MoE layer's experts only when asked. Checkpoint keys are
+mapped to the model's fused expert layout by transformers' own conversion machinery
+(`conversion_mapping.get_model_conversion_mapping` + `core_model_loading.convert_and_load_state_dict_in_model`,
+the code `from_pretrained` runs), so per-expert checkpoints (`experts.3.w1.weight`), renamed blocks
+(`block_sparse_moe`) and fused ones load alike, with no key table of ours. Host memory is the
+non-expert weights plus one layer's experts, whatever the size of the checkpoint: safetensors
+shards are memory-mapped and only the requested tensors are read.
+
+    ckpt = open_checkpoint("path/to/ckpt", dtype=torch.bfloat16)
+    fused = ckpt.layer_experts(3)          # {"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}
+    ckpt.model                             # skeleton: non-expert weights real, experts on meta
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetool.errors import MoetoolError
+from moetool.model import _first_line as first_line, find_experts_modules
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+# What a run needs of a hub snapshot besides the weights: config, tokenizer, generation config.
+_SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def local_directory(source: str) -> Path:
+    """A local checkpoint directory for `source`: itself, or a hub snapshot (from the cache offline)."""
+    p = Path(source)
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=source, allow_patterns=_SNAPSHOT_PATTERNS))
+    except Exception as e:  # noqa: BLE001 - any failure to resolve a hub id is one sentence
+        raise MoetoolError(f"cannot get the weights of '{source}' from the hub or its local cache: {first_line(e)}.") \
+            from None
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors shards; refuse pickled (.bin) checkpoints, which cannot be streamed."""
+    index = directory / WEIGHT_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise MoetoolError(f"{index} is not a valid safetensors index (no weight_map).") from None
+        files = [directory / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise MoetoolError(f"checkpoint shard {missing[0]} listed in {index} is missing.")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return files
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise MoetoolError(f"{directory} holds only pickled (.bin) weights; moetool streams safetensors checkpoints "
+                           "(convert it once with transformers' save_pretrained(safe_serialization=True)).")
+    raise MoetoolError(f"{directory} holds no safetensors weights.")
+
+
+def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal-LM model of `config` with every parameter on the meta device (buffers real, e.g. RoPE)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError:
+        model_type = getattr(config, "model_type", "?")
+        raise MoetoolError(f"moetool does not support the '{model_type}' architecture: transformers has no "
+                           "causal-LM class for it.") from None
+    except Exception as e:  # noqa: BLE001 - a config from disk that transformers cannot build
+        model_type = getattr(config, "model_type", "?")
+        raise MoetoolError(f"cannot build a '{model_type}' model from its config: {first_line(e)}.") from None
+    return model.eval()
+
+
+def expert_parameter_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name of every fused expert tensor -> path of its experts module."""
+    return {f"{path}.{name}": path for path, m in find_experts_modules(model).items()
+            for name, _ in m.named_parameters(recurse=False)}
+
+
+def load_into(model: nn.Module, tensors: dict[str, Any], dtype: torch.dtype, mapping: list | None) -> Any:
+    """Load `tensors` (lazy safetensors slices or tensors, by checkpoint key) into `model` through
+    transformers' loader, converting keys and layouts with `mapping` (None: names already match)."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its per-call "Loading weights" bar would print once per layer
+    cfg = LoadStateDictConfig(dtype=dtype, weight_mapping=mapping or [], device_map={"": "cpu"})
+    try:
+        info, _ = convert_and_load_state_dict_in_model(model, tensors, cfg)
+    except MoetoolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - data read from a user's file: one sentence, naming what failed
+        raise MoetoolError(f"cannot read the checkpoint's weights: {first_line(e)}.") from None
+    if info.conversion_errors or info.mismatched_keys:
+        what = next(iter(info.conversion_errors.items()), None) or sorted(info.mismatched_keys)[0]
+        raise MoetoolError(f"the checkpoint's weights do not fit the model's config ({what}).")
+    return info
+
+
+# Config fields that count routed experts (per architecture) and that must agree with that count.
+_EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_PER_EXPERT_KEY = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # experts.37.gate_proj.weight
+
+
+class _Rows:
+    """Rows [start, stop) of a lazily read safetensors tensor: what the loader reads of a fused
+    checkpoint tensor whose first dimension is the expert (gpt_oss, granitemoe)."""
+
+    def __init__(self, tensor: Any, start: int, stop: int):
+        self.tensor, self.start, self.stop = tensor, start, stop
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[self.start:self.stop]
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _expert_count(config: Any) -> int:
+    text = _text_config(config)
+    return next(getattr(text, n) for n in _EXPERT_COUNT if isinstance(getattr(text, n, None), int))
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint opened for streaming. `model` holds the real non-expert weights and meta experts."""
+
+    source: str
+    directory: Path
+    config: Any
+    model: nn.Module
+    dtype: torch.dtype
+    expert_keys: dict[str, dict[str, Any]]  # experts module path -> checkpoint key -> lazy slice
+    _files: ExitStack = field(repr=False)
+    _shells: dict[int, nn.Module] = field(default_factory=dict, repr=False)
+
+    def layer_experts(self, path: str, start: int = 0, stop: int | None = None) -> dict[str, torch.Tensor]:
+        """Experts [start, stop) of the experts module at `path` as fused tensors, read from disk now.
+
+        They are built by transformers' conversion in an all-meta "shell" skeleton whose config has
+        `stop - start` experts (the live model's experts modules are moetool's): only those experts'
+        checkpoint tensors (or those rows of a fused one) are read, stacked and taken out, and the
+        shell goes back to meta, so reading a few experts costs a few experts of memory.
+        """
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        keys = self.expert_keys.get(path)
+        if not keys:
+            raise MoetoolError(f"the checkpoint in {self.directory} has no expert weights for {path}; "
+                               "it is incomplete or of another model.")
+        total = _expert_count(self.config)
+        stop = total if stop is None else stop
+        chosen = {}
+        for key, tensor in keys.items():
+            m = _PER_EXPERT_KEY.search(key)
+            if m is None:
+                chosen[key] = tensor if (start, stop) == (0, total) else _Rows(tensor, start, stop)
+            elif start <= int(m.group(1)) < stop:
+                chosen[key] = tensor
+        shell = self._shell(stop - start)
+        module = shell.get_submodule(path)
+        load_into(shell, chosen, self.dtype, get_model_conversion_mapping(shell))
+        out = {}
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                raise MoetoolError(f"the checkpoint in {self.directory} lacks {path}.{name}; it is incomplete.")
+            out[name] = p.detach()
+            setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+        return out
+
+    def _shell(self, experts: int) -> nn.Module:
+        """An all-meta skeleton whose MoE layers have `experts` experts (built once per count)."""
+        if experts not in self._shells:
+            cfg = copy.deepcopy(self.config)
+            text = _text_config(cfg)
+            for name in _EXPERT_COUNT:
+                if isinstance(getattr(text, name, None), int):
+                    setattr(text, name, experts)
+            # Routing fields bounded by the expert count (only the experts' shapes matter in a shell).
+            if isinstance(getattr(text, "num_experts_per_tok", None), int):
+                text.num_experts_per_tok = min(text.num_experts_per_tok, experts)
+            for name in ("n_group", "topk_group"):
+                if isinstance(getattr(text, name, None), int):
+                    setattr(text, name, 1)
+            self._shells[experts] = build_skeleton(cfg, self.dtype)
+        return self._shells[experts]
+
+    def close(self) -> None:
+        self._files.close()
+
+
+def open_safetensors(path: Path) -> Any:
+    """A memory-mapped safetensors file; a truncated or corrupt one is refused by name."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for every corrupt layout
+        raise MoetoolError(f"checkpoint shard {path.name} in {path.parent} is truncated or corrupt ({first_line(e)}); "
+                           "download or copy it again.") from None
+
+
+def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
+    """Open `source` (a resolved local directory or hub id): skeleton, non-expert weights, lazy experts."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    directory = local_directory(source)
+    model = build_skeleton(config, dtype)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    targets = model.state_dict()
+    experts = expert_parameter_names(model)
+    files = ExitStack()
+    rest: dict[str, Any] = {}
+    by_module: dict[str, dict[str, Any]] = {}
+    try:
+        for path in weight_files(directory):
+            handle = files.enter_context(open_safetensors(path))
+            for key in handle.keys():
+                # The name this key will have in the model, by the same rules the loader applies.
+                target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, targets)
+                module = experts.get(target)
+                (by_module.setdefault(module, {}) if module else rest)[key] = handle.get_slice(key)
+        load_into(model, rest, dtype, get_model_conversion_mapping(model))
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # e.g. lm_head shares the embedding: the checkpoint stores it once
+        missing = [n for n, p in model.named_parameters() if p.is_meta and n not in experts]
+        if missing:
+            raise MoetoolError(f"the checkpoint in {directory} lacks {len(missing)} non-expert weights "
+                               f"(e.g. {missing[0]}); it is incomplete or of another model.")
+    except BaseException:
+        files.close()
+        raise
+    return Checkpoint(source=source, directory=directory, config=config, model=model, dtype=dtype,
+                      expert_keys=by_module, _files=files)

@@ -1,0 +1,100 @@
+"""`moetool sweep`: a grid of run or eval cells, spread over Ray workers, one artifact per cell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moetool.cli import command, err, out
+from moetool.errors import MoetoolError
+
+STYLE = {"done": "green", "reused": "green", "refused": "yellow", "failed": "red", "pending": "dim"}
+
+
+def _yaml_value(text: str) -> Any:
+    """`--with max_new_tokens=64` gives an int, as the same line in the grid file would."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+@command(name="sweep")
+def sweep(
+    grid: Annotated[str, typer.Argument(help="A grid file (YAML), or a packaged grid: demo-runs, demo-evals, "
+                                             "compare-policies, accuracy-table.")],
+    save: Annotated[Path, typer.Option("--out", help="Sweep directory: one artifact per cell and sweep.json.")],
+    model: Annotated[str | None, typer.Option(help="Model of every cell (replaces the grid's `model:`).")] = None,
+    bundle: Annotated[Path | None, typer.Option(help="Bundle of every cell (replaces the grid's `bundle:`).")] = None,
+    fit: Annotated[Path | None, typer.Option(help="Fit artifact of every cell (replaces the grid's `fit:`).")] = None,
+    with_: Annotated[list[str] | None, typer.Option("--with", help="Replace a top-level setting of the grid: "
+                                                    "key=value (repeatable), e.g. budget=40%.")] = None,
+    only: Annotated[list[str] | None, typer.Option(help="Run only cells whose name matches this glob (repeatable).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda; with cuda each cell asks Ray for one GPU.")] = None,
+    address: Annotated[str | None, typer.Option(help="An existing Ray cluster (host:6379 or ray://host:10001); "
+                                                "default: start Ray on this machine.")] = None,
+    workers: Annotated[int | None, typer.Option(help="CPUs of the local Ray (default: all cores); 0 runs the cells "
+                                                "one by one in this process, without Ray.")] = None,
+    cpus_per_cell: Annotated[int, typer.Option(help="CPUs (and torch threads) each cell asks Ray for.")] = 1,
+    retry_refused: Annotated[bool, typer.Option(help="Run again cells whose refusal is recorded.")] = False,
+) -> None:
+    """Run every cell of a grid of policies x knobs x budgets x hardware x tasks as Ray tasks.
+
+    Each cell writes `OUT/CELL.run.json` (or `.eval.json`); `OUT/sweep.json` maps every cell to its
+    artifact or its one-sentence refusal. Cells with a valid artifact are not run again, so the same
+    command resumes an interrupted sweep. `moetool report OUT --out R` reads the directory.
+
+    Example: `moetool sweep grid.yaml --out out/sweep`, with grid.yaml holding `model: ckpt`,
+    `prompts: ["Hello"]`, `max_new_tokens: 16` and `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
+    """
+    from moetool.cli import parse_settings
+    from moetool.sweep import SweepConfig
+    from moetool.sweep import sweep as sweep_stage
+
+    overrides: dict[str, Any] = {k: _yaml_value(v) for k, v in parse_settings(with_ or []).items()}
+    # Paths given here are the caller's (relative to this directory), not the grid file's.
+    for key, value in (("model", model), ("bundle", bundle), ("fit", fit)):
+        if value is not None:
+            overrides[key] = str(Path(value).resolve()) if key != "model" or Path(value).exists() else value
+    if device is not None:
+        overrides["device"] = device
+    cfg = SweepConfig(grid=grid, out=save, overrides=overrides, only=tuple(only or ()), address=address,
+                      workers=workers, cpus_per_cell=cpus_per_cell, retry_refused=retry_refused)
+    counts: dict[str, int] = {}
+    total = 0
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("sweep: expanding the grid", total=None)
+
+        def progress(name: str, status: str, done: int, cells: int) -> None:
+            nonlocal total
+            counts[status], total = counts.get(status, 0) + 1, cells
+            bar.update(task, description=f"sweep: {name} {status}", completed=done, total=cells)
+            if status != "reused":
+                err.print(f"[dim]{done}/{cells}[/dim] {name}: [{STYLE[status]}]{status}[/]", highlight=False)
+
+        try:
+            index = sweep_stage(cfg, progress=progress)
+        except KeyboardInterrupt:
+            err.print(f"[yellow]interrupted[/yellow]: {sum(counts.values())} of {total or '?'} cells are finished and "
+                      f"kept in {save / 'sweep.json'}; the same command runs the rest.", highlight=False)
+            raise typer.Exit(130) from None
+    table = Table(title=f"sweep {grid} -> {save} ({len(index.cells)} cells)")
+    for col in ("cell", "status", "artifact or reason"):
+        table.add_column(col)
+    for name, cell in index.cells.items():
+        status = cell["status"]
+        table.add_row(name, f"[{STYLE[status]}]{status}[/]", cell["artifact"] or cell["reason"] or "")
+    out.print(table)
+    tally = ", ".join(f"{n} {k}" for k, n in counts.items())
+    err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)
+    failed = [n for n, c in index.cells.items() if c["status"] == "failed"]
+    if failed:
+        raise MoetoolError(f"{len(failed)} of {len(index.cells)} cells failed ({failed[0]}: "
+                           f"{index.cells[failed[0]]['reason']}); the same command runs them again.")

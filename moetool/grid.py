@@ -1,0 +1,338 @@
+"""Grid files: the settings every cell shares and the axes to cross, expanded into cells.
+
+    cells = expand(load_grid("compare-policies") | {"bundle": "out/bundle"}).cells
+    cells[0].name, cells[0].config()     # "lod", RunConfig(policy="lod", budget="25%", ...)
+
+A grid file (YAML) holds the settings every cell shares and, under `grid:`, the axes to cross:
+
+    model: path/to/checkpoint          # and/or bundle: path/to/bundle; fit: path/to/fit.json
+    stage: run                         # or eval (with task: ppl | bigbench-mc | ... or a task axis)
+    prompts: ["The capital of France is"]   # or {file: prompts.jsonl} or {heldout: 8}
+    max_new_tokens: 16
+    set: {eviction: arc}               # knobs every cell gets
+    grid:
+      policy: [lru, {policy: dymoe, set: {config: 4/0}}, {policy: fate, grid: {L: [2, 3]}}]
+      budget: ["25%", "50%"]
+
+Top-level keys are the fields of the stage's config (`RunConfig` / `EvalConfig`), so a new field
+is a grid setting without a change here. An axis is any of those fields (policy, budget, hw, clock,
+task, batch_size, ...) or a policy knob; knobs are checked by the policy registry, so an unknown
+axis or knob is refused before anything runs. An axis value may be a mapping naming the value
+plus settings that go with it (`{task: ppl, limit: 2048}`, `{policy: resident, budget: 100%}`); a
+policy entry may also hold `label`, `set` (its knobs) and `grid` (its knobs to cross). A cell is
+named by its policy's label, then `axis=value` for every other axis in the grid's order
+(`fate_L=2_budget=25pct`); paths in a grid file are relative to the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetool.artifacts import ModelFingerprint
+from moetool.errors import MoetoolError
+
+GRIDS_DIR = Path(__file__).with_name("grids")  # packaged grids, named by file stem
+STAGES = ("run", "eval")
+ONE_PER_SWEEP = ("model", "bundle", "fit")  # artifacts of one sweep share one model fingerprint
+POLICY_ENTRY_KEYS = ("policy", "label", "set", "grid")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid: the keyword arguments of its stage's config, JSON-able."""
+
+    name: str
+    stage: str
+    settings: dict[str, Any]  # config fields; paths as strings, policy knobs under "settings"
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps({"stage": self.stage, "settings": self.settings}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def artifact(self) -> str:
+        return f"{self.name}.{self.stage}.json"
+
+    def config(self) -> Any:
+        cls = _config_class(self.stage)
+        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        kwargs = {k: Path(v) if v is not None and "Path" in kinds[k] else tuple(v) if k == "prompts" else v
+                  for k, v in self.settings.items()}
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Expansion:
+    stage: str
+    model: ModelFingerprint
+    cells: tuple[Cell, ...]
+
+
+def packaged_grids() -> list[str]:
+    return sorted(p.stem for p in GRIDS_DIR.glob("*.yaml"))
+
+
+def grid_path(source: str | Path) -> Path:
+    """A grid file, or the packaged grid of that name."""
+    p = Path(source)
+    if p.is_file():
+        return p
+    if (GRIDS_DIR / f"{source}.yaml").is_file():
+        return GRIDS_DIR / f"{source}.yaml"
+    raise MoetoolError(f"{source} is neither a grid file nor a packaged grid ({', '.join(packaged_grids())}).")
+
+
+def load_grid(source: str | Path) -> dict[str, Any]:
+    import yaml
+
+    path = grid_path(source)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise MoetoolError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}.") from None
+    if not isinstance(data, dict):
+        raise MoetoolError(f"{path} must be a YAML mapping of settings with a `grid:` of axes.")
+    return data
+
+
+def _config_class(stage: str) -> type:
+    if stage == "run":
+        from moetool.run import RunConfig
+
+        return RunConfig
+    from moetool.evaluate import EvalConfig
+
+    return EvalConfig
+
+
+def _slug(value: Any) -> str:
+    """A file-name-safe spelling of a value: 25% -> 25pct, 4/2 -> 4-2."""
+    text = str(value).replace("%", "pct").replace("/", "-")
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "-", text).strip("-.") or "x"
+
+
+def _knob_text(value: Any) -> str:
+    """Knobs travel as `--set` strings; the policy registry coerces them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        raise MoetoolError(f"a knob value must be a single value, not {value!r}.")
+    return str(value)
+
+
+class _Grid:
+    """Expands one grid dict into cells, checking each setting and knob as it goes."""
+
+    def __init__(self, grid: dict[str, Any], base: Path):
+        self.base = base
+        grid = dict(grid)
+        self.stage = grid.pop("stage", "run")
+        if self.stage not in STAGES:
+            raise MoetoolError(f"stage must be run or eval, not '{self.stage}'.")
+        cls = _config_class(self.stage)
+        self.kinds = {f.name: str(f.type) for f in dataclasses.fields(cls) if f.name != "settings"}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        self.axes = grid.pop("grid", None)
+        self.knobs = self._knobs(grid.pop("set", None) or {}, "set")
+        prompts = grid.pop("prompts", None)
+        self.top = {key: self.setting(key, value) for key, value in grid.items()}
+        if prompts is not None:
+            self.top["prompts"] = self._prompts(prompts)
+        self.default_policy = self.top.get("policy", defaults.get("policy"))
+
+    def setting(self, key: str, value: Any) -> Any:
+        """A config field's value from YAML, type-checked; relative paths are the grid file's."""
+        if key not in self.kinds:
+            raise MoetoolError(f"unknown setting '{key}' for stage {self.stage} (settings: "
+                               f"{', '.join(sorted(self.kinds))}, set, grid).")
+        kind = self.kinds[key]
+        if value is None:
+            return None
+        if key == "model":
+            return str(self.base / str(value)) if (self.base / str(value)).exists() else str(value)
+        ok = {"Path": isinstance(value, str), "tuple": isinstance(value, list) and all(isinstance(v, str) for v in value),
+              "dict": isinstance(value, dict), "bool": isinstance(value, bool),
+              "int": isinstance(value, int) and not isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "str": isinstance(value, (str, int, float)) and not isinstance(value, bool)}
+        expected = next((k for k in ok if k in kind), None)
+        if expected is not None and not ok[expected]:
+            raise MoetoolError(f"setting '{key}' takes {kind.replace(' | None', '')}, not {value!r}.")
+        if expected == "Path":
+            return str((self.base / value).resolve())
+        return str(value) if expected == "str" else value
+
+    def _prompts(self, value: Any) -> list[str]:
+        if self.stage != "run":
+            raise MoetoolError("prompts are a run setting; an eval grid takes a task.")
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return value
+        if isinstance(value, dict) and set(value) == {"file"}:
+            from moetool.run import read_prompts
+
+            return list(read_prompts(self.base / value["file"]))
+        if isinstance(value, dict) and set(value) == {"heldout"} and isinstance(value["heldout"], int):
+            from moetool.pipeline import heldout_prompts
+
+            return list(heldout_prompts(value["heldout"]))
+        raise MoetoolError("prompts must be a list of strings, {file: prompts.jsonl} or {heldout: N}.")
+
+    def _knobs(self, knobs: Any, where: str) -> dict[str, str]:
+        if not isinstance(knobs, dict):
+            raise MoetoolError(f"`{where}` must map knob names to values, not {knobs!r}.")
+        return {str(k): _knob_text(v) for k, v in knobs.items()}
+
+    def _values(self, axis: str, values: Any) -> list[Any]:
+        values = values if isinstance(values, list) else [values]
+        if not values:
+            raise MoetoolError(f"axis '{axis}' of the grid has no values.")
+        return values
+
+    def _policies(self) -> list[tuple[str, str, dict[str, str], dict[str, Any]]]:
+        """(label, policy, knobs, settings pinned by the entry) for every choice of the policy axis."""
+        from moetool.policies import POLICIES
+
+        entries = self._values("policy", self.axes["policy"]) if "policy" in self.axes else [self.default_policy]
+        out = []
+        for entry in entries:
+            spec = entry if isinstance(entry, dict) else {"policy": entry}
+            name = spec.get("policy")
+            if name not in POLICIES:
+                raise MoetoolError(f"unknown policy '{name}' in the grid (known: {', '.join(sorted(POLICIES))}).")
+            fixed = self._knobs(spec.get("set") or {}, f"set of {name}")
+            label = str(spec.get("label") or "_".join([name, *(f"{k}={v}" for k, v in fixed.items())]))
+            pinned = {k: self.setting(k, v) for k, v in spec.items() if k not in POLICY_ENTRY_KEYS}
+            crossed = spec.get("grid") or {}
+            if not isinstance(crossed, dict):
+                raise MoetoolError(f"the grid of policy entry '{label}' must map knobs to lists of values.")
+            keys = list(crossed)
+            for combo in itertools.product(*(self._values(k, crossed[k]) for k in keys)):
+                knobs = {**fixed, **{k: _knob_text(v) for k, v in zip(keys, combo)}}
+                parts = [label, *(f"{k}={knobs[k]}" for k in keys)]
+                out.append(("_".join(parts), name, knobs, pinned))
+        return out
+
+    def _check_knobs(self, policy: str, knobs: dict[str, str], axis_knobs: set[str]) -> None:
+        """The registry decides what a policy's knobs are; an unknown axis is an unknown knob."""
+        from moetool.policies import POLICIES
+        from moetool.policies.base import parse_params
+
+        cls = POLICIES[policy]
+        known = {f.name for f in dataclasses.fields(cls.Params)}
+        for key in knobs:
+            if key not in known:
+                what = f"axis or knob '{key}'" if key in axis_knobs else f"knob '{key}'"
+                raise MoetoolError(f"unknown {what}: it is not a {self.stage} setting, and policy '{policy}' has no "
+                                   f"knob '{key}' (its knobs: {', '.join(sorted(known)) or 'none'}).")
+        parse_params(cls, knobs)  # values too: a float knob given 'abc' is refused before anything runs
+
+    def cells(self) -> list[Cell]:
+        if not isinstance(self.axes, dict) or not self.axes:
+            raise MoetoolError("the grid is empty: give `grid:` at least one axis with values, e.g. "
+                               "`grid: {policy: [lru, fate]}`.")
+        for key in self.axes:
+            if key in ONE_PER_SWEEP:
+                raise MoetoolError(f"'{key}' is one per sweep (its artifacts share one model), not an axis.")
+        policies = self._policies()
+        names = [k for k in self.axes if k != "policy"]
+        axis_knobs = {k for k in names if k not in self.kinds}
+        choices = [self._axis_choices(k) for k in names]
+        cells: dict[str, Cell] = {}
+        for (label, policy, knobs, pinned), *combo in itertools.product(policies, *choices):
+            settings = {**self.top, "policy": policy}
+            cell_knobs = {**self.knobs, **knobs}
+            extras: dict[str, Any] = dict(pinned)
+            for key, (value, more) in zip(names, combo):
+                if key in axis_knobs:
+                    cell_knobs[key] = value
+                else:
+                    settings[key] = value
+                for k, v in more.items():
+                    if k in extras and extras[k] != v:
+                        raise MoetoolError(f"two axes of the grid pin '{k}' to different values ({extras[k]!r}, {v!r}).")
+                    extras[k] = v
+            settings.update(extras)  # an entry's own settings win over the axes (resident at 100% whatever the budget axis)
+            self._check_knobs(policy, cell_knobs, axis_knobs)
+            if self.stage == "eval" and not settings.get("task"):
+                raise MoetoolError("an eval grid needs a task: give `task:` or a task axis.")
+            settings["settings"] = cell_knobs
+            parts = [label, *(f"{k}={cell_knobs[k] if k in axis_knobs else settings[k]}" for k in names)]
+            cell = Cell(name=_slug("_".join(parts)), stage=self.stage, settings=settings)
+            if cell.name in cells and cells[cell.name].digest != cell.digest:
+                raise MoetoolError(f"two cells of the grid would both be named '{cell.name}'; give their policy "
+                                   f"entries distinct labels.")
+            cells[cell.name] = cell  # the same cell twice (a pinned setting crossing an axis) runs once
+        return list(cells.values())
+
+    def _axis_choices(self, key: str) -> list[tuple[Any, dict[str, Any]]]:
+        """(value, settings pinned with it) for each value of a non-policy axis."""
+        out = []
+        for value in self._values(key, self.axes[key]):
+            more: dict[str, Any] = {}
+            if isinstance(value, dict):
+                if key not in value:
+                    raise MoetoolError(f"an entry of axis '{key}' that is a mapping must name its {key}: {value!r}.")
+                more = {k: self.setting(k, v) for k, v in value.items() if k != key}
+                value = value[key]
+            out.append((self.setting(key, value) if key in self.kinds else _knob_text(value), more))
+        return out
+
+    def fingerprint(self) -> ModelFingerprint:
+        """The one model of the sweep; refuses a bundle or fit of another model, before anything runs."""
+        model, bundle, fit = (self.top.get(k) for k in ONE_PER_SWEEP)
+        if model is None and bundle is None:
+            raise MoetoolError("the grid names no model: give `model:` or `bundle:` (or --model / --bundle).")
+        fp = None
+        if model is not None:
+            from moetool.model import load_config, model_fingerprint, resolve_source
+
+            fp = model_fingerprint(load_config(resolve_source(model)), model)
+        if bundle is not None:
+            from moetool.quant.bundle import MANIFEST, Bundle
+
+            if not (Path(bundle) / MANIFEST).is_file():
+                raise MoetoolError(f"bundle {bundle} is not a bundle directory (no {MANIFEST} in it).")
+            manifest = Bundle.load(Path(bundle) / MANIFEST, model=fp)  # refuses a bundle of another model
+            fp = fp or manifest.model
+        if fit is not None:
+            from moetool.run import Fit
+
+            Fit.load(Path(fit), model=fp)
+        return fp
+
+
+def select(cells: list[Cell], only: tuple[str, ...]) -> list[Cell]:
+    if not only:
+        return cells
+    chosen = [c for c in cells if any(fnmatch.fnmatchcase(c.name, p) for p in only)]
+    if not chosen:
+        raise MoetoolError(f"no cell of the grid matches {', '.join(only)}.")
+    return chosen
+
+
+def expand(grid: dict[str, Any], base: Path = Path("."), only: tuple[str, ...] = ()) -> Expansion:
+    """The cells of `grid` (paths in it are relative to `base`), checked against the policy registry,
+    and its model, bundle and fit checked against each other."""
+    g = _Grid(grid, Path(base))
+    cells = select(g.cells(), only)
+    return Expansion(stage=g.stage, model=g.fingerprint(), cells=tuple(cells))
+
+
+def grid_cells(grid: dict[str, Any], base: Path = Path(".")) -> list[Cell]:
+    """The cells of `grid` without opening its model, bundle or fit (which need not exist yet)."""
+    return _Grid(grid, Path(base)).cells()
+
+
+__all__ = ["Cell", "Expansion", "GRIDS_DIR", "expand", "grid_cells", "grid_path", "load_grid", "packaged_grids",
+           "select"]

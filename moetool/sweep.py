@@ -1,0 +1,338 @@
+"""`moetool sweep`: every cell of a grid (`moetool.grid`) as a Ray task, one artifact per cell.
+
+    index = sweep(SweepConfig(grid="grid.yaml", out=Path("out/sweep")))
+    index.cells["lru_budget=25pct"]["status"]      # done, refused, failed or pending
+
+Each cell writes `OUT/<name>.<stage>.json`; `OUT/sweep.json` (the index) maps every cell to its
+artifact or its one-sentence reason and is rewritten atomically after each cell. A cell whose
+artifact is valid (this model, this cell's settings, unchanged input files) is not re-run, nor is
+a recorded refusal of the same settings, so a sweep resumes after a crash or a Ctrl-C. Cells run
+on a local Ray (this machine's cores), on an existing Ray cluster (`address`), or one after
+another in this process (`workers=0`); the results come back to this process, which alone writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlparse
+
+from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sha256_file
+from moetool.errors import MoetoolError
+from moetool.grid import Cell, expand, grid_cells, grid_path, load_grid, select
+
+INDEX = "sweep.json"
+CELL_INPUT = "sweep cell"  # key in an artifact's `inputs`: sha256 of the settings of the cell that made it
+# Results are JSON of a few MB at most; Ray's default store (30% of RAM) would take memory the models need.
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+PROBE_TIMEOUT_S = 5.0  # Ray itself retries an unreachable address for minutes
+
+Outcome = tuple[str, Any, str | None]  # (done | refused | failed, artifact JSON or reason, detail)
+Progress = Callable[[str, str, int, int], None]  # (cell, reused | done | refused | failed, finished, total)
+
+
+@dataclass(frozen=True)
+class Sweep(Artifact):
+    """The sweep index: every cell of the grid, its status, and its artifact or why it has none.
+
+    `cells[name]` holds `status` (done, refused, failed, pending), `artifact` (file name in the
+    sweep directory, when done), `reason` (one sentence, when refused or failed), `detail` (a
+    traceback tail for a failure that is not a refusal), `settings` and their sha256 `digest`.
+    """
+
+    SCHEMA: ClassVar[str] = "sweep"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    stage: str
+    grid: dict[str, Any]  # the grid as expanded (after overrides)
+    cells: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    grid: str | Path | dict[str, Any]  # a grid file, a packaged grid's name, or an already loaded grid
+    out: Path
+    overrides: dict[str, Any] = field(default_factory=dict)  # top-level settings that replace the grid's
+    only: tuple[str, ...] = ()  # glob patterns over cell names (default: every cell)
+    address: str | None = None  # an existing Ray cluster; None: start Ray on this machine
+    workers: int | None = None  # CPUs of the local Ray (default: all cores); 0: one by one in this process
+    cpus_per_cell: int = 1  # also the cell's torch threads
+    retry_refused: bool = False
+
+
+def _resolve(cfg: SweepConfig) -> tuple[dict[str, Any], Path, dict[str, str]]:
+    """(the grid after overrides, the directory its paths are relative to, the grid file's sha256)."""
+    if isinstance(cfg.grid, dict):
+        return {**cfg.grid, **cfg.overrides}, Path("."), {}
+    path = grid_path(cfg.grid)
+    return {**load_grid(path), **cfg.overrides}, path.parent, {str(path): sha256_file(path)}
+
+
+def cells_of(cfg: SweepConfig) -> list[Cell]:
+    """The cells `cfg` names, without opening its model, bundle or fit (which need not exist yet)."""
+    grid, base, _ = _resolve(cfg)
+    return select(grid_cells(grid, base), cfg.only)
+
+
+# -- one cell, in a worker ----------------------------------------------------------------------------
+
+def run_cell(cell: Cell, threads: int | None = None) -> Outcome:
+    """Run one cell where it is called (a Ray worker or this process): its artifact as JSON, or why not."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)  # as many threads as CPUs the cell was given, not all the node's
+    try:
+        if cell.stage == "run":
+            from moetool.run import run
+
+            result = run(cell.config())
+        else:
+            from moetool.evaluate import evaluate
+
+            result = evaluate(cell.config())
+    except MoetoolError as e:
+        return "refused", str(e), None
+    except Exception as e:  # noqa: BLE001 - a bug in one cell is recorded; the other cells go on
+        first = (str(e).strip().splitlines() or [""])[0]
+        return "failed", f"it raised {type(e).__name__}: {first}".rstrip(": ") + ".", traceback.format_exc()[-4000:]
+    # The cell's settings go into the artifact's inputs, so the artifact alone says which cell it answers.
+    return "done", dataclasses.replace(result, inputs={**result.inputs, CELL_INPUT: cell.digest}).to_json(), None
+
+
+def _serial(cells: list[Cell], work: Callable[..., Outcome]) -> Iterator[tuple[Cell, Outcome]]:
+    for cell in cells:
+        yield cell, work(cell)
+
+
+def _probe(address: str) -> None:
+    """Fail in seconds, in one sentence, where Ray would retry an unreachable address for minutes."""
+    if address in ("auto", "local"):
+        return  # Ray resolves these itself, at once
+    url = urlparse(address if "://" in address else f"tcp://{address}")
+    try:
+        host, port = url.hostname, url.port
+    except ValueError:
+        host = port = None
+    if not host or not port:
+        raise MoetoolError(f"--address {address} is not host:port (e.g. 10.0.0.1:6379 or ray://10.0.0.1:10001).")
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise MoetoolError(f"cannot reach a Ray cluster at {address} ({e.strerror or type(e).__name__}); start one "
+                           f"with `ray start --head` there, or check the address.") from None
+
+
+@contextmanager
+def _fd2_captured() -> Iterator[Any]:
+    """Ray's C++ client logs each failed connection attempt straight to fd 2; keep them for the one sentence."""
+    saved, sink = os.dup(2), tempfile.TemporaryFile()
+    os.dup2(sink.fileno(), 2)
+    try:
+        yield sink
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _start_ray(address: str | None, workers: int | None) -> bool:
+    """Connect to or start Ray; True when this call started it (and so shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False  # the caller's Ray (a test fixture, a notebook): use it, leave it running
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        try:
+            # "local": a new Ray of our own, not whatever `ray start` left in /tmp/ray; None CPUs: Ray counts the cores
+            ray.init(address="local", num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR,
+                     object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+            raise MoetoolError(f"Ray did not start on this machine: {first}.") from None
+        return True
+    _probe(address)
+    with _fd2_captured() as log:
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            return True
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            log.seek(0)
+            said = log.read().decode(errors="replace")
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+    if "InvalidAuthToken" in said:  # Ray >= 2.60 starts clusters with token authentication on
+        raise MoetoolError(f"the Ray cluster at {address} refused this machine's token: run with RAY_AUTH_MODE=token "
+                           f"and the cluster's token in RAY_AUTH_TOKEN or ~/.ray/auth_token (`ray get-auth-token` "
+                           f"on the head prints it).")
+    raise MoetoolError(f"cannot connect to the Ray cluster at {address}: {first}.")
+
+
+def _on_gpu(cell: Cell) -> bool:
+    return str(cell.settings.get("device") or "cpu").startswith("cuda")
+
+
+def _check_feasible(ray: Any, cells: list[Cell], cpus: int) -> None:
+    """Ray waits forever for a task no node can hold: say so instead."""
+    need = {"CPU": cpus, "GPU": 1 if any(_on_gpu(c) for c in cells) else 0}
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if not any(all(r.get(k, 0) >= v for k, v in need.items()) for r in nodes):
+        what = f"{cpus} CPU{'s' if cpus > 1 else ''}" + (" and a GPU" if need["GPU"] else "")
+        raise MoetoolError(f"no node of the Ray cluster has {what} for a cell (its nodes: "
+                           f"{'; '.join(_resources(r) for r in nodes) or 'none'}).")
+
+
+def _resources(r: dict[str, float]) -> str:
+    return f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs"
+
+
+def _on_ray(cells: list[Cell], work: Callable[..., Outcome], cfg: SweepConfig) -> Iterator[tuple[Cell, Outcome]]:
+    import ray
+
+    started = _start_ray(cfg.address, cfg.workers)
+    pending: dict[Any, Cell] = {}
+    try:
+        # max_retries re-runs a cell whose worker process died (OOM kill, segfault) once; an exception
+        # raised inside the cell is not retried (run_cell returns it as an outcome).
+        task = ray.remote(work)
+        _check_feasible(ray, cells, cfg.cpus_per_cell)
+        for cell in cells:
+            gpus = 1 if _on_gpu(cell) else 0
+            ref = task.options(num_cpus=cfg.cpus_per_cell, num_gpus=gpus, max_retries=1,
+                               retry_exceptions=False).remote(cell, cfg.cpus_per_cell)
+            pending[ref] = cell
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            cell = pending.pop(ref)
+            try:
+                outcome = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                outcome = ("failed", f"its worker died twice ({type(e).__name__}); the worker's log on its node "
+                                     f"says why (often memory).", str(e)[-4000:])
+            yield cell, outcome
+    finally:
+        for ref in pending:  # interrupted: nothing keeps computing cells that will not be recorded
+            ray.cancel(ref, force=True)
+        if started:
+            ray.shutdown()
+
+
+# -- the stage --------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _sha(path: str, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
+def reusable(path: Path, cell: Cell, model: ModelFingerprint) -> bool:
+    """True when `path` is a valid artifact of this cell: this model, these settings, unchanged input files."""
+    from moetool.evaluate import Eval
+    from moetool.run import Run
+
+    if not path.is_file():
+        return False
+    try:
+        art = {"run": Run, "eval": Eval}[cell.stage].load(path, model=model)
+    except MoetoolError:
+        return False
+    if art.inputs.get(CELL_INPUT) != cell.digest:
+        return False
+    for name, digest in art.inputs.items():  # the bundle manifest and fit it was made from, unchanged
+        p = Path(name)
+        if name != CELL_INPUT and p.is_file() and _sha(str(p.resolve()), p.stat().st_mtime_ns) != digest:
+            return False
+    return True
+
+
+def _previous(out: Path, model: ModelFingerprint) -> dict[str, dict[str, Any]]:
+    if not (out / INDEX).is_file():
+        return {}
+    try:
+        prev = Sweep.load(out / INDEX)
+    except MoetoolError:
+        return {}  # an unreadable index is rebuilt from the artifacts
+    if not prev.model.same_model(model):
+        raise MoetoolError(f"{out} holds a sweep of model {prev.model.source} ({prev.model.model_type}); give this "
+                           f"grid another --out.")
+    return prev.cells
+
+
+def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[..., Outcome] = run_cell) -> Sweep:
+    """Run every cell of the grid that has no valid artifact yet; return the index (also in OUT/sweep.json).
+
+    `work` is what a worker runs per cell (`run_cell`; tests give one that kills its worker).
+    """
+    from moetool.evaluate import Eval
+    from moetool.run import Run
+
+    if cfg.cpus_per_cell < 1 or (cfg.workers is not None and cfg.workers < 0):
+        raise MoetoolError("--cpus-per-cell must be at least 1 and --workers at least 0.")
+    if cfg.workers == 0 and cfg.address:
+        raise MoetoolError("--workers 0 runs the cells in this process; it takes no --address.")
+    if cfg.address:
+        _probe(cfg.address)  # before the grid is expanded: models can take a while to open
+    grid, base, inputs = _resolve(cfg)
+    plan = expand(grid, base, cfg.only)
+    out = Path(cfg.out)
+    previous = _previous(out, plan.model)
+    cells: dict[str, dict[str, Any]] = {}
+    todo: list[Cell] = []
+    done = 0
+
+    def write() -> Sweep:
+        index = Sweep(model=plan.model, inputs=inputs, stage=plan.stage, grid=grid, cells=dict(cells))
+        text = (json.dumps(index.to_json(), indent=1) + "\n").encode()
+        if not (out / INDEX).is_file() or (out / INDEX).read_bytes() != text:  # a re-run that changes nothing touches nothing
+            atomic_write_bytes(out / INDEX, text)
+        return index
+
+    def tell(name: str, status: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(name, status, done, len(plan.cells))
+
+    for cell in plan.cells:
+        entry = {"status": "pending", "artifact": None, "reason": None, "detail": None, "settings": cell.settings,
+                 "digest": cell.digest}
+        old = previous.get(cell.name, {})
+        if reusable(out / cell.artifact, cell, plan.model):
+            cells[cell.name] = {**entry, "status": "done", "artifact": cell.artifact}
+        elif old.get("status") == "refused" and old.get("digest") == cell.digest and not cfg.retry_refused:
+            cells[cell.name] = {**entry, "status": "refused", "reason": old.get("reason")}  # the same answer again
+        else:
+            cells[cell.name] = entry
+            todo.append(cell)
+    out.mkdir(parents=True, exist_ok=True)
+    index = write()
+    for name, entry in cells.items():
+        if entry["status"] != "pending":
+            tell(name, "reused")
+    if not todo:
+        return index
+    kind = Run if plan.stage == "run" else Eval
+    runs = _serial(todo, work) if cfg.workers == 0 else _on_ray(todo, work, cfg)
+    with closing(runs):  # on Ctrl-C the generator's cleanup cancels what is in flight and stops Ray
+        for cell, (status, payload, detail) in runs:
+            entry = cells[cell.name]
+            if status == "done":
+                kind.from_json(payload, where=cell.name).save(out / cell.artifact)
+                entry.update(status="done", artifact=cell.artifact)
+            else:
+                entry.update(status=status, reason=payload, detail=detail)
+            index = write()
+            tell(cell.name, status)
+    return index
+
+
+__all__ = ["INDEX", "Sweep", "SweepConfig", "cells_of", "load_grid", "reusable", "run_cell", "sweep"]

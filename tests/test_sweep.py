@@ -1,0 +1,226 @@
+"""`moetool sweep` on a tiny model: cells on a local Ray, refusals recorded, resume, equality with `moetool run`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from moetool.cli import app
+from moetool.evaluate import EvalConfig, evaluate
+from moetool.sweep import INDEX, SweepConfig, run_cell, sweep
+from test_cli import _one_error_line
+
+runner = CliRunner()
+BUDGETS = ["25%", "50%", "10KiB"]  # 10 KiB is below the tiny model's minimum (its KV/activation margin alone is 18 MiB)
+PROMPTS = ["abcdefgh", "The capital of France is"]
+
+
+def write_grid(path: Path, **grid) -> Path:
+    path.write_text(yaml.safe_dump(grid))
+    return path
+
+
+def run_grid(model: Path, **axes) -> dict:
+    return dict(model=str(model), stage="run", prompts=PROMPTS, max_new_tokens=4, clock="sim", hw="rtx3090",
+                grid=axes or {"policy": ["lru", "lod"], "budget": BUDGETS})
+
+
+def mtimes(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+
+
+# -- bad input: one sentence each, before any Ray starts ---------------------------------------------
+
+@pytest.mark.parametrize("grid,says", [
+    ({"grid": {"policy": ["lru"], "cache_size": [1, 2]}}, "unknown axis or knob 'cache_size'"),
+    ({"grid": {"policy": [{"policy": "lru", "set": {"alpha": 0.3}}]}}, "policy 'lru' has no knob 'alpha'"),
+    ({"grid": {"policy": ["lru", "dymoe"], "r": [0.5, 0.9]}}, "unknown axis or knob 'r'"),  # not a knob of lru
+    ({"grid": {}}, "the grid is empty"),
+    ({"grid": {"policy": ["lru"], "budget": []}}, "axis 'budget' of the grid has no values"),
+    ({"max_new_token": 4, "grid": {"policy": ["lru"]}}, "unknown setting 'max_new_token'"),
+    ({"grid": {"policy": ["lru"], "bundle": ["a", "b"]}}, "'bundle' is one per sweep"),
+])
+def test_bad_grids_are_one_sentence(tiny_ckpt, tmp_path, grid, says):
+    path = write_grid(tmp_path / "g.yaml", **{**run_grid(tiny_ckpt("qwen2_moe")), **grid})
+    line = _one_error_line(runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out")]))
+    assert says in line
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_help_has_an_example():
+    result = runner.invoke(app, ["sweep", "--help"])
+    assert result.exit_code == 0 and "Example" in result.stdout and "--address" in result.stdout
+
+
+def test_a_bundle_of_another_model_is_refused(tiny_ckpt, tmp_path):
+    from moetool.quant.quantize import QuantizeConfig, quantize
+
+    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=tmp_path / "b", bits=(16, 4), group_size=16,
+                            dtype="float32"))
+    path = write_grid(tmp_path / "g.yaml", **run_grid(tiny_ckpt("mixtral")), bundle="b")  # relative to the grid
+    line = _one_error_line(runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out")]))
+    assert "was made for model" in line
+
+
+def test_an_unreachable_ray_address_is_one_sentence_in_seconds(tiny_ckpt, tmp_path):
+    path = write_grid(tmp_path / "g.yaml", **run_grid(tiny_ckpt("qwen2_moe")))
+    line = _one_error_line(runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out"),
+                                               "--address", "127.0.0.1:9"]))  # discard port: nothing listens
+    assert "cannot reach a Ray cluster at 127.0.0.1:9" in line
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_finishes_only_the_missing_cells(tiny_ckpt, tmp_path):
+    """The driver is SIGKILLed half-way (no cleanup at all); the same command then runs only what is missing."""
+    grid = run_grid(tiny_ckpt("qwen2_moe"), policy=["lru", "lod", "eap", "resident"], budget=["25%", "50%", "100%"])
+    path = write_grid(tmp_path / "g.yaml", **{**grid, "max_new_tokens": 90, "prompts": PROMPTS * 2})
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "moetool.cli", "sweep", str(path), "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while len(list(out.glob("*.run.json"))) < 2 and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = mtimes(out)
+    index = json.loads((out / INDEX).read_text())["cells"]
+    done = {n for n, c in index.items() if c["status"] == "done"}
+    assert {f"{n}.run.json" for n in done} == {n for n in first if n.endswith(".run.json")}
+    assert len(done) < len(index)  # killed half-way: some cells never ran
+
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(done) + sum(c['status'] == 'refused' for c in index.values())} reused" in result.stderr
+    assert all(first[n] == (out / n).stat().st_mtime_ns for n in first if n.endswith(".run.json"))
+    final = json.loads((out / INDEX).read_text())["cells"]
+    assert sorted(c["status"] for c in final.values()) == ["done"] * 10 + ["refused"] * 2
+
+
+# -- on a local Ray with 2 CPUs ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_grid_on_ray_refuses_the_impossible_budget_and_equals_moetool_run(tiny_ckpt, ray_local, tmp_path):
+    model = tiny_ckpt("qwen2_moe")
+    path = write_grid(tmp_path / "g.yaml", **run_grid(model))
+    out = tmp_path / "sweep"
+    result = runner.invoke(app, ["sweep", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / INDEX).read_text())["cells"]
+    assert sorted(p.name for p in out.glob("*.run.json")) == sorted(
+        f"{pol}_budget={b}.run.json" for pol in ("lru", "lod") for b in ("25pct", "50pct"))
+    refused = {n: c for n, c in index.items() if c["status"] == "refused"}
+    assert set(refused) == {"lru_budget=10KiB", "lod_budget=10KiB"}  # the impossible budget, once per policy
+    assert all("below the minimum" in c["reason"] and c["artifact"] is None for c in refused.values())
+
+    # Each cell equals the same settings run with `moetool run`, one by one (the sim clock makes times exact).
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    for name, cell in index.items():
+        if cell["status"] != "done":
+            continue
+        one = tmp_path / f"{name}.one.json"
+        args = ["run", "--model", str(model), "--policy", cell["settings"]["policy"], "--budget",
+                cell["settings"]["budget"], "--clock", "sim", "--hw", "rtx3090", "--prompts", str(prompts),
+                "--max-new-tokens", "4", "--out", str(one)]
+        assert runner.invoke(app, args).exit_code == 0
+        got, ref = json.loads((out / cell["artifact"]).read_text()), json.loads(one.read_text())
+        for key in ("tokens", "hit_rate", "bytes_h2d", "bytes_per_token", "ttft_s", "tpot_s", "stall_s",
+                    "peak_device_bytes", "budget_bytes", "params", "summary", "layers"):
+            assert got[key] == ref[key], (name, key)
+        assert got["inputs"].pop("sweep cell") == cell["digest"] and got["inputs"] == ref["inputs"]
+
+    # A second run re-runs nothing and touches nothing, the index included.
+    before = mtimes(out)
+    result = runner.invoke(app, ["sweep", str(path), "--out", str(out)])
+    assert result.exit_code == 0 and "6 reused" in result.stderr
+    assert mtimes(out) == before
+
+    # `moetool report` reads the sweep directory like any artifacts, refusals included.
+    assert runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "report")]).exit_code == 0
+    md = (tmp_path / "report" / "summary.md").read_text()
+    assert "lru_budget=25pct.run.json" in md and "lod_budget=10KiB" in md
+
+
+def test_an_interrupted_sweep_finishes_only_the_missing_cells(tiny_ckpt, ray_local, tmp_path):
+    cfg = SweepConfig(grid=run_grid(tiny_ckpt("qwen2_moe")), out=tmp_path / "sweep")
+    seen = []
+
+    def ctrl_c_after_two(name, status, done, total):
+        seen.append((name, status))
+        if sum(s == "done" for _, s in seen) == 2:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the driver while it waits on Ray
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep(cfg, progress=ctrl_c_after_two)
+    first = {n for n, s in seen if s == "done"}
+    index = json.loads((tmp_path / "sweep" / INDEX).read_text())["cells"]
+    assert {n for n, c in index.items() if c["status"] == "done"} == first  # the index kept up with each cell
+    assert sorted(p.name for p in (tmp_path / "sweep").glob("*.run.json")) == sorted(f"{n}.run.json" for n in first)
+    kept = mtimes(tmp_path / "sweep")
+    missing = next(n for n, c in index.items() if c["status"] == "pending" and not n.endswith("10KiB"))
+    (tmp_path / "sweep" / f"{missing}.run.json").write_text('{"schema": "run", "trunc')  # a torn file is not a result
+
+    again = []
+    final = sweep(cfg, progress=lambda name, status, *_: again.append((name, status)))
+    recorded = first | {n for n, s in seen if s == "refused"}  # refusals are results too: recorded, not re-run
+    assert {n for n, s in again if s == "reused"} == recorded
+    assert {n for n, s in again if s != "reused"} == set(final.cells) - recorded
+    assert all(kept[f"{n}.run.json"] == (tmp_path / "sweep" / f"{n}.run.json").stat().st_mtime_ns for n in first)
+    assert [c["status"] for c in final.cells.values()].count("done") == 4
+    assert json.loads((tmp_path / "sweep" / f"{missing}.run.json").read_text())["schema"] == "run"
+    assert not [p for p in (tmp_path / "sweep").iterdir() if p.name.endswith(".tmp")]
+
+    # Another setting for a cell (here its token count) makes its artifact stale: that cell runs again.
+    changed = SweepConfig(grid={**run_grid(tiny_ckpt("qwen2_moe")), "max_new_tokens": 3}, out=tmp_path / "sweep",
+                          only=("lru_budget=25pct",))
+    later = []
+    sweep(changed, progress=lambda name, status, *_: later.append((name, status)))
+    assert later == [("lru_budget=25pct", "done")]
+    assert len(json.loads((tmp_path / "sweep" / "lru_budget=25pct.run.json").read_text())["tokens"][0]) == 3
+
+
+def test_a_worker_that_dies_is_retried_once_then_recorded(tiny_ckpt, ray_local, tmp_path):
+    marks = tmp_path / "attempts"
+    marks.mkdir()
+
+    def dies_on_50pct(cell, threads=None):  # shipped to the workers by value
+        if cell.name.endswith("50pct"):
+            (marks / f"{os.getpid()}").write_text(cell.name)
+            os._exit(1)  # the worker process dies, as under the OOM killer
+        return run_cell(cell, threads)
+
+    cfg = SweepConfig(grid=run_grid(tiny_ckpt("qwen2_moe"), policy=["lru"], budget=["25%", "50%"]),
+                      out=tmp_path / "sweep")
+    index = sweep(cfg, work=dies_on_50pct)
+    assert len(list(marks.iterdir())) == 2  # two worker processes tried it: the first run and one retry
+    failed = index.cells["lru_budget=50pct"]
+    assert failed["status"] == "failed" and "worker died twice" in failed["reason"]
+    assert index.cells["lru_budget=25pct"]["status"] == "done"
+
+
+def test_an_eval_grid_on_ray_equals_moetool_eval(tiny_ckpt, ray_local, tmp_path):
+    model = tiny_ckpt("qwen2_moe")
+    grid = dict(model=str(model), stage="eval", limit=96, context=32, clock="sim", budget="50%",
+                grid={"policy": [{"policy": "resident", "budget": "100%"}, "lod"], "task": ["ppl"]})
+    index = sweep(SweepConfig(grid=grid, out=tmp_path / "sweep"))
+    assert [c["status"] for c in index.cells.values()] == ["done", "done"]
+    for name, cell in index.cells.items():
+        s = cell["settings"]
+        ref = evaluate(EvalConfig(task="ppl", model=str(model), policy=s["policy"], budget=s["budget"], limit=96,
+                                  context=32, clock="sim")).to_json()
+        got = json.loads((tmp_path / "sweep" / cell["artifact"]).read_text())
+        assert got["metrics"] == ref["metrics"] and got["samples"] == ref["samples"] and got["summary"] == ref["summary"]
