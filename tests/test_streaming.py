@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -57,15 +58,23 @@ def bf16_bundles(tmp_path_factory):
 ENGINE_VS_TRANSFORMERS = {"gpt_oss": 1e-7}
 
 
+@contextmanager
+def checkpoint_gone(ckpt: Path, tmp_path: Path):
+    """The checkpoint moved away for the duration: whatever runs inside must come from the bundle."""
+    moved = shutil.move(str(ckpt), tmp_path / "elsewhere")
+    try:
+        yield
+    finally:
+        shutil.move(moved, ckpt)
+
+
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
 def test_bundle_only_runs_are_bit_exact_without_the_checkpoint(bf16_bundles, tmp_path, arch):
     ckpt, bundle = bf16_bundles(arch)
     with torch.no_grad():
         want = load_reference(ckpt, dtype=torch.float32)(IDS).logits
         from_ckpt = prepare(RunConfig(model=str(ckpt), policy="resident", budget="100%")).lm.model(IDS).logits
-    # The checkpoint is gone: everything the run needs must come from the bundle.
-    moved = shutil.move(str(ckpt), tmp_path / "elsewhere")
-    try:
+    with checkpoint_gone(ckpt, tmp_path):
         for policy, budget in (("resident", "100%"), ("lru", "50%")):
             ready = prepare(RunConfig(bundle=bundle, policy=policy, budget=budget))
             with torch.no_grad():
@@ -74,8 +83,6 @@ def test_bundle_only_runs_are_bit_exact_without_the_checkpoint(bf16_bundles, tmp
             gap = (got - want).abs().max().item()
             assert gap <= ENGINE_VS_TRANSFORMERS.get(arch, 0.0), (arch, policy, gap)
             ready.engine.close()
-    finally:
-        shutil.move(moved, ckpt)
 
 
 def test_model_with_bundle_reads_no_expert_of_the_checkpoint(bf16_bundles):
@@ -138,11 +145,8 @@ def test_eval_from_a_bundle_alone_equals_eval_with_the_checkpoint(bf16_bundles, 
     ckpt, bundle = bf16_bundles("qwen2_moe")
     kw = dict(task="ppl", bundle=bundle, policy="lru", budget="50%", limit=64, context=32)
     both = evaluate(EvalConfig(model=str(ckpt), **kw))
-    moved = shutil.move(str(ckpt), tmp_path / "elsewhere")
-    try:
+    with checkpoint_gone(ckpt, tmp_path):
         alone = evaluate(EvalConfig(**kw))
-    finally:
-        shutil.move(moved, ckpt)
     assert alone.metrics["ppl"] == both.metrics["ppl"] and alone.summary["dtype"] == "float32"
 
 
@@ -153,11 +157,8 @@ def test_profile_from_a_bundle_alone_matches_profile_with_the_checkpoint(bf16_bu
     kw = dict(bundle=bundle, data=("heldout",), what=("routing", "timing"), seqs_per_data=2, seq_len=16,
               decode_tokens=2, timing_steps=1)
     both = profile(ProfileConfig(model=str(ckpt), **kw))
-    moved = shutil.move(str(ckpt), tmp_path / "elsewhere")
-    try:
+    with checkpoint_gone(ckpt, tmp_path):
         alone = profile(ProfileConfig(**kw))
-    finally:
-        shutil.move(moved, ckpt)
     assert alone.model.same_model(both.model) and alone.info.dtype == "float32"
     assert alone.routing == both.routing  # same routing, expert by expert, from the bundle's own weights
 
