@@ -28,11 +28,23 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.model import _first_line as first_line, find_experts_modules
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 # What a run needs of a hub snapshot besides the weights: config, tokenizer, generation config.
 _SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def find_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Fused experts modules by path: those built by transformers' `use_experts_implementation`."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+            and (isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+                 or isinstance(getattr(m, "up_proj", None), torch.Tensor))}
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")
 
 
 def local_directory(source: str) -> Path:

@@ -100,3 +100,17 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
             raise MoetoolError(f"{where} line {n} has no string 'prompt' or 'question'.")
         prompts.append(value)
     return prompts
+
+
+def heldout_prompts(n: int, words: int = 48) -> tuple[str, ...]:
+    """`n` prompts of about `words` words from evenly spaced places in the held-out text."""
+    lines = [ln.strip() for ln in heldout_text().splitlines() if len(ln.split()) >= 6]
+    step = max(1, len(lines) // (n + 1))
+    prompts = []
+    for i in range(n):
+        chunk, j = [], (i + 1) * step
+        while len(" ".join(chunk).split()) < words and j < len(lines):
+            chunk.append(lines[j])
+            j += 1
+        prompts.append(" ".join(chunk))
+    return tuple(prompts)

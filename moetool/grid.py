@@ -183,7 +183,7 @@ class _Grid:
 
             return list(read_prompts(self.base / value["file"]))
         if isinstance(value, dict) and set(value) == {"heldout"} and isinstance(value["heldout"], int):
-            from moetool.pipeline import heldout_prompts
+            from moetool.datasets import heldout_prompts
 
             return list(heldout_prompts(value["heldout"]))
         raise MoetoolError("prompts must be a list of strings, {file: prompts.jsonl} or {heldout: N}.")

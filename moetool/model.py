@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool.artifacts import ModelFingerprint
+from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkpoint
+from moetool.checkpoint import first_line as _first_line
 from moetool.errors import MoetoolError
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
@@ -243,14 +245,6 @@ class LoadedModel:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
-def find_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Fused experts modules by path: those built by transformers' `use_experts_implementation`."""
-    return {name: m for name, m in model.named_modules()
-            if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
-            and (isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
-                 or isinstance(getattr(m, "up_proj", None), torch.Tensor))}
-
-
 def inspect_geometry(model: nn.Module) -> MoeGeometry:
     """Describe every MoE block of `model`; refuse dense models and unfused MoE architectures."""
     cfg = model.config
@@ -347,8 +341,6 @@ def load_model(source: str | Path, device: str | torch.device = "cpu", dtype: to
     are read a span of experts at a time by `StreamedExperts` when something asks for them. Without
     `provider`, experts are served from there (copied to `device` per call).
     """
-    from moetool.checkpoint import open_checkpoint
-
     src = resolve_source(source)
     config = load_config(src)
     _check_architecture(config)
@@ -356,63 +348,20 @@ def load_model(source: str | Path, device: str | torch.device = "cpu", dtype: to
     model = ckpt.model
     geometry = inspect_geometry(model)
     experts = StreamedExperts(ckpt, geometry, expert_cache_bytes, expert_chunk)
-    _install_provider(model, geometry, provider or DeviceProvider(experts, device, dtype))
-    _load_generation_config(model, ckpt.directory)
+    install_provider(model, geometry, provider or DeviceProvider(experts, device, dtype))
+    load_generation_config(model, ckpt.directory)
     model.to(device)
     return LoadedModel(model=model, tokenizer=load_tokenizer(str(ckpt.directory)), geometry=geometry,
                        experts=experts, fingerprint=model_fingerprint(model.config, src), path=src)
 
 
-def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                      verify: str = "fast", model: ModelFingerprint | None = None) -> LoadedModel:
-    """Load the model a self-contained bundle holds: config, tokenizer and non-expert weights from
-    the bundle, experts served from its memory-mapped shards (nothing of the checkpoint is read).
-
-    `lm.experts` dequantizes the bundle's highest stored precision (what a reference needs);
-    `lm.bundle` is the opened bundle the engine's host store serves blobs from.
-    """
-    from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
-    from moetool.quant.bundle import Bundle
-
-    opened = Bundle.open(Path(directory), verify=verify, model=model)
-    files = opened.model_dir
-    config = load_config(str(files))
-    skeleton = build_skeleton(config, dtype)
-    geometry = inspect_geometry(skeleton)
-    with open_safetensors(opened.non_expert_path) as f:
-        load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None)
-    if hasattr(skeleton, "tie_weights"):
-        skeleton.tie_weights()
-    experts = set(expert_parameter_names(skeleton))
-    missing = [n for n, p in skeleton.named_parameters() if p.is_meta and n not in experts]
-    if missing:
-        raise MoetoolError(f"the bundle in {directory} lacks {len(missing)} non-expert weights (e.g. {missing[0]}); "
-                           "it is incomplete: re-run moetool quantize.")
-    reference = BundleExperts(opened, dtype)
-    _install_provider(skeleton, geometry, DeviceProvider(reference, device, dtype))
-    _load_generation_config(skeleton, files)
-    skeleton.to(device)
-    return LoadedModel(model=skeleton, tokenizer=load_tokenizer(str(files)), geometry=geometry, experts=reference,
-                       fingerprint=opened.manifest.model, path=str(directory), bundle=opened)
-
-
-class BundleExperts:
-    """Reference weights from a bundle: each expert dequantized from the highest precision it stores."""
-
-    def __init__(self, bundle: Any, dtype: torch.dtype):
-        self.bundle, self.dtype, self.bits = bundle, dtype, max(bundle.manifest.bits)
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        return self.bundle.dequantize(layer, expert, self.bits, dtype=self.dtype)
-
-
-def _install_provider(model: nn.Module, geometry: MoeGeometry, provider: ExpertProvider) -> None:
+def install_provider(model: nn.Module, geometry: MoeGeometry, provider: ExpertProvider) -> None:
     for layer in geometry.layers:
         block = model.get_submodule(layer.path)
         block.experts = ProviderExperts(block.experts, layer, provider)
 
 
-def _load_generation_config(model: nn.Module, directory: Path) -> None:
+def load_generation_config(model: nn.Module, directory: Path) -> None:
     """The checkpoint's generation_config.json (eos ids, defaults), as from_pretrained would load it."""
     if not (Path(directory) / "generation_config.json").is_file():
         return
@@ -441,11 +390,4 @@ def load_tokenizer(source: str) -> Any:
 
 def _check_architecture(config: Any) -> None:
     """Refuse dense and unsupported models from the config alone, before reading any weights."""
-    from moetool.checkpoint import build_skeleton
-
     inspect_geometry(build_skeleton(config, torch.float32))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")

@@ -47,22 +47,6 @@ class DemoConfig:
 Progress = Callable[[str, int, int], None]  # (step description, done, total)
 
 
-def heldout_prompts(n: int, words: int = 48) -> tuple[str, ...]:
-    """`n` prompts of about `words` words from evenly spaced places in the held-out text."""
-    from moetool.datasets import heldout_text
-
-    lines = [ln.strip() for ln in heldout_text().splitlines() if len(ln.split()) >= 6]
-    step = max(1, len(lines) // (n + 1))
-    prompts = []
-    for i in range(n):
-        chunk, j = [], (i + 1) * step
-        while len(" ".join(chunk).split()) < words and j < len(lines):
-            chunk.append(lines[j])
-            j += 1
-        prompts.append(" ".join(chunk))
-    return tuple(prompts)
-
-
 def _valid(path: Path, kind: type[Artifact], model) -> bool:
     """An artifact that exists and reads cleanly for this model is reused, not recomputed."""
     if not path.is_file():

@@ -27,7 +27,8 @@ from moetool.datasets import parse_prompt_lines
 from moetool.engine import BudgetPlan, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, load_bundle_model, load_model
+from moetool.model import LoadedModel, load_model
+from moetool.quant.bundle import load_bundle_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -21,9 +21,9 @@ from moetool.cli import app
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
-from moetool.model import load_bundle_model, load_model, load_reference
+from moetool.model import load_model, load_reference
 from moetool.quant import Bundle, QuantizeConfig, quantize
-from moetool.quant.bundle import MANIFEST, MODEL_DIR, NON_EXPERT
+from moetool.quant.bundle import MANIFEST, MODEL_DIR, NON_EXPERT, load_bundle_model
 from moetool.quant.quantize import JOURNAL
 from moetool.run import RunConfig, prepare, run
 from tiny import TINY_CONFIGS, save_tiny

@@ -21,7 +21,8 @@ import torch
 
 from moetool.artifacts import Artifact, sha256_file
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, load_bundle_model, load_model
+from moetool.model import LoadedModel, load_model
+from moetool.quant.bundle import load_bundle_model
 from moetool.profile.data import load_sequences
 from moetool.profile.prefetch import PrefetchAccumulator, PrefetchProfile
 from moetool.profile.routing import RoutingAccumulator, RoutingProfile

@@ -33,7 +33,9 @@ import torch
 
 from moetool.artifacts import Artifact, ModelFingerprint, sha256_file
 from moetool.errors import MoetoolError
-from moetool.model import ExpertWeights
+from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
+from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, inspect_geometry, install_provider, \
+    load_config, load_generation_config, load_tokenizer
 from moetool.quant.format import ALIGN, Layout, dequantize
 
 MANIFEST = "bundle.json"
@@ -217,6 +219,49 @@ class OpenBundle:
     def dequantize(self, layer: int, expert: int, bits: int, dtype: torch.dtype = torch.float32) -> ExpertWeights:
         e = self.entry(layer, expert, bits)
         return dequantize(self.blob(layer, expert, bits), self.layout(e), dtype)
+
+
+# ---- the model a bundle holds ---------------------------------------------------------------
+
+
+def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      verify: str = "fast", model: ModelFingerprint | None = None) -> LoadedModel:
+    """Load the model a self-contained bundle holds: config, tokenizer and non-expert weights from
+    the bundle, experts served from its memory-mapped shards (nothing of the checkpoint is read).
+
+    `lm.experts` dequantizes the bundle's highest stored precision (what a reference needs);
+    `lm.bundle` is the opened bundle the engine's host store serves blobs from.
+    """
+    opened = Bundle.open(Path(directory), verify=verify, model=model)
+    files = opened.model_dir
+    config = load_config(str(files))
+    skeleton = build_skeleton(config, dtype)
+    geometry = inspect_geometry(skeleton)
+    with open_safetensors(opened.non_expert_path) as f:
+        load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None)
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()
+    experts = set(expert_parameter_names(skeleton))
+    missing = [n for n, p in skeleton.named_parameters() if p.is_meta and n not in experts]
+    if missing:
+        raise MoetoolError(f"the bundle in {directory} lacks {len(missing)} non-expert weights (e.g. {missing[0]}); "
+                           "it is incomplete: re-run moetool quantize.")
+    reference = BundleExperts(opened, dtype)
+    install_provider(skeleton, geometry, DeviceProvider(reference, device, dtype))
+    load_generation_config(skeleton, files)
+    skeleton.to(device)
+    return LoadedModel(model=skeleton, tokenizer=load_tokenizer(str(files)), geometry=geometry, experts=reference,
+                       fingerprint=opened.manifest.model, path=str(directory), bundle=opened)
+
+
+class BundleExperts:
+    """Reference weights from a bundle: each expert dequantized from the highest precision it stores."""
+
+    def __init__(self, bundle: Any, dtype: torch.dtype):
+        self.bundle, self.dtype, self.bits = bundle, dtype, max(bundle.manifest.bits)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.bundle.dequantize(layer, expert, self.bits, dtype=self.dtype)
 
 
 # ---- shard files --------------------------------------------------------------------------------
