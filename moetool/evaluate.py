@@ -41,11 +41,12 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import torch
-import torch.nn.functional as F
 
 from moetool import mmlu
 from moetool.artifacts import Artifact, sha256_file
+from moetool.checkpoint import first_line as _first_line
 from moetool.errors import MoetoolError
+from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import Prepared, RunConfig, prepare
 
 PPL = "ppl"
@@ -182,12 +183,12 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
         inputs = {source: sha256_file(TASKS_DIR.parent / "data" / "text" / "heldout.txt")}
     ready = prepare(cfg.run_config(), max_tokens=cfg.context)
     try:
-        ids = _tokenize(ready.lm, text)  # [N]
+        ids = tokenize(ready.lm, text)  # [N]
         limit = cfg.limit if cfg.limit is not None else STEPWISE_TOKENS if cfg.stepwise else None
         ids = ids[:limit]
         if ids.numel() < 2:
             raise MoetoolError(f"{source} holds fewer than 2 tokens; perplexity needs text to predict.")
-        windows = _perplexity_windows(ready.lm.model, ids, cfg.context, cfg.batch_size, cfg.stepwise,
+        windows = perplexity_windows(ready.lm.model, ids, cfg.context, cfg.batch_size, cfg.stepwise,
                                      torch.device(cfg.device), progress)
     finally:
         ready.engine.close()
@@ -198,60 +199,6 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 subtasks={}, samples={PPL: windows},
                 options={"data": source, "context": cfg.context, "limit": limit, "stepwise": cfg.stepwise,
                          "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored"})
-
-
-def _tokenize(lm: Any, text: str) -> torch.Tensor:
-    """All of `text` as one id sequence; tokenizer-less test models fold its bytes into the vocab."""
-    if lm.tokenizer is None:
-        vocab = lm.model.config.vocab_size
-        return torch.tensor([b % vocab for b in text.encode()], dtype=torch.long)
-    return torch.tensor(lm.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
-
-
-def _perplexity_windows(model: torch.nn.Module, ids: torch.Tensor, context: int, batch_size: int, stepwise: bool,
-                       device: torch.device, progress: ProgressFn | None = None) -> list[dict[str, Any]]:
-    """Summed NLL of every non-overlapping `context`-token window of `ids` [N] (see module docstring)."""
-    starts = [s for s in range(0, ids.numel(), context) if min(context, ids.numel() - s) >= 2]
-    # Equal-length windows batch together; only the last window can be shorter.
-    batches = [starts[i:i + batch_size] for i in range(0, len(starts), batch_size)]
-    batches = [b for batch in batches for b in _split_by_length(batch, ids.numel(), context)]
-    records: list[dict[str, Any]] = []
-    done, total = 0, sum(min(context, ids.numel() - s) - 1 for s in starts)
-    with torch.no_grad():
-        for batch in batches:
-            rows = torch.stack([ids[s:s + context] for s in batch]).to(device)  # [B, C]
-            if stepwise:
-                tick = (lambda t, d=done, b=rows.shape[0]: progress(d + t * b, total)) if progress else None
-                logits = _stepwise_logits(model, rows, tick)  # [B, C-1, V]
-            else:
-                logits = model(input_ids=rows, use_cache=False).logits[:, :-1]  # [B, C-1, V]
-            nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(),
-                                  reduction="none").view(rows.shape[0], -1).sum(1)  # [B]
-            for s, v in zip(batch, nll.tolist()):
-                records.append({"start": s, "tokens": rows.shape[1] - 1, "nll": v})
-            done += rows.numel() - rows.shape[0]
-            if progress:
-                progress(done, total)
-    return records
-
-
-def _split_by_length(batch: list[int], n: int, context: int) -> list[list[int]]:
-    full = [s for s in batch if n - s >= context]
-    short = [s for s in batch if n - s < context]
-    return [b for b in (full, short) if b]
-
-
-def _stepwise_logits(model: torch.nn.Module, rows: torch.Tensor,
-                     tick: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Logits [B, C-1, V] for tokens 1..C-1 of `rows` [B, C], fed one token at a time through a KV cache."""
-    past, steps = None, []
-    for t in range(rows.shape[1] - 1):  # the last token predicts nothing that is scored
-        out = model(input_ids=rows[:, t:t + 1], past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        steps.append(out.logits[:, -1])  # [B, V]
-        if tick:
-            tick(t + 1)
-    return torch.stack(steps, dim=1)
 
 
 # -- lm-eval ----------------------------------------------------------------------------------------
@@ -515,11 +462,3 @@ def _jsonable(x: Any) -> Any:
     if hasattr(x, "item"):
         return x.item()
     return str(x)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")
-
-
-__all__ = ["Eval", "EvalConfig", "evaluate", "PPL", "TASKS_DIR"]
