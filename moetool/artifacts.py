@@ -17,16 +17,21 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
-import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from moetool import __version__
 from moetool.errors import MoetoolError
+from moetool.schema import SchemaError, build, describe
 
 A = TypeVar("A", bound="Artifact")
+T = TypeVar("T")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -54,6 +59,59 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
+    """Build a directory with `fill(tmp)` in a temp directory beside `target`, swap it in, and return
+    what `fill` returned with its paths moved under `target`. An interruption, Ctrl-C included,
+    leaves the old directory (or none, and no parent made for it), never part of the new one; the
+    new one holds nothing stale from the old."""
+    target = Path(target)
+    made = [a for a in (target.parent, *target.parent.parents) if not a.exists()]  # deepest first
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary readable directory
+        result = fill(tmp)
+        _swap(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for directory in made:
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+    return _moved(result, tmp, target)
+
+
+def _swap(new: Path, target: Path) -> None:
+    """Rename `target` away, `new` in, then delete the old one; an interruption between the two
+    renames puts the old one back."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", suffix=".tmp", dir=target.parent))
+    try:
+        os.replace(target, old)  # onto the empty temp directory: a POSIX rename replaces an empty one
+    except BaseException:
+        old.rmdir()
+        raise
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _moved(value: Any, tmp: Path, target: Path) -> Any:
+    """`value` with every path under `tmp` re-rooted under `target` (lists and tuples of them too)."""
+    if isinstance(value, Path) and value.is_relative_to(tmp):
+        return target / value.relative_to(tmp)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, tmp, target) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """Which model an artifact belongs to: where it came from and a hash of its config.
@@ -78,6 +136,14 @@ class ModelFingerprint:
 
     def same_model(self, other: "ModelFingerprint") -> bool:
         return self.model_type == other.model_type and self.config_sha256 == other.config_sha256
+
+    def validate(self) -> None:
+        """On read: the hash is a sha256, and the names fit in the one-line messages that quote them."""
+        if not _SHA256.fullmatch(self.config_sha256):
+            raise SchemaError("config_sha256", f"is {_text(self.config_sha256)!r}, not a sha256 (64 hex digits)")
+        for name in ("source", "model_type"):
+            if not getattr(self, name).isprintable():
+                raise SchemaError(name, "holds a line break or another unprintable character")
 
 
 @dataclass(frozen=True)
@@ -105,18 +171,34 @@ class Artifact:
         return data
 
     @classmethod
-    def from_json(cls: type[A], data: dict[str, Any], *, where: str = "artifact") -> A:
-        schema, version = data.get("schema"), data.get("schema_version")
-        if schema != cls.SCHEMA:
-            raise MoetoolError(f"{where} is a '{schema}' artifact, not the '{cls.SCHEMA}' this command needs.")
-        if not isinstance(version, int) or version > cls.SCHEMA_VERSION:
-            raise MoetoolError(f"{where} has {cls.SCHEMA} schema version {version}, newer than this moetool "
-                               f"({__version__}) reads (≤ {cls.SCHEMA_VERSION}); upgrade moetool.")
+    def from_json(cls: type[A], data: Any, *, where: str = "artifact") -> A:
+        """Rebuild the artifact from its JSON form, every field checked against its type and range
+        (`moetool.schema`); anything else is one sentence naming `where` and the field."""
+        version = cls.check_header(data, where)
         data = cls.upgrade(dict(data), version)
         try:
-            return _build(cls, {k: v for k, v in data.items() if k not in ("schema", "schema_version")})
-        except (TypeError, KeyError, ValueError) as e:
-            raise MoetoolError(f"{where} is not a valid {cls.SCHEMA} artifact ({e}).") from None
+            return build(cls, {k: v for k, v in data.items() if k not in ("schema", "schema_version")})
+        except SchemaError as e:
+            raise MoetoolError(f"{where} is not a valid {cls.SCHEMA} artifact: {e.sentence()}.") from None
+
+    @classmethod
+    def check_header(cls, data: Any, where: str) -> int:
+        """The schema version of `data`, refused in one sentence unless it is an object of this
+        artifact's schema at a version this moetool reads."""
+        if not isinstance(data, dict):
+            raise MoetoolError(f"{where} is not a {cls.SCHEMA} artifact (its JSON is {describe(data)}, not an object).")
+        schema, version = data.get("schema"), data.get("schema_version")
+        if not isinstance(schema, str):
+            raise MoetoolError(f"{where} names no schema, so it is not the '{cls.SCHEMA}' artifact this command needs.")
+        if schema != cls.SCHEMA:
+            raise MoetoolError(f"{where} is a '{_text(schema)}' artifact, not the '{cls.SCHEMA}' this command needs.")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise MoetoolError(f"{where} has no valid schema_version (it is {describe(version)}); it is not a "
+                               f"{cls.SCHEMA} artifact moetool wrote.")
+        if version > cls.SCHEMA_VERSION:
+            raise MoetoolError(f"{where} has {cls.SCHEMA} schema version {version}, newer than this moetool "
+                               f"({__version__}) reads (≤ {cls.SCHEMA_VERSION}); upgrade moetool.")
+        return version
 
     def save(self, path: Path) -> Path:
         atomic_write_bytes(path, (json.dumps(self.to_json(), indent=1) + "\n").encode())
@@ -128,10 +210,7 @@ class Artifact:
         path = Path(path)
         if not path.is_file():
             raise MoetoolError(f"{path} does not exist.")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MoetoolError(f"{path} is not valid JSON ({e.__class__.__name__} at {getattr(e, 'pos', '?')}).") from None
+        data = read_json(path)
         art = cls.from_json(data, where=str(path))
         if model is not None and not art.model.same_model(model):
             raise MoetoolError(f"{path} was made for model {art.model.source} ({art.model.model_type}, config "
@@ -140,38 +219,20 @@ class Artifact:
         return art
 
 
-def _build(tp: Any, value: Any) -> Any:
-    """Rebuild a value of type `tp` from its JSON form (dataclasses, tuples, lists, dicts, Optionals)."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp) if f.init}
-        missing = [n for n in names if n not in value and _required(tp, n)]
-        if missing:
-            raise KeyError(f"missing {', '.join(sorted(missing))}")
-        return tp(**{k: _build(hints[k], v) for k, v in value.items() if k in names})
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v) for v in value)
-        return tuple(_build(a, v) for a, v in zip(args, value))
-    if origin is list:
-        (arg,) = typing.get_args(tp)
-        return [_build(arg, v) for v in value]
-    if origin is dict:
-        _, varg = typing.get_args(tp)
-        return {k: _build(varg, v) for k, v in value.items()}
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _build(args[0], value) if len(args) == 1 else value
-    return value
+def read_json(path: Path) -> Any:
+    """The JSON in `path`, or one sentence saying it is not JSON (binary garbage, a truncated write)."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        at = getattr(e, "pos", getattr(e, "start", "?"))  # JSONDecodeError.pos, UnicodeDecodeError.start
+        raise MoetoolError(f"{path} is not valid JSON ({e.__class__.__name__} at {at}).") from None
+    except RecursionError:  # arrays nested thousands deep: not anything moetool wrote
+        raise MoetoolError(f"{path} is not valid JSON (nested too deeply).") from None
 
 
-def _required(tp: Any, name: str) -> bool:
-    f = next(f for f in dataclasses.fields(tp) if f.name == name)
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+def _text(value: str) -> str:
+    """A string from a file quoted in a message: short, and no character that would break the line."""
+    return "".join(c if c.isprintable() else "?" for c in value[:40])
 
 
 @dataclass(frozen=True)

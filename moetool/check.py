@@ -16,16 +16,9 @@ import torch
 from torch import nn
 
 from moetool.artifacts import CheckReport, LayerCheck
-from moetool.model import find_experts_modules, load_model, load_reference, resolve_source
+from moetool.model import encode, find_experts_modules, load_model, load_reference, resolve_source
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Mixture-of-Experts models route each token to"
-
-
-def prompt_ids(tokenizer, prompt: str, vocab_size: int) -> torch.Tensor:
-    """Token ids for `prompt`; tokenizer-less test checkpoints get its bytes folded into the vocab."""
-    if tokenizer is not None:
-        return tokenizer(prompt, return_tensors="pt").input_ids
-    return torch.tensor([[b % vocab_size for b in prompt.encode()]])
 
 
 def _record(experts: dict[str, nn.Module], log: dict[str, dict[str, torch.Tensor]]) -> list:
@@ -45,7 +38,7 @@ def check_model(source: str | Path, prompt: str = DEFAULT_PROMPT, tolerance: flo
     src = resolve_source(source)
     ref = load_reference(src, dtype=torch.float32)
     ours = load_model(src, device="cpu", dtype=torch.float32)
-    ids = prompt_ids(ours.tokenizer, prompt, ours.model.config.vocab_size)
+    ids = encode(ours.tokenizer, prompt, ours.model.config.vocab_size)[None]  # [1, T]
 
     ref_log: dict[str, dict[str, torch.Tensor]] = {}
     our_log: dict[str, dict[str, torch.Tensor]] = {}

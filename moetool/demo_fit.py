@@ -30,9 +30,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetool.demo import ConversionParams
-
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ConversionParams:
+    """The fitted part of the conversion; one tensor per kind, stacked over layers.
+
+    perm [L, I] int: neuron order, first `shared` neurons form the shared expert, then `experts`
+    consecutive groups of `expert_size`. router [L, E, H]. lora: name -> [L, ...] low-rank factor
+    pairs added to the dense FFN weights in dense neuron order (W += b @ a); the fit writes
+    down_a [r, I] and down_b [H, r]; gate_/up_ pairs are applied the same way when present.
+    """
+
+    shared: int
+    experts: int
+    top_k: int
+    perm: torch.Tensor
+    router: torch.Tensor
+    lora: dict[str, torch.Tensor]
+    meta: dict
+
+    @property
+    def expert_size(self) -> int:
+        return (self.perm.shape[1] - self.shared) // self.experts
+
+    @property
+    def active_fraction(self) -> float:
+        return (self.shared + self.top_k * self.expert_size) / self.perm.shape[1]
 
 
 @dataclass(frozen=True)

@@ -6,3 +6,10 @@ class MoetoolError(Exception):
 
     The message is one sentence that says what is wrong and, where possible, what to do.
     """
+
+
+def yaml_error(what: str, e: Exception) -> MoetoolError:
+    """One sentence for a YAML file that does not parse: `what` ("task file X"), the line, the problem."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1})" if mark is not None else ""
+    return MoetoolError(f"{what} is not valid YAML{where}: {getattr(e, 'problem', None) or e}.")

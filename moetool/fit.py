@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -27,11 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from moetool.artifacts import ModelFingerprint, sha256_file
+from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError
+from moetool.evaluate import Eval
 from moetool.policies.dymoe import critical_count, retention, solve_lambda
+from moetool.policies.fate import transfer_n
 from moetool.profile import Profile
 from moetool.run import Fit, Run, RunConfig
+from moetool.spec import check_budget
 
 ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # SMoE §VI-B explores 0.25-0.35; the sweep brackets it
 GRID_POINTS = 101
@@ -39,25 +43,46 @@ FATE_BITS = (4, 2)  # cache / low precision (Fate §4.5)
 DYMOE_BITS = (4, 2)  # "4/2"
 DYNAEXQ_BITS = (16, 4)  # DynaExq's defaults (b_hi, b_lo)
 RETENTION_FLOOR = 0.5  # the cosine schedule's mean at lam = 0 (eq. 4)
+SWEEP_TOKENS = 16  # tokens per smoe run of the alpha sweep: enough decode steps for a mean TPOT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FitConfig:
     profile: Path
     runs: tuple[Path, ...] = ()  # run artifacts (smoe at several alpha) and eval artifacts (fate at several p)
-    sweep: bool = False  # run smoe at `alphas` on the sim clock instead of (or beside) given runs
+    # Run smoe at `alphas` instead of (or beside) given runs: this config's engine, prompts and tokens,
+    # with the sweep's own policy (smoe at each alpha) and clock (sim); its model defaults to the profile's.
+    sweep: RunConfig | None = None
     alphas: tuple[float, ...] = ALPHAS
     target_tpot: float | None = None  # R of SMoE eq. 5, seconds
     max_loss: float = 0.01  # Fate p: relative loss allowed (1% in §4.5)
     l_threshold: float = 0.7  # Fate L: decode prefetch recall every deeper layer keeps (Fate reports 77-79% mean)
     r: float = 0.75  # DyMoE target mean retention (§6.2's default), used without a budget
     budget: str | None = None  # device budget (12GiB) or expert cache share (25%), for DyMoE and DynaExq
-    model: str | None = None  # for the sweep; default: the profile's model source
-    bundle: Path | None = None
-    hw: str = "rtx3090"
-    sweep_budget: str = "25%"
-    prompts: tuple[str, ...] = ("The capital of France is",)
-    max_new_tokens: int = 16
+
+    def check(self) -> None:
+        """Refuse in one sentence, before the profile is read, values no fit could use."""
+        if not (math.isfinite(self.max_loss) and self.max_loss >= 0):
+            raise MoetoolError(f"--max-loss is a relative loss, 0 or more (0.01 = 1%), not {self.max_loss:g}.")
+        if not 0 <= self.l_threshold <= 1:
+            raise MoetoolError(f"--l-threshold is a recall between 0 and 1, not {self.l_threshold:g}.")
+        if not RETENTION_FLOOR <= self.r <= 1:
+            raise MoetoolError(f"--r is a mean retention between {RETENTION_FLOOR:g} (the cosine schedule's floor, "
+                               f"DyMoE eq. 4) and 1, not {self.r:g}.")
+        if self.target_tpot is not None and not (math.isfinite(self.target_tpot) and self.target_tpot > 0):
+            raise MoetoolError(f"--target-tpot must be more than 0 seconds, not {self.target_tpot:g}.")
+        if self.budget is not None:
+            check_budget(self.budget)
+        if self.sweep is not None:
+            if not self.alphas or not all(0 <= a <= 1 for a in self.alphas):
+                raise MoetoolError(f"--alphas are SMoE thresholds between 0 and 1, not "
+                                   f"{', '.join(f'{a:g}' for a in self.alphas) or 'none'}.")
+            check_budget(self.sweep.budget, "--sweep-budget")
+            self.sweep_run(self.sweep.model, 0.0).check()
+
+    def sweep_run(self, model: str | None, alpha: float) -> RunConfig:
+        """The smoe run of the sweep at `alpha`."""
+        return dataclasses.replace(self.sweep, model=model, policy="smoe", settings={"alpha": str(alpha)}, clock="sim")
 
 
 # -- SMoE eq. 5 ------------------------------------------------------------------------------------
@@ -119,11 +144,6 @@ def boundary_L(accuracy: list[float | None], threshold: float) -> int:
     return L
 
 
-def transfer_count(t_window: float, t_io: float, num_experts: int) -> int:
-    """Fate §4.3: n = T / t_expert, floored, at least 1, at most every expert of a layer."""
-    return int(min(num_experts, max(1, math.floor(t_window / t_io)))) if t_io > 0 else num_experts
-
-
 def int2_share(losses: dict[float, float], max_loss: float) -> float:
     """Fate §4.5's heuristic search: scan shares upward, keep the last one whose loss <= max_loss."""
     best = 0.0
@@ -145,46 +165,32 @@ def dymoe_schedule(r: float, L: int, M: int) -> tuple[float, list[dict[str, floa
 
 
 def cache_bytes(budget: str, info) -> int:
-    """Device bytes left for experts: a size minus the reserved memory, or a share of the bf16 experts."""
-    from moetool.engine import parse_size
+    """Device bytes left for experts, split as the engine splits a budget (`engine.budget.split_budget`)."""
+    from moetool.engine.budget import split_budget
 
-    n = len(info.moe_layers) * info.num_experts
-    text = budget.strip()
-    if text.endswith("%"):
-        try:
-            return int(float(text[:-1]) / 100 * n * info.expert_bytes["16"])
-        except (ValueError, KeyError):
-            raise MoetoolError(f"--budget '{budget}' is not a percentage of the 16-bit experts.") from None
-    return parse_size(text) - info.non_expert_bytes - info.kv_margin_bytes - info.staging_bytes
+    plan = split_budget(budget, n_experts=len(info.moe_layers) * info.num_experts,
+                        expert_bytes=info.expert_bytes,
+                        non_expert_bytes=info.non_expert_bytes, margin_bytes=info.kv_margin_bytes)
+    return plan.cache_bytes
 
 
 def budget_retention(cache: int, info, high: int, low: int) -> float:
     """The mean retention at which every expert fits on the device, a share r at `high` bits and the
     rest at `low` (0: not stored): L E (r b_hi + (1 - r) b_lo) <= cache."""
     n = len(info.moe_layers) * info.num_experts
-    hb, lb = info.expert_bytes[str(high)], info.expert_bytes[str(low)] if low else 0
+    hb, lb = info.expert_bytes[high], info.expert_bytes[low] if low else 0
     return float(min(1.0, max(0.0, (cache / n - lb) / (hb - lb))))
 
 
 def dynaexq_n_hi(cache: int, info, hi: int, lo: int) -> int:
-    """DynaExq §3.1 budget initialization: n_hi = (cache - L E b_lo) / b_hi / L, within [0, E]."""
-    L, E = len(info.moe_layers), info.num_experts
-    left = cache - L * E * info.expert_bytes[str(lo)]
-    return int(min(E, max(0, left // info.expert_bytes[str(hi)] // L)))
+    """DynaExq §3.1 budget initialization, as the policy computes it (`policies.dynaexq.budget_n_hi`)."""
+    from moetool.policies.dynaexq import budget_n_hi
+
+    return budget_n_hi(cache, len(info.moe_layers), info.num_experts, info.expert_bytes[lo],
+                       info.expert_bytes[hi])
 
 
 # -- the stage -------------------------------------------------------------------------------------
-
-
-def load_eval(path: Path, model: ModelFingerprint) -> dict[str, Any]:
-    """An eval artifact as a dict (schema "eval": `policy`, `params`, `metrics`), refused for another model."""
-    data = json.loads(Path(path).read_text())
-    if data.get("schema") != "eval":
-        raise MoetoolError(f"{path} is a '{data.get('schema')}' artifact, not an eval artifact.")
-    fp = data.get("model") or {}
-    if fp.get("config_sha256") != model.config_sha256:
-        raise MoetoolError(f"{path} was made for model {fp.get('source')}, not for {model.source}.")
-    return data
 
 
 def primary_metric(metrics: dict[str, Any]) -> tuple[str, float, bool] | None:
@@ -203,13 +209,13 @@ def primary_metric(metrics: dict[str, Any]) -> tuple[str, float, bool] | None:
 
 
 def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None) -> Fit:
+    cfg.check()
     prof = Profile.load(Path(cfg.profile))
     inputs = {str(cfg.profile): sha256_file(Path(cfg.profile))}
     runs, evals = [], []
     for path in cfg.runs:
-        schema = json.loads(Path(path).read_text()).get("schema") if Path(path).is_file() else None
-        if schema == "eval":
-            evals.append((str(path), load_eval(Path(path), prof.model)))
+        if _schema(Path(path)) == "eval":
+            evals.append((str(path), Eval.load(Path(path), model=prof.model)))
         else:
             runs.append((str(path), Run.load(Path(path), model=prof.model)))
         inputs[str(path)] = sha256_file(Path(path))
@@ -221,27 +227,35 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
     return Fit(model=prof.model, inputs=inputs, params=params, evidence=ev)
 
 
+def _schema(path: Path) -> str | None:
+    """The schema an artifact file names (None when unreadable: `Run.load` then says why in one sentence)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data.get("schema") if isinstance(data, dict) else None
+
+
 def _fit_smoe(cfg: FitConfig, prof: Profile, runs: list, params: dict, ev: dict, progress) -> None:
     points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in runs
               if r.policy == "smoe" and r.tpot_s and "alpha" in r.params]
     setting = {f"{r.clock}/{r.hw}/{r.budget_bytes}" for _, r in runs if r.policy == "smoe"}
     if len(setting) > 1:
         ev["warnings"].append(f"smoe runs mix clocks, hardware or budgets ({', '.join(sorted(setting))}).")
-    if cfg.sweep:
+    if cfg.sweep is not None:
         from moetool.model import load_config, model_fingerprint, resolve_source
         from moetool.run import run
 
-        source = resolve_source(cfg.model or prof.model.source)
+        source = resolve_source(cfg.sweep.model or prof.model.source)
         if not model_fingerprint(load_config(source), source).same_model(prof.model):
             raise MoetoolError(f"--model {source} is not the model {cfg.profile} was made for ({prof.model.source}).")
         for i, a in enumerate(cfg.alphas):
-            r = run(RunConfig(model=source, bundle=cfg.bundle, policy="smoe",
-                              settings={"alpha": str(a)}, budget=cfg.sweep_budget, clock="sim", hw=cfg.hw,
-                              prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens))
+            r = run(cfg.sweep_run(source, a))
             points.append((float(a), float(r.tpot_s["mean"]), f"sweep alpha={a:g}"))
             if progress:
                 progress("sweep", i + 1, len(cfg.alphas))
-        setting_note = f"sweep: sim clock on {cfg.hw}, budget {cfg.sweep_budget}, {cfg.max_new_tokens} tokens"
+        sw = cfg.sweep
+        setting_note = f"sweep: sim clock on {sw.hw}, budget {sw.budget}, {sw.max_new_tokens} tokens"
     else:
         setting_note = "runs"
     if len({a for a, _, _ in points}) < 2:
@@ -304,9 +318,9 @@ def _fit_fate(cfg: FitConfig, prof: Profile, evals: list, params: dict, ev: dict
         window = sum(x.t_moe + x.t_attn + x.t_gate for x in t.layers) / max(1, len(t.layers))
         h2d = t.h2d_gbps or (prof.hw or {}).get("h2d_gbps")
         latency = (prof.hw or {}).get("copy_latency_s", 0.0)
-        nbytes = info.expert_bytes[str(FATE_BITS[0])]
+        nbytes = info.expert_bytes[FATE_BITS[0]]
         t_io = nbytes / (h2d * 1e9) + latency
-        fate["n"] = {"value": transfer_count(window, t_io, info.num_experts), "T_s": window, "t_expert_s": t_io,
+        fate["n"] = {"value": transfer_n(window, t_io, info.num_experts), "T_s": window, "t_expert_s": t_io,
                      "expert_bytes": nbytes, "bits": FATE_BITS[0], "h2d_gbps": h2d,
                      "from": f"profile.timing.layers (T = t_moe + t_attn + t_gate, decode, measured on {t.device}); "
                              f"t_expert = INT4 blob / h2d ({'measured' if t.h2d_gbps else 'hw preset ' + str(prof.settings.get('hw_base'))})"}
@@ -314,9 +328,9 @@ def _fit_fate(cfg: FitConfig, prof: Profile, evals: list, params: dict, ev: dict
         ev["skipped"]["fate.n"] = "the profile has no timing part with a host-to-device bandwidth (--what timing)"
     by_p = {}
     for path, e in evals:
-        m = primary_metric(e.get("metrics", {}))
-        if e.get("policy") == "fate" and m and "p" in (e.get("params") or {}):
-            by_p[float(e["params"]["p"])] = (m, path)
+        m = primary_metric(e.metrics)
+        if e.policy == "fate" and m and "p" in e.params:
+            by_p[float(e.params["p"])] = (m, path)
     if len(by_p) >= 2 and 0.0 in by_p:
         (name, base, higher), _ = by_p[0.0]
         losses = {p: ((base - v) / base if higher else (v - base) / base) for p, ((_, v, _), _) in by_p.items()}
@@ -341,7 +355,7 @@ def _fit_dymoe_dynaexq(cfg: FitConfig, prof: Profile, params: dict, ev: dict) ->
     L, E = len(info.moe_layers), info.num_experts
     r, how = cfg.r, "--r (target mean retention)"
     cache = cache_bytes(cfg.budget, info) if cfg.budget else None
-    if cache is not None and all(str(b) in info.expert_bytes for b in DYMOE_BITS):
+    if cache is not None and all(b in info.expert_bytes for b in DYMOE_BITS):
         r = budget_retention(cache, info, *DYMOE_BITS)
         how = (f"--budget {cfg.budget}: the largest r at which every expert fits, r of them at INT4 and the rest "
                f"at INT2 ({cache} bytes for experts after profile.info's reserved memory)")
@@ -359,11 +373,11 @@ def _fit_dymoe_dynaexq(cfg: FitConfig, prof: Profile, params: dict, ev: dict) ->
         return
     hi, lo = DYNAEXQ_BITS
     n_hi = dynaexq_n_hi(cache, info, hi, lo)
-    if cache < L * E * info.expert_bytes[str(lo)]:
+    if cache < L * E * info.expert_bytes[lo]:
         ev["warnings"].append(f"--budget {cfg.budget} cannot hold every expert at {lo} bits: DynaExq will refuse it.")
     params["dynaexq"] = {"n_hi": n_hi}
     ev["dynaexq"] = {"n_hi": {"value": n_hi, "cache_bytes": cache, "b_hi": hi, "b_lo": lo,
-                              "expert_bytes": info.expert_bytes, "reserved": {
+                              "expert_bytes": {str(b): n for b, n in info.expert_bytes.items()}, "reserved": {
                                   "non_expert": info.non_expert_bytes, "kv_margin": info.kv_margin_bytes,
                                   "staging": info.staging_bytes},
                               "from": f"--budget {cfg.budget}, profile.info ({info.expert_bytes_source})",

@@ -14,14 +14,15 @@ A grid file (YAML) holds the settings every cell shares and, under `grid:`, the 
       policy: [lru, {policy: dymoe, set: {config: 4/0}}, {policy: fate, grid: {L: [2, 3]}}]
       budget: ["25%", "50%"]
 
-Top-level keys are the fields of the stage's config (`RunConfig` / `EvalConfig`), so a new field
-is a grid setting without a change here. An axis is any of those fields (policy, budget, hw, clock,
-task, batch_size, ...) or a policy knob; knobs are checked by the policy registry, so an unknown
-axis or knob is refused before anything runs. An axis value may be a mapping naming the value
-plus settings that go with it (`{task: ppl, limit: 2048}`, `{policy: resident, budget: 100%}`); a
-policy entry may also hold `label`, `set` (its knobs) and `grid` (its knobs to cross). A cell is
-named by its policy's label, then `axis=value` for every other axis in the grid's order
-(`fate_L=2_budget=25pct`); paths in a grid file are relative to the file.
+Top-level keys are the fields of the stage's config (`RunConfig` / `EvalConfig`: the engine spec's
+and the stage's own), so a new field is a grid setting without a change here. An axis is any of
+those fields (policy, budget, hw, clock, task, batch_size, ...) or a policy knob; knobs are checked
+by the policy registry, so an unknown axis or knob is refused before anything runs. An axis value
+may be a mapping naming the value plus settings that go with it (`{task: ppl, limit: 2048}`,
+`{policy: resident, budget: 100%}`); a policy entry may also hold `label`, `set` (its knobs) and
+`grid` (its knobs to cross). A cell is named by its policy's label, then `axis=value` for every
+other axis in the grid's order (`fate_L=2_budget=25pct`); paths in a grid file are relative to the
+file.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool.artifacts import ModelFingerprint
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, yaml_error
 
 GRIDS_DIR = Path(__file__).with_name("grids")  # packaged grids, named by file stem
 STAGES = ("run", "eval")
@@ -98,9 +99,7 @@ def load_grid(source: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise MoetoolError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}.") from None
+        raise yaml_error(str(path), e) from None
     if not isinstance(data, dict):
         raise MoetoolError(f"{path} must be a YAML mapping of settings with a `grid:` of axes.")
     return data
@@ -179,7 +178,7 @@ class _Grid:
         if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
             return value
         if isinstance(value, dict) and set(value) == {"file"}:
-            from moetool.run import read_prompts
+            from moetool.datasets import read_prompts
 
             return list(read_prompts(self.base / value["file"]))
         if isinstance(value, dict) and set(value) == {"heldout"} and isinstance(value["heldout"], int):

@@ -245,6 +245,14 @@ class LoadedModel:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
 
+def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = True) -> torch.Tensor:
+    """Token ids [T] of `text`. Tokenizer-less checkpoints (the tests' tiny models) get the text's
+    UTF-8 bytes folded into their vocabulary: the one place that fallback is written."""
+    if tokenizer is None:
+        return torch.tensor([b % vocab_size for b in text.encode()], dtype=torch.long)
+    return torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
+
+
 def inspect_geometry(model: nn.Module) -> MoeGeometry:
     """Describe every MoE block of `model`; refuse dense models and unfused MoE architectures."""
     cfg = model.config
@@ -304,6 +312,9 @@ def resolve_source(source: str | Path) -> str:
     looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith((".", "/"))
     if not looks_like_hub_id:
         raise MoetoolError(f"{text} does not exist (give a local model directory or a hub id like org/name).")
+    from moetool.hub import cache_only_if_unreachable
+
+    cache_only_if_unreachable(text)  # offline: the local cache or one sentence, not a minute of retries
     return text
 
 

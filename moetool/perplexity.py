@@ -16,15 +16,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetool.model import encode
+
 ProgressFn = Callable[[int, int], None]
 
 
 def tokenize(lm: Any, text: str) -> torch.Tensor:
-    """All of `text` as one id sequence; tokenizer-less test models fold its bytes into the vocab."""
-    if lm.tokenizer is None:
-        vocab = lm.model.config.vocab_size
-        return torch.tensor([b % vocab for b in text.encode()], dtype=torch.long)
-    return torch.tensor(lm.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    """All of `text` as one id sequence [N], without special tokens (windows start anywhere in it)."""
+    return encode(lm.tokenizer, text, lm.model.config.vocab_size, special_tokens=False)
 
 
 def perplexity_windows(model: torch.nn.Module, ids: torch.Tensor, context: int, batch_size: int, stepwise: bool,

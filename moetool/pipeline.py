@@ -9,13 +9,15 @@ and evals are `moetool sweep`s of the packaged grids demo-runs and demo-evals (o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moetool.artifacts import Artifact
 from moetool.errors import MoetoolError
+from moetool.spec import EngineSpec, check_positive
 
 if TYPE_CHECKING:
     from moetool.sweep import SweepConfig
@@ -24,12 +26,13 @@ if TYPE_CHECKING:
 RUNS_GRID, EVALS_GRID = "demo-runs", "demo-evals"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     out: Path = Path("out/demo")
-    model: str | None = None  # None: the demo model (built if needed)
-    budget: str = "25%"
-    hw: str = "rtx3090"
+    # What every run and eval of the demo (and the fit's smoe sweep) shares: model (None: the demo model,
+    # built if needed), budget, hw, device, dtype, host_budget. A field left at its default leaves the
+    # grids' own setting; the bundle and the fit are the ones the pipeline makes, the policies the grids'.
+    engine: EngineSpec = field(default_factory=EngineSpec)
     prompts: int = 4
     tokens: int = 32
     mc_limit: int = 40  # questions per multiple-choice task
@@ -42,6 +45,22 @@ class DemoConfig:
     # took 80 s for the demo's run grid where one process took 107 s, or 967 s when other jobs held a
     # core (torch's two OpenMP threads then wait on each other): README, "Sweeps".
     workers: int | None = None
+
+    def check(self) -> None:
+        if self.engine.bundle is not None or self.engine.fit is not None:
+            raise MoetoolError("the demo makes its own bundle and fit; give them to `moetool sweep` instead.")
+        check_positive(prompts=self.prompts, tokens=self.tokens, mc_limit=self.mc_limit)
+        if self.ppl_tokens < 2:
+            raise MoetoolError(f"the demo's perplexity needs at least 2 tokens, not {self.ppl_tokens}.")
+        if not (math.isfinite(self.target_tpot) and self.target_tpot > 0):
+            raise MoetoolError(f"--target-tpot must be more than 0 seconds, not {self.target_tpot:g}.")
+        self.engine.check()
+
+    def shared(self) -> dict[str, Any]:
+        """The engine settings every cell gets: those of `engine` not left at their defaults."""
+        default = EngineSpec()
+        return {k: str(v) if isinstance(v, Path) else v for k, v in self.engine.engine_fields().items()
+                if v != getattr(default, k)}
 
 
 Progress = Callable[[str, int, int], None]  # (step description, done, total)
@@ -66,30 +85,30 @@ def demo_sweeps(cfg: DemoConfig, model: str, bundle: Path, fitted: Path) -> dict
     evals = load_grid(EVALS_GRID)
     evals["grid"]["task"] = [{**t, "limit": cfg.ppl_tokens if t["task"] == "ppl" else cfg.mc_limit}
                              for t in evals["grid"]["task"]]
-    where = {"model": model, "bundle": str(bundle), "fit": str(fitted), "budget": cfg.budget}
+    where = {**cfg.shared(), "model": model, "bundle": str(bundle), "fit": str(fitted)}
     return {"runs": SweepConfig(grid=RUNS_GRID, out=Path(cfg.out) / "runs", workers=cfg.workers,
-                                overrides={**where, "hw": cfg.hw, "prompts": {"heldout": cfg.prompts},
-                                           "max_new_tokens": cfg.tokens}),
+                                overrides={**where, "prompts": {"heldout": cfg.prompts}, "max_new_tokens": cfg.tokens}),
             "evals": SweepConfig(grid=evals, out=Path(cfg.out) / "evals", workers=cfg.workers, overrides=where)}
 
 
 def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str, Path]:
     from moetool.demo import build_demo_model
-    from moetool.fit import FitConfig, fit
+    from moetool.fit import SWEEP_TOKENS, FitConfig, fit
     from moetool.model import load_config, model_fingerprint
     from moetool.profile import Profile, ProfileConfig, profile
     from moetool.quant.bundle import MANIFEST, Bundle
     from moetool.quant.quantize import QuantizeConfig, quantize
     from moetool.report import report
-    from moetool.run import Fit
+    from moetool.run import Fit, RunConfig
     from moetool.sweep import cells_of, sweep
 
+    cfg.check()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     bundle, prof, fitted = out / "bundle", out / "demo.profile.json", out / "demo.fit.json"
     # Five stages and one step per run or eval cell (ran, reused, or refused by its budget and recorded
     # in sweep.json, not fatal: e.g. dynaexq's default 16/4 tiers at 25%).
-    planned = demo_sweeps(cfg, cfg.model or "demo", bundle, fitted)
+    planned = demo_sweeps(cfg, cfg.engine.model or "demo", bundle, fitted)
     done, steps = 0, 5 + sum(len(cells_of(s)) for s in planned.values())
 
     def step(what: str) -> None:
@@ -99,7 +118,7 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
         done += 1
 
     step("demo model")
-    model = cfg.model or str(build_demo_model().path)
+    model = cfg.engine.model or str(build_demo_model().path)
     fp = model_fingerprint(load_config(model), model)
 
     step("quantize (16/8/4/2, HQQ)")
@@ -114,8 +133,10 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
 
     step("fit")
     if not _valid(fitted, Fit, fp):
-        fit(FitConfig(profile=prof, sweep=True, budget=cfg.budget, model=model, bundle=bundle, hw=cfg.hw,
-                      sweep_budget=cfg.budget, target_tpot=cfg.target_tpot)).save(fitted)
+        sweep_runs = RunConfig(**{**cfg.engine.engine_fields(), "model": model, "bundle": bundle},
+                               max_new_tokens=SWEEP_TOKENS)
+        fit(FitConfig(profile=prof, sweep=sweep_runs, budget=cfg.engine.budget,
+                      target_tpot=cfg.target_tpot)).save(fitted)
 
     sweeps = demo_sweeps(cfg, model, bundle, fitted)
     for stage, sweep_cfg in sweeps.items():

@@ -11,7 +11,6 @@ alpha-TPOT polynomial (SMoE eq. 5), TPOT vs accuracy per policy, accuracy vs DyM
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -24,40 +23,81 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from moetool.artifacts import atomic_write_bytes  # noqa: E402
+from moetool.artifacts import ModelFingerprint, atomic_write_bytes, read_json, replace_dir  # noqa: E402
 from moetool.errors import MoetoolError  # noqa: E402
+from moetool.evaluate import Eval  # noqa: E402
 from moetool.fit import primary_metric  # noqa: E402
 from moetool.profile import Profile  # noqa: E402
 from moetool.run import Fit, Run  # noqa: E402
+from moetool.schema import SchemaError, build, build_fields  # noqa: E402
+from moetool.sweep import Sweep  # noqa: E402
 
 LABEL_KEYS = ("config", "bits", "alpha", "r", "L", "p", "n", "n_hi", "prefetcher")
 ABLATION = ("1. Load on Demand", "2. Cache", "3. Cache + Prefetch", "4. Cache+Dyquant(4/2)",
             "5. Cache+Dyquant(4/2)+Prefetcher", "6. Cache+Dyquant(4/0)+Prefetcher", "Cache+Dyquant(4/0)")
 
 
-def _collect(inputs: list[Path]) -> dict[str, list[tuple[Path, Any]]]:
-    files: list[Path] = []
+Found = dict[str, list[tuple[Path, Any]]]  # schema -> (file, artifact), in the order found
+
+
+def _read_eval(data: Any, where: str) -> dict[str, Any]:
+    """Evals stay dicts: report takes hand-made eval records too (a few of Eval's fields), so only
+    the fields present are checked against Eval's types, and `model` is required."""
+    Eval.check_header(data, where)
+    try:
+        build_fields(Eval, data, required=("model",))
+    except SchemaError as e:
+        raise MoetoolError(f"{where} is not a valid eval artifact: {e.sentence()}.") from None
+    return data
+
+
+READERS = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_json, "eval": _read_eval,
+           "sweep": Sweep.from_json}  # a sweep index: its cells without artifacts
+
+
+def _collect(inputs: list[Path]) -> Found:
+    """Every artifact under `inputs`. A file found in a directory that is not an artifact report
+    draws (other JSON: configs, tokenizers, bundle manifests) is passed over; a file named on the
+    command line must be one."""
+    files: list[tuple[Path, bool]] = []  # (file, named explicitly)
     for p in map(Path, inputs):
         if p.is_dir():
-            files += sorted(p.rglob("*.json"))
+            files += [(f, False) for f in sorted(p.rglob("*.json"))]
         elif p.is_file():
-            files.append(p)
+            files.append((p, True))
         else:
             raise MoetoolError(f"{p} does not exist.")
-    readers = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_json,
-               "eval": lambda d, where: d, "sweep": lambda d, where: d}  # a sweep index: its cells without artifacts
-    found: dict[str, list[tuple[Path, Any]]] = defaultdict(list)
-    for f in files:
+    found: Found = defaultdict(list)
+    for f, named in files:
         try:
-            data = json.loads(f.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = read_json(f)
+        except MoetoolError:
+            if named:
+                raise
             continue
         schema = data.get("schema") if isinstance(data, dict) else None
-        if schema in readers:
-            found[schema].append((f, readers[schema](data, where=str(f))))
+        if isinstance(schema, str) and schema in READERS:
+            found[schema].append((f, READERS[schema](data, where=str(f))))
+        elif named:
+            raise MoetoolError(f"{f} is not an artifact report draws (a {', '.join(READERS)} artifact).")
     if not found:
         raise MoetoolError(f"no profile, fit, run or eval artifacts in {', '.join(map(str, inputs))}.")
     return found
+
+
+def _model(art: Any) -> ModelFingerprint:
+    return build(ModelFingerprint, art["model"]) if isinstance(art, dict) else art.model
+
+
+def _by_model(found: Found) -> dict[tuple[str, str], tuple[ModelFingerprint, Found]]:
+    """(model_type, config sha256) -> (the model, its artifacts), in the order the models were found."""
+    groups: dict[tuple[str, str], tuple[ModelFingerprint, Found]] = {}
+    for schema, items in found.items():
+        for path, art in items:
+            fp = _model(art)
+            _, mine = groups.setdefault((fp.model_type, fp.config_sha256), (fp, defaultdict(list)))
+            mine[schema].append((path, art))
+    return groups
 
 
 def _save(fig, path: Path, out: list[Path]) -> None:
@@ -100,7 +140,7 @@ def _profile_figures(prof: Profile, fits: list[Fit], out_dir: Path, tag: str, ou
         fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(layers) + 3), 4))
         width = 0.8 / len(s.bits)
         for i, b in enumerate(s.bits):
-            ax.bar(np.arange(len(s.layers)) + i * width, [ls.delta[str(b)] for ls in s.layers], width,
+            ax.bar(np.arange(len(s.layers)) + i * width, [ls.delta[b] for ls in s.layers], width,
                    label=f"INT{b}")
         ax.set_xticks(np.arange(len(s.layers)) + 0.4 - width / 2, [str(ls.layer) for ls in s.layers], fontsize=7)
         ax.set(xlabel="MoE layer quantized (others at full precision)", ylabel="Δ held-out perplexity",
@@ -206,7 +246,7 @@ def _profile_tables(path: Path, prof: Profile) -> str:
         md.append(f"\n### Sensitivity\n\nBase perplexity {s.base_ppl:.3f} on {s.tokens} tokens of {s.data}; "
                   f"quantized weights: {s.source}.\n\n")
         md.append(_table(["layer", *[f"Δppl INT{b}" for b in s.bits]],
-                         [[ls.layer, *[ls.delta[str(b)] for b in s.bits]] for ls in s.layers]))
+                         [[ls.layer, *[ls.delta[b] for b in s.bits]] for ls in s.layers]))
         if s.int2_share:
             md.append("\nINT2 share (Fate Fig. 10), INT4 otherwise:\n\n")
             md.append(_table(["share p", "perplexity"], [[k, v] for k, v in s.int2_share.items()]))
@@ -350,9 +390,17 @@ def _ablation_row(r: Run) -> str | None:
     prefetch = p.get("prefetcher", "dymoe") != "none"
     if float(p.get("r", 0)) >= 1.0:
         return ABLATION[2 if prefetch else 1]
-    if int(p.get("low", p.get("low_bits", 2))) == 0:
+    if _precisions(p)[1] == 0:
         return ABLATION[5 if prefetch else 6]
     return ABLATION[4 if prefetch else 3]
+
+
+def _precisions(params: dict[str, Any]) -> tuple[int, int]:
+    """(high, low) bits a policy ran at: every policy records them as `precisions` (`Policy.describe`);
+    artifacts written before that carry DyMoE's `high`/`low` or its knobs `high_bits`/`low_bits`."""
+    if isinstance(params.get("precisions"), dict):
+        return int(params["precisions"]["high"]), int(params["precisions"]["low"])
+    return (int(params.get("high", params.get("high_bits", 4))), int(params.get("low", params.get("low_bits", 2))))
 
 
 def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
@@ -426,8 +474,8 @@ def _comparison_figures(rows: list[dict], out_dir: Path, out: list[Path]) -> Non
     dy: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for x in rows:
         if x["policy"] == "dymoe" and "r" in x["params"]:
-            cfg = x["params"].get("config") or f"{x['params'].get('high', x['params'].get('high_bits'))}/" \
-                                                f"{x['params'].get('low', x['params'].get('low_bits'))}"
+            high, low = _precisions(x["params"])
+            cfg = x["params"].get("config") or f"{high}/{low}"
             dy[x["metric"]][cfg].append((float(x["params"]["r"]), x["value"]))
     if dy:
         fig, axes = _metric_axes(sorted(dy), 5, 4)
@@ -442,20 +490,17 @@ def _comparison_figures(rows: list[dict], out_dir: Path, out: list[Path]) -> Non
         _save(fig, out_dir / "dymoe_retention.png", out)
 
 
-def _sweep_table(sweeps: list[tuple[Path, dict]]) -> str:
+def _sweep_table(sweeps: list[tuple[Path, Sweep]]) -> str:
     """The cells of `moetool sweep` indexes that left no artifact, each with its one-sentence reason."""
-    rows = [[str(path.parent), name, c.get("status"), (c.get("reason") or "-").replace("|", "\\|")] for path, s in sweeps
-            for name, c in (s.get("cells") or {}).items() if c.get("status") != "done"]
+    rows = [[str(path.parent), name, c.get("status"), str(c.get("reason") or "-").replace("|", "\\|")]
+            for path, s in sweeps for name, c in s.cells.items() if c.get("status") != "done"]
     if not rows:
         return ""
     return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows)
 
 
-def report(inputs: list[Path], out_dir: Path) -> list[Path]:
-    """Write figures and `summary.md` for the artifacts in `inputs` (files or directories) to `out_dir`."""
-    found = _collect(list(inputs))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _report_one(found: Found, out_dir: Path) -> list[Path]:
+    """Figures and summary.md for the artifacts of one model, into the existing `out_dir`."""
     out: list[Path] = []
     fits = [f for _, f in found.get("fit", [])]
     md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in found.items()
@@ -478,6 +523,57 @@ def report(inputs: list[Path], out_dir: Path) -> list[Path]:
     summary = out_dir / "summary.md"
     atomic_write_bytes(summary, "".join(md).encode())
     return [*out, summary]
+
+
+def _is_report(directory: Path, depth: int = 0) -> str | None:
+    """None if `directory` holds only what a report writes (figures, summary.md, per-model
+    sub-reports), else the first name that is not, so replacing it can lose nothing of the user's."""
+    for p in sorted(directory.iterdir()):
+        if p.is_dir() and not p.is_symlink() and depth == 0:
+            bad = _is_report(p, depth + 1)
+            if bad is not None:
+                return f"{p.name}/{bad}"
+        elif not (p.is_file() and (p.suffix == ".png" or p.name == "summary.md")):
+            return p.name
+    return None
+
+
+def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Path]:
+    """Write figures and `summary.md` for the artifacts in `inputs` (files or directories) to `out_dir`.
+
+    Artifacts of different models are refused, or with `by_model` reported one sub-directory per
+    model (`<model_type>-<config hash>`) under an index summary.md. The report is built in a temp
+    directory beside `out_dir` and swapped in whole: an interrupted report leaves the previous one
+    (or none), never figures without their summary, and a new one leaves no stale figures behind.
+    """
+    found = _collect(list(inputs))
+    groups = _by_model(found)
+    if len(groups) > 1 and not by_model:
+        (fa, ga), (fb, gb) = list(groups.values())[:2]
+        a, b = (next(path for items in g.values() for path, _ in items) for g in (ga, gb))
+        raise MoetoolError(f"{a} and {b} were made for different models ({fa.source}, {fa.model_type} config "
+                           f"{fa.config_sha256[:12]}, vs {fb.source}, {fb.model_type} config {fb.config_sha256[:12]}); "
+                           "report them separately, or pass --by-model for one sub-report per model.")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MoetoolError(f"{out_dir} is a file; a report is a directory, choose another --out.")
+    if out_dir.is_dir() and (bad := _is_report(out_dir)) is not None:
+        raise MoetoolError(f"{out_dir} holds {bad!r}, which is not part of a moetool report; a report replaces its "
+                           "directory whole, so choose another --out.")
+
+    def fill(tmp: Path) -> list[Path]:
+        if not by_model:
+            return _report_one(found, tmp)
+        written, index = [], ["# moetool report\n\nOne report per model:\n\n"]
+        for fp, mine in groups.values():
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{fp.model_type}-{fp.config_sha256[:12]}")
+            (tmp / name).mkdir()
+            written += _report_one(mine, tmp / name)
+            index.append(f"- [{fp.source} ({fp.model_type}, config {fp.config_sha256[:12]})]({name}/summary.md)\n")
+        atomic_write_bytes(tmp / "summary.md", "".join(index).encode())
+        return [*written, tmp / "summary.md"]
+
+    return replace_dir(out_dir, fill)
 
 
 __all__ = ["report"]

@@ -42,6 +42,14 @@ Outcome = tuple[str, Any, str | None]  # (done | refused | failed, artifact JSON
 Progress = Callable[[str, str, int, int], None]  # (cell, reused | done | refused | failed, finished, total)
 
 
+def add_worker_arguments(ap: Any) -> None:
+    """The `argparse` options of a script that runs a grid as a sweep (scripts/compare_policies.py,
+    scripts/accuracy_table.py): where its cells run, and torch's threads when they run here."""
+    ap.add_argument("--workers", type=int, default=None, help="local Ray CPUs (default all; 0: in this process)")
+    ap.add_argument("--address", default=None, help="an existing Ray cluster")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads with --workers 0")
+
+
 @dataclass(frozen=True)
 class Sweep(Artifact):
     """The sweep index: every cell of the grid, its status, and its artifact or why it has none.

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from moetool.errors import MoetoolError
 from moetool.grid import load_grid
-from moetool.sweep import SweepConfig, sweep
+from moetool.sweep import SweepConfig, add_worker_arguments, sweep
 
 GRID = "accuracy-table"
 TASK_SEP = "_task="  # cells are named <setting>_task=<task>
@@ -40,17 +40,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundle's own model)")
     ap.add_argument("--bundle", type=Path, required=True, help="bundle with 16/4/2 bits")
     ap.add_argument("--fit", type=Path, default=None, help="fit artifact (SMoE's alpha)")
-    ap.add_argument("--budget", default="25%")
-    ap.add_argument("--hw", default="rtx3090")
+    ap.add_argument("--budget", default=None, help="device budget (default: the grid's)")
+    ap.add_argument("--hw", default=None, help="hardware profile of the sim clock (default: the grid's)")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--mc-limit", type=int, default=40, help="questions per BIG-bench task (0: skip MC)")
     ap.add_argument("--task", default="bigbench-mc")
     ap.add_argument("--only", default="", help="comma-separated settings (cell names before _task=) to run (default all)")
     ap.add_argument("--mc-only", default="", help="comma-separated settings that get the MC task (default: those of --only)")
     ap.add_argument("--out", type=Path, default=Path("out/accuracy"))
-    ap.add_argument("--workers", type=int, default=None, help="local Ray CPUs (default all; 0: in this process)")
-    ap.add_argument("--address", default=None, help="an existing Ray cluster")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads with --workers 0")
+    add_worker_arguments(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,7 +57,8 @@ def main() -> None:
     tasks = [{"task": "ppl", "limit": args.ppl_tokens}] + (
         [{"task": args.task, "limit": args.mc_limit}] if args.mc_limit else [])
     grid["grid"]["task"] = tasks
-    grid.update({"bundle": str(args.bundle.resolve()), "budget": args.budget, "hw": args.hw})
+    grid.update({"bundle": str(args.bundle.resolve())})
+    grid.update({k: v for k, v in (("budget", args.budget), ("hw", args.hw)) if v is not None})
     grid.update({"model": args.model} if args.model else {})
     grid.update({"fit": str(args.fit.resolve())} if args.fit else {})
     only = [s.strip() for s in args.only.split(",") if s.strip()] or ["*"]

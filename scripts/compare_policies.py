@@ -20,8 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from moetool.errors import MoetoolError
+from moetool.grid import load_grid
 from moetool.run import Run
-from moetool.sweep import SweepConfig, sweep
+from moetool.sweep import SweepConfig, add_worker_arguments, sweep
 
 GRID = "compare-policies"
 
@@ -30,31 +31,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundle's own model, else demo)")
     ap.add_argument("--bundle", type=Path, default=None, help="bundle with 16/8/4/2 bits (needed by fate, dymoe, dynaexq)")
-    ap.add_argument("--budget", default="25%")
-    ap.add_argument("--hw", default="rtx3090")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--budget", default=None, help="device budget (default: the grid's)")
+    ap.add_argument("--hw", default=None, help="hardware profile of the sim clock (default: the grid's)")
+    ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the grid's)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per prompt (default: the grid's)")
     ap.add_argument("--fit", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("out/compare"))
-    ap.add_argument("--workers", type=int, default=None, help="local Ray CPUs (default all; 0: in this process)")
-    ap.add_argument("--address", default=None, help="an existing Ray cluster")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads with --workers 0")
+    add_worker_arguments(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=200)  # a wide table: keep columns whole when piped to a file
     overrides = {"model": args.model or (None if args.bundle else "demo"), "budget": args.budget, "hw": args.hw,
-                 "prompts": {"heldout": args.prompts}, "max_new_tokens": args.tokens}
+                 "prompts": {"heldout": args.prompts} if args.prompts else None, "max_new_tokens": args.tokens}
     overrides.update({k: str(v.resolve()) for k, v in (("bundle", args.bundle), ("fit", args.fit)) if v})
-    cfg = SweepConfig(grid=GRID, out=args.out, overrides={k: v for k, v in overrides.items() if v is not None},
-                      workers=args.workers, address=args.address)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    grid = {**load_grid(GRID), **overrides}  # what the cells get: the title says it
+    cfg = SweepConfig(grid=GRID, out=args.out, overrides=overrides, workers=args.workers, address=args.address)
     try:
         with console.status("sweeping ...") as status:
             index = sweep(cfg, progress=lambda name, state, done, total: status.update(f"{done}/{total} {name}: {state}"))
     except MoetoolError as e:
         raise SystemExit(f"error: {e}") from None
-    table = Table(title=f"policies on {args.model or args.bundle or 'demo'}: budget {args.budget}, sim clock "
-                        f"{args.hw}, {args.prompts} prompts x {args.tokens} tokens, batch 1")
+    table = Table(title=f"policies on {args.model or args.bundle or 'demo'}: budget {grid['budget']}, sim clock "
+                        f"{grid['hw']}, {grid['prompts']['heldout']} prompts x {grid['max_new_tokens']} tokens, batch 1")
     for col in ("policy", "TPOT mean (ms)", "TPOT p99 (ms)", "TTFT (ms)", "hit rate", "MiB / token",
                 "stall (s)", "subst.", "skips", "CPU experts", "precision mix"):
         table.add_column(col, justify="right")

@@ -1,24 +1,49 @@
-"""Shared helpers of the policy tests: hand-made test doubles of the engine's read-only views.
+"""Shared helpers of the policy tests: the engine's real residency over a tiny host store, and
+hand-made read-only views for plan-only tests.
 
-`FakeCache` stands in for the `CacheView` protocol and `make_view` / `make_ctx` build the
-`LayerView` / `EngineContext` a policy is given; they are inputs written by hand, not fake
-systems. The few mutators (`put`, `apply`, `start`, `publish`) only let a test say what the engine
-would have done between two calls. A test file binds its own defaults with `functools.partial`.
+`residency_for(policy)` builds the real `Residency` over the policy's pools and a host store of
+small byte blobs; `load` does what the engine does with an admission (evict the victims, take the
+slot, publish). `FakeCache` stands in for the read-only `ResidencyView` protocol where a test only
+plans; `make_view` / `make_ctx` build the `LayerView` / `EngineContext` a policy is given. A test
+file binds its own defaults with `functools.partial`.
 """
 
 import torch
 
+from moetool.engine.residency import Budget, Residency
+from moetool.engine.store import HostStore
 from moetool.policies.base import EngineContext, LayerView, Phase, Step
 
 BYTES = {16: 1600, 8: 800, 4: 400, 2: 200}
 
 
-class FakeCache:
-    """Test double of the engine's read-only CacheView: what is held per bits, resident or in flight."""
+def residency_for(policy, pools=None):
+    """The engine's `Residency` over `policy.pools()` (or `pools`), blobs of BYTES[bits] bytes."""
+    ctx = policy.ctx
+    sizes = {(layer, e, b): BYTES[b] for layer in ctx.moe_layers for e in range(ctx.num_experts)
+             for b in ctx.available_bits}
+    store = HostStore(lambda layer, e, b: torch.zeros(BYTES[b], dtype=torch.uint8), sizes,
+                      {b: None for b in ctx.available_bits}, torch.float32)
+    return Residency(store, policy.pools() if pools is None else pools, Budget(1 << 40), torch.device("cpu"))
 
-    def __init__(self, capacity):
-        self.cap = dict(capacity)
-        self.held = {b: {} for b in capacity}  # bits -> {(layer, expert): resident?}
+
+def load(policy, res, want, shield=(), demand=True, publish=True):
+    """What the engine does for one load: ask `policy.admit`, then evict, take the slot and (once the
+    copy landed) publish. Returns the victims (None: not admitted)."""
+    victims = policy.admit(want, res, set(shield), demand)
+    if victims is not None:
+        res.begin_load(want, victims, prefetched=not demand)
+        if publish:
+            res.publish(want.layer, want.expert, want.bits)
+    return victims
+
+
+class FakeCache:
+    """Test double of the engine's read-only ResidencyView: what is held per bits, resident or in flight."""
+
+    def __init__(self, pools):
+        self.cap = {p.bits: p.slots for p in pools} if isinstance(pools, list) else dict(pools)
+        self.held = {b: {} for b in self.cap}  # bits -> {(layer, expert): resident?}
 
     def resident_bits(self, layer, expert):
         return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is True)
@@ -38,16 +63,6 @@ class FakeCache:
     def put(self, layer, expert, bits, loading=False):
         self.held[bits][layer, expert] = not loading
 
-    def apply(self, victims, want):  # what the engine does with make_room's answer
-        for v in victims:
-            self.held[v.bits].pop((v.layer, v.expert), None)
-        self.put(want.layer, want.expert, want.bits)
-
-    def start(self, victims, want):  # the engine: evict the victims, start the copy (in flight)
-        for v in victims:
-            self.held[v.bits].pop((v.layer, v.expert), None)
-        self.put(want.layer, want.expert, want.bits, loading=True)
-
     def publish(self, layer, expert, bits):  # the copy's event completed
         self.held[bits][layer, expert] = True
 
@@ -57,7 +72,7 @@ def make_ctx(layers=(0, 1), E=8, k=2, cache_bytes=10_000, hw=None):
                          cache_bytes=cache_bytes, available_bits=(16, 8, 4, 2), hw=hw or {})
 
 
-def make_view(idx, cache, *, layer=None, pos=0, n_layers=2, E=None, phase=Phase.DECODE, weights=None, weight=0.5,
+def make_view(idx, cache, *, layer=None, pos=0, E=None, phase=Phase.DECODE, weights=None, weight=0.5,
               logits=None, importance=None, predict=None):
     """A LayerView of routing `idx` [T][k]. `layer` defaults to `pos`; `E` to the logits' width, else 8;
     the weights to `weight` in every slot; the logits to zeros; `predict` to no look-ahead."""
@@ -65,8 +80,8 @@ def make_view(idx, cache, *, layer=None, pos=0, n_layers=2, E=None, phase=Phase.
     T = idx.shape[0]
     if E is None:
         E = logits.shape[1] if logits is not None else 8
-    return LayerView(layer=pos if layer is None else layer, moe_pos=pos, num_moe_layers=n_layers, num_experts=E,
+    return LayerView(layer=pos if layer is None else layer, moe_pos=pos, num_experts=E,
                      step=Step(0, phase, T), top_k_index=idx,
                      top_k_weights=weights if weights is not None else torch.full(idx.shape, weight),
-                     router_logits=logits if logits is not None else torch.zeros(T, E), cache=cache,
+                     router_logits=logits if logits is not None else torch.zeros(T, E), residency=cache,
                      predict=predict or (lambda later: None), token_importance=importance)

@@ -1,6 +1,11 @@
 """The CLI: exit codes, one-sentence errors, JSON output."""
 
+import errno
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig
@@ -70,3 +75,213 @@ def test_corrupt_safetensors(tiny_ckpt, tmp_path):
 
 def test_directory_without_config(tmp_path):
     assert "no config.json" in _one_error_line(runner.invoke(app, ["check", str(tmp_path)]))
+
+
+# -- where user input and the filesystem meet the CLI: one sentence, exit 1 ---------------------------------
+
+def _refused(result, where, before=None):
+    """Exit 1, one red sentence on stderr and no traceback; `where` holds what it held before (no stray files)."""
+    line = _one_error_line(result)
+    if before is not None:
+        assert sorted(p.name for p in where.iterdir()) == before, list(where.iterdir())
+    return line
+
+
+@pytest.fixture()
+def profile_file(tmp_path):
+    from test_fit import synthetic_profile
+
+    return synthetic_profile().save(tmp_path / "s.profile.json")
+
+
+def test_out_that_is_a_directory_is_refused_before_any_work(tiny_ckpt, profile_file, tmp_path):
+    taken = tmp_path / "taken.json"
+    taken.mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args in (["run", "--model", str(tiny_ckpt("qwen2_moe")), "--out", str(taken)],
+                 ["eval", "ppl", "--model", str(tiny_ckpt("qwen2_moe")), "--out", str(taken)],
+                 ["fit", str(profile_file), "--out", str(taken)],
+                 ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--out", str(taken)],
+                 ["check", str(tiny_ckpt("qwen2_moe")), "--out", str(taken)]):
+        line = _refused(runner.invoke(app, args), tmp_path, before)
+        assert f"--out {taken} is a directory" in line, (args, line)
+        assert not any(taken.iterdir())
+
+
+def test_out_under_a_file_or_a_file_for_a_directory_is_refused(profile_file, tmp_path):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    under = profile_file / "s.fit.json"
+    line = _refused(runner.invoke(app, ["fit", str(profile_file), "--out", str(under)]), tmp_path, before)
+    assert f"lies under {profile_file}, which is a file" in line
+    for args in (["report", str(profile_file), "--out", str(profile_file)],
+                 ["sweep", "demo-runs", "--out", str(profile_file)],
+                 ["quantize", "demo", "--out", str(profile_file)],
+                 ["demo", "--out", str(profile_file)]):
+        line = _refused(runner.invoke(app, args), tmp_path, before)
+        assert f"--out {profile_file} is a file; give a directory" in line, (args, line)
+
+
+def test_out_in_a_directory_this_user_cannot_write(profile_file, tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    # root may write anywhere, so the check is shown the answer an ordinary user would get
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: Path(p) != locked and real(p, mode, *a, **k))
+    line = _refused(runner.invoke(app, ["fit", str(profile_file), "--out", str(locked / "s.fit.json")]), locked, [])
+    assert f"{locked} is not writable" in line
+
+
+def test_os_errors_from_deep_inside_are_one_sentence_with_path_and_cause(profile_file, tmp_path, monkeypatch):
+    import moetool.artifacts
+    import moetool.fit
+
+    taken = tmp_path / "dir"
+    taken.mkdir()
+
+    def writes_a_directory(cfg, progress=None):
+        taken.write_text("x")  # a real IsADirectoryError, with its path
+
+    monkeypatch.setattr(moetool.fit, "fit", writes_a_directory)
+    line = _one_error_line(runner.invoke(app, ["fit", str(profile_file), "--out", str(tmp_path / "s.fit.json")]))
+    assert line == f"error: {taken}: Is a directory."
+
+    monkeypatch.undo()
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(moetool.artifacts, "atomic_write_bytes", full)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = _refused(runner.invoke(app, ["fit", str(profile_file), "--out", str(tmp_path / "s.fit.json")]),
+                    tmp_path, before)
+    assert "no space left on the device" in line and "run the same command again" in line
+
+
+def test_a_bug_shows_its_traceback_and_asks_to_be_reported(profile_file, tmp_path, monkeypatch):
+    import moetool.fit
+
+    def buggy(cfg, progress=None):
+        return {}["missing"]
+
+    monkeypatch.setattr(moetool.fit, "fit", buggy)
+    result = runner.invoke(app, ["fit", str(profile_file), "--out", str(tmp_path / "s.fit.json")])
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr and "KeyError: 'missing'" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: this is a bug in moetool") and "please report it" in last
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--budget", "-3%"], "--budget '-3%' must be between 0% and 1000%"),
+    (["--budget", "lots"], "--budget 'lots' is not a size"),
+    (["--max-loss", "-1"], "--max-loss is a relative loss, 0 or more"),
+    (["--max-loss", "nan"], "--max-loss is a relative loss, 0 or more"),
+    (["--l-threshold", "2"], "--l-threshold is a recall between 0 and 1"),
+    (["--r", "0.2"], "--r is a mean retention between 0.5"),
+    (["--target-tpot", "0ms"], "--target-tpot must be more than 0 seconds"),
+    (["--target-tpot", "soon"], "--target-tpot takes seconds"),
+    (["--sweep", "--alphas", "0,2"], "--alphas are SMoE thresholds between 0 and 1"),
+    (["--sweep", "--sweep-budget", "-1GiB"], "--sweep-budget '-1GiB' is not a size"),
+    (["--sweep", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, not 0"),
+])
+def test_fit_refuses_nonsense_values_in_one_sentence(profile_file, tmp_path, args, says):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = _refused(runner.invoke(app, ["fit", str(profile_file), "--out", str(tmp_path / "s.fit.json"), *args]),
+                    tmp_path, before)
+    assert says in line, line
+
+
+@pytest.mark.parametrize("args,says", [
+    (["run", "--max-new-tokens", "-4"], "--max-new-tokens must be at least 1, not -4"),
+    (["run", "--batch-size", "0"], "--batch-size must be at least 1, not 0"),
+    (["run", "--budget", "-3%"], "--budget '-3%' must be between 0% and 1000%"),
+    (["run", "--host-budget", "0GiB"], "--host-budget must be more than 0 bytes"),
+    (["run", "--policy", "fastest"], "unknown policy 'fastest' (known: "),
+    (["run", "--set", "nonsense"], "--set takes key=value, not 'nonsense'"),
+    (["run", "--policy", "lru", "--set", "alpha=0.3"], "policy 'lru' has no knob 'alpha'"),
+    (["run", "--hw", "abacus"], "no hardware profile 'abacus'"),
+    (["run", "--device", "gpu"], "--device must be cpu or cuda"),
+    (["eval", "ppl", "--limit", "0"], "--limit must be at least 1, not 0"),
+    (["eval", "ppl", "--batch-size", "0"], "--batch-size must be at least 1, not 0"),
+    (["eval", "ppl", "--context", "1"], "--context must be at least 2 tokens"),
+    (["eval", "mmlu", "--num-fewshot", "-1"], "--num-fewshot must be 0 or more"),
+    (["eval", "ppl", "--policy", "fastest"], "unknown policy 'fastest' (known: "),
+    (["profile", "--seqs", "0"], "must be positive"),
+    (["profile", "--bits", "two"], "--bits takes comma-separated integers"),
+])
+def test_nonsense_values_are_refused_before_the_model_loads(tiny_ckpt, tmp_path, args, says, monkeypatch):
+    import moetool.profile
+    import moetool.run
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(moetool.run, "load", no_loading)  # what run and eval load through
+    monkeypatch.setattr(moetool.profile, "load_model", no_loading)
+    extra = ["--out", str(tmp_path / "x.json")] if args[0] == "profile" else []
+    line = _refused(runner.invoke(app, [*args, "--model", str(tiny_ckpt("qwen2_moe")), *extra]), tmp_path, [])
+    assert says in line, line
+    if "unknown policy" in says:
+        assert "dymoe" in line and "resident" in line  # the sentence lists the registered policies
+
+
+def test_prompts_that_are_not_text(tiny_ckpt, tmp_path):
+    binary = tmp_path / "prompts.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--prompts", str(binary)]))
+    assert f"{binary} is not UTF-8 text" in line
+    line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--prompts", str(tmp_path)]))
+    assert f"{tmp_path} is not a file" in line
+
+
+def test_a_malformed_task_yaml_is_named_as_such_not_as_needing_the_hub(tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("task: mine\ndoc_to_text: [unclosed\n")
+    line = _one_error_line(runner.invoke(app, ["eval", str(bad), "--model", str(tiny_ckpt("qwen2_moe"))]))
+    assert f"task file {bad} is not valid YAML" in line and "hub" not in line
+    bad.write_text("- just\n- a list\n")
+    line = _one_error_line(runner.invoke(app, ["eval", str(bad), "--model", str(tiny_ckpt("qwen2_moe"))]))
+    assert f"task file {bad} is not an lm-eval task" in line
+    bad.write_bytes(b"\xff\xfe\x00task")
+    line = _one_error_line(runner.invoke(app, ["eval", str(bad), "--model", str(tiny_ckpt("qwen2_moe"))]))
+    assert f"task file {bad} is not UTF-8 text" in line
+
+
+def test_a_tag_of_lm_evals_own_is_not_malformed_yaml(tmp_path):
+    from moetool.evaluate import _check_task_yaml
+
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("task: mine\nprocess_docs: !function utils.process_docs\n")
+    _check_task_yaml(ok)  # lm-eval resolves its own tags; only the syntax is checked here
+
+
+def test_the_entry_point_runs_as_a_module_and_lists_every_command():
+    done = subprocess.run([sys.executable, "-m", "moetool.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in ("check", "quantize", "verify", "profile", "fit", "run", "eval", "sweep", "report", "demo"):
+        assert f" {name} " in done.stdout, name
+
+
+def test_a_hub_id_offline_is_one_sentence_without_retries(tmp_path, monkeypatch):
+    """No network here: a hub id not in the local cache fails at once, not after a minute of retry lines."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    result = runner.invoke(app, ["check", "no-such-org/no-such-model"])
+    line = _one_error_line(result)
+    assert "no-such-org/no-such-model" in line and "Retrying" not in result.output
+
+
+def test_a_precision_the_experts_lack_is_one_sentence(tiny_ckpt, tmp_path):
+    for policy in ("lru", "lod", "eap", "static", "smoe"):
+        line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--policy", policy,
+                                                   "--set", "bits=3", "--out", str(tmp_path / "r.json")]))
+        assert f"policy '{policy}' wants 3-bit experts but the bundle has [16] bits" in line
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_profile_data_that_is_not_text(tiny_ckpt, tmp_path):
+    binary = tmp_path / "data.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    line = _one_error_line(runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--data",
+                                               str(binary), "--out", str(tmp_path / "p.json")]))
+    assert str(binary) in line and not (tmp_path / "p.json").exists()

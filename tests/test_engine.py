@@ -13,10 +13,11 @@ from moetool.policies.base import Phase
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-def _engine(path, policy, budget, clock="sim", **settings):
+def _engine(path, policy, budget, clock="sim", batch=None, **settings):
     lm = load_model(path)
     engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), policy,
-                                settings={k: str(v) for k, v in settings.items()}, budget=budget, clock=clock)
+                                settings={k: str(v) for k, v in settings.items()}, budget=budget, clock=clock,
+                                batch=batch or IDS.shape[0])  # the KV margin is planned for the widest forward
     return lm, engine, plan
 
 
@@ -71,11 +72,12 @@ def test_random_routing_traces_never_exceed_the_budget(tiny_ckpt, policy):
             idx = torch.stack([torch.randperm(g.num_experts, generator=gen)[: g.top_k] for _ in range(3)])  # [3, k]
             engine._logits[g.index] = torch.randn(3, g.num_experts, generator=gen)
             module(hidden, idx, torch.full((3, g.top_k), 1.0 / g.top_k))
-            for bits, pool in engine.cache.pool.items():
-                assert len(engine.cache.residents(bits)) <= pool.shape[0]
-            assert engine.cache.budget.used <= plan.total_bytes
+            for bits, pool in engine.residency.pools.items():
+                assert len(engine.residency.residents(bits)) <= pool.slots.shape[0]
+                assert len(pool.free) + len(pool.holders) == pool.spec.slots
+            assert engine.residency.budget.used <= plan.total_bytes
         engine.end_step()
-    assert engine.cache.budget.peak <= plan.total_bytes
+    assert engine.residency.budget.peak <= plan.total_bytes
     assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
 
 
@@ -136,8 +138,44 @@ def test_wide_top_k_batches_match_transformers_bit_for_bit(tmp_path, policy, bud
     ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = load_reference(path)(ids).logits
-        lm, engine, _ = _engine(path, policy, budget)
+        lm, engine, _ = _engine(path, policy, budget, batch=ids.shape[0])
         got = lm.model(ids).logits
     assert torch.equal(got, ref)
     if policy != "resident":
         assert engine.stats.summary()["hit_rate"] < 1.0  # misses were loaded after hits computed
+
+
+def test_a_sequence_longer_than_the_plan_is_refused_in_one_sentence(tiny_ckpt):
+    """The KV margin is reserved for max_tokens x batch: a longer or wider forward is refused, not run."""
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    store = HostStore.from_experts(lm.experts, torch.float32)
+    engine, plan = build_engine(lm, store, "lru", budget="50%", clock="sim", max_tokens=10, batch=1)
+    lm.model.generate(IDS[:1, :6], max_new_tokens=4, do_sample=False)  # 6 + 4 = 10 tokens: inside the plan
+    with pytest.raises(MoetoolError, match="1 sequence.* of 11 tokens exceeds the KV/activation margin"):
+        lm.model.generate(IDS[:1, :6], max_new_tokens=6, do_sample=False)
+    with pytest.raises(MoetoolError, match="2 sequence"):
+        lm.model(IDS[:, :4])
+    wider = plan_budget("50%", lm, store, max_tokens=40, batch=2)
+    assert wider.margin_bytes > plan.margin_bytes and wider.cache_bytes == plan.cache_bytes  # a share: cache fixed
+    assert engine.stats.summary()["peak_allocated_bytes"] is None  # measured on CUDA only
+
+
+def test_a_run_plans_its_kv_margin_for_its_own_prompt_and_refuses_a_budget_too_small(tiny_ckpt):
+    """`run` sizes the margin for its longest prompt plus its new tokens: a prompt longer than a plan
+    made for short ones is planned for, and a size budget that cannot hold its KV is one sentence."""
+    from moetool.run import RunConfig, run
+
+    path = str(tiny_ckpt("qwen2_moe"))
+    short, long_ = "abcd", "x" * 100  # tokenizer-less: one token per byte
+    runs = {p: run(RunConfig(model=path, policy="lru", budget="50%", clock="sim", prompts=(p,), max_new_tokens=8))
+            for p in (short, long_)}
+    assert len(runs[long_].tokens[0]) == 8  # generated in full: the 108-token sequence was planned for
+    per_token = (runs[long_].budget["margin_bytes"] - runs[short].budget["margin_bytes"]) / (len(long_) - len(short))
+    assert per_token > 0 and runs[long_].budget["cache_bytes"] == runs[short].budget["cache_bytes"]  # a share
+    lm = load_model(path)
+    plan = plan_budget("50%", lm, HostStore.from_experts(lm.experts, torch.float32), max_tokens=len(long_) + 8)
+    assert runs[long_].budget["margin_bytes"] == plan.margin_bytes
+    fits_short = runs[short].budget["total_bytes"]  # a size budget that holds the short run exactly
+    with pytest.raises(MoetoolError, match="below the minimum"):
+        run(RunConfig(model=path, policy="lru", budget=f"{fits_short - runs[short].budget['cache_bytes']}B",
+                      clock="sim", prompts=(long_,), max_new_tokens=8))

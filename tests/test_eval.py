@@ -222,6 +222,34 @@ def test_cli_ppl_writes_the_eval_artifact(tiny_lm, tmp_path):
     art = Eval.load(save)
     assert art.task == "ppl" and art.n == 200 - 4 and art.policy == "resident" and art.unit == "tokens"
     assert art.summary["precision_mix"] and art.budget["cache_bytes"] >= art.budget["expert_bytes_reference"]
+    assert art.peak_device_bytes == art.summary["peak_device_bytes"] and art.dtype == art.summary["dtype"] == "float32"
+
+
+def test_run_and_eval_share_one_engine_spec_and_one_record():
+    from dataclasses import fields
+
+    from moetool.run import Run, RunConfig
+    from moetool.spec import EngineRecord, EngineSpec
+
+    spec, record = {f.name for f in fields(EngineSpec)}, {f.name for f in fields(EngineRecord)}
+    assert spec <= {f.name for f in fields(RunConfig)} and spec <= {f.name for f in fields(EvalConfig)}
+    assert record <= {f.name for f in fields(Run)} and record <= {f.name for f in fields(Eval)}
+    assert EvalConfig(task="ppl").policy == "resident" and RunConfig().policy == "lru"  # each stage's own defaults
+
+
+def test_a_version_1_eval_artifact_is_upgraded_on_read(tmp_path):
+    from moetool.artifacts import ModelFingerprint
+
+    fp = ModelFingerprint(source="x", model_type="qwen2_moe", config_sha256="a" * 64)
+    v1 = {"schema": "eval", "schema_version": 1, "model": fp.__dict__, "inputs": {}, "task": "ppl",
+          "metrics": {"ppl": 9.0}, "stderr": {}, "n": 10, "unit": "tokens", "subtasks": {}, "samples": {}, "options": {},
+          "policy": "lru", "params": {}, "clock": "wall", "hw": None, "device": "cpu", "budget_bytes": 1, "budget": {},
+          "summary": {"peak_device_bytes": 123, "dtype": "bfloat16"}, "layers": {}}
+    (tmp_path / "old.eval.json").write_text(json.dumps(v1))
+    old = Eval.load(tmp_path / "old.eval.json")
+    assert old.peak_device_bytes == 123 and old.dtype == "bfloat16" and old.metrics == {"ppl": 9.0}
+    again = Eval.from_json(old.to_json())
+    assert again == old and old.to_json()["schema_version"] == Eval.SCHEMA_VERSION == 2
 
 
 def test_cli_mc_table_runs_offline(tiny_lm, monkeypatch):

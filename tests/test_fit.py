@@ -1,29 +1,29 @@
 """moetool fit: the alpha polynomial and eq. 5, Fate's L/n/p, DyMoE's lambda, DynaExq's n_hi."""
 
-import json
-
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from moetool.artifacts import ModelFingerprint
 from moetool.cli import app
-from moetool.commands.fit import parse_seconds
 from moetool.errors import MoetoolError
+from moetool.evaluate import Eval
 from moetool.fit import (FitConfig, boundary_L, budget_retention, cache_bytes, choose_alpha, dymoe_schedule,
-                         dynaexq_n_hi, fit, fit_polynomial, int2_share, measured_guard, transfer_count)
+                         dynaexq_n_hi, fit, fit_polynomial, int2_share, measured_guard)
+from moetool.policies.fate import transfer_n
 from moetool.policies.dymoe import retention
 from moetool.profile import ModelInfo, Profile
 from moetool.profile.prefetch import LayerPrefetch, PrefetchProfile
 from moetool.profile.sensitivity import LayerSensitivity, SensitivityProfile
 from moetool.profile.timing import ExpertTiming, LayerTiming, TimingProfile
-from moetool.run import Fit, Run
+from moetool.options import parse_seconds
+from moetool.run import Fit, Run, RunConfig
 
 runner = CliRunner()
 FP = ModelFingerprint(source="synthetic", model_type="qwen2_moe", config_sha256="a" * 64)
 OTHER = ModelFingerprint(source="other", model_type="qwen2_moe", config_sha256="b" * 64)
 INFO = ModelInfo(moe_layers=(0, 1, 2, 3), num_hidden_layers=4, num_experts=8, top_k=2,
-                 expert_bytes={"16": 4096, "8": 2304, "4": 1280, "2": 768}, expert_bytes_source="layout",
+                 expert_bytes={16: 4096, 8: 2304, 4: 1280, 2: 768}, expert_bytes_source="layout",
                  non_expert_bytes=1 << 20, kv_margin_bytes=1 << 20, staging_bytes=2 * (4096 + 2304 + 1280 + 768),
                  dtype="float32")
 
@@ -41,7 +41,7 @@ def synthetic_profile(model: ModelFingerprint = FP) -> Profile:
         samples={"prefill": 4, "decode": 32})
     sens = SensitivityProfile(
         base_ppl=10.0, tokens=510, data="heldout", source="hqq in memory", bits=(2,),
-        layers=tuple(LayerSensitivity(layer=i, ppl={"2": 10.0 + d}, delta={"2": d})
+        layers=tuple(LayerSensitivity(layer=i, ppl={2: 10.0 + d}, delta={2: d})
                      for i, d in enumerate((3.0, 1.0, 0.4, 0.1))),
         int2_share={"0": 11.0, "0.125": 11.02, "0.25": 11.08, "0.375": 11.2, "0.5": 11.05})
     timing = TimingProfile(device="cpu", dtype="float32", steps=4,
@@ -60,6 +60,12 @@ def synthetic_run(policy: str, params: dict, tpot: float, budget: int = 64 << 20
                budget_bytes=budget, budget={}, peak_device_bytes=0, ttft_s=ttft,
                tpot_s={"mean": tpot, "p50": tpot, "p99": tpot, "n": 8}, hit_rate=0.5, bytes_h2d=0,
                bytes_per_token=0.0, stall_s=0.0, summary={}, layers={}, prompts=["x"], tokens=[[1]], texts=[""])
+
+
+def synthetic_eval(policy: str, params: dict, metrics: dict, model=FP) -> Eval:
+    return Eval(model=model, inputs={}, policy=policy, params=params, clock="wall", hw=None, device="cpu",
+                budget_bytes=64 << 20, budget={}, peak_device_bytes=0, summary={}, layers={}, task="mc",
+                metrics=metrics, stderr={}, n=10, unit="examples", subtasks={}, samples={}, options={})
 
 
 def test_polynomial_degree_by_leave_one_out_and_eq5_selection():
@@ -98,8 +104,8 @@ def test_boundary_L_on_a_synthetic_accuracy_curve():
     assert boundary_L([None, 0.5, 0.9, 0.7, 0.85, 0.9, 0.95], 0.8) == 4
     assert boundary_L([None, 0.9, 0.95], 0.8) == 1  # the first layer has no predictor: always shallow
     assert boundary_L([None, 0.9, 0.5], 0.8) == 3
-    assert transfer_count(1e-3, 3e-4, 64) == 3 and transfer_count(1e-5, 1e-3, 64) == 1
-    assert transfer_count(1.0, 1e-6, 64) == 64
+    assert transfer_n(1e-3, 3e-4, 64) == 3 and transfer_n(1e-5, 1e-3, 64) == 1
+    assert transfer_n(1.0, 1e-6, 64) == 64
 
 
 def test_int2_share_stops_at_the_first_loss_over_the_limit():
@@ -121,10 +127,10 @@ def test_lambda_solved_for_r():
 
 def test_budget_to_retention_and_n_hi():
     n = 4 * 8
-    cache = n * (INFO.expert_bytes["4"] + INFO.expert_bytes["2"]) // 2  # half the experts at INT4
+    cache = n * (INFO.expert_bytes[4] + INFO.expert_bytes[2]) // 2  # half the experts at INT4
     assert budget_retention(cache, INFO, 4, 2) == pytest.approx(0.5, abs=1e-3)
     assert budget_retention(10**9, INFO, 4, 2) == 1.0
-    cache = n * INFO.expert_bytes["4"] + 4 * 3 * INFO.expert_bytes["16"]
+    cache = n * INFO.expert_bytes[4] + 4 * 3 * INFO.expert_bytes[16]
     assert dynaexq_n_hi(cache, INFO, 16, 4) == 3
     assert dynaexq_n_hi(0, INFO, 16, 4) == 0
     assert cache_bytes("50%", INFO) == n * 4096 // 2
@@ -170,9 +176,7 @@ def test_fate_p_from_eval_artifacts(tmp_path):
     evals = []
     for p, acc in ((0.0, 0.50), (0.25, 0.497), (0.5, 0.45)):
         path = tmp_path / f"fate{p}.eval.json"
-        path.write_text(json.dumps({"schema": "eval", "schema_version": 1, "model": FP.__dict__, "policy": "fate",
-                                    "params": {"p": p}, "metrics": {"acc": acc}}))
-        evals.append(path)
+        evals.append(synthetic_eval("fate", {"p": p}, {"acc": acc}).save(path))
     result = fit(FitConfig(profile=prof, runs=tuple(evals)))
     assert result.params["fate"]["p"] == 0.25 and result.evidence["fate"]["p"]["metric"] == "acc"
 
@@ -192,7 +196,7 @@ def test_cli_fit(tmp_path):
 def test_sweep_refuses_a_model_other_than_the_profiles(tiny_ckpt, tmp_path):
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     with pytest.raises(MoetoolError, match="is not the model"):
-        fit(FitConfig(profile=prof, sweep=True, model=str(tiny_ckpt("qwen2_moe"))))
+        fit(FitConfig(profile=prof, sweep=RunConfig(model=str(tiny_ckpt("qwen2_moe")))))
 
 
 def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
@@ -201,7 +205,7 @@ def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
     path = str(tiny_ckpt("qwen2_moe"))
     prof = profile(ProfileConfig(model=path, data=("heldout",), seqs_per_data=1, seq_len=8, decode_tokens=1,
                                  what=("prefetch",))).save(tmp_path / "t.profile.json")
-    result = fit(FitConfig(profile=prof, sweep=True, alphas=(0.0, 0.2, 0.4), max_new_tokens=2, target_tpot=1.0))
+    result = fit(FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 0.2, 0.4), target_tpot=1.0))
     a = result.evidence["smoe"]["alpha"]
     assert [p[0] for p in a["points"]] == [0.0, 0.2, 0.4] and all(p[1] > 0 for p in a["points"])
     assert a["from"].startswith("sweep: sim clock") and result.params["smoe"]["alpha"] == 0.0  # R = 1 s: any alpha

@@ -7,6 +7,7 @@ import pytest
 from moetool.pipeline import EVALS_GRID, RUNS_GRID, DemoConfig, demo_pipeline
 from moetool.quant.bundle import Bundle
 from moetool.grid import load_grid
+from moetool.spec import EngineSpec
 from test_eval import save_char_tokenizer
 from tiny import save_tiny
 
@@ -18,7 +19,8 @@ def piped(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     model = save_tiny("qwen2_moe", root / "model", max_position_embeddings=1024)  # experts 16 neurons wide
     save_char_tokenizer(model)
-    cfg = DemoConfig(out=root / "out", model=str(model), prompts=2, tokens=4, mc_limit=2, ppl_tokens=128)
+    cfg = DemoConfig(out=root / "out", engine=EngineSpec(model=str(model)), prompts=2, tokens=4, mc_limit=2,
+                     ppl_tokens=128)
     steps = []
     paths = demo_pipeline(cfg, progress=lambda what, done, total: steps.append((what, done, total)))
     return cfg, paths, steps

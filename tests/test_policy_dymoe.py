@@ -13,10 +13,10 @@ from moetool.policies.dymoe import (critical_count, critical_experts, prefill_im
                                     solve_lambda)
 
 import policy_fakes
-from policy_fakes import FakeCache
+from policy_fakes import FakeCache, load, residency_for
 
 make_ctx = partial(policy_fakes.make_ctx, layers=(0, 1, 2, 3), cache_bytes=20_000)
-make_view = partial(policy_fakes.make_view, n_layers=4)
+make_view = policy_fakes.make_view
 
 
 # -- eq. 4-5 ---------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_plan_4_2_and_4_0():
     assert plan.where.tolist() == [[Where.SKIP, Where.GPU, Where.GPU, Where.SKIP]]
     assert torch.equal(plan.weight, torch.tensor([[0.0, 0.5, 0.3, 0.0]]))  # 0-bit drops its weight only
     assert plan.bits[0, 1:3].tolist() == [4, 4]
-    assert list(pol.pools()) == [4]
+    assert [p.bits for p in pol.pools()] == [4]
 
 
 def test_rule_conservative_reuse():
@@ -100,36 +100,34 @@ def test_rule_conservative_reuse():
 
 def test_rule_precision_promotion_evicts_the_low_copy():
     pol = _policy()
-    cache = FakeCache(pol.pools())
-    cache.put(0, 5, 2)
-    plan = pol.plan(make_view([[5, 1, 2, 3]], cache, pos=0))  # layer 0: r = 1, all critical
+    res = residency_for(pol)
+    load(pol, res, Fetch(0, 5, 2))
+    plan = pol.plan(make_view([[5, 1, 2, 3]], res, pos=0))  # layer 0: r = 1, all critical
     assert plan.bits[0, 0] == 4  # a low copy does not serve a critical request: a miss
-    want = Fetch(0, 5, 4)
-    victims = pol.make_room(want, cache, shield=set(), demand=True)
+    victims = load(pol, res, Fetch(0, 5, 4))
     assert Fetch(0, 5, 2) in victims
-    cache.apply(victims, want)
-    assert cache.resident_bits(0, 5) == (4,)
+    assert res.resident_bits(0, 5) == (4,)
+    assert (0, 5) not in res.residents(2)
 
 
 def test_rule_no_duplication():
     pol = _policy()
-    cache = FakeCache(pol.pools())
-    cache.put(0, 5, 4)
-    assert pol.make_room(Fetch(0, 5, 2), cache, set(), demand=False) is None
-    cache.put(1, 6, 4, loading=True)  # a high copy in flight also counts
-    assert pol.make_room(Fetch(1, 6, 2), cache, set(), demand=True) is None
+    res = residency_for(pol)
+    load(pol, res, Fetch(0, 5, 4))
+    assert pol.admit(Fetch(0, 5, 2), res, set(), demand=False) is None
+    load(pol, res, Fetch(1, 6, 4), publish=False)  # a high copy in flight also counts
+    assert pol.admit(Fetch(1, 6, 2), res, set(), demand=True) is None
 
 
 def test_lru_within_each_precision_pool():
     # budget 2000 B, r = 1 at lam = 1 -> all bytes to the high pool: 5 slots, 4 layers -> 2,1,1,1
     pol = make_policy("dymoe", {"lam": "1"}, make_ctx(cache_bytes=2000))
-    assert pol.pools() == {4: 5}
-    cache = FakeCache(pol.pools())
+    assert [(p.bits, p.slots, p.quota) for p in pol.pools()] == [(4, 5, {0: 2, 1: 1, 2: 1, 3: 1})]
+    res = residency_for(pol)
     for e in (0, 1):
-        want = Fetch(0, e, 4)
-        cache.apply(pol.make_room(want, cache, set(), True), want)
-    pol.on_use(0, [(0, 4, True)])  # 0 used again: 1 is least recent
-    assert pol.make_room(Fetch(0, 2, 4), cache, set(), True) == [Fetch(0, 1, 4)]
+        load(pol, res, Fetch(0, e, 4))
+    res.used(0, [(0, 4, True)])  # 0 used again: 1 is least recent
+    assert pol.admit(Fetch(0, 2, 4), res, set(), True) == [Fetch(0, 1, 4)]
 
 
 def test_eviction_knob_takes_any_registered_order():
@@ -138,8 +136,10 @@ def test_eviction_knob_takes_any_registered_order():
     with pytest.raises(MoetoolError, match="unknown eviction"):
         make_policy("dymoe", {"eviction": "fifo"}, make_ctx())
     pol = make_policy("dymoe", {"eviction": "score"}, make_ctx())
-    pol.plan(make_view([[0, 1]], FakeCache(pol.pools())))  # the plan feeds the layer's scores to the order
-    assert pol.cache.caches[4].order(0).mean_scores(0) is not None
+    res = residency_for(pol)
+    assert res.wants_scores()  # the engine then feeds each layer's scores to the residency
+    res.observe(0, torch.tensor([0.5, 0.5]))
+    assert res.order(4, 0).mean_scores(0) is not None
 
 
 # -- look-ahead prefetch, eq. 6-8 --------------------------------------------------------------------

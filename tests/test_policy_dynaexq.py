@@ -11,7 +11,7 @@ from moetool.policies.base import Fetch, Phase, Step, make_policy
 from moetool.policies.dynaexq import HandleState, Hotness, select_high
 
 import policy_fakes
-from policy_fakes import FakeCache
+from policy_fakes import load, residency_for
 
 # 2 layers of 4 experts: the low tier takes 2 * 4 * 400 = 3200 B; 8000 B leave (8000 - 3200) // 1600 // 2 = 1 per layer
 make_ctx = partial(policy_fakes.make_ctx, E=4, k=1, cache_bytes=8000)
@@ -19,10 +19,14 @@ make_view = partial(policy_fakes.make_view, E=4, weight=1.0)
 
 
 def warmed(policy):
-    cache = FakeCache(policy.pools())
+    res = residency_for(policy)
     for f in policy.warm():
-        cache.put(f.layer, f.expert, f.bits)
-    return cache
+        load(policy, res, f, demand=False)
+    return res
+
+
+def pools(policy):
+    return {p.bits: p.slots for p in policy.pools()}
 
 
 def test_hotness_ema_per_interval():
@@ -51,10 +55,10 @@ def test_topn_with_hysteresis():
 
 def test_pools_budget_and_knobs():
     pol = make_policy("dynaexq", {}, make_ctx())
-    assert pol.pools() == {4: 8, 16: 2} and pol.n_hi == 1
+    assert pools(pol) == {4: 8, 16: 2} and pol.n_hi == 1
     assert pol.warm() == [Fetch(layer, e, 4) for layer in (0, 1) for e in range(4)]
-    assert make_policy("dynaexq", {"config": "4/2"}, make_ctx()).pools() == {2: 8, 4: 2 * 4}  # n_hi capped at E
-    assert make_policy("dynaexq", {"n_hi": "0"}, make_ctx()).pools() == {4: 8}
+    assert pools(make_policy("dynaexq", {"config": "4/2"}, make_ctx())) == {2: 8, 4: 2 * 4}  # n_hi capped at E
+    assert pools(make_policy("dynaexq", {"n_hi": "0"}, make_ctx())) == {4: 8}
     with pytest.raises(MoetoolError, match="n_hi=2 does not fit"):
         make_policy("dynaexq", {"n_hi": "2"}, make_ctx())
     with pytest.raises(MoetoolError, match="raise --budget"):
@@ -67,49 +71,47 @@ def test_promotion_is_a_migration_published_without_waiting():
     cache = warmed(pol)
     plan = pol.plan(make_view([[2], [2], [1]], cache))
     assert plan.bits.tolist() == [[4], [4], [4]]
-    promotions = pol.end_step(Step(0, Phase.DECODE, 3))
+    promotions = pol.end_step(Step(0, Phase.DECODE, 3), cache)
     assert promotions == [Fetch(0, 2, 16)]  # layer 0's hottest; layer 1 saw no traffic
-    victims = pol.make_room(promotions[0], cache, set(), demand=False)
+    victims = load(pol, cache, promotions[0], demand=False, publish=False)
     assert victims == []  # admitted: a free high slot in layer 0
-    cache.start(victims, promotions[0])
-    assert pol.state(0, 2) == HandleState.PROMOTING
+    assert pol.state(0, 2, cache) == HandleState.PROMOTING
     plan = pol.plan(make_view([[2]], cache))
     assert plan.bits.tolist() == [[4]]  # the forward runs the low copy while the high one is in flight
-    assert pol.end_step(Step(1, Phase.DECODE, 1)) == []  # in flight: not offered again
+    assert pol.end_step(Step(1, Phase.DECODE, 1), cache) == []  # in flight: not offered again
     cache.publish(0, 2, 16)
-    assert pol.state(0, 2) == HandleState.RESIDENT_HI
+    assert pol.state(0, 2, cache) == HandleState.RESIDENT_HI
     assert pol.plan(make_view([[2]], cache)).bits.tolist() == [[16]]
-    assert pol.state(0, 1) == HandleState.RESIDENT_LO
+    assert pol.state(0, 1, cache) == HandleState.RESIDENT_LO
 
 
 def test_demotion_reclaims_the_slot_and_admission_defers():
     pol = make_policy("dynaexq", {"ema": "0", "interval_tokens": "1", "hysteresis": "0"}, make_ctx())
     cache = warmed(pol)
     pol.plan(make_view([[2]], cache))
-    [f] = pol.end_step(Step(0, Phase.DECODE, 1))
-    cache.start(pol.make_room(f, cache, set(), False), f)
-    cache.publish(0, 2, 16)
+    [f] = pol.end_step(Step(0, Phase.DECODE, 1), cache)
+    load(pol, cache, f, demand=False)
     pol.plan(make_view([[3], [3]], cache))  # the hot set moves to expert 3
-    [f] = pol.end_step(Step(1, Phase.DECODE, 2))
-    assert f == Fetch(0, 3, 16) and pol.state(0, 2) == HandleState.DEMOTING
-    assert pol.make_room(f, cache, {(0, 2)}, demand=False) is None  # 2 is in use this layer: deferred
-    assert pol.end_step(Step(2, Phase.DECODE, 0)) == [f]  # and offered again
-    victims = pol.make_room(f, cache, set(), demand=False)
-    assert victims == [Fetch(0, 2, 16)] and pol.state(0, 2) == HandleState.EVICTING
-    cache.start(victims, f)
-    assert pol.state(0, 2) == HandleState.RESIDENT_LO
-    assert pol.make_room(Fetch(0, 1, 16), cache, set(), False) is None  # not in the target set
+    [f] = pol.end_step(Step(1, Phase.DECODE, 2), cache)
+    assert f == Fetch(0, 3, 16) and pol.state(0, 2, cache) == HandleState.DEMOTING
+    assert pol.admit(f, cache, {(0, 2)}, demand=False) is None  # 2 is in use this layer: deferred
+    assert pol.end_step(Step(2, Phase.DECODE, 0), cache) == [f]  # and offered again
+    victims = pol.admit(f, cache, set(), demand=False)
+    assert victims == [Fetch(0, 2, 16)] and pol.state(0, 2, cache) == HandleState.EVICTING
+    cache.begin_load(f, victims)
+    assert pol.state(0, 2, cache) == HandleState.RESIDENT_LO
+    assert pol.admit(Fetch(0, 1, 16), cache, set(), False) is None  # not in the target set
 
 
 def test_hysteresis_holds_the_incumbent():
     pol = make_policy("dynaexq", {"ema": "0", "interval_tokens": "1", "hysteresis": "2"}, make_ctx())
     cache = warmed(pol)
-    cache.put(0, 2, 16)
     pol.target[0] = {2}
+    load(pol, cache, Fetch(0, 2, 16), demand=False)
     pol.plan(make_view([[2], [3], [3]], cache))  # 3 is hotter by 1 < margin 2
-    assert pol.end_step(Step(0, Phase.DECODE, 3)) == [] and pol.target[0] == {2}
+    assert pol.end_step(Step(0, Phase.DECODE, 3), cache) == [] and pol.target[0] == {2}
     pol.plan(make_view([[2], [3], [3], [3], [3]], cache))  # by 3 > 2
-    assert pol.end_step(Step(1, Phase.DECODE, 5)) == [Fetch(0, 3, 16)]
+    assert pol.end_step(Step(1, Phase.DECODE, 5), cache) == [Fetch(0, 3, 16)]
 
 
 def test_set_tiers_drop_a_fitted_n_hi():

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import Fetch, Phase, Where, make_policy
+from moetool.policies.base import Fetch, Phase, Pool, Where, make_policy
+from moetool.policies.common import popularity
 from moetool.policies.eviction import ARC
-from moetool.policies.fate import (ReferenceCache, above_percentile, int2_experts, popularity, shallow_favoring,
-                                   transfer_cap)
+from moetool.policies.fate import above_percentile, int2_experts, shallow_favoring, transfer_cap
 
-from policy_fakes import FakeCache, make_ctx, make_view
+from policy_fakes import FakeCache, load, make_ctx, make_view, residency_for
 
 
 # -- ARC (Megiddo & Modha, FAST 2003), c = 3 -------------------------------------------------------------
@@ -26,7 +26,7 @@ def lists(arc):
 
 
 def access(arc, resident, x, c=3):
-    """A cache of c pages driving ARC as `ExpertCache` does: touch on a hit; request, victim, remove, insert."""
+    """A cache of c pages driving ARC as the residency does: touch on a hit; request, victim, remove, insert."""
     if K(x) in resident:
         arc.touch(K(x))
         return
@@ -69,29 +69,37 @@ def test_arc_textbook_trace():
         assert resident == set(arc.t1) | set(arc.t2)
 
 
-def test_arc_learns_capacity_and_matches_through_reference_cache():
-    """The registry builds ARC without c; through a per-layer cache of 3 slots it replays the same trace."""
-    cache = FakeCache({4: 3})
-    rc = ReferenceCache(4, "arc", quota={0: 3})
+def _arc_pool():
+    policy = make_policy("lru", {"bits": "4"}, make_ctx(layers=(0,)))
+    return policy, residency_for(policy, [Pool(4, 3, quota={0: 3}, eviction="arc")])
+
+
+def test_arc_learns_capacity_and_matches_through_the_residency():
+    """The registry builds ARC without c; through a per-layer pool of 3 slots it replays the same trace."""
+    policy, res = _arc_pool()
     for x, expected in ARC_TRACE:
-        if 4 in cache.resident_bits(0, x):
-            rc.used(0, x, hit=True)
-        else:
-            want = Fetch(0, x, 4)
-            victims = rc.make_room(want, cache, shield=set(), demand=True)
-            cache.apply(victims, want)
-            rc.used(0, x, hit=False)
-        assert lists(rc.order(0)) == expected, f"after request {x}"
+        hit = 4 in res.resident_bits(0, x)
+        if not hit:
+            load(policy, res, Fetch(0, x, 4))
+        res.used(0, [(x, 4, hit)])
+        assert lists(res.order(4, 0)) == expected, f"after request {x}"
 
 
-def test_reference_cache_prefetched_copy_is_first_referenced_on_use():
-    cache, rc = FakeCache({4: 3}), ReferenceCache(4, "arc", quota={0: 3})
-    want = Fetch(0, 5, 4)
-    cache.apply(rc.make_room(want, cache, set(), demand=False), want)  # a prefetch
-    rc.used(0, 5, hit=True)  # its first use: still referenced once (T1)
-    assert lists(rc.order(0))[:2] == ([5], [])
-    rc.used(0, 5, hit=True)  # the second use is a re-reference (T2)
-    assert lists(rc.order(0))[:2] == ([], [5])
+def test_a_prefetched_copy_is_first_referenced_on_use():
+    policy, res = _arc_pool()
+    load(policy, res, Fetch(0, 5, 4), demand=False)  # a prefetch
+    res.used(0, [(5, 4, True)])  # its first use: still referenced once (T1)
+    assert lists(res.order(4, 0))[:2] == ([5], [])
+    res.used(0, [(5, 4, True)])  # the second use is a re-reference (T2)
+    assert lists(res.order(4, 0))[:2] == ([], [5])
+
+
+def test_without_prefetch_is_reference_the_first_use_counts():
+    policy = make_policy("lru", {"bits": "4"}, make_ctx(layers=(0,)))
+    res = residency_for(policy, [Pool(4, 3, quota={0: 3}, eviction="arc", prefetch_is_reference=False)])
+    load(policy, res, Fetch(0, 5, 4), demand=False)
+    res.used(0, [(5, 4, True)])  # plain recency: the first use is a second reference (T2)
+    assert lists(res.order(4, 0))[:2] == ([], [5])
 
 
 def test_arc_never_picks_a_shielded_victim():
@@ -178,7 +186,7 @@ def test_lossless_at_16_16():
         assert torch.equal(plan.expert, torch.tensor(idx))
         assert (plan.bits == 16).all() and (plan.where == Where.GPU).all()
         assert torch.equal(plan.weight, w)
-    assert list(policy.pools()) == [16]
+    assert [p.bits for p in policy.pools()] == [16]
 
 
 def test_cache_deep_quota():
@@ -195,7 +203,7 @@ def test_fate_pools_and_warm_follow_the_quota():
     # 6 layers, E = 8; INT2 staging: min(2 * ceil(0.25 * 8), 6000 // 2 // 200) = 4 slots (800 B);
     # cache_total = (6000 - 800) // 400 = 13 -> layer 0 full, layer 1 gets 5
     policy = make_policy("fate", {}, make_ctx(layers=range(6), cache_bytes=6000))
-    assert policy.pools() == {4: 13, 2: 4}
+    assert [(p.bits, p.slots, p.eviction) for p in policy.pools()] == [(4, 13, "arc"), (2, 4, "lru")]
     assert policy.quota == {0: 8, 1: 5, 2: 0, 3: 0, 4: 0, 5: 0}
     assert policy.warm() == [Fetch(0, e, 4) for e in range(8)]
     json.dumps(policy.describe())
@@ -210,11 +218,10 @@ def test_fate_knob_errors():
 
 def test_fate_composes_with_other_evictions():
     policy = make_policy("fate", {"eviction": "lru", "p": "0"}, make_ctx(layers=(0,), cache_bytes=1200))
-    cache = FakeCache(policy.pools())
+    res = residency_for(policy)
     for e in (0, 1, 2):
-        want = Fetch(0, e, 4)
-        cache.apply(policy.make_room(want, cache, set(), True), want)
-    assert policy.make_room(Fetch(0, 3, 4), cache, {(0, 0)}, True) == [Fetch(0, 1, 4)]  # LRU, 0 shielded
+        load(policy, res, Fetch(0, e, 4))
+    assert policy.admit(Fetch(0, 3, 4), res, {(0, 0)}, True) == [Fetch(0, 1, 4)]  # LRU, 0 shielded
 
 
 def test_popularity_ignores_dropped_slots():

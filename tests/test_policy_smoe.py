@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from moetool.policies.base import Fetch, Where, make_policy
-from moetool.policies.eviction import EVICTIONS, ScoreEviction
+from moetool.policies.eviction import EVICTIONS
+from moetool.policies.smoe import ScoreEviction
 from moetool.policies.smoe import cache_router, cpu_split, thresholds
 
 import policy_fakes
-from policy_fakes import FakeCache
+from policy_fakes import FakeCache, load, residency_for
 
 make_ctx = partial(policy_fakes.make_ctx, k=3, cache_bytes=16_000)
 make_view = partial(policy_fakes.make_view, weight=0.3)
@@ -84,12 +85,12 @@ def test_alg2_two_pointer_split():
 
 
 def test_score_eviction_eq3_window_and_shield():
-    order = EVICTIONS["score"]()
-    assert isinstance(order, ScoreEviction)
+    order = EVICTIONS["score"](n=2)  # eq. 3 averages iterations j-2 .. j
+    assert isinstance(order, ScoreEviction) and order.reads_scores
     for key in [(0, 0), (0, 1), (0, 2)]:
         order.insert(key)
     for s in ([0.0, 0.9, 0.5], [0.1, 0.0, 0.5], [0.1, 0.0, 0.5], [0.9, 0.0, 0.5]):
-        order.observe(0, torch.tensor(s), n=2)  # eq. 3 averages iterations j-2 .. j
+        order.observe(0, torch.tensor(s))
     # means over the last 3: e0 = .367, e1 = 0, e2 = .5 (the first iteration fell out of the window)
     assert order.victim([(0, 0), (0, 1), (0, 2)]) == (0, 1)
     assert order.victim([(0, 0), (0, 2)]) == (0, 0)  # 1 shielded: the next lowest
@@ -103,16 +104,20 @@ def test_score_eviction_without_scores_is_lru():
     assert order.victim([(0, 0), (0, 1), (0, 2)]) == (0, 1)
 
 
-def test_smoe_make_room_uses_scores_and_shield():
-    pol = make_policy("smoe", {"cpu_assist": "false", "prefetcher": "none"}, make_ctx(layers=(0,), cache_bytes=4800))
-    cache = FakeCache(pol.pools())  # 3 slots at 16 bits
-    logits = torch.log(torch.tensor([[0.05, 0.30, 0.10, 0.20, 0.05, 0.05, 0.05, 0.20]]))
-    pol.plan(make_view([[1, 3, 7]], cache, logits=logits))  # records this iteration's scores
+def test_smoe_admission_uses_scores_and_shield():
+    pol = make_policy("smoe", {"cpu_assist": "false", "prefetcher": "none", "window": "2"},
+                      make_ctx(layers=(0,), cache_bytes=4800))
+    res = residency_for(pol)  # 3 slots at 16 bits, per layer, ranked by eq. 3
+    assert [(p.slots, p.eviction, p.eviction_options) for p in pol.pools()] == [(3, "score", {"n": 2})]
+    scores = torch.tensor([0.05, 0.30, 0.10, 0.20, 0.05, 0.05, 0.05, 0.20])
+    assert res.wants_scores()
+    res.observe(0, scores)  # what the engine does with each layer's router scores
     for e in (1, 2, 3):
-        want = Fetch(0, e, 16)
-        cache.apply(pol.make_room(want, cache, set(), True), want)
-    assert pol.make_room(Fetch(0, 7, 16), cache, set(), True) == [Fetch(0, 2, 16)]  # lowest mean score
-    assert pol.make_room(Fetch(0, 7, 16), cache, {(0, 2)}, True) == [Fetch(0, 3, 16)]  # 2 in use: shielded
+        load(pol, res, Fetch(0, e, 16))
+    assert res.order(16, 0).n == 2
+    assert load(pol, res, Fetch(0, 7, 16)) == [Fetch(0, 2, 16)]  # lowest mean score
+    # 3 and 7 tie at 0.20 and 3 is older; with 3 in use this layer, 7 goes instead
+    assert pol.admit(Fetch(0, 4, 16), res, {(0, 3)}, True) == [Fetch(0, 7, 16)]
 
 
 # -- plan and prefetch -------------------------------------------------------------------------------
@@ -162,4 +167,4 @@ def test_prefetcher_knob_composes_fates_prefetcher():
 def test_dropped_slots_are_not_run():
     pol = make_policy("smoe", {}, make_ctx())
     plan = pol.plan(make_view([[0, 8, 1]], FakeCache(pol.pools()), logits=SCORES.log()))
-    assert plan.expert[0, 1] == -1 and plan.where[0, 1] == Where.SKIP
+    assert plan.where[0, 1] == Where.SKIP and plan.running().tolist() == [[True, False, True]]

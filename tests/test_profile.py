@@ -64,7 +64,7 @@ def test_sensitivity_and_timing(full, tmp_path):
     s = prof.sensitivity
     assert math.isfinite(s.base_ppl) and s.base_ppl > 1 and s.tokens == 2 * 15
     assert [ls.layer for ls in s.layers] == list(prof.info.moe_layers)
-    assert all(ls.delta["2"] == pytest.approx(ls.ppl["2"] - s.base_ppl) for ls in s.layers)
+    assert all(ls.delta[2] == pytest.approx(ls.ppl[2] - s.base_ppl) for ls in s.layers)
     assert set(s.int2_share) == {"0", "0.5"}
     t = prof.timing
     assert t.h2d_gbps is None and t.c_cpu_s > 0 and t.t_dense_s > 0
@@ -73,7 +73,7 @@ def test_sensitivity_and_timing(full, tmp_path):
     path = tmp_path / "measured.hw.json"
     path.write_text(json.dumps(prof.hw))
     hw, _ = load_hw(str(path))
-    assert hw.t_dense_s == t.t_dense_s and set(hw.t_expert_s) == {"16", "8", "4", "2"} and hw.c_cpu_s == t.c_cpu_s
+    assert hw.t_dense_s == t.t_dense_s and set(hw.t_expert_s) == {16, 8, 4, 2} and hw.c_cpu_s == t.c_cpu_s
 
 
 def test_profile_round_trips_and_is_refused_for_another_model(full, tiny_ckpt, tmp_path):
@@ -168,6 +168,6 @@ def test_sensitivity_reads_a_bundle_and_refuses_missing_bits(tiny_ckpt, tmp_path
                         int2_shares=(0.0, 1.0), ppl_tokens=32, ppl_seq_len=16)
     prof = profile(cfg)
     assert prof.sensitivity.source.startswith("bundle") and prof.info.expert_bytes_source.startswith("bundle")
-    assert set(prof.sensitivity.layers[0].delta) == {"2", "4"} and prof.inputs
+    assert set(prof.sensitivity.layers[0].delta) == {2, 4} and prof.inputs
     with pytest.raises(MoetoolError, match="lacks 8-bit experts"):
         profile(dataclasses.replace(cfg, sensitivity_bits=(8,)))

@@ -130,3 +130,24 @@ def test_cuda_quantize_and_device_dequantize_agree_with_cpu():
     assert on_gpu.gate_up.is_cuda
     assert torch.equal(on_gpu.gate_up.cpu(), on_cpu.gate_up) and torch.equal(on_gpu.down.cpu(), on_cpu.down)
     assert relative_error(w.gate_up, on_cpu.gate_up) < 0.12
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+@pytest.mark.parametrize("has_bias,axis", [(False, 1), (True, 1), (False, 0)])
+def test_a_layout_read_back_is_checked_against_the_one_make_layout_gives(bits, has_bias, axis):
+    import dataclasses
+
+    from moetool.quant.format import Layout
+    from moetool.schema import SchemaError, build
+
+    layout = make_layout(bits, (32, 16), (16, 16), has_bias, group_size=8, axis=axis)
+    assert build(Layout, dataclasses.asdict(layout)) == layout
+    moved = dataclasses.asdict(layout)
+    moved["parts"][-1]["offset"] += 64
+    with pytest.raises(SchemaError, match=r"parts\[\d+\] is not where this format puts"):
+        build(Layout, moved)
+    padded = {**dataclasses.asdict(layout), "nbytes": layout.nbytes + 64}
+    with pytest.raises(SchemaError, match="nbytes is"):
+        build(Layout, padded)
+    with pytest.raises(SchemaError, match="bits is 3, not a stored precision"):
+        build(Layout, {**dataclasses.asdict(layout), "bits": 3})

@@ -10,7 +10,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.cli import command, err, out
+from moetool.app import command, err, out, writable
+from moetool.options import DeviceOpt, Dtype, DtypeOpt, HostBudgetOpt, parse_seconds
+from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
 def _bar() -> Progress:
@@ -32,6 +34,7 @@ def demo_model(
     """
     from moetool.demo import build_demo_model
 
+    writable(save, "dir")
     with err.status("demo model ...") as status:
         info = build_demo_model(save, refit=refit, progress=lambda msg: status.update(f"demo model: {msg}"))
     table = Table(title="demo model")
@@ -45,9 +48,12 @@ def demo_model(
 @command(name="demo")
 def demo(
     save: Annotated[Path, typer.Option("--out", help="Directory for every artifact of the demo.")] = Path("out/demo"),
-    budget: Annotated[str, typer.Option(help="Device budget the policies are compared at.")] = "25%",
-    hw: Annotated[str, typer.Option(help="Hardware profile of the simulated clock.")] = "rtx3090",
+    budget: Annotated[str, typer.Option(help="Device budget the policies are compared at.")] = DEFAULT_BUDGET,
+    hw: Annotated[str, typer.Option(help="Hardware profile of the simulated clock.")] = DEFAULT_HW,
     target_tpot: Annotated[str, typer.Option(help="SMoE's TPOT target R for fitting alpha (e.g. 3ms).")] = "3ms",
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = Dtype.auto,
+    host_budget: HostBudgetOpt = None,
 ) -> None:
     """Run the whole pipeline on the demo model and write the report (reuses valid artifacts).
 
@@ -56,9 +62,12 @@ def demo(
 
     Example: `moetool demo --out out/demo`
     """
-    from moetool.commands.fit import parse_seconds
     from moetool.pipeline import DemoConfig, demo_pipeline
+    from moetool.spec import EngineSpec
 
+    writable(save, "dir")
+    engine = EngineSpec(budget=budget, hw=hw, device=device, dtype=Dtype(dtype).value, host_budget=host_budget)
+    cfg = DemoConfig(out=save, engine=engine, target_tpot=parse_seconds(target_tpot))
     with _bar() as bar:
         task = bar.add_task("demo", total=None)
 
@@ -66,8 +75,7 @@ def demo(
             bar.update(task, description=what, completed=done, total=total)
             err.print(f"[dim]{done + 1}/{total}[/dim] {what}", highlight=False)
 
-        paths = demo_pipeline(DemoConfig(out=save, budget=budget, hw=hw, target_tpot=parse_seconds(target_tpot)),
-                              progress=progress)
+        paths = demo_pipeline(cfg, progress=progress)
     summary = paths["report"] / "summary.md"
     out.print(f"report: {paths['report']}  (summary: {summary})")
     if summary.is_file():

@@ -15,7 +15,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.cli import JsonOpt, parse_settings, command, err, out
+from moetool.app import command, err, out, writable
+from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
+                             HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
+from moetool.spec import DEFAULT_HW
 
 
 class MmluSource(str, Enum):
@@ -29,15 +32,14 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     task: Annotated[str, typer.Argument(help="An lm-eval task, group or tag (mmlu, mmlu_anatomy, hellaswag, ...), "
                                              "a task YAML, bigbench-mc / bigbench-mc-cloze (packaged, offline), "
                                              "or ppl.")],
-    model: Annotated[str | None, typer.Option(help="Model directory, hub id, or 'demo' (default: the --bundle's own "
-                                              "model, else demo).")] = None,
-    bundle: Annotated[Path | None, typer.Option(help="Quantized bundle directory (default: bf16 experts from the checkpoint).")] = None,
-    policy: Annotated[str, typer.Option(help="Policy preset: resident, static, lod, lru, eap, fate, dymoe, smoe, dynaexq.")] = "resident",
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")] = None,
-    fit: Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used.")] = None,
-    budget: Annotated[str, typer.Option(help="Device budget: a size (12GiB) or the expert cache as a share of bf16 experts (25%).")] = "100%",
-    clock: Annotated[str, typer.Option(help="wall (measured) or sim (modelled on --hw).")] = "wall",
-    hw: Annotated[str, typer.Option(help="Hardware profile for the sim clock: a preset name or a profile JSON.")] = "rtx3090",
+    model: ModelOpt = None,
+    bundle: BundleOpt = None,
+    policy: PolicyOpt = "resident",
+    set_: SetOpt = None,
+    fit: FitOpt = None,
+    budget: BudgetOpt = "100%",
+    clock: ClockOpt = Clock.wall,
+    hw: HwOpt = DEFAULT_HW,
     num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (default: the task's own).")] = None,
     limit: Annotated[int | None, typer.Option(help="lm-eval: examples per task. ppl: tokens of text (default all; 1024 with --stepwise).")] = None,
     include_path: Annotated[Path | None, typer.Option(help="Directory of extra lm-eval task YAMLs.")] = None,
@@ -49,10 +51,10 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     data: Annotated[Path | None, typer.Option(help="ppl: UTF-8 text file (default: the packaged held-out text).")] = None,
     stepwise: Annotated[bool, typer.Option(help="ppl: one token per forward through a KV cache (decode steps).")] = False,
     context: Annotated[int, typer.Option(help="ppl: window length in tokens (non-overlapping windows).")] = 512,
-    batch_size: Annotated[int, typer.Option(help="Sequences per forward.")] = 1,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, "
-                                       "float16.")] = "auto",
+    batch_size: BatchOpt = 1,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = Dtype.auto,
+    host_budget: HostBudgetOpt = None,
     save: Annotated[Path | None, typer.Option("--out", help="Where to write the Eval artifact (NAME.eval.json).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -69,11 +71,12 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     """
     from moetool.evaluate import PPL, EvalConfig, evaluate
 
+    writable(save)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    cfg = EvalConfig(task=task, model=model, bundle=bundle, policy=policy, settings=parse_settings(set_ or []), fit=fit,
-                     budget=budget, clock=clock, hw=hw, num_fewshot=num_fewshot, limit=limit,
-                     include_path=include_path, mmlu_source=mmlu_source.value, data=data, stepwise=stepwise,
-                     context=context, batch_size=batch_size, device=device, dtype=dtype)
+    cfg = EvalConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget),
+                     task=task, num_fewshot=num_fewshot, limit=limit, include_path=include_path,
+                     mmlu_source=mmlu_source.value, data=data, stepwise=stepwise, context=context,
+                     batch_size=batch_size)
     unit = "tokens" if task == PPL else "requests"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -11,18 +10,9 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.cli import JsonOpt, command, err, out
-from moetool.errors import MoetoolError
-
-
-def parse_seconds(text: str | None) -> float | None:
-    """'0.05', '0.05s' or '50ms' -> seconds."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s)?\s*", text)
-    if not m:
-        raise MoetoolError(f"--target-tpot takes seconds such as 0.05 or 50ms, not '{text}'.")
-    return float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
+from moetool.app import command, err, out, writable
+from moetool.options import BundleOpt, DeviceOpt, Dtype, DtypeOpt, HwOpt, JsonOpt, parse_numbers, parse_seconds
+from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
 @command
@@ -32,34 +22,37 @@ def fit(
     more: Annotated[list[Path] | None, typer.Argument(help="More run/eval artifacts (so that --runs *.run.json works).")] = None,
     runs: Annotated[list[Path] | None, typer.Option(help="Run artifacts (smoe at several alpha) and eval artifacts (fate at several p).")] = None,
     sweep: Annotated[bool, typer.Option(help="Run smoe at --alphas on the sim clock to fit T(alpha).")] = False,
-    alphas: Annotated[str, typer.Option(help="Alphas for --sweep, comma-separated.")] = "0,0.1,0.2,0.3,0.4,0.5",
+    alphas: Annotated[str | None, typer.Option(help="Alphas for --sweep, comma-separated (default: 0 to 0.5 by 0.1).")] = None,
     target_tpot: Annotated[str | None, typer.Option(help="TPOT budget R for SMoE eq. 5: seconds (0.05) or 50ms.")] = None,
     max_loss: Annotated[float, typer.Option(help="Fate p: relative loss allowed (0.01 = 1%).")] = 0.01,
     l_threshold: Annotated[float, typer.Option(help="Fate L: decode prefetch recall every deeper layer must keep.")] = 0.7,
     r: Annotated[float, typer.Option(help="DyMoE target mean retention (without --budget).")] = 0.75,
     budget: Annotated[str | None, typer.Option(help="Device budget (12GiB) or expert cache share (25%) for DyMoE r and DynaExq n_hi.")] = None,
     model: Annotated[str | None, typer.Option(help="Model for --sweep (default: the profile's).")] = None,
-    bundle: Annotated[Path | None, typer.Option(help="Bundle for --sweep runs.")] = None,
-    hw: Annotated[str, typer.Option(help="Hardware profile for --sweep (a preset or the profile's NAME.hw.json).")] = "rtx3090",
-    sweep_budget: Annotated[str, typer.Option(help="Budget of the --sweep runs.")] = "25%",
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per --sweep run.")] = 16,
+    bundle: BundleOpt = None,
+    hw: HwOpt = DEFAULT_HW,
+    sweep_budget: Annotated[str, typer.Option(help="Budget of the --sweep runs.")] = DEFAULT_BUDGET,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per --sweep run (default: 16).")] = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = Dtype.auto,
     as_json: JsonOpt = False,
 ) -> None:
     """Fit policy knobs from PROFILE (and runs), each with its evidence, into a fit artifact.
 
     Example: `moetool fit demo.profile.json --sweep --hw demo.hw.json --target-tpot 40ms --budget 25% --out demo.fit.json`
     """
-    from moetool.fit import FitConfig
+    from moetool.fit import ALPHAS, SWEEP_TOKENS, FitConfig
     from moetool.fit import fit as fit_stage
+    from moetool.run import RunConfig
 
-    try:
-        grid = tuple(float(a) for a in alphas.split(",") if a.strip())
-    except ValueError:
-        raise MoetoolError(f"--alphas takes comma-separated numbers, not '{alphas}'.") from None
-    cfg = FitConfig(profile=profile, runs=tuple([*(runs or []), *(more or [])]), sweep=sweep, alphas=grid,
-                    target_tpot=parse_seconds(target_tpot), max_loss=max_loss, l_threshold=l_threshold, r=r,
-                    budget=budget, model=model, bundle=bundle, hw=hw, sweep_budget=sweep_budget,
-                    max_new_tokens=max_new_tokens)
+    writable(save)
+    grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
+    sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget, hw=hw, device=device,
+                           dtype=Dtype(dtype).value,
+                           max_new_tokens=SWEEP_TOKENS if max_new_tokens is None else max_new_tokens)
+    cfg = FitConfig(profile=profile, runs=tuple([*(runs or []), *(more or [])]), sweep=sweep_runs if sweep else None,
+                    alphas=grid, target_tpot=parse_seconds(target_tpot), max_loss=max_loss, l_threshold=l_threshold,
+                    r=r, budget=budget)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("smoe sweep", total=len(grid), visible=sweep)
         result = fit_stage(cfg, progress=lambda part, done, total: bar.update(task, completed=done))

@@ -10,8 +10,9 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.cli import JsonOpt, command, err, out
-from moetool.errors import MoetoolError
+from moetool.app import command, err, out, writable
+from moetool.options import DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, parse_numbers
+from moetool.spec import DEFAULT_HW
 
 
 def _split(values: list[str] | None) -> tuple[str, ...]:
@@ -21,8 +22,7 @@ def _split(values: list[str] | None) -> tuple[str, ...]:
 @command
 def profile(
     save: Annotated[Path, typer.Option("--out", help="Where to write the profile artifact (NAME.profile.json).")],
-    model: Annotated[str | None, typer.Option(help="Model directory, hub id, or 'demo' (default: the --bundle's "
-                                                  "own model, else demo).")] = None,
+    model: ModelOpt = None,
     bundle: Annotated[Path | None, typer.Option(help="Quantized bundle for sensitivity and timing (default: HQQ in memory).")] = None,
     data: Annotated[list[str] | None, typer.Option(help="Data set name (heldout, train, a BIG-bench task) or a text/JSONL file; repeat or comma-separate. Default: heldout, general_knowledge, movie_recommendation.")] = None,
     what: Annotated[list[str] | None, typer.Option(help="all, routing, sensitivity, similarity, prefetch, timing; repeat or comma-separate.")] = None,
@@ -31,10 +31,10 @@ def profile(
     decode_tokens: Annotated[int, typer.Option(help="Greedy decode steps traced after each prompt.")] = 16,
     bits: Annotated[str, typer.Option(help="Sensitivity precisions, comma-separated (DyMoE Fig. 5 uses 2).")] = "2",
     ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens scored per perplexity.")] = 512,
-    hw_base: Annotated[str, typer.Option(help="Preset whose throughputs the written hardware profile keeps.")] = "rtx3090",
+    hw_base: Annotated[str, typer.Option(help="Preset whose throughputs the written hardware profile keeps.")] = DEFAULT_HW,
     hw_out: Annotated[Path | None, typer.Option(help="Hardware profile JSON to write from the timings (default: NAME.hw.json beside --out).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = Dtype.auto,
     as_json: JsonOpt = False,
 ) -> None:
     """Measure what the policies' knobs are fitted from, on MODEL over --data.
@@ -50,14 +50,13 @@ def profile(
     from moetool.profile import ProfileConfig
     from moetool.profile import profile as profile_stage
 
-    try:
-        sens_bits = tuple(int(b) for b in bits.split(",") if b.strip())
-    except ValueError:
-        raise MoetoolError(f"--bits takes comma-separated integers such as 2,4, not '{bits}'.") from None
+    writable(save)
+    writable(hw_out, option="--hw-out")
+    sens_bits = parse_numbers(bits, "--bits", int)
     cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,
                         what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
                         decode_tokens=decode_tokens, sensitivity_bits=sens_bits, ppl_tokens=ppl_tokens,
-                        hw_base=hw_base, device=device, dtype=dtype)
+                        hw_base=hw_base, device=device, dtype=Dtype(dtype).value)
     bar = Progress(console=err, transient=True, disable=not err.is_terminal)
     tasks: dict[str, int] = {}
 
@@ -89,7 +88,7 @@ def profile(
         cols += [("gini", lambda i: f"{result.routing.layers[i].gini:.3f}"),
                  ("top-10% share", lambda i: f"{result.routing.layers[i].top10_share:.3f}")]
     if result.sensitivity:
-        b0 = str(result.sensitivity.bits[0]) if result.sensitivity.bits else None
+        b0 = result.sensitivity.bits[0] if result.sensitivity.bits else None
         if b0:
             cols.append((f"Δppl INT{b0}", lambda i: f"{result.sensitivity.layers[i].delta[b0]:+.3f}"))
     if result.prefetch:

@@ -10,13 +10,13 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from moetool.cli import JsonOpt, command, err, out
-from moetool.errors import MoetoolError
+from moetool.app import command, err, out, writable
+from moetool.options import JsonOpt, ModelArg, parse_numbers
 
 
 @command
 def quantize(
-    model: Annotated[str, typer.Argument(help="Model directory, hub id, or 'demo'.")] = "demo",
+    model: ModelArg = "demo",
     bits: Annotated[str, typer.Option(help="Precisions to store, comma-separated; 16 (bf16) is added unless "
                                       "--no-reference.")] = "8,4,2",
     reference: Annotated[bool, typer.Option(help="Also store the bf16 reference (16 bits): lossless policies and "
@@ -49,10 +49,8 @@ def quantize(
     from moetool.quant.quantize import QuantizeConfig
     from moetool.quant.quantize import quantize as quantize_stage
 
-    try:
-        wanted = sorted({*((16,) if reference else ()), *(int(b) for b in bits.split(",") if b.strip())}, reverse=True)
-    except ValueError:
-        raise MoetoolError(f"--bits takes comma-separated integers like 8,4,2, not '{bits}'.") from None
+    writable(save, "dir")
+    wanted = sorted({*((16,) if reference else ()), *parse_numbers(bits, "--bits", int)}, reverse=True)
     cfg = QuantizeConfig(model=model, out=save, bits=tuple(wanted), method=method, group_size=group_size,
                          calib_text=calib_text, calib_tokens=calib_tokens, calibrate=calibrate, dtype=dtype,
                          verify=verify, hqq_optimize=hqq_optimize)

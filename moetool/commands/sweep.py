@@ -9,8 +9,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.cli import command, err, out
+from moetool.app import command, err, out, writable
 from moetool.errors import MoetoolError
+from moetool.grid import packaged_grids
+from moetool.options import parse_settings
 
 STYLE = {"done": "green", "reused": "green", "refused": "yellow", "failed": "red", "pending": "dim"}
 
@@ -27,8 +29,7 @@ def _yaml_value(text: str) -> Any:
 
 @command(name="sweep")
 def sweep(
-    grid: Annotated[str, typer.Argument(help="A grid file (YAML), or a packaged grid: demo-runs, demo-evals, "
-                                             "compare-policies, accuracy-table.")],
+    grid: Annotated[str, typer.Argument(help=f"A grid file (YAML), or a packaged grid: {', '.join(packaged_grids())}.")],
     save: Annotated[Path, typer.Option("--out", help="Sweep directory: one artifact per cell and sweep.json.")],
     model: Annotated[str | None, typer.Option(help="Model of every cell (replaces the grid's `model:`).")] = None,
     bundle: Annotated[Path | None, typer.Option(help="Bundle of every cell (replaces the grid's `bundle:`).")] = None,
@@ -53,11 +54,11 @@ def sweep(
     Example: `moetool sweep grid.yaml --out out/sweep`, with grid.yaml holding `model: ckpt`,
     `prompts: ["Hello"]`, `max_new_tokens: 16` and `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
-    from moetool.cli import parse_settings
     from moetool.sweep import SweepConfig
     from moetool.sweep import sweep as sweep_stage
 
-    overrides: dict[str, Any] = {k: _yaml_value(v) for k, v in parse_settings(with_ or []).items()}
+    writable(save, "dir")
+    overrides: dict[str, Any] = {k: _yaml_value(v) for k, v in parse_settings(with_, "--with").items()}
     # Paths given here are the caller's (relative to this directory), not the grid file's.
     for key, value in (("model", model), ("bundle", bundle), ("fit", fit)):
         if value is not None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from moetool.cli import command, err, out
+from moetool.app import command, err, out
 
 
 @command

@@ -5,7 +5,8 @@ compute (the GPU's stream), copy (the host-to-device link) and cpu (host expert 
 starts when the link is free and the request is made; a computation that needs it waits for it
 (the wait is a stall); a prefetch issued early overlaps with compute.
 
-    clock = SimClock(CostModel.for_model(load_hw("rtx3090"), lm, store))
+    cost, _ = engine.cost_model(lm, store, "rtx3090")  # moetool.engine.cost_model
+    clock = SimClock(cost)
     clock.begin_step(); clock.compute(1e-3); ready = clock.copy(8 << 20); stall = clock.wait(ready)
 """
 
@@ -39,8 +40,16 @@ class HwProfile:
     # Measured on a machine by `moetool profile --what timing`; each one, when present, replaces
     # the throughput-derived estimate (so a profile calibrates the sim clock for one model).
     t_dense_s: float | None = None  # attention + router + shared experts of one MoE layer, one token
-    t_expert_s: dict[str, float] | None = None  # bits -> one expert on one token, on the device
+    t_expert_s: dict[int, float] | None = None  # bits -> one expert on one token, on the device
     c_cpu_s: float | None = None  # one reference-precision expert on one token, on the host CPU
+
+    def validate(self) -> None:
+        """Throughputs divide byte and FLOP counts: each must be a positive number."""
+        from moetool.schema import SchemaError
+
+        for name in ("h2d_gbps", "gpu_tflops", "gpu_mem_gbps", "cpu_tflops", "cpu_mem_gbps"):
+            if not getattr(self, name) > 0:
+                raise SchemaError(name, f"is {getattr(self, name)}; a throughput must be positive")
 
 
 def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
@@ -49,8 +58,7 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
     if not path.is_file():
         path = HW_DIR / f"{name_or_path}.json"
     if not path.is_file():
-        known = sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []
-        raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(known) or 'none'}; "
+        raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(packaged_hw_names()) or 'none'}; "
                            "or give a path to a profile JSON).")
     try:
         data = json.loads(path.read_text())
@@ -58,11 +66,13 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
         raise MoetoolError(f"{path} is not a readable hardware profile JSON ({e.__class__.__name__}).") from None
     if not isinstance(data, dict):
         raise MoetoolError(f"{path} is not a hardware profile (its top level is not an object).")
+    from moetool.schema import SchemaError, build
+
     fields = {k: data[k] for k in HwProfile.__dataclass_fields__ if k in data}
     try:
-        return HwProfile(**fields), data
-    except TypeError as e:
-        raise MoetoolError(f"{path} is not a hardware profile ({e}).") from None
+        return build(HwProfile, fields), data  # types and ranges, as artifacts are read
+    except SchemaError as e:
+        raise MoetoolError(f"{path} is not a usable hardware profile: {e}.") from None
 
 
 @dataclass(frozen=True)
@@ -86,8 +96,8 @@ class CostModel:
 
     def t_expert(self, bits: int, tokens: int) -> float:
         """One expert on the GPU: read its weights (dequantizing if quantized) and multiply."""
-        if self.hw.t_expert_s and str(bits) in self.hw.t_expert_s:
-            return max(self.hw.t_expert_s[str(bits)], self.expert_flops_per_token * tokens / (self.hw.gpu_tflops * 1e12))
+        if self.hw.t_expert_s and bits in self.hw.t_expert_s:
+            return max(self.hw.t_expert_s[bits], self.expert_flops_per_token * tokens / (self.hw.gpu_tflops * 1e12))
         read = self.expert_bytes[bits] + (self.reference_bytes if bits != 16 else 0)
         return max(read / (self.hw.gpu_mem_gbps * 1e9),
                    self.expert_flops_per_token * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
@@ -190,5 +200,6 @@ class WallClock:
 
 
 def packaged_hw_names() -> list[str]:
+    """The presets shipped in profiles/hw (what `--hw NAME` accepts)."""
     return sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []
 

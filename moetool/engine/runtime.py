@@ -1,28 +1,67 @@
-"""The engine: per MoE layer, route -> plan -> compute (hits, then in flight, then misses) -> prefetch.
+"""The engine: per MoE layer, route -> plan -> schedule -> compute (hits, then in flight, then
+misses) -> combine -> prefetch.
 
-`Engine` owns the host store, the device cache, the copier, the clock, the stats and the policy,
-and installs an `EngineExperts` module in every MoE block. Steps are delimited by hooks on the
-model's forward, so plain `model.generate` (or lm-eval) drives the engine unchanged.
+`Engine` owns the host store, the residency (device slots, quotas, eviction orders), the copier,
+the clock, the stats and the policy, and installs an `EngineExperts` module in every MoE block.
+Steps are delimited by hooks on the model's forward, so plain `model.generate` (or lm-eval)
+drives the engine unchanged.
 
-    engine = Engine(lm, store, policy, cache, clock, cost)
+    engine = Engine(lm, store, policy, residency, clock, cost, device=torch.device("cpu"))
     lm.model.generate(ids, max_new_tokens=8, do_sample=False); engine.stats.summary()
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import torch
 from torch import nn
 
-from moetool.engine.cache import DeviceCache, Handle, State
 from moetool.engine.clock import CostModel, SimClock, WallClock
-from moetool.engine.stats import Stats, StepRecord
+from moetool.engine.residency import Handle, Residency, State
+from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier
+from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
+from moetool.policies.dymoe import token_importance
+
+
+class Status(IntEnum):
+    """Where a device-side group's expert copy stands when the layer is scheduled (the compute order)."""
+
+    HIT = 0  # resident: computes first
+    IN_FLIGHT = 1  # a prefetch still copying: computes when its own copy lands
+    MISS = 2  # a demand load started now: into a cached slot, or streamed through a staging buffer
+
+
+@dataclass
+class Group:
+    """The (token, slot) pairs of one layer that run one expert at one precision in one place."""
+
+    expert: int
+    bits: int
+    where: Where
+    tok: torch.Tensor  # [n] token rows, on the compute device
+    slot: torch.Tensor  # [n] routing slots, on the compute device
+    tok_host: torch.Tensor  # [n] the same rows on the host (a CPU-assisted expert indexes host tensors)
+    slot_host: torch.Tensor
+    status: Status = Status.HIT
+    handle: Handle | None = None
+
+
+@dataclass
+class Output:
+    """One group's routing-weighted expert output, held until the layer's sum in expert order."""
+
+    expert: int
+    bits: int
+    tok: torch.Tensor  # [n] token rows, on hidden's device
+    y: torch.Tensor  # [n, H]
 
 
 class EngineExperts(ProviderExperts):
@@ -38,9 +77,9 @@ class EngineExperts(ProviderExperts):
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, store: HostStore, policy: Policy, cache: DeviceCache,
+    def __init__(self, lm: LoadedModel, store: HostStore, policy: Policy, residency: Residency,
                  clock: SimClock | WallClock, cost: CostModel, device: torch.device):
-        self.lm, self.store, self.policy, self.cache = lm, store, policy, cache
+        self.lm, self.store, self.policy, self.residency = lm, store, policy, residency
         self.clock, self.cost, self.device = clock, cost, torch.device(device)
         self.copier = Copier(self.device)
         self.layers = lm.geometry.layers
@@ -51,27 +90,25 @@ class Engine:
         self._logits: dict[int, torch.Tensor] = {}
         self._importance: dict[int, torch.Tensor] = {}  # layer -> [T] heavy-hitter scores, prefill only
         self._predicting = False
-        self._loading: set[tuple[int, int, int]] = set()  # keys whose copies may still be in flight
+        # The sequence length and batch the budget's KV margin was planned for (0: not checked).
+        self.plan_tokens, self.plan_batch = 0, 1
         self._hooks: list[Any] = []
         self._install()
         self.warm_bytes = self._warm()
 
     def _warm(self) -> int:
-        """Load the policy's start-up set and wait for it; its bytes are reported apart from per-token traffic."""
+        """Load the policy's start-up set and wait for it; its bytes are reported apart from per-token
+        traffic and take no time on the clock."""
         moved = 0
         for f in self.policy.warm():
-            victims = self.policy.make_room(f, self.cache, set(), False)
-            if victims is None or self.cache.get(f.layer, f.expert, f.bits) is not None:
+            victims = self.policy.admit(f, self.residency, set(), False)
+            if victims is None or self.residency.get(f.layer, f.expert, f.bits) is not None:
                 continue
-            for v in victims:
-                self.cache.evict(v.layer, v.expert, v.bits)
-            handle, dst = self.cache.begin_load(f.layer, f.expert, f.bits)
-            src, ring_slot = self.store.source(f.layer, f.expert, f.bits)
-            event = self.copier.copy(dst[: src.numel()], src)
-            self.store.release(ring_slot, event)
+            handle, dst = self.residency.begin_load(f, victims)
+            event, nbytes = self._copy_in(f, dst)
             self.copier.wait(event)
-            self.cache.publish(f.layer, f.expert, f.bits)
-            moved += src.numel()
+            self.residency.publish(f.layer, f.expert, f.bits)
+            moved += nbytes
         return moved
 
     # -- wiring ----------------------------------------------------------------------------------
@@ -101,16 +138,24 @@ class Engine:
         def hook(module, args, output):
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Tq, Tk]
             if weights is not None and self.step is not None and self.step.phase == Phase.PREFILL:
-                # DyMoE eq. 1: s_i = mean over heads of the attention token i receives. We read "the
-                # attention score of t_i" as H2O's accumulated score: summed over the query positions.
-                self._importance[layer] = weights.float().mean(1).sum(1).reshape(-1).cpu()  # [B*Tk]
+                self._importance[layer] = token_importance(weights).cpu()  # [B*Tk] DyMoE eq. 1
         return hook
 
     def _before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("past_key_values")
-        first = cache is None or cache.get_seq_length() == 0
-        self.begin_step(Phase.PREFILL if first else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
+        past = cache.get_seq_length() if cache is not None else 0
+        if ids is not None and self.plan_tokens:
+            self._check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1)
+        self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
+
+    def _check_plan(self, length: int, batch: int) -> None:
+        """The budget's KV/activation margin holds `plan_batch` sequences of `plan_tokens`: a longer
+        or wider forward would use device memory the budget never reserved, so it is refused."""
+        if length > self.plan_tokens or batch > self.plan_batch:
+            raise MoetoolError(f"a forward of {batch} sequence(s) of {length} tokens exceeds the KV/activation margin "
+                               f"the budget was planned for ({self.plan_batch} of {self.plan_tokens} tokens); plan "
+                               "the engine for the longer sequences (build_engine's max_tokens and batch).")
 
     def _after_forward(self, module, args, output):
         self.end_step()
@@ -119,199 +164,222 @@ class Engine:
     def begin_step(self, phase: Phase, num_tokens: int) -> None:
         self.step = Step(index=self._step_count, phase=phase, num_tokens=num_tokens)
         self._step_count += 1
-        self.policy.begin_step(self.step)
         self.clock.begin_step()
 
     def end_step(self) -> None:
         seconds = self.clock.end_step()
         self.stats.steps.append(StepRecord("prefill" if self.step.phase == Phase.PREFILL else "decode",
                                            self.step.num_tokens, seconds))
-        for f in self.policy.end_step(self.step):
-            self._start_load(f, shield=set(), prefetched=False, background=True)
-        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.cache.budget.peak)
+        for f in self.policy.end_step(self.step, self.residency):  # background migrations: never waited for
+            self._start_load(f, shield=set())
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.residency.budget.peak)
+        if self.device.type == "cuda":  # what the allocator really held, beside what the budget reserved
+            self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes or 0,
+                                                  torch.cuda.max_memory_allocated(self.device))
 
     # -- one MoE layer -----------------------------------------------------------------------------
     def run_layer(self, module: EngineExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         g = module.layer
         st = self.stats.layer(g.index)
-        T = hidden.shape[0]
-        self.clock.compute(self.cost.t_dense(T))
+        self.clock.compute(self.cost.t_dense(hidden.shape[0]))
         self._publish_ready()
-        # The one host sync of the layer: routing and logits to the host for the policy.
-        idx = top_k_index.to("cpu", torch.int64)  # [T, k]
-        logits = self._logits.pop(g.index, None)
-        view = LayerView(
-            layer=g.index, moe_pos=self.moe_index[g.index], num_moe_layers=len(self.layers),
-            num_experts=g.num_experts, step=self.step, top_k_index=idx,
-            top_k_weights=top_k_weights.to("cpu", torch.float32),
-            router_logits=logits.to("cpu", torch.float32) if logits is not None else torch.empty(0),
-            cache=self.cache, predict=lambda later: self._predict(later, hidden),
-            token_importance=self._importance.pop(g.index, None))
+        view = self._view(g, hidden, top_k_index, top_k_weights)  # the layer's one host sync
         plan = self.policy.plan(view)
-        groups = self._groups(plan, st, idx)
-        shield = {(g.index, e) for (e, b, w) in groups if w == Where.GPU}
+        groups = self._group(plan, view.top_k_index, st)
         weight = plan.weight.to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
-
-        gpu, cpu = [], []
-        for (e, b, where), (tok, slot, tok_host, slot_host) in groups.items():
-            if where == Where.CPU:
-                cpu.append((e, b, tok_host, slot_host))
-                continue
-            h = self.cache.get(g.index, e, b)
-            kind = 0 if h is not None and h.state == State.RESIDENT else 1 if h is not None else 2
-            gpu.append((kind, e, b, tok, slot, h))  # kind: 0 hit, 1 in flight (prefetched), 2 miss
-        # Demand loads into cache slots start first, so their copies overlap with the hits' compute.
-        # Loads the policy did not admit stream through the two staging buffers, issued one ahead.
-        gpu = [(kind, e, b, tok, slot, self._start_load(Fetch(g.index, e, b), shield, demand=True) if kind == 2 else h)
-               for kind, e, b, tok, slot, h in gpu]
-        gpu.sort(key=lambda x: (x[0], x[5].slot < 0))  # hits, in flight, cached misses, staged misses
-        staged = [(x[5], Fetch(g.index, x[1], x[2])) for x in gpu if x[5].slot < 0]
-        if staged:
-            self._copy_staged(*staged.pop(0))
-        cpu_ready = 0.0
-        parts = []  # (expert, bits, token rows, weighted output), summed in expert order at the end
-        for e, b, tok, slot in cpu:  # SMoE Alg. 2: these run on the host, concurrently with the GPU
-            cpu_ready = max(cpu_ready, self.clock.cpu(self.cost.c_cpu(len(tok))))
-            w = self.store.decode(self.store.host(g.index, e, b), g.index, e, b)
-            parts.append((e, b, *self._expert_out(module, hidden, w, tok, slot, weight)))
-            st.cpu_experts += 1
-        used = []
-        for kind, e, b, tok, slot, h in gpu:
-            if h.slot < 0 and staged:
-                self._copy_staged(*staged.pop(0))  # the next staged expert loads while this one computes
-            if h.state == State.LOADING:
-                self.copier.wait(h.event)
-                st.stall_s += self.clock.wait(h.ready_at)
-                if h.staging is None:
-                    self._publish(g.index, e, b)
-            if h.prefetched:
-                st.prefetch_used += 1
-                h.prefetched = False
-            (st.hits if kind < 2 else st.misses)[b] += 1
-            w = self.store.decode(h.staging if h.staging is not None else self.cache.view(b, h), g.index, e, b)
-            self.clock.compute(self.cost.t_expert(b, len(tok)))
-            parts.append((e, b, *self._expert_out(module, hidden, w, tok, slot, weight)))
-            used.append((e, b, kind < 2))
-        # Experts compute in arrival order (hits, then copies as they land), but a token's k
-        # contributions are summed in ascending expert order, as transformers' eager loop sums them:
-        # fp32 addition is not associative, and with k = 16 a different order moves logits by ~1e-5,
-        # enough to flip a near-tied routing decision downstream. Holding the [n, H] outputs until
-        # here costs T*k*H activations, which the budget's margin counts (`kv_margin`).
-        out = torch.zeros_like(hidden)  # [T, H]
-        for _, _, tok, y in sorted(parts, key=lambda p: (p[0], p[1])):
-            out.index_add_(0, tok, y)
-        st.needed += len(used)
+        on_host = [x for x in groups if x.where == Where.CPU]
+        on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU])
+        shield = {(g.index, x.expert) for x in on_device}
+        cpu_ready, outputs = self._compute_on_host(module, hidden, weight, on_host, st)
+        outputs += self._compute_on_device(module, hidden, weight, on_device, staged, st)
+        out = self._combine(hidden, outputs)
+        st.needed += len(on_device)
         st.stall_s += self.clock.wait(cpu_ready)
-        self.policy.on_use(g.index, used)
+        self.residency.used(g.index, [(x.expert, x.bits, x.status != Status.MISS) for x in on_device])
+        # Asked after the layer ran, so the policy sees the residency this layer's loads left.
         for f in self.policy.prefetch(view):
-            self._start_load(f, shield, prefetched=True)
+            if self._start_load(f, shield, prefetched=True) is not None:
+                self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
         return out
 
-    def _groups(self, plan: LayerPlan, st, idx: torch.Tensor) -> dict[tuple[int, int, int], tuple]:
-        """(expert, bits, where) -> token and slot indices (device, then host), from the host plan.
+    def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> LayerView:
+        """Routing and router logits on the host for the policy (one device-to-host sync)."""
+        logits = self._logits.pop(g.index, None)
+        logits = logits.to("cpu", torch.float32) if logits is not None else torch.empty(0)  # [T, E]
+        if logits.numel() and self.residency.wants_scores():
+            self.residency.observe(g.index, torch.softmax(logits, -1).mean(0))  # SMoE eq. 3's iteration scores
+        return LayerView(
+            layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
+            top_k_index=top_k_index.to("cpu", torch.int64), top_k_weights=top_k_weights.to("cpu", torch.float32),
+            router_logits=logits, residency=self.residency, predict=lambda later: self._predict(later, hidden),
+            token_importance=self._importance.pop(g.index, None))
 
-        Plain Python over `tolist()`: for decode-sized plans (a few tokens x k) this is several
-        times cheaper than a chain of small torch ops, and it stays linear for prefill.
+    def _group(self, plan: LayerPlan, idx: torch.Tensor, st: LayerStats) -> list[Group]:
+        """The plan's (token, slot) pairs grouped by (expert, bits, where), counting skips, substitutions
+        and the precision mix.
+
+        Plain Python over `tolist()`: for decode-sized plans (a few tokens x k) this is several times
+        cheaper than a chain of small torch ops, and it stays linear for prefill.
         """
-        skip = int(Where.SKIP)
-        lists: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
-        k = plan.expert.shape[1]
+        skip, on_device = int(Where.SKIP), int(Where.GPU)
+        pairs: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
         # Slot-major, token-minor, as transformers' eager loop: each expert's rows reach the GEMM in
         # the same order, so a lossless policy matches the reference bit for bit.
-        cols = [(c.tolist() for c in (plan.expert[:, s], plan.bits[:, s], plan.where[:, s], idx[:, s]))
-                for s in range(k)]
-        for s, (er, br, wr, ir) in enumerate(cols):
-            for t, (e, b, w, i) in enumerate(zip(er, br, wr, ir)):
-                if e < 0 or w == skip:
+        for s in range(plan.expert.shape[1]):
+            cols = zip(*(c.tolist() for c in (plan.expert[:, s], plan.bits[:, s], plan.where[:, s], idx[:, s])))
+            for t, (e, b, w, i) in enumerate(cols):
+                if w == skip:
                     st.skips += 1
                     continue
                 if e != i:
                     st.substitutions += 1
-                if w == Where.GPU:
+                if w == on_device:
                     st.precision_mix[b] += 1
-                tok, slot = lists.setdefault((e, b, w), ([], []))
+                tok, slot = pairs.setdefault((e, b, w), ([], []))
                 tok.append(t)
                 slot.append(s)
-        if not lists:
-            return {}
+        if not pairs:
+            return []
         # One index tensor for the whole layer, moved to the device once; groups are slices of it.
-        flat_tok = torch.tensor([t for tok, _ in lists.values() for t in tok])  # [n]
-        flat_slot = torch.tensor([s for _, slot in lists.values() for s in slot])  # [n]
-        dev = self.device
-        tok_d = flat_tok.to(dev, non_blocking=True) if dev.type != "cpu" else flat_tok
-        slot_d = flat_slot.to(dev, non_blocking=True) if dev.type != "cpu" else flat_slot
-        groups, start = {}, 0
-        for key, (tok, _) in lists.items():
+        flat_tok = torch.tensor([t for tok, _ in pairs.values() for t in tok])  # [n]
+        flat_slot = torch.tensor([s for _, slot in pairs.values() for s in slot])  # [n]
+        on_cpu = self.device.type == "cpu"
+        tok_d = flat_tok if on_cpu else flat_tok.to(self.device, non_blocking=True)
+        slot_d = flat_slot if on_cpu else flat_slot.to(self.device, non_blocking=True)
+        groups, start = [], 0
+        for (e, b, w), (tok, _) in pairs.items():
             end = start + len(tok)
-            groups[key] = (tok_d[start:end], slot_d[start:end], flat_tok[start:end], flat_slot[start:end])
+            groups.append(Group(e, b, Where(w), tok_d[start:end], slot_d[start:end], flat_tok[start:end],
+                                flat_slot[start:end]))
             start = end
         return groups
 
+    def _schedule(self, layer: int, groups: list[Group]) -> tuple[list[Group], list[Group]]:
+        """Each device group's copy: a hit, a prefetch in flight, or a demand load started now.
+
+        Demand loads start before any compute so their copies overlap with the hits'. Loads the
+        policy did not admit stream through the two staging buffers, the first issued now and each
+        next one while the previous computes. Returns the groups in compute order (hits, in flight,
+        cached misses, staged misses) and the staged ones whose copies are still to be issued.
+        """
+        shield = {(layer, x.expert) for x in groups}
+        for x in groups:
+            x.handle = self.residency.get(layer, x.expert, x.bits)
+            x.status = Status.MISS if x.handle is None else \
+                Status.HIT if x.handle.state == State.RESIDENT else Status.IN_FLIGHT
+        for x in groups:
+            if x.status == Status.MISS:
+                x.handle = self._start_load(Fetch(layer, x.expert, x.bits), shield, demand=True)
+        groups = sorted(groups, key=lambda x: (x.status, x.handle.staged))
+        staged = [x for x in groups if x.handle.staged]
+        if staged:
+            self._copy_staged(layer, staged.pop(0))
+        return groups, staged
+
+    def _compute_on_host(self, module: EngineExperts, hidden: torch.Tensor, weight: torch.Tensor,
+                         groups: list[Group], st: LayerStats) -> tuple[float, list[Output]]:
+        """SMoE Algorithm 2's CPU-assisted experts: run on the host, concurrently with the device."""
+        ready, outputs = 0.0, []
+        for x in groups:
+            ready = max(ready, self.clock.cpu(self.cost.c_cpu(len(x.tok_host))))
+            w = self.store.decode(self.store.host(module.layer.index, x.expert, x.bits), module.layer.index,
+                                  x.expert, x.bits)
+            outputs.append(self._expert_out(module, hidden, w, x, weight, host=True))
+            st.cpu_experts += 1
+        return ready, outputs
+
+    def _compute_on_device(self, module: EngineExperts, hidden: torch.Tensor, weight: torch.Tensor,
+                           groups: list[Group], staged: list[Group], st: LayerStats) -> list[Output]:
+        """Device groups in schedule order, each waiting only for its own copy."""
+        layer, outputs = module.layer.index, []
+        for x in groups:
+            h = x.handle
+            if h.staged and staged:
+                self._copy_staged(layer, staged.pop(0))  # the next staged expert loads while this one computes
+            if h.state == State.LOADING:
+                self.copier.wait(h.event)
+                st.stall_s += self.clock.wait(h.ready_at)
+                if not h.staged:
+                    self.residency.publish(layer, x.expert, x.bits)
+            if h.prefetched:
+                st.prefetch_used += 1
+                h.prefetched = False
+            (st.misses if x.status == Status.MISS else st.hits)[x.bits] += 1
+            w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
+            self.clock.compute(self.cost.t_expert(x.bits, len(x.tok)))
+            outputs.append(self._expert_out(module, hidden, w, x, weight, host=False))
+        return outputs
+
     @staticmethod
-    def _expert_out(module: EngineExperts, hidden, w, tok, slot, weight) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token rows, routing-weighted expert output [n, H]) of one expert group, on hidden's device."""
-        if tok.device != hidden.device:  # a CPU-assisted expert: host indices, host weights, result moved back
-            x = hidden[tok.to(hidden.device)].to(w.gate_up.device)
-            y = module.expert_forward(x, w).to(hidden.device)  # [n, H]
+    def _combine(hidden: torch.Tensor, outputs: list[Output]) -> torch.Tensor:
+        """Sum the outputs into [T, H] in ascending (expert, bits) order, whatever order they computed in.
+
+        fp32 addition is not associative, and with k = 16 a different order moves logits by ~1e-5,
+        enough to flip a near-tied routing decision downstream; transformers' eager loop sums in
+        expert order. Holding the [n, H] outputs until here costs T*k*H activations, which the
+        budget's margin counts (`kv_margin`).
+        """
+        out = torch.zeros_like(hidden)  # [T, H]
+        for o in sorted(outputs, key=lambda o: (o.expert, o.bits)):
+            out.index_add_(0, o.tok, o.y)
+        return out
+
+    @staticmethod
+    def _expert_out(module: EngineExperts, hidden: torch.Tensor, w, x: Group, weight: torch.Tensor,
+                    host: bool) -> Output:
+        """One group's routing-weighted expert output [n, H], on hidden's device."""
+        tok, slot = (x.tok_host, x.slot_host) if host else (x.tok, x.slot)
+        if tok.device != hidden.device:  # a CPU-assisted expert: host indices and weights, result moved back
+            xs = hidden[tok.to(hidden.device)].to(w.gate_up.device)
+            y = module.expert_forward(xs, w).to(hidden.device)  # [n, H]
             tok, slot = tok.to(hidden.device), slot.to(hidden.device)
         else:
             y = module.expert_forward(hidden[tok], w)  # [n, H]
-        return tok, (y * weight[tok, slot, None]).to(hidden.dtype)
+        return Output(x.expert, x.bits, tok, (y * weight[tok, slot, None]).to(hidden.dtype))
 
     # -- loads -------------------------------------------------------------------------------------
-    def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False,
-                    background: bool = False) -> Handle | None:
-        """Make room (policy), take a slot (cache), start the copy (copier + clock)."""
-        key = (want.layer, want.expert, want.bits)
-        st = self.stats.layer(want.layer)
-        if not demand and self.cache.get(*key) is not None:
+    def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False) -> Handle | None:
+        """Admit (policy + residency), take a slot, start the copy. A demand load the policy does not
+        admit gets a staged handle, copied when its turn comes (`_copy_staged`); another load that
+        is not admitted, or whose copy exists already, returns None."""
+        if not demand and self.residency.get(want.layer, want.expert, want.bits) is not None:
             return None
-        victims = self.policy.make_room(want, self.cache, shield, demand)
+        victims = self.policy.admit(want, self.residency, shield, demand)
         if victims is None:
-            if not demand:
-                return None
-            # Not admitted: streamed through a staging buffer when its turn comes (`_copy_staged`).
-            return Handle(slot=-1, state=State.LOADING, event=None, ready_at=0.0, prefetched=False, background=False)
-        for v in victims:
-            self.cache.evict(v.layer, v.expert, v.bits)
-            self._loading.discard((v.layer, v.expert, v.bits))
-        handle, dst = self.cache.begin_load(*key, prefetched=prefetched, background=background)
-        self._loading.add(key)
+            return Handle(slot=None) if demand else None
+        handle, dst = self.residency.begin_load(want, victims, prefetched=prefetched)
         self._copy(handle, dst, want, demand)
-        if prefetched:
-            st.prefetch_issued += 1
         return handle
 
-    def _copy_staged(self, handle: Handle, want: Fetch) -> None:
-        handle.staging = self.cache.staging_slot(want.bits)
-        self._copy(handle, handle.staging, want, demand=True)
+    def _copy_staged(self, layer: int, x: Group) -> None:
+        x.handle.data = self.residency.staging_slot(x.bits)
+        self._copy(x.handle, x.handle.data, Fetch(layer, x.expert, x.bits), demand=True)
+
+    def _copy_in(self, want: Fetch, dst: torch.Tensor) -> tuple[Any, int]:
+        """Start copying `want`'s blob into `dst`: (the copy's event, its bytes)."""
+        src, ring_slot = self.store.source(want.layer, want.expert, want.bits)
+        event = self.copier.copy(dst[: src.numel()], src)
+        self.store.release(ring_slot, event)
+        return event, src.numel()
 
     def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool) -> None:
         t0 = time.perf_counter()
-        src, ring_slot = self.store.source(want.layer, want.expert, want.bits)
-        if handle.staging is not None:
-            handle.staging = dst = dst[: src.numel()]
-        handle.event = self.copier.copy(dst[: src.numel()], src)
-        self.store.release(ring_slot, handle.event)
+        handle.event, nbytes = self._copy_in(want, dst)
+        if handle.staged:
+            handle.data = dst[:nbytes]
         st = self.stats.layer(want.layer)
         if demand and self.device.type == "cpu" and self.clock.kind == "wall":
             st.stall_s += time.perf_counter() - t0  # a synchronous copy blocks compute: it is a stall
-        handle.ready_at = self.clock.copy(src.numel())
-        st.bytes_h2d += src.numel()
-
-    def _publish(self, layer: int, expert: int, bits: int) -> None:
-        self.cache.publish(layer, expert, bits)
-        self._loading.discard((layer, expert, bits))
+        handle.ready_at = self.clock.copy(nbytes)
+        st.bytes_h2d += nbytes
 
     def _publish_ready(self) -> None:
         """Publish copies that have completed, without waiting for any (background migrations)."""
-        for key in list(self._loading):
-            h = self.cache.get(*key)
-            if h is None:
-                self._loading.discard(key)
-            elif h.state == State.LOADING and self.copier.done(h.event) and self.clock.ready(h.ready_at):
-                self._publish(*key)
+        for key, h in self.residency.loading():
+            if self.copier.done(h.event) and self.clock.ready(h.ready_at):
+                self.residency.publish(*key)
 
     def _predict(self, later: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """A later MoE layer's router logits on this layer's gate input (cross-layer look-ahead)."""

@@ -54,7 +54,8 @@ class Stats:
     def __init__(self, moe_layers: tuple[int, ...]):
         self.layers = {layer: LayerStats() for layer in moe_layers}
         self.steps: list[StepRecord] = []
-        self.peak_device_bytes = 0
+        self.peak_device_bytes = 0  # the budget's reservations (pools, staging, non-expert weights, margin)
+        self.peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated, on CUDA only
         # What the run was set up with, read when summarised (compute dtype, host memory tiers).
         self.context: Callable[[], dict] = dict
 
@@ -85,7 +86,7 @@ class Stats:
             "cpu_experts": int(self.total("cpu_experts")),
             "prefetch_issued": int(self.total("prefetch_issued")), "prefetch_used": int(self.total("prefetch_used")),
             "precision_mix": {str(k): v for k, v in sorted(mix.items())},
-            "peak_device_bytes": self.peak_device_bytes,
+            "peak_device_bytes": self.peak_device_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
             **self.context(),
         }
 

@@ -14,29 +14,17 @@ machine's memory runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moetool.errors import MoetoolError
 from moetool.model import ExpertWeights
 
+if TYPE_CHECKING:
+    from moetool.quant.format import Part
+
 REFERENCE_BITS = 16  # the unquantized precision (bf16 in bundles; the model's dtype in memory)
-
-
-@dataclass(frozen=True)
-class Part:
-    """One tensor inside a blob."""
-
-    name: str  # gate_up, down, gate_up_bias, down_bias
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -52,10 +40,14 @@ def _align(n: int, to: int = 64) -> int:
 
 
 def pack_reference(w: ExpertWeights, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[Part, ...]]:
-    """Pack an expert's tensors back to back in `dtype` into one uint8 blob."""
+    """Pack an expert's tensors back to back in `dtype` into one uint8 blob (the bundle format's parts)."""
+    from moetool.quant.format import DTYPES, Part  # here: the quant package's import pulls in its backends
+
     parts, offset = [], 0
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
     for name, t in w.tensors().items():
-        parts.append(Part(name, offset, tuple(t.shape), dtype))
+        parts.append(Part(name, offset, _numel(t.shape) * t.new_empty((), dtype=dtype).element_size(), dtype_name,
+                          tuple(t.shape)))
         offset = _align(offset + parts[-1].nbytes)
     blob = torch.empty(offset, dtype=torch.uint8)
     for part, t in zip(parts, w.tensors().values()):
@@ -65,7 +57,8 @@ def pack_reference(w: ExpertWeights, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 def unpack_reference(blob: torch.Tensor, parts: tuple[Part, ...]) -> ExpertWeights:
     """Views into `blob` (no copy): the device-side decode of the reference precision."""
-    return ExpertWeights(**{p.name: blob[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape)
+    # A part's dtype is a key of quant.format.DTYPES, which are torch's own names.
+    return ExpertWeights(**{p.name: blob[p.offset:p.offset + p.nbytes].view(getattr(torch, p.dtype)).view(p.shape)
                             for p in parts})
 
 

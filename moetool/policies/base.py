@@ -1,12 +1,14 @@
 """The policy contract: what the engine tells a policy, and what a policy may decide.
 
-Per MoE layer the engine builds one `LayerView` (host tensors, gathered once per layer) and asks
-`plan` which expert each (token, slot) runs, at what precision and where; it then asks `prefetch`
-what to fetch ahead for later layers. Residency is the engine's: a policy reads it through
-`CacheView` and says what to evict through `make_room`. Knobs are a frozen dataclass per policy,
-named as in the paper, settable from `--set key=value` and from a fit artifact.
+A policy declares its device pools once (`pools`: bits, slots, per-layer quota, eviction order)
+and then, per MoE layer, answers with a `LayerPlan` (which expert each (token, slot) runs, at what
+precision and where) and, after the layer ran, with what to fetch ahead (`prefetch`). Residency is
+the engine's (`engine/residency.py`: slots, quotas and eviction orders in one place); a policy reads
+it through `ResidencyView` and overrides `admit` only where its paper has an admission rule. Knobs
+are a frozen dataclass per policy, named as in the paper, settable from `--set key=value` and from a
+fit artifact. `policies/README.md` walks through writing one.
 
-    policy = make_policy("lru", {"bits": 16}, ctx)
+    policy = make_policy("lru", {"bits": "16"}, ctx)
     plan = policy.plan(view)            # LayerPlan of [T, k] tensors
 """
 
@@ -15,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
 import torch
 
 from moetool.errors import MoetoolError
+
+if TYPE_CHECKING:
+    from moetool.engine.residency import Residency
 
 Key = tuple[int, int]  # (decoder layer index, expert)
 
@@ -48,14 +53,35 @@ class Step:
 
 @dataclass(frozen=True)
 class Fetch:
-    """A request to make (layer, expert) resident at `bits` ahead of use."""
+    """One (layer, expert) copy at `bits`: a request to make it resident, or a victim to evict."""
 
     layer: int
     expert: int
     bits: int
 
 
-class CacheView(Protocol):
+@dataclass(frozen=True)
+class Pool:
+    """Device slots for one precision, carved from the expert budget once at start (no churn later).
+
+    `quota` limits each MoE layer's share (per-layer scope, as mixtral-offloading and Fate); None
+    makes the pool one global cache. `eviction` names an order in `EVICTIONS` that picks victims
+    when a layer (or the pool) is full; None admits into free slots only (a pool sized to hold
+    everything, or one whose policy decides victims itself in `admit`). With
+    `prefetch_is_reference`, a copy brought in ahead of use is referenced once by its admission, not
+    again by its first use (what ARC's frequency list needs); off, its first use is a reference too
+    (plain LRU recency).
+    """
+
+    bits: int
+    slots: int
+    quota: dict[int, int] | None = None
+    eviction: str | None = "lru"
+    eviction_options: dict[str, Any] = field(default_factory=dict)
+    prefetch_is_reference: bool = True
+
+
+class ResidencyView(Protocol):
     """Read-only residency, as the engine sees it now."""
 
     def resident_bits(self, layer: int, expert: int) -> tuple[int, ...]: ...  # bits with a usable copy
@@ -71,22 +97,29 @@ class LayerView:
 
     layer: int  # decoder layer index
     moe_pos: int  # position among MoE layers (0 = shallowest)
-    num_moe_layers: int
     num_experts: int
     step: Step
     top_k_index: torch.Tensor  # [T, k] int64: the model's own routing
     top_k_weights: torch.Tensor  # [T, k] float32: the model's own routing weights
     router_logits: torch.Tensor  # [T, E] float32: full router logits (scores of unselected experts too)
-    cache: CacheView
+    residency: ResidencyView
     # Cross-layer look-ahead: router logits [T, E] of a later MoE layer applied to this layer's gate
     # input (Fate position 2, DyMoE eq. 6, SMoE's top-score prefetch). None at the last MoE layer.
     predict: Callable[[int], torch.Tensor | None]
     token_importance: torch.Tensor | None = None  # [T] heavy-hitter scores s_i (DyMoE eq. 1), prefill only
 
 
+def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, k] bool: routing slots that name a real expert (some routers mark dropped slots with E or -1)."""
+    return (idx >= 0) & (idx < num_experts)
+
+
 @dataclass
 class LayerPlan:
-    """Per (token, slot): which expert runs (-1: none), at which bits, where, with which weight."""
+    """Per (token, slot): which expert runs, at which bits, where, with which weight.
+
+    A slot that runs nothing is `where == Where.SKIP` (its `expert` is then meaningless).
+    """
 
     expert: torch.Tensor  # [T, k] int64
     bits: torch.Tensor  # [T, k] int64
@@ -94,11 +127,16 @@ class LayerPlan:
     weight: torch.Tensor  # [T, k] float32
 
     @classmethod
-    def identity(cls, view: LayerView, bits: int) -> "LayerPlan":
-        """Run every selected expert as routed, on the device, at `bits`."""
+    def routed(cls, view: LayerView, bits: int) -> "LayerPlan":
+        """Run every selected expert as routed, on the device, at `bits`; dropped slots are skipped."""
         idx = view.top_k_index
-        return cls(expert=idx.clone(), bits=torch.full_like(idx, bits), where=torch.zeros_like(idx),
+        where = torch.where(valid_slots(idx, view.num_experts), int(Where.GPU), int(Where.SKIP))  # [T, k]
+        return cls(expert=idx.clone(), bits=torch.full_like(idx, bits), where=where,
                    weight=view.top_k_weights.clone())
+
+    def running(self) -> torch.Tensor:
+        """[T, k] bool: the slots that run an expert somewhere."""
+        return self.where != Where.SKIP
 
 
 @dataclass(frozen=True)
@@ -122,8 +160,9 @@ class Params:
 class Policy:
     """Base policy. Subclasses set `name`, `Params`, and override what they decide.
 
-    The defaults describe an offloading policy without reuse decisions: run every routed expert
-    at `params.bits` on the device, prefetch nothing, admit nothing into the cache.
+    The defaults describe an offloading policy without reuse: run every routed expert at
+    `params.bits` on the device, hold nothing, prefetch nothing. Per MoE layer the engine calls
+    `plan`, then `admit` for each copy it must load, then `prefetch`; per step, `end_step`.
     """
 
     name: ClassVar[str] = "base"
@@ -137,54 +176,62 @@ class Policy:
     def __init__(self, params: Params, ctx: EngineContext):
         self.params = params
         self.ctx = ctx
+        if isinstance(getattr(params, "bits", None), int):
+            check_bits(self.name, ctx, params.bits)
 
-    # -- the cache --------------------------------------------------------------------------
-    def pools(self) -> dict[int, int]:
-        """Slots per precision, carved from `ctx.cache_bytes` once at start (no churn later)."""
-        return {}
+    # -- once, at start ------------------------------------------------------------------------
+    def pools(self) -> list[Pool]:
+        """The device pools, carved from `ctx.cache_bytes` once (no churn later)."""
+        return []
+
+    def precisions(self) -> tuple[int, int]:
+        """(high, low) bits this policy runs experts at (low = high for a single precision; 0 = skipped)."""
+        bits = getattr(self.params, "bits", max(self.ctx.available_bits))
+        return bits, bits
 
     def bits_in_use(self) -> tuple[int, ...]:
-        """Precisions this policy may ask the engine for: the host store pins only these.
-
-        Its pools' precisions and every precision knob (`bits`, `*_bits`, DynaExq's `b_hi`/`b_lo`);
-        a policy that picks precisions another way overrides this.
-        """
-        knobs = {v for k, v in dataclasses.asdict(self.params).items()
-                 if (k == "bits" or k.endswith("_bits") or k in ("b_hi", "b_lo")) and isinstance(v, int)}
-        wanted = set(self.pools()) | knobs
+        """Precisions this policy may ask the engine for (its pools' and `precisions()`): the host
+        store pins only these."""
+        wanted = {p.bits for p in self.pools()} | set(self.precisions())
         return tuple(sorted((b for b in wanted if b in self.ctx.available_bits), reverse=True))
 
     def warm(self) -> list[Fetch]:
         """Experts to load before the first step (e.g. all of them for `resident`); not counted per token."""
         return []
 
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        """Victims to evict so `want` fits (a list, possibly empty), or None to not cache it.
-
-        `shield` holds experts in use by the current layer (SMoE's in-use shield): never victims.
-        A demand load that is not admitted is streamed through a staging buffer and dropped.
-        """
-        return None
-
-    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
-        """After a layer ran: (expert, bits, was_hit) of every expert it used on the device."""
-
-    # -- per step and per layer ---------------------------------------------------------------
-    def begin_step(self, step: Step) -> None:
-        pass
-
+    # -- per layer and per step ------------------------------------------------------------------
     def plan(self, view: LayerView) -> LayerPlan:
-        return LayerPlan.identity(view, getattr(self.params, "bits", max(self.ctx.available_bits)))
+        return LayerPlan.routed(view, self.precisions()[0])
+
+    def admit(self, want: Fetch, residency: "Residency", shield: set[Key], demand: bool) -> list[Fetch] | None:
+        """Victims to evict so `want` is cached ([] if it fits), or None to not cache it.
+
+        The default is the residency's generic rule (quota, then the pool's eviction order); a
+        policy overrides it only where its paper has an admission rule. `shield` holds the experts
+        the current layer uses (SMoE's in-use shield): never victims. A demand load that is not
+        admitted streams through a staging buffer and is dropped after use.
+        """
+        return residency.make_room(want, shield, demand)
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
+        """What to fetch ahead, asked after the layer ran (so it sees the residency its loads left)."""
         return []
 
-    def end_step(self, step: Step) -> list[Fetch]:
+    def end_step(self, step: Step, residency: ResidencyView) -> list[Fetch]:
         """Background migrations to start now (e.g. DynaExq promotions); the forward never waits on them."""
         return []
 
     def describe(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.params)
+        high, low = self.precisions()
+        return {**dataclasses.asdict(self.params), "precisions": {"high": high, "low": low}}
+
+
+def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
+    """One sentence when a policy wants a precision the bundle lacks."""
+    for b in bits:
+        if b not in ctx.available_bits:
+            raise MoetoolError(f"policy '{policy}' wants {b}-bit experts but the bundle has "
+                               f"{list(ctx.available_bits)} bits.")
 
 
 POLICIES: dict[str, type[Policy]] = {}

@@ -17,13 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import CacheView, EngineContext, Fetch, Key, LayerView, Params, Policy, register
-from moetool.policies.cache import ExpertCache, even_quota
-from moetool.policies.eviction import EVICTIONS
-
-
-def _all_experts(ctx: EngineContext) -> int:
-    return len(ctx.moe_layers) * ctx.num_experts
+from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, register
+from moetool.policies.common import all_experts, check_eviction, even_quota
 
 
 @register("resident")
@@ -34,23 +29,18 @@ class Resident(Policy):
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
-        if params.bits not in ctx.available_bits:
-            raise MoetoolError(f"policy '{self.name}' wants {params.bits}-bit experts but the bundle has "
-                               f"{list(ctx.available_bits)} bits.")
-        need = _all_experts(ctx) * ctx.expert_bytes[params.bits]
+        need = all_experts(ctx) * ctx.expert_bytes[params.bits]
         if need > ctx.cache_bytes:
-            raise MoetoolError(f"policy '{self.name}' keeps all {_all_experts(ctx)} experts at {params.bits} bits "
+            raise MoetoolError(f"policy '{self.name}' keeps all {all_experts(ctx)} experts at {params.bits} bits "
                                f"({need / 2**20:.1f} MiB) but the budget leaves {ctx.cache_bytes / 2**20:.1f} MiB "
                                "for experts; raise --budget.")
 
-    def pools(self) -> dict[int, int]:
-        return {self.params.bits: _all_experts(self.ctx)}
+    def pools(self) -> list[Pool]:
+        # The pool holds every expert: nothing is ever evicted, so it needs no eviction order.
+        return [Pool(self.params.bits, all_experts(self.ctx), eviction=None)]
 
     def warm(self) -> list[Fetch]:
         return [Fetch(layer, e, self.params.bits) for layer in self.ctx.moe_layers for e in range(self.ctx.num_experts)]
-
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        return []  # the pool holds every expert: nothing is ever evicted
 
 
 @register("static")
@@ -80,21 +70,14 @@ class LRUCache(Policy):
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
-        if params.eviction not in EVICTIONS:
-            raise MoetoolError(f"unknown eviction '{params.eviction}' (known: {', '.join(sorted(EVICTIONS))}).")
-        slots = min(ctx.cache_bytes // ctx.expert_bytes[params.bits], _all_experts(ctx))
-        self.cache = ExpertCache(params.bits, params.eviction, quota=even_quota(ctx.moe_layers, slots))
+        check_eviction(self.name, params.eviction)
+        slots = min(ctx.cache_bytes // ctx.expert_bytes[params.bits], all_experts(ctx))
+        self.quota = even_quota(ctx.moe_layers, slots)
 
-    def pools(self) -> dict[int, int]:
-        return {self.params.bits: sum(self.cache.quota.values())}
-
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        return self.cache.make_room(want, cache, shield)
-
-    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
-        for e, _, hit in experts:
-            if hit:
-                self.cache.touch(layer, e)
+    def pools(self) -> list[Pool]:
+        # Plain recency: a prefetched copy's first use is a reference like any other (mixtral-offloading).
+        return [Pool(self.params.bits, sum(self.quota.values()), quota=self.quota, eviction=self.params.eviction,
+                     prefetch_is_reference=False)]
 
 
 @register("eap")
@@ -117,14 +100,12 @@ class ActivationPathPrefetch(LRUCache):
         super().__init__(params, ctx)
         E, n = ctx.num_experts, len(ctx.moe_layers)
         self.counts = torch.zeros(n, E, E)  # [L, E, E]
-        self.prev: torch.Tensor | None = None  # [T, k] routing of the previous MoE layer this step
-        self.pos = {layer: i for i, layer in enumerate(ctx.moe_layers)}
-
-    def begin_step(self, step) -> None:
-        self.prev = None
+        self.prev: torch.Tensor | None = None  # [T, E] experts of the previous MoE layer in this forward
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
-        i = self.pos[view.layer]
+        i = view.moe_pos
+        if i == 0:
+            self.prev = None  # a new forward: the first MoE layer has no predecessor
         E = self.ctx.num_experts
         now = torch.zeros(view.top_k_index.shape[0], E)  # [T, E] one-hot of this layer's experts
         now.scatter_(1, view.top_k_index.clamp(0, E - 1), 1.0)

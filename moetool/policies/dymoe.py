@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase,
-                                   Policy, Where, register)
-from moetool.policies.cache import even_quota
-from moetool.policies.fate import (CrossLayerPrefetch, ReferenceCache, check_bits, check_eviction, popularity,
-                                   predicted_scores, valid_slots)
+from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
+                                   ResidencyView, Where, register)
+from moetool.policies.common import (check_bits, check_eviction, even_quota, popularity, predicted_scores,
+                                     valid_slots)
+from moetool.policies.fate import CrossLayerPrefetch
+
+if TYPE_CHECKING:
+    from moetool.engine.residency import Residency
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
 
@@ -61,6 +64,15 @@ def solve_lambda(r: float, L: int) -> float:
 
 
 # -- phase-adaptive importance (§4.2) --------------------------------------------------------------
+
+
+def token_importance(attn_weights: torch.Tensor) -> torch.Tensor:
+    """DyMoE eq. 1: s_i, the attention token i receives, averaged over heads [B*Tk] from [B, heads, Tq, Tk].
+
+    The paper's "attention score of t_i" is read as H2O's accumulated score: summed over the query
+    positions that see it. The engine (for `plan`) and `profile` (for the routing profile) both call this.
+    """
+    return attn_weights.float().mean(1).sum(1).reshape(-1)
 
 
 def prefill_importance(idx: torch.Tensor, s: torch.Tensor | None, num_experts: int,
@@ -138,53 +150,21 @@ class LookAhead:
             M = len(set(torch.topk(g_hat, k, dim=-1).indices.flatten().tolist()))
         t = critical_count(r_next, M)
         top = torch.topk(key, t).indices.tolist() if t > 0 else []
-        return [Fetch(nxt, e, self.bits) for e in top if self.bits not in view.cache.resident_bits(nxt, e)]
+        return [Fetch(nxt, e, self.bits) for e in top if self.bits not in view.residency.resident_bits(nxt, e)]
 
 
 # -- mixed-precision cache (§4.4.2) ----------------------------------------------------------------
+# One per-layer pool per precision, each with the `eviction` order (§4.4.2 extends LRU), governed by
+# the three rules in `DyMoE.admit` (no duplication, precision promotion) and `run_bits` (conservative
+# reuse).
 
 
-class MixedPrecisionCache:
-    """A per-layer LRU (or any eviction) over two precisions, governed by DyMoE's three rules.
-
-    - no duplication: an expert is held at one precision only;
-    - precision promotion: a high request on a low copy is a miss; the high copy is loaded and the
-      low one evicted (`make_room` returns it among the victims);
-    - conservative reuse: a low request on a high copy runs the high copy (`bits_for`), no I/O.
-    """
-
-    def __init__(self, high: int, low: int, eviction: str, high_quota: dict[int, int],
-                 low_quota: dict[int, int] | None):
-        self.high, self.low = high, low
-        self.caches = {high: ReferenceCache(high, eviction, high_quota)}
-        if low > 0 and low_quota is not None:
-            self.caches[low] = ReferenceCache(low, eviction, low_quota)
-
-    def bits_for(self, cache: CacheView, layer: int, expert: int, critical: bool) -> int:
-        """The precision to run: high if critical (rule 2: a low copy does not serve it), else the
-        resident high copy if any (rule 3), else low."""
-        if critical or self.high in cache.resident_bits(layer, expert):
-            return self.high
-        return self.low
-
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        layer, expert = want.layer, want.expert
-        held = set(cache.resident_bits(layer, expert)) | set(cache.loading_bits(layer, expert))
-        if want.bits not in self.caches or (want.bits == self.low and self.high in held):
-            return None  # rule 1: never a low copy next to a high one
-        victims = self.caches[want.bits].make_room(want, cache, shield, demand)
-        if victims is not None and want.bits == self.high and self.low in held:
-            self.caches[self.low].forget(layer, expert)  # rule 2: the promoted expert's low copy goes
-            victims = [Fetch(layer, expert, self.low), *victims]
-        return victims
-
-    def used(self, layer: int, expert: int, bits: int, hit: bool) -> None:
-        if bits in self.caches:
-            self.caches[bits].used(layer, expert, hit)
-
-    def observe(self, view: LayerView) -> None:
-        for c in self.caches.values():
-            c.observe(view)
+def run_bits(residency: ResidencyView, layer: int, expert: int, critical: bool, high: int, low: int) -> int:
+    """The precision to run: high if critical (rule 2: a low copy does not serve it), else the
+    resident high copy if any (rule 3, conservative reuse), else low."""
+    if critical or high in residency.resident_bits(layer, expert):
+        return high
+    return low
 
 
 @register("dymoe")
@@ -228,9 +208,6 @@ class DyMoE(Policy):
         self.lam = params.lam if params.lam >= 0 else solve_lambda(params.r, L)
         self.schedule = [retention(l, L, self.lam) for l in range(L)]  # eq. 4 per MoE position
         self.slots = self._split(sum(self.schedule) / L)
-        hi_q = even_quota(ctx.moe_layers, self.slots[self.high])
-        lo_q = even_quota(ctx.moe_layers, self.slots[self.low]) if self.low else None
-        self.cache = MixedPrecisionCache(self.high, self.low, params.eviction, hi_q, lo_q)
         self.prefetcher = {
             "dymoe": lambda: LookAhead(ctx, self.high, self.schedule),
             "fate": lambda: CrossLayerPrefetch(ctx, self.high, self.high, 0.0, 0, 0.75),
@@ -250,40 +227,43 @@ class DyMoE(Policy):
         lo = min(most, (self.ctx.cache_bytes - hi * hb) // lb)
         return {self.high: hi, self.low: lo}
 
-    def bits_in_use(self) -> tuple[int, ...]:
-        return tuple(b for b in (self.high, self.low) if b in self.ctx.available_bits)  # `config` overrides the knobs
+    def precisions(self) -> tuple[int, int]:
+        return self.high, self.low  # `config` overrides the knobs
 
-    def pools(self) -> dict[int, int]:
-        return {b: n for b, n in self.slots.items() if n > 0}
+    def pools(self) -> list[Pool]:
+        return [Pool(b, n, quota=even_quota(self.ctx.moe_layers, n), eviction=self.params.eviction)
+                for b, n in self.slots.items() if n > 0]
 
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        return self.cache.make_room(want, cache, shield, demand)
-
-    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
-        for e, bits, hit in experts:
-            self.cache.used(layer, e, bits, hit)
+    def admit(self, want: Fetch, residency: "Residency", shield: set[Key], demand: bool) -> list[Fetch] | None:
+        """§4.4.2 rule 1 (no duplication): never a low copy next to a high one, resident or in flight;
+        rule 2 (precision promotion): a high copy admitted for an expert held low evicts the low copy."""
+        layer, expert = want.layer, want.expert
+        held = set(residency.resident_bits(layer, expert)) | set(residency.loading_bits(layer, expert))
+        if want.bits not in (self.high, self.low) or (want.bits == self.low and self.high in held):
+            return None
+        victims = residency.make_room(want, shield, demand)
+        if victims is not None and want.bits == self.high and self.low in held:
+            victims = [Fetch(layer, expert, self.low), *victims]
+        return victims
 
     def plan(self, view: LayerView) -> LayerPlan:
         """Critical experts at high bits; sub-critical at low bits (a resident high copy if any), or
         skipped in 4/0 (their routing weight dropped, the others' weights kept as the model gave them)."""
-        self.cache.observe(view)
         critical = critical_experts(view, self.schedule[view.moe_pos], self.params.hh_ratio)
-        plan = LayerPlan.identity(view, self.high)
-        valid = valid_slots(view.top_k_index, view.num_experts)  # [T, k]
-        plan.where[~valid] = Where.SKIP
-        plan.expert[~valid] = -1
+        plan = LayerPlan.routed(view, self.high)
+        valid = plan.running()  # [T, k]
         for e in plan.expert[valid].unique().tolist():
-            mask = plan.expert == e  # [T, k]
+            mask = (plan.expert == e) & valid  # [T, k]
             if e not in critical and self.low == 0:
                 plan.where[mask] = Where.SKIP  # "4/0": a 0-bit expert is not run at all
                 plan.weight[mask] = 0.0
             else:
-                plan.bits[mask] = self.cache.bits_for(view.cache, view.layer, e, e in critical)
+                plan.bits[mask] = run_bits(view.residency, view.layer, e, e in critical, self.high, self.low)
         return plan
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
         return self.prefetcher(view) if self.prefetcher is not None else []
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "lam_used": self.lam, "high": self.high, "low": self.low,
+        return {**super().describe(), "lam_used": self.lam,
                 "retention": [round(x, 4) for x in self.schedule], "slots": self.slots}

@@ -3,7 +3,7 @@
 Every expert is resident at `b_lo` (a pool sized to all of them); each MoE layer also holds up to
 `n_hi` experts at `b_hi`, chosen from a hotness EMA of router counts (§3.5) by a top-n rule with
 hysteresis. Promotions are background migrations (`end_step`), admitted by the budget
-(`make_room`), published by the engine only when their copy has completed; the forward always
+(`admit`), published by the engine only when their copy has completed; the forward always
 runs the version that is resident now (§3.2's invariant), so it never waits for a promotion.
 
     policy = make_policy("dynaexq", {"config": "4/2"}, ctx)
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy,
-                                   Step, Where, register)
-from moetool.policies.fate import check_bits, popularity, valid_slots
+from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool,
+                                   ResidencyView, Step, register)
+from moetool.policies.common import check_bits, popularity
 
 
 def _size(n: int) -> str:
@@ -69,6 +69,12 @@ class Hotness:
         self.tokens = 0
         self.updates += 1
         return True
+
+
+def budget_n_hi(cache_bytes: int, L: int, E: int, lo_bytes: int, hi_bytes: int) -> int:
+    """§3.1 budget initialization: every expert at b_lo, then n_hi = (cache - L E b_lo) // b_hi // L
+    high-precision experts per layer, within [0, E]. `fit` sizes n_hi with the same function."""
+    return int(min(E, max(0, (cache_bytes - L * E * lo_bytes) // hi_bytes // L)))
 
 
 def select_high(score: torch.Tensor, current: set[int], n: int, margin: float) -> set[int]:
@@ -136,7 +142,7 @@ class DynaExq(Policy):
         if lo_bytes > ctx.cache_bytes:
             raise MoetoolError(f"policy 'dynaexq' keeps every expert at {self.lo} bits ({_size(lo_bytes)}) but the "
                                f"budget leaves {_size(ctx.cache_bytes)} for experts; raise --budget.")
-        most = min(E, (ctx.cache_bytes - lo_bytes) // ctx.expert_bytes[self.hi] // L)  # budget initialization (§3.1)
+        most = budget_n_hi(ctx.cache_bytes, L, E, ctx.expert_bytes[self.lo], ctx.expert_bytes[self.hi])
         if params.n_hi > most:
             raise MoetoolError(f"policy 'dynaexq': n_hi={params.n_hi} does not fit the budget (at most {most}).")
         self.n_hi = most if params.n_hi < 0 else params.n_hi
@@ -144,23 +150,22 @@ class DynaExq(Policy):
         self.hotness = Hotness(L, E, params.ema, params.interval_tokens)
         self.target: dict[int, set[int]] = {layer: set() for layer in ctx.moe_layers}  # H_l
         self.evicting: set[Key] = set()
-        self.cache: CacheView | None = None  # the engine's live view, seen at the first plan
 
-    def bits_in_use(self) -> tuple[int, ...]:
-        return tuple(b for b in (self.hi, self.lo) if b in self.ctx.available_bits)  # `config` overrides the knobs
+    def precisions(self) -> tuple[int, int]:
+        return self.hi, self.lo  # `config` overrides the knobs
 
-    def pools(self) -> dict[int, int]:
+    def pools(self) -> list[Pool]:
+        # No eviction orders: the low pool holds every expert, and `admit` picks high victims itself.
         L, E = len(self.ctx.moe_layers), self.ctx.num_experts
-        return {self.lo: L * E, **({self.hi: L * self.n_hi} if self.n_hi else {})}
+        return [Pool(self.lo, L * E, eviction=None), *([Pool(self.hi, L * self.n_hi, eviction=None)] if self.n_hi else [])]
 
     def warm(self) -> list[Fetch]:
         return [Fetch(layer, e, self.lo) for layer in self.ctx.moe_layers for e in range(self.ctx.num_experts)]
 
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
+    def admit(self, want: Fetch, cache: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """Admission control (§3.3 try_reserve): the low pool has a slot for every expert; a promotion
         gets a free high slot of its layer, or reclaims a DEMOTING one (coldest first), or is deferred
         (None; `end_step` offers it again)."""
-        self.cache = cache
         if want.bits == self.lo:
             return [] if cache.free(self.lo) > 0 else None
         if want.bits != self.hi or want.expert not in self.target.get(want.layer, ()):
@@ -180,23 +185,19 @@ class DynaExq(Policy):
     def plan(self, view: LayerView) -> LayerPlan:
         """Run every routed expert at the best precision resident now; a promotion in flight is not
         waited for (the low copy runs until the engine publishes the high one)."""
-        self.cache = view.cache
         self.hotness.observe(view.moe_pos, view.top_k_index)
-        plan = LayerPlan.identity(view, self.lo)
-        valid = valid_slots(view.top_k_index, view.num_experts)  # [T, k]
-        plan.where[~valid] = Where.SKIP
-        plan.expert[~valid] = -1
+        plan = LayerPlan.routed(view, self.lo)
+        valid = plan.running()  # [T, k]
         for e in plan.expert[valid].unique().tolist():
-            if self.hi in view.cache.resident_bits(view.layer, e):
-                plan.bits[plan.expert == e] = self.hi
+            if self.hi in view.residency.resident_bits(view.layer, e):
+                plan.bits[(plan.expert == e) & valid] = self.hi
         return plan
 
-    def end_step(self, step: Step) -> list[Fetch]:
+    def end_step(self, step: Step, cache: ResidencyView) -> list[Fetch]:
         """At an interval's end, new targets H_l; every step, the promotions still outstanding."""
-        if self.cache is None or not self.n_hi:
+        if not self.n_hi:
             self.hotness.tick(step.num_tokens)
             return []
-        cache = self.cache
         self.evicting = {k for k in self.evicting if self.hi in cache.resident_bits(*k)}
         if self.hotness.tick(step.num_tokens):
             held: dict[int, set[int]] = {layer: set() for layer in self.ctx.moe_layers}
@@ -212,11 +213,8 @@ class DynaExq(Policy):
                     out.append(Fetch(layer, e, self.hi))
         return out
 
-    def state(self, layer: int, expert: int, cache: CacheView | None = None) -> HandleState | None:
+    def state(self, layer: int, expert: int, cache: ResidencyView) -> HandleState | None:
         """The §3.2 state of one expert entry (None: not resident at all yet)."""
-        cache = cache or self.cache
-        if cache is None:
-            return None
         key = (layer, expert)
         if self.hi in cache.loading_bits(layer, expert):
             return HandleState.PROMOTING
@@ -228,9 +226,5 @@ class DynaExq(Policy):
             return HandleState.RESIDENT_LO
         return None
 
-    def states(self, cache: CacheView | None = None) -> dict[Key, HandleState | None]:
-        return {(layer, e): self.state(layer, e, cache) for layer in self.ctx.moe_layers
-                for e in range(self.ctx.num_experts)}
-
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "b_hi_used": self.hi, "b_lo_used": self.lo, "n_hi_used": self.n_hi}
+        return {**super().describe(), "n_hi_used": self.n_hi}

@@ -1,7 +1,9 @@
-"""Eviction orders for expert caches: small classes behind one interface, chosen by name.
+"""Eviction orders for expert pools: small classes behind one interface, chosen by name.
 
-An eviction order only orders keys; the cache component (`policies/cache.py`) decides scope
-(per layer or global) and capacity, and tells the order about hits, inserts and removals.
+An eviction order only orders keys; the residency (`engine/residency.py`) decides scope (per layer
+or global) and capacity, and tells the order about requests, hits, inserts and removals. The
+general orders live here; a paper's own order lives in its file and registers itself (SMoE eq. 3's
+`score` order in `policies/smoe.py`).
 
     order = EVICTIONS["lru"]()
     order.insert((3, 7)); order.touch((3, 7)); order.victim([(3, 7), (3, 1)])
@@ -10,7 +12,7 @@ An eviction order only orders keys; the cache component (`policies/cache.py`) de
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -18,7 +20,16 @@ from moetool.policies.base import Key
 
 
 class Eviction:
-    """Interface: keep track of keys and pick a victim among candidates (never empty)."""
+    """Interface: keep track of keys and pick a victim among candidates (never empty).
+
+    Candidates may include keys this order never saw (another layer's, when a layer under its quota
+    takes a slot from a full pool): an order ranks what it knows and falls back to the first.
+    """
+
+    reads_scores: ClassVar[bool] = False  # wants each layer's mean router scores (`observe`)
+
+    def observe(self, layer: int, scores: torch.Tensor) -> None:
+        """This forward's mean router scores [E] of `layer` (only for orders with `reads_scores`)."""
 
     def request(self, key: Key) -> None:
         """`key` missed and is about to be admitted (ARC adapts its target before choosing a victim)."""
@@ -69,7 +80,7 @@ class LRU(Eviction):
         for key in self.order:
             if key in allowed:
                 return key
-        return candidates[0]  # a candidate this order never saw (inserted behind its back)
+        return candidates[0]  # a candidate this order never saw
 
 
 @register_eviction("lfu")
@@ -107,13 +118,12 @@ class ARC(Eviction):
     T1 holds resident keys referenced once recently, T2 those referenced at least twice; B1/B2 are
     ghosts (keys only) of what was evicted from T1/T2; `p` is the adaptive target size of T1. Cases
     I-IV below are the paper's. ARC must see the incoming key before it picks a victim (cases II/III
-    move `p`, and REPLACE breaks the tie |T1| = p by whether the key is in B2): a cache calls
+    move `p`, and REPLACE breaks the tie |T1| = p by whether the key is in B2): the residency calls
     `request(key)` on a miss, then `victim`, `remove(victim)`, `insert(key)`. An `insert` that was not
-    announced runs `request` itself, so a plain `ExpertCache` still gets ARC, with this one request's
-    victim chosen from the previous `p`.
+    announced runs `request` itself.
 
-    The registry builds orders without arguments, so the capacity `c` is learned as the most keys
-    ever resident at once (a cache only evicts when full, so this is its size) unless given.
+    The registry builds orders without the pool's size, so the capacity `c` is learned as the most
+    keys ever resident at once (a pool only evicts when full, so this is its size) unless given.
     """
 
     def __init__(self, c: int = 0):
@@ -211,50 +221,3 @@ class ARC(Eviction):
             self.b1.popitem(last=False)
         while (self.b1 or self.b2) and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
             (self.b2 or self.b1).popitem(last=False)
-
-
-@register_eviction("score")
-class ScoreEviction(Eviction):
-    """SMoE eq. 3: evict the key whose layer's router scores averaged lowest over the last n iterations.
-
-    The policy feeds one score vector per layer per forward step with `observe` (SMoE records every
-    expert's score, active or not, so inactive substitutes are kept too). Eq. 3 averages iterations
-    max(1, j-n) .. j, i.e. up to n+1 of them. Ties, and keys of a layer with no scores yet (a policy
-    that never calls `observe`), fall back to least recent use.
-    """
-
-    def __init__(self, n: int = 3):
-        self.n = n
-        self.history: dict[int, list[torch.Tensor]] = {}  # layer -> score vectors [E], oldest first
-        self.recent: OrderedDict[Key, None] = OrderedDict()  # least recently used first
-
-    def observe(self, layer: int, scores: torch.Tensor, n: int | None = None) -> None:
-        if n is not None:
-            self.n = n
-        window = self.history.setdefault(layer, [])
-        window.append(scores.detach().to("cpu", torch.float32))  # [E]
-        del window[: max(0, len(window) - (self.n + 1))]
-
-    def mean_scores(self, layer: int) -> torch.Tensor | None:
-        window = self.history.get(layer)
-        return torch.stack(window).mean(0) if window else None  # [E]
-
-    def touch(self, key: Key) -> None:
-        self.recent[key] = None
-        self.recent.move_to_end(key)
-
-    def insert(self, key: Key) -> None:
-        self.touch(key)
-
-    def remove(self, key: Key) -> None:
-        self.recent.pop(key, None)
-
-    def victim(self, candidates: list[Key]) -> Key:
-        means = {layer: self.mean_scores(layer) for layer in {k[0] for k in candidates}}
-        rank = {k: i for i, k in enumerate(self.recent)}
-
-        def mean(key: Key) -> float:
-            m = means[key[0]]
-            return float(m[key[1]]) if m is not None and 0 <= key[1] < m.numel() else 0.0
-
-        return min(candidates, key=lambda k: (mean(k), rank.get(k, -1)))

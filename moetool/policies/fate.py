@@ -9,111 +9,24 @@
 
     policy = make_policy("fate", {"L": "3", "p": "0.25"}, ctx)
 
-Also here, for the other presets to compose: `next_moe_layer`, `hw_seconds`, `ReferenceCache`.
+DyMoE and SMoE can use Fate's prefetcher (`--set prefetcher=fate`), so `CrossLayerPrefetch` is
+imported from here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetool.errors import MoetoolError
-from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase,
-                                   Policy, Where, register)
-from moetool.policies.cache import ExpertCache
-from moetool.policies.eviction import EVICTIONS, ScoreEviction
+from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
+                                   register)
+from moetool.policies.common import check_bits, check_eviction, hw_seconds, popularity, predicted_scores
 
-# -- shared small parts ----------------------------------------------------------------------------
-
-
-def next_moe_layer(ctx: EngineContext, moe_pos: int) -> int | None:
-    """Decoder index of the MoE layer after position `moe_pos` (what `LayerView.predict` takes)."""
-    return ctx.moe_layers[moe_pos + 1] if moe_pos + 1 < len(ctx.moe_layers) else None
-
-
-def hw_seconds(ctx: EngineContext, key: str, bits: int | None = None) -> float | None:
-    """`ctx.hw[key]` (or `ctx.hw[key][bits]`), None where the hardware profile lacks it."""
-    value: Any = ctx.hw.get(key)
-    if bits is not None:
-        value = value.get(bits, value.get(str(bits))) if isinstance(value, dict) else None
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def predicted_scores(view: LayerView, ctx: EngineContext) -> tuple[int, torch.Tensor] | None:
-    """(next MoE layer, its router's softmax scores [T, E] on this layer's gate input), or None."""
-    nxt = next_moe_layer(ctx, view.moe_pos)
-    if nxt is None:
-        return None
-    logits = view.predict(nxt)  # [T, E]
-    if logits is None or logits.numel() == 0:
-        return None
-    return nxt, torch.softmax(logits.float(), dim=-1)
-
-
-def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[T, k] bool: routing slots that name a real expert (some routers mark dropped slots with E)."""
-    return (idx >= 0) & (idx < num_experts)
-
-
-def popularity(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert [E] (Fate's popularity, DyMoE's token load)."""
-    flat = idx[valid_slots(idx, num_experts)]  # [n]
-    return torch.bincount(flat, minlength=num_experts)
-
-
-class ReferenceCache(ExpertCache):
-    """An `ExpertCache` that tells its eviction order what ARC and SMoE's score order need.
-
-    - a prefetched (or warmed) copy's first use is its first reference, not a second one (otherwise
-      every prefetched expert would enter ARC's frequency list T2 on first use);
-    - `observe` feeds the layer's router scores to a score order (SMoE eq. 3), for any preset.
-    """
-
-    def __init__(self, bits: int, eviction: str = "lru", quota: dict[int, int] | None = None):
-        super().__init__(bits, eviction, quota)
-        self.fresh: set[Key] = set()  # brought in ahead of use, not referenced yet
-
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key],
-                  demand: bool = True) -> list[Fetch] | None:
-        key = (want.layer, want.expert)
-        victims = super().make_room(want, cache, shield)  # announces `key` to the order (ARC.request) first
-        if victims is not None:
-            self.fresh.difference_update((v.layer, v.expert) for v in victims)
-            if not demand:
-                self.fresh.add(key)
-        return victims
-
-    def used(self, layer: int, expert: int, hit: bool) -> None:
-        key = (layer, expert)
-        if key in self.fresh:
-            self.fresh.discard(key)
-        elif hit:
-            self.touch(layer, expert)
-
-    def forget(self, layer: int, expert: int) -> None:
-        self.fresh.discard((layer, expert))
-        super().forget(layer, expert)
-
-    def observe(self, view: LayerView, window: int | None = None) -> None:
-        order = self.order(view.layer)
-        if isinstance(order, ScoreEviction) and view.router_logits.numel():
-            order.observe(view.layer, torch.softmax(view.router_logits.float(), -1).mean(0), window)  # [E]
-
-
-def check_eviction(policy: str, name: str) -> None:
-    if name not in EVICTIONS:
-        raise MoetoolError(f"policy '{policy}': unknown eviction '{name}' (known: {', '.join(sorted(EVICTIONS))}).")
-
-
-def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
-    for b in bits:
-        if b not in ctx.available_bits:
-            raise MoetoolError(f"policy '{policy}' wants {b}-bit experts but the bundle has "
-                               f"{list(ctx.available_bits)} bits.")
-
+if TYPE_CHECKING:
+    from moetool.engine.residency import Residency
 
 # -- Fate's mechanisms -----------------------------------------------------------------------------
 
@@ -129,12 +42,20 @@ def above_percentile(scores: torch.Tensor, q: float) -> list[int]:
     return chosen[torch.argsort(best[chosen], descending=True, stable=True)].tolist()
 
 
-def transfer_cap(ctx: EngineContext, bits: int, n: int = 0) -> int:
-    """Fate §4.3: n = T / t_expert with T = t_moe + t_attn + t_gate, the decode transfers that overlap.
+def transfer_n(window_s: float, t_io_s: float, num_experts: int) -> int:
+    """Fate §4.3: n = T / t_expert, the decode transfers that overlap one layer's compute window T.
 
-    t_moe is the GPU time of the k routed experts of one token, t_expert the host-to-device time of
+    Floored, but at least 1 (a transfer that half overlaps still helps) and at most every expert of
+    a layer. `fit` calls it with a measured window, the policy with the hardware profile's.
+    """
+    return int(min(num_experts, max(1, math.floor(window_s / t_io_s)))) if t_io_s > 0 else num_experts
+
+
+def transfer_cap(ctx: EngineContext, bits: int, n: int = 0) -> int:
+    """Fate §4.3's n for this engine: T = t_moe + t_attn + t_gate from the hardware profile, with
+    t_moe the GPU time of the k routed experts of one token and t_expert the host-to-device time of
     one expert at `bits`. A fitted or set `n` > 0 wins. Without `t_load` in the profile: k (one
-    token's worth). Floor, but at least 1: a transfer that half overlaps still helps.
+    token's worth).
     """
     if n > 0:
         return n
@@ -143,7 +64,7 @@ def transfer_cap(ctx: EngineContext, bits: int, n: int = 0) -> int:
         return ctx.top_k
     t_moe = ctx.top_k * (hw_seconds(ctx, "t_expert", bits) or 0.0)
     window = t_moe + (hw_seconds(ctx, "t_attn") or 0.0) + (hw_seconds(ctx, "t_gate") or 0.0)
-    return max(1, math.floor(window / t_io))
+    return transfer_n(window, t_io, ctx.num_experts)
 
 
 def shallow_favoring(layers: tuple[int, ...], num_experts: int, L: int, total: int) -> dict[int, int]:
@@ -165,6 +86,21 @@ def shallow_favoring(layers: tuple[int, ...], num_experts: int, L: int, total: i
         for i, layer in enumerate(deep):
             quota[layer] = min(num_experts, cache_deep + (1 if i < extra else 0))
     return quota
+
+
+def pool_split(ctx: EngineContext, L: int, p: float, cache_bits: int, low_bits: int) -> tuple[int, dict[int, int]]:
+    """(INT2 slots, `cache_bits` slots per MoE layer) from the expert budget.
+
+    INT2 copies get 2 * ceil(p * E) slots (one layer's unpopular experts while the next layer's
+    arrive), at most half the budget; the rest is §4.4's cache_total, split shallow-favoring.
+    """
+    budget, low_slots = ctx.cache_bytes, 0
+    if p > 0 and low_bits != cache_bits:
+        lo_bytes = ctx.expert_bytes[low_bits]
+        low_slots = max(0, min(2 * math.ceil(p * ctx.num_experts), budget // 2 // lo_bytes))
+        budget -= low_slots * lo_bytes
+    cache_total = budget // ctx.expert_bytes[cache_bits]  # §4.4 cache_total
+    return low_slots, shallow_favoring(ctx.moe_layers, ctx.num_experts, L, cache_total)
 
 
 def int2_experts(counts: torch.Tensor, p: float) -> set[int]:
@@ -196,7 +132,7 @@ class CrossLayerPrefetch:
         nxt, scores = pred  # [T, E]
         if view.step.phase == Phase.DECODE:
             wanted = [e for e in above_percentile(scores, self.percentile)
-                      if self.bits not in view.cache.resident_bits(nxt, e)]
+                      if self.bits not in view.residency.resident_bits(nxt, e)]
             return [Fetch(nxt, e, self.bits) for e in wanted[: self.n]]
         k = min(self.ctx.top_k, scores.shape[1])
         counts = popularity(torch.topk(scores, k, dim=-1).indices, scores.shape[1])  # [E] predicted popularity
@@ -206,7 +142,7 @@ class CrossLayerPrefetch:
         order = sorted(range(active.numel()), key=lambda i: (-int(counts[active[i]]), -float(tie[i])))
         out = []
         for e in (int(active[i]) for i in order):
-            have = view.cache.resident_bits(nxt, e)
+            have = view.residency.resident_bits(nxt, e)
             bits = self.low_bits if e in low else self.bits
             if self.bits in have or bits in have:
                 continue
@@ -248,28 +184,20 @@ class Fate(Policy):
         super().__init__(params, ctx)
         check_eviction(self.name, params.eviction)
         check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if params.p > 0 else ()))
-        E, layers = ctx.num_experts, ctx.moe_layers
-        budget = ctx.cache_bytes
-        self.low: ReferenceCache | None = None
-        if params.p > 0 and params.low_bits != params.cache_bits:
-            # Staging for INT2 copies: one layer's INT2 experts while the next layer's arrive; they are
-            # transient (§4.5 moves them for the prefill), so they live in a small LRU pool of their own.
-            lo_bytes = ctx.expert_bytes[params.low_bits]
-            slots = min(2 * math.ceil(params.p * E), budget // 2 // lo_bytes)
-            if slots > 0:
-                self.low = ReferenceCache(params.low_bits, "lru")
-                self.low_slots = slots
-                budget -= slots * lo_bytes
-        cache_total = budget // ctx.expert_bytes[params.cache_bits]  # §4.4 cache_total
-        self.quota = shallow_favoring(layers, E, params.L, cache_total)
-        self.cache = ReferenceCache(params.cache_bits, params.eviction, quota=self.quota)
+        self.low_slots, self.quota = pool_split(ctx, params.L, params.p, params.cache_bits, params.low_bits)
         self.prefetcher = CrossLayerPrefetch(ctx, params.cache_bits, params.low_bits, params.p, params.n,
                                              params.percentile) if params.prefetcher == "fate" else None
 
-    def pools(self) -> dict[int, int]:
-        pools = {self.params.cache_bits: sum(self.quota.values())}
-        if self.low is not None:
-            pools[self.params.low_bits] = self.low_slots
+    def precisions(self) -> tuple[int, int]:
+        return self.params.cache_bits, self.params.low_bits if self.params.p > 0 else self.params.cache_bits
+
+    def pools(self) -> list[Pool]:
+        pools = [Pool(self.params.cache_bits, sum(self.quota.values()), quota=self.quota,
+                      eviction=self.params.eviction)]
+        if self.low_slots:
+            # INT2 copies are transient (§4.5 moves them for the prefill): one small global LRU pool,
+            # enough for one layer's INT2 experts while the next layer's arrive.
+            pools.append(Pool(self.params.low_bits, self.low_slots, eviction="lru"))
         return pools
 
     def warm(self) -> list[Fetch]:
@@ -278,21 +206,13 @@ class Fate(Policy):
         return [Fetch(layer, e, self.params.cache_bits) for layer, q in self.quota.items()
                 if q >= self.ctx.num_experts for e in range(self.ctx.num_experts)]
 
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        if want.bits == self.params.cache_bits:
-            return self.cache.make_room(want, cache, shield, demand)
-        if self.low is not None and want.bits == self.params.low_bits:
-            if self.params.cache_bits in cache.resident_bits(want.layer, want.expert):
-                return None
-            return self.low.make_room(want, cache, shield, demand)
-        return None
-
-    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
-        for e, bits, hit in experts:
-            if bits == self.params.cache_bits:
-                self.cache.used(layer, e, hit)
-            elif self.low is not None and bits == self.params.low_bits:
-                self.low.used(layer, e, hit)
+    def admit(self, want: Fetch, residency: "Residency", shield: set[Key], demand: bool) -> list[Fetch] | None:
+        """An INT2 copy is not cached for an expert already held at `cache_bits` (§4.5 moves the
+        unpopular experts at INT2, not the ones the cache holds)."""
+        if want.bits != self.params.cache_bits and self.params.cache_bits in residency.resident_bits(want.layer,
+                                                                                                   want.expert):
+            return None
+        return residency.make_room(want, shield, demand)
 
     def plan(self, view: LayerView) -> LayerPlan:
         """Run every routed expert (no substitution, no skipping); only its precision is chosen.
@@ -301,24 +221,21 @@ class Fate(Policy):
         prefetcher moved unpopular experts at INT2 on purpose), else INT2 for the least popular p of
         this layer's actual routing and `cache_bits` for the rest.
         """
-        self.cache.observe(view)
         E = view.num_experts
-        plan = LayerPlan.identity(view, self.params.cache_bits)
-        valid = valid_slots(view.top_k_index, E)  # [T, k]
-        plan.where[~valid] = Where.SKIP
-        plan.expert[~valid] = -1
-        if view.step.phase == Phase.DECODE or self.low is None:
+        plan = LayerPlan.routed(view, self.params.cache_bits)
+        valid = plan.running()  # [T, k]
+        if view.step.phase == Phase.DECODE or not self.low_slots:
             return plan
         low = int2_experts(popularity(view.top_k_index, E), self.params.p)
         bits_of = {}
         for e in plan.expert[valid].unique().tolist():
-            have = view.cache.resident_bits(view.layer, e)
+            have = view.residency.resident_bits(view.layer, e)
             if self.params.cache_bits in have:
                 bits_of[e] = self.params.cache_bits
             elif self.params.low_bits in have or e in low:
                 bits_of[e] = self.params.low_bits
         for e, b in bits_of.items():
-            plan.bits[plan.expert == e] = b
+            plan.bits[(plan.expert == e) & valid] = b
         return plan
 
     def prefetch(self, view: LayerView) -> list[Fetch]:

@@ -4,7 +4,7 @@
   experts above (1+alpha) S_{k+1} are top-score and always run; the other active ones are low-score
   and, unless resident or top-score for some token, are substituted by inactive resident (or
   top-score) experts scoring in [(1-alpha) S_{k+1}, S_{k+1}];
-- score-based eviction (eq. 3, `EVICTIONS["score"]`) with the engine's in-use shield;
+- score-based eviction (eq. 3, the `score` order registered here) with the engine's in-use shield;
 - top-score prefetch: the next layer's router on this layer's gate input (§IV-C);
 - CPU-assisted compute (Algorithm 2, eq. 4): misses split between PCIe loads and CPU compute.
 
@@ -13,16 +13,16 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moetool.policies.base import (CacheView, EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy,
-                                   Where, register)
-from moetool.policies.cache import even_quota
-from moetool.policies.fate import (CrossLayerPrefetch, ReferenceCache, check_bits, check_eviction, hw_seconds,
-                                   predicted_scores, valid_slots)
+from moetool.policies.base import EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool, Where, register
+from moetool.policies.common import all_experts, check_eviction, even_quota, hw_seconds, predicted_scores, valid_slots
+from moetool.policies.eviction import Eviction, register_eviction
+from moetool.policies.fate import CrossLayerPrefetch
 
 
 def gate_scores(router_logits: torch.Tensor) -> torch.Tensor:
@@ -112,6 +112,53 @@ def cpu_split(costs_cpu: list[float], c_load: float, rule: str = "alg2") -> int:
     return n_load
 
 
+@register_eviction("score")
+class ScoreEviction(Eviction):
+    """SMoE eq. 3: evict the key whose layer's router scores averaged lowest over the last n iterations.
+
+    The residency feeds one score vector per layer per forward step with `observe` (SMoE records
+    every expert's score, active or not, so inactive substitutes are kept too). Eq. 3 averages
+    iterations max(1, j-n) .. j, i.e. up to n+1 of them. Ties, and keys of a layer with no scores
+    yet, fall back to least recent use. Any policy may use it (`--set eviction=score`).
+    """
+
+    reads_scores = True
+
+    def __init__(self, n: int = 3):
+        self.n = n
+        self.history: dict[int, list[torch.Tensor]] = {}  # layer -> score vectors [E], oldest first
+        self.recent: OrderedDict[Key, None] = OrderedDict()  # least recently used first
+
+    def observe(self, layer: int, scores: torch.Tensor) -> None:
+        window = self.history.setdefault(layer, [])
+        window.append(scores.detach().to("cpu", torch.float32))  # [E]
+        del window[: max(0, len(window) - (self.n + 1))]
+
+    def mean_scores(self, layer: int) -> torch.Tensor | None:
+        window = self.history.get(layer)
+        return torch.stack(window).mean(0) if window else None  # [E]
+
+    def touch(self, key: Key) -> None:
+        self.recent[key] = None
+        self.recent.move_to_end(key)
+
+    def insert(self, key: Key) -> None:
+        self.touch(key)
+
+    def remove(self, key: Key) -> None:
+        self.recent.pop(key, None)
+
+    def victim(self, candidates: list[Key]) -> Key:
+        means = {layer: self.mean_scores(layer) for layer in {k[0] for k in candidates}}
+        rank = {k: i for i, k in enumerate(self.recent)}
+
+        def mean(key: Key) -> float:
+            m = means[key[0]]
+            return float(m[key[1]]) if m is not None and 0 <= key[1] < m.numel() else 0.0
+
+        return min(candidates, key=lambda k: (mean(k), rank.get(k, -1)))
+
+
 class TopScorePrefetch:
     """SMoE §IV-C: prefetch the next layer's predicted top-score experts (above (1+alpha) S_{k+1}).
 
@@ -133,7 +180,7 @@ class TopScorePrefetch:
         best = torch.where(scores > hi[:, None], scores, torch.full_like(scores, -1.0)).amax(0)  # [E]
         chosen = (best >= 0).nonzero().squeeze(1)
         chosen = chosen[torch.argsort(best[chosen], descending=True, stable=True)].tolist()
-        return [Fetch(nxt, e, self.bits) for e in chosen if self.bits not in view.cache.resident_bits(nxt, e)]
+        return [Fetch(nxt, e, self.bits) for e in chosen if self.bits not in view.residency.resident_bits(nxt, e)]
 
 
 @register("smoe")
@@ -161,10 +208,9 @@ class SMoE(Policy):
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
         check_eviction(self.name, params.eviction)
-        check_bits(self.name, ctx, params.bits)
-        slots = min(ctx.cache_bytes // ctx.expert_bytes[params.bits], len(ctx.moe_layers) * ctx.num_experts)
+        slots = min(ctx.cache_bytes // ctx.expert_bytes[params.bits], all_experts(ctx))
         # The paper does not say how the cache is scoped; per layer, like the systems it compares with.
-        self.cache = ReferenceCache(params.bits, params.eviction, quota=even_quota(ctx.moe_layers, slots))
+        self.quota = even_quota(ctx.moe_layers, slots)
         self.c_load = hw_seconds(ctx, "t_load", params.bits)
         self.c_cpu = hw_seconds(ctx, "c_cpu")
         self.prefetcher = {
@@ -173,18 +219,10 @@ class SMoE(Policy):
             "none": lambda: None,
         }[params.prefetcher]()
 
-    def pools(self) -> dict[int, int]:
-        n = sum(self.cache.quota.values())
-        return {self.params.bits: n} if n else {}
-
-    def make_room(self, want: Fetch, cache: CacheView, shield: set[Key], demand: bool) -> list[Fetch] | None:
-        if want.bits != self.params.bits:
-            return None
-        return self.cache.make_room(want, cache, shield, demand)
-
-    def on_use(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
-        for e, _, hit in experts:
-            self.cache.used(layer, e, hit)
+    def pools(self) -> list[Pool]:
+        options = {"n": self.params.window} if self.params.eviction == "score" else {}
+        return [Pool(self.params.bits, sum(self.quota.values()), quota=self.quota, eviction=self.params.eviction,
+                     eviction_options=options)]
 
     def plan(self, view: LayerView) -> LayerPlan:
         """Substitute (Algorithm 1), then split the remaining misses between PCIe and CPU (Algorithm 2).
@@ -193,17 +231,12 @@ class SMoE(Policy):
         keeping the slot's weight leaves the weights' sum as the model made it.
         """
         bits, E = self.params.bits, view.num_experts
-        plan = LayerPlan.identity(view, bits)
-        valid = valid_slots(view.top_k_index, E)  # [T, k]
-        plan.where[~valid] = Where.SKIP
-        plan.expert[~valid] = -1
+        plan = LayerPlan.routed(view, bits)
         if view.router_logits.numel() == 0:
             return plan  # no scores: run as routed
         scores = gate_scores(view.router_logits)  # [T, E]
-        self.cache.observe(view, self.params.window)  # eq. 3: this iteration's scores, for a score order
-        resident = torch.tensor([bits in view.cache.resident_bits(view.layer, e) for e in range(E)])  # [E]
+        resident = torch.tensor([bits in view.residency.resident_bits(view.layer, e) for e in range(E)])  # [E]
         plan.expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
-        plan.expert[~valid] = -1
         if self.params.cpu_assist and self.c_load and self.c_cpu:
             self._assist(view, plan, scores, resident)
         return plan
@@ -215,18 +248,19 @@ class SMoE(Policy):
         paper's constant C_CPU for one decode token, and no big prefill expert sent to the CPU. An
         in-flight copy (a prefetch) stays on the device: the engine waits for its own event only.
         """
-        e_flat = plan.expert[plan.expert >= 0]  # [n]
-        misses = [e for e in e_flat.unique().tolist() if not resident[e]
-                  and self.params.bits not in view.cache.loading_bits(view.layer, e)]
+        run = plan.running()  # [T, k]
+        misses = [e for e in plan.expert[run].unique().tolist() if not resident[e]
+                  and self.params.bits not in view.residency.loading_bits(view.layer, e)]
         if not misses:
             return
-        best = torch.where(plan.expert >= 0, scores.gather(1, plan.expert.clamp(min=0)), torch.zeros(()))  # [T, k]
-        score = {e: float(best[plan.expert == e].max()) for e in misses}
+        E = scores.shape[1]
+        best = torch.where(run, scores.gather(1, plan.expert.clamp(0, E - 1)), torch.zeros(()))  # [T, k]
+        score = {e: float(best[(plan.expert == e) & run].max()) for e in misses}
         misses.sort(key=lambda e: -score[e])
-        costs = [self.c_cpu * int((plan.expert == e).any(1).sum()) for e in misses]
+        costs = [self.c_cpu * int(((plan.expert == e) & run).any(1).sum()) for e in misses]
         n_load = cpu_split(costs, self.c_load, self.params.cpu_rule)
         for e in misses[n_load:]:
-            plan.where[plan.expert == e] = Where.CPU
+            plan.where[(plan.expert == e) & run] = Where.CPU
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
         return self.prefetcher(view) if self.prefetcher is not None else []

@@ -23,14 +23,17 @@ from moetool.artifacts import Artifact, sha256_file
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
+from moetool.schema import SchemaError
+from moetool.spec import DEFAULT_HW
 from moetool.profile.data import load_sequences
 from moetool.profile.prefetch import PrefetchAccumulator, PrefetchProfile
 from moetool.profile.routing import RoutingAccumulator, RoutingProfile
-from moetool.profile.sensitivity import INT2_SHARES, MemoryQuantizer, SensitivityProfile, group_size_for, \
+from moetool.profile.sensitivity import INT2_SHARES, MemoryQuantizer, SensitivityProfile, \
     measure_sensitivity
 from moetool.profile.similarity import SimilarityAccumulator, SimilarityProfile
 from moetool.profile.timing import TimingProfile, measure_timing
 from moetool.profile.trace import Tracer, route
+from moetool.quant.format import Bits
 from moetool.run import resolve_dtype
 
 WHAT = ("routing", "sensitivity", "similarity", "prefetch", "timing")
@@ -53,7 +56,7 @@ class ProfileConfig:
     ppl_tokens: int = 512
     ppl_seq_len: int = 256
     timing_steps: int = 8
-    hw_base: str = "rtx3090"  # preset whose throughputs the written hardware profile keeps
+    hw_base: str = DEFAULT_HW  # preset whose throughputs the written hardware profile keeps
     device: str = "cpu"
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (recorded resolved in `info.dtype`)
     seed: int = 0
@@ -67,12 +70,31 @@ class ModelInfo:
     num_hidden_layers: int
     num_experts: int
     top_k: int
-    expert_bytes: dict[str, int]  # bits -> one expert's blob
+    expert_bytes: dict[int, int]  # bits -> one expert's blob
     expert_bytes_source: str  # "bundle DIR" or "layout (not quantized)"
     non_expert_bytes: int  # at `dtype`
-    kv_margin_bytes: int  # KV cache for 4096 tokens (as `run` plans), batch 1, plus the activation margin
+    kv_margin_bytes: int  # KV cache for PLAN_TOKENS (as `run` plans without its own lengths), batch 1, + activations
     staging_bytes: int  # the engine's staging buffers
     dtype: str
+
+    def validate(self) -> None:
+        """On read: a model has experts and MoE layers, and an expert's size at each stored precision."""
+        if not self.moe_layers:
+            raise SchemaError("moe_layers", "is empty; a MoE model has at least one MoE layer")
+        for i, layer in enumerate(self.moe_layers):
+            if not 0 <= layer < self.num_hidden_layers:
+                raise SchemaError(f"moe_layers[{i}]", f"is {layer}, not a layer of the {self.num_hidden_layers}")
+        if self.num_experts < 1:
+            raise SchemaError("num_experts", f"is {self.num_experts}; a MoE layer has at least one expert")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise SchemaError("top_k", f"is {self.top_k}, not between 1 and the {self.num_experts} experts")
+        stored = {int(b) for b in Bits}
+        for bits, nbytes in self.expert_bytes.items():
+            if bits not in stored:
+                raise SchemaError(f"expert_bytes[{bits!r}]", "is not a stored precision "
+                                                             f"({', '.join(map(str, sorted(stored)))})")
+            if nbytes < 1:
+                raise SchemaError(f"expert_bytes[{bits!r}]", f"is {nbytes}; an expert takes at least one byte")
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,37 @@ class Profile(Artifact):
     timing: TimingProfile | None = None
     hw: dict[str, Any] | None = None  # the hardware profile JSON written from `timing`
 
+    def validate(self) -> None:
+        """On read, what fit and report index by: parts of this model's shape, one count per expert."""
+        bad = [w for w in self.what if w not in WHAT]
+        if bad:
+            raise SchemaError("what", f"names {bad[0]!r}, not one of {', '.join(WHAT)}")
+        r, experts = self.routing, self.info.num_experts
+        if r is not None:
+            if (r.num_experts, r.top_k) != (experts, self.info.top_k):
+                raise SchemaError("routing", f"is of {r.num_experts} experts, top-{r.top_k}, but info says "
+                                             f"{experts}, top-{self.info.top_k}")
+            if not r.layers:
+                raise SchemaError("routing.layers", "is empty")
+            for i, lr in enumerate(r.layers):
+                for name in ("prefill", "decode", "heavy_hitter", "mean_sorted_score"):
+                    if len(getattr(lr, name)) != experts:
+                        raise SchemaError(f"routing.layers[{i}].{name}", f"holds {len(getattr(lr, name))} values, "
+                                                                         f"not one per expert ({experts})")
+            for name, counts in r.score_hist.items():
+                if len(counts) != len(r.score_bins) - 1:
+                    raise SchemaError(f"routing.score_hist[{name!r}]", f"holds {len(counts)} counts, not one per "
+                                                                       f"bin ({len(r.score_bins) - 1})")
+        s = self.sensitivity
+        if s is not None:
+            if not s.bits or any(b not in (2, 4, 8) for b in s.bits):
+                raise SchemaError("sensitivity.bits", f"is {list(s.bits)}, not a choice among 2, 4, 8")
+            for i, ls in enumerate(s.layers):
+                for name in ("ppl", "delta"):
+                    lacking = [b for b in s.bits if b not in getattr(ls, name)]
+                    if lacking:
+                        raise SchemaError(f"sensitivity.layers[{i}].{name}", f"lacks the {lacking[0]}-bit value")
+
 
 def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     names = [w.strip() for item in items for w in str(item).split(",") if w.strip()]
@@ -103,26 +156,26 @@ def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> ModelInfo:
-    from moetool.engine import kv_margin
-    from moetool.engine.cache import STAGING_SLOTS
+    from moetool.engine.budget import PLAN_TOKENS, kv_margin, staging_bytes
 
     g = lm.geometry.layers[0]
     if bundle is not None:
-        sizes = {str(b): bundle.entry(g.index, 0, b).nbytes for b in bundle.manifest.bits}
+        sizes = {int(b): bundle.entry(g.index, 0, b).nbytes for b in bundle.manifest.bits}
         how = f"bundle {bundle.directory}"
     else:
         from moetool.quant.format import make_layout
+        from moetool.quant.format import auto_group_size
 
         gate_up = (2 * g.intermediate_size if g.gated else g.intermediate_size, g.hidden_size)
-        gs = group_size_for(g)
-        sizes = {str(b): make_layout(b, gate_up, (g.hidden_size, g.intermediate_size), g.has_bias, gs).nbytes
+        gs = auto_group_size(lm.geometry.layers)  # what `moetool quantize` picks
+        sizes = {b: make_layout(b, gate_up, (g.hidden_size, g.intermediate_size), g.has_bias, gs).nbytes
                  for b in (16, 8, 4, 2)}
         how = f"hqq layout at group size {gs} (no bundle given)"
     return ModelInfo(moe_layers=tuple(x.index for x in lm.geometry.layers),
                      num_hidden_layers=lm.geometry.num_hidden_layers, num_experts=g.num_experts, top_k=g.top_k,
                      expert_bytes=sizes, expert_bytes_source=how, non_expert_bytes=lm.non_expert_bytes(),
-                     kv_margin_bytes=kv_margin(lm.model.config, 4096, 1, dtype, lm.geometry.layers[0].top_k),  # as `run` reserves
-                     staging_bytes=STAGING_SLOTS * sum(sizes.values()), dtype=dtype_name)
+                     kv_margin_bytes=kv_margin(lm.model.config, PLAN_TOKENS, 1, dtype, g.top_k),
+                     staging_bytes=staging_bytes(sizes), dtype=dtype_name)
 
 
 def _check(cfg: ProfileConfig) -> None:

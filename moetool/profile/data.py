@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 
 from moetool import datasets
-from moetool.check import prompt_ids
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel
+from moetool.model import LoadedModel, encode
 
 TEXTS = {"train": datasets.train_text, "heldout": datasets.heldout_text}
 
@@ -27,7 +26,7 @@ def known_names() -> tuple[str, ...]:
 
 
 def _ids(lm: LoadedModel, text: str) -> torch.Tensor:
-    return prompt_ids(lm.tokenizer, text, lm.model.config.vocab_size)[0]  # [T]
+    return encode(lm.tokenizer, text, lm.model.config.vocab_size)  # [T]
 
 
 def _chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:
@@ -56,9 +55,8 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
     path = Path(name)
     if not path.is_file():
         raise MoetoolError(f"--data {name} is neither a file nor a known data set ({', '.join(known_names())}).")
-    raw = path.read_bytes()
-    sha = hashlib.sha256(raw).hexdigest()
-    text = raw.decode("utf-8", errors="replace")
+    text = datasets.read_text_file(path, "--data")
+    sha = hashlib.sha256(text.encode()).hexdigest()
     if path.suffix == ".jsonl":
         prompts = datasets.parse_prompt_lines(text, path)
         seqs = _prompts(lm, prompts, n)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moetool.policies.fate import popularity
+from moetool.policies.common import popularity
 from moetool.profile.trace import Trace
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # DynaExq Tables 1-2

@@ -23,9 +23,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moetool.errors import MoetoolError
-from moetool.model import ExpertWeights, LoadedModel, MoeLayer
-from moetool.policies.fate import int2_experts, popularity
+from moetool.model import ExpertWeights, LoadedModel
+from moetool.policies.common import popularity
+from moetool.policies.fate import int2_experts
+from moetool.quant.format import auto_group_size
 
 INT2_SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0)  # Fate Fig. 10's x axis, as shares
 FATE_CACHE_BITS, FATE_LOW_BITS = 4, 2  # Fate §4.5: INT4 cache, INT2 for unpopular prefill experts
@@ -37,21 +38,14 @@ class QuantSource(Protocol):
     def dequantize(self, layer: int, expert: int, bits: int, dtype: torch.dtype = torch.float32) -> ExpertWeights: ...
 
 
-def group_size_for(layer: MoeLayer, preferred: int = 64) -> int:
-    """The largest of preferred, 32, 16, 8 that divides both projections' input widths."""
-    for gs in (preferred, 32, 16, 8):
-        if layer.hidden_size % gs == 0 and layer.intermediate_size % gs == 0:
-            return gs
-    raise MoetoolError(f"no quantization group size divides the expert widths {layer.hidden_size} and "
-                       f"{layer.intermediate_size}; give a bundle made with a suitable group size.")
-
-
 class MemoryQuantizer:
     """HQQ on the checkpoint's experts in memory, on first use; keeps the packed blobs (not fp32 copies)."""
 
-    def __init__(self, lm: LoadedModel, group_size: int = 64):
+    def __init__(self, lm: LoadedModel):
         self.lm = lm
-        self.group_size = {g.index: group_size_for(g, group_size) for g in lm.geometry.layers}
+        # The group size `moetool quantize` would pick, so in-memory sensitivity matches a bundle's.
+        gs = auto_group_size(lm.geometry.layers)
+        self.group_size = {g.index: gs for g in lm.geometry.layers}
         self._blobs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._layouts: dict[tuple[int, int], object] = {}
 
@@ -145,8 +139,8 @@ def perplexity(lm: LoadedModel, chunks: list[torch.Tensor]) -> float:
 @dataclass(frozen=True)
 class LayerSensitivity:
     layer: int
-    ppl: dict[str, float]  # bits -> held-out perplexity with this layer's experts at those bits
-    delta: dict[str, float]  # bits -> ppl - base_ppl
+    ppl: dict[int, float]  # bits -> held-out perplexity with this layer's experts at those bits
+    delta: dict[int, float]  # bits -> ppl - base_ppl
 
 
 @dataclass(frozen=True)
@@ -181,7 +175,7 @@ def measure_sensitivity(lm: LoadedModel, source: QuantSource, chunks: list[torch
         for b in bits:
             for layer in layers:
                 swap.bits = {layer: int(b)}
-                per_layer[layer][str(b)] = perplexity(lm, chunks)
+                per_layer[layer][int(b)] = perplexity(lm, chunks)
                 tick()
         curve = {}
         swap.bits = {layer: FATE_CACHE_BITS for layer in layers}

@@ -184,6 +184,7 @@ def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
     data = {k: v for k, v in raw.items() if k not in ("t_dense_s", "t_expert_s", "c_cpu_s")}
     sources = dict(raw.get("sources", {}))
     where = f"measured by moetool profile --what timing on {t.device} ({t.dtype})"
+    # t_expert_s keyed by bits as text: this is the profile's JSON form (load_hw reads the keys as ints).
     data.update(name=name, description=f"{raw.get('description', base)}; per-layer and per-expert times {where}",
                 t_dense_s=t.t_dense_s, t_expert_s={str(e.bits): e.dequant_s + e.compute_s for e in t.experts},
                 c_cpu_s=t.c_cpu_s)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moetool.model import LoadedModel
+from moetool.policies.dymoe import token_importance
 
 PHASES = ("prefill", "decode")
 
@@ -129,9 +130,7 @@ class Tracer:
         def hook(module, args, out):
             w = out[1] if isinstance(out, tuple) and len(out) > 1 else None  # [B, heads, Tq, Tk]
             if self.recording and isinstance(w, torch.Tensor) and w.dim() == 4:
-                # DyMoE eq. 1: s_i = mean over heads of the attention token i receives, summed over the
-                # queries that see it (H2O's accumulated score, as the engine computes it).
-                self._put("importance", layer, w.float().mean(1).sum(1).reshape(-1))  # [B*Tk]
+                self._put("importance", layer, token_importance(w))  # [B*Tk] DyMoE eq. 1, as the engine reads it
         return hook
 
     def _keep_logits(self, layer: int):

@@ -25,7 +25,7 @@ import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -36,7 +36,8 @@ from moetool.errors import MoetoolError
 from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
 from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, inspect_geometry, install_provider, \
     load_config, load_generation_config, load_tokenizer
-from moetool.quant.format import ALIGN, Layout, dequantize
+from moetool.quant.format import ALIGN, Bits, Layout, dequantize
+from moetool.schema import SchemaError
 
 MANIFEST = "bundle.json"
 TENSOR = "blobs"  # the one tensor name inside every shard
@@ -123,6 +124,98 @@ class Bundle(Artifact):
                                "content); re-run moetool quantize.")
         return bundle
 
+    def validate(self) -> None:
+        """On read, what the field types cannot say: every precision is one the format stores, every
+        entry points at a blob laid out as recorded and lying inside its shard, every layer stores
+        experts 0..E-1 at every precision, and every file name stays inside the bundle directory.
+        (That an entry lies inside its shard's blob tensor, past the header, is checked once the
+        shard is mapped: `open`.)"""
+        choices = ", ".join(str(int(b)) for b in Bits)
+        if not self.bits:
+            raise SchemaError("bits", "is empty; a bundle stores at least one precision")
+        for i, b in enumerate(self.bits):
+            if b not in {int(x) for x in Bits}:
+                raise SchemaError(f"bits[{i}]", f"is {b}, not a stored precision ({choices})")
+        if len(set(self.bits)) != len(self.bits):
+            raise SchemaError("bits", f"lists a precision twice ({', '.join(map(str, self.bits))})")
+        stored = ", ".join(map(str, self.bits))
+        if self.axis not in (0, 1):
+            raise SchemaError("axis", f"is {self.axis}, not an hqq quantization axis (0 or 1)")
+        for key, layout in self.layouts.items():
+            if layout.bits not in self.bits:
+                raise SchemaError(f"layouts[{key!r}].bits", f"is {layout.bits}, a precision the bundle does not "
+                                                            f"store ({stored})")
+        self._check_entries(self._check_files(), stored)
+
+    def _check_files(self) -> dict[str, Shard]:
+        """Shards and model files named inside the bundle directory, one shard per layer: name -> shard."""
+        shards: dict[str, Shard] = {}
+        for i, shard in enumerate(self.shards):
+            if not _plain_name(shard.name):
+                raise SchemaError(f"shards[{i}].name", f"is {_quote(shard.name)}, not a file name inside the bundle")
+            if shard.name in shards:
+                raise SchemaError(f"shards[{i}].name", f"repeats shard {_quote(shard.name)}")
+            if any(s.layer == shard.layer for s in shards.values()):
+                raise SchemaError(f"shards[{i}].layer", f"is {shard.layer}, a layer another shard already holds")
+            shards[shard.name] = shard
+        for i, f in enumerate(self.model_files):
+            parts = PurePosixPath(f.name).parts
+            if not parts or f.name.startswith("/") or ".." in parts or not all(_plain_name(x) for x in parts):
+                raise SchemaError(f"model_files[{i}].name", f"is {_quote(f.name)}, not a path inside {MODEL_DIR}/")
+        return shards
+
+    def _check_entries(self, shards: dict[str, Shard], stored: str) -> None:
+        """Each entry's blob where its shard, precision and layout say; experts 0..E-1 at every precision."""
+        seen: dict[tuple[int, int, int], int] = {}
+        experts: dict[int, dict[int, set[int]]] = {s.layer: {b: set() for b in self.bits} for s in self.shards}
+        for i, e in enumerate(self.entries):
+            at = f"entries[{i}]"
+            shard = shards.get(e.shard)
+            if shard is None:
+                raise SchemaError(f"{at}.shard", f"is {_quote(e.shard)}, not a shard the manifest lists")
+            if e.layer != shard.layer:
+                raise SchemaError(f"{at}.layer", f"is {e.layer}, but its shard {shard.name} holds layer {shard.layer}")
+            if e.bits not in self.bits:
+                raise SchemaError(f"{at}.bits", f"is {e.bits}, not a precision the bundle stores ({stored})")
+            layout = self.layouts.get(e.layout)
+            if layout is None:
+                raise SchemaError(f"{at}.layout", f"is {_quote(e.layout)}, not a layout the manifest lists")
+            if layout.bits != e.bits:
+                raise SchemaError(f"{at}.layout", f"is a {layout.bits}-bit layout for a {e.bits}-bit blob")
+            if e.nbytes != layout.nbytes:
+                raise SchemaError(f"{at}.nbytes", f"is {e.nbytes}, not the {layout.nbytes} bytes of its layout")
+            if e.offset % ALIGN:
+                raise SchemaError(f"{at}.offset", f"is {e.offset}, not a multiple of {ALIGN} as every blob's is")
+            if e.offset + e.nbytes > shard.nbytes:
+                raise SchemaError(f"{at}.offset", f"is {e.offset}: its {e.nbytes} bytes would run past the end of "
+                                                  f"shard {shard.name} ({shard.nbytes} bytes)")
+            key = (e.layer, e.expert, e.bits)
+            if key in seen:
+                raise SchemaError(at, f"repeats expert {e.expert} of layer {e.layer} at {e.bits} bits "
+                                      f"(entries[{seen[key]}])")
+            seen[key] = i
+            experts[e.layer][e.bits].add(e.expert)
+        for layer, by_bits in experts.items():
+            every = set().union(*by_bits.values())
+            if not every:
+                raise SchemaError("entries", f"hold no expert of layer {layer}, which a shard is for")
+            count = max(len(have) for have in by_bits.values())  # entries are unique: experts per precision
+            outside = sorted(x for x in every if x >= count)
+            if outside:
+                i = next(i for i, e in enumerate(self.entries) if e.layer == layer and e.expert == outside[0])
+                raise SchemaError(f"entries[{i}].expert", f"is {outside[0]}, but layer {layer} stores {count} experts, "
+                                                          f"numbered 0-{count - 1}")
+            for b, have in by_bits.items():
+                if have != every:
+                    raise SchemaError("entries", f"lack expert {min(every - have)} of layer {layer} at {b} bits")
+
+    def experts_per_layer(self) -> dict[int, int]:
+        """Layer -> the number of experts the bundle stores of it (validated: 0..E-1 at every precision)."""
+        out: dict[int, set[int]] = {s.layer: set() for s in self.shards}
+        for e in self.entries:
+            out[e.layer].add(e.expert)
+        return {layer: len(experts) for layer, experts in out.items()}
+
     def sizes(self) -> dict[int, int]:
         """Bytes stored per precision, over all experts."""
         out: dict[int, int] = {}
@@ -154,6 +247,12 @@ class Bundle(Artifact):
             path = directory / shard.name
             check_shard(path, shard, manifest.settings_sha256, full=verify == "full")
             blobs[shard.name] = map_shard(path)
+        for i, e in enumerate(manifest.entries):  # the manifest checked offsets against file sizes; now the blobs
+            if e.offset + e.nbytes > blobs[e.shard].numel():
+                raise MoetoolError(f"{directory / MANIFEST} is not a valid bundle artifact: entries[{i}].offset is "
+                                   f"{e.offset}, so expert {e.expert} of layer {e.layer} at {e.bits} bits would run "
+                                   f"past the end of the {blobs[e.shard].numel()} blob bytes in shard {e.shard}; "
+                                   "re-run moetool quantize.")
         opened = OpenBundle(directory, manifest, blobs)
         if verify == "full":
             opened.verify_all()
@@ -241,6 +340,11 @@ def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu",
         load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None)
     if hasattr(skeleton, "tie_weights"):
         skeleton.tie_weights()
+    stored, expected = opened.manifest.experts_per_layer(), {g.index: g.num_experts for g in geometry.layers}
+    if stored != expected:
+        layer = min(k for k in stored.keys() | expected.keys() if stored.get(k) != expected.get(k))
+        raise MoetoolError(f"the bundle in {directory} stores {stored.get(layer, 0)} experts of layer {layer}, but its "
+                           f"model has {expected.get(layer, 0)} there; it is inconsistent: re-run moetool quantize.")
     experts = set(expert_parameter_names(skeleton))
     missing = [n for n, p in skeleton.named_parameters() if p.is_meta and n not in experts]
     if missing:
@@ -372,9 +476,14 @@ def check_shard(path: Path, shard: Shard, settings_sha256: str, full: bool) -> N
         raise MoetoolError(f"{where} is {size} bytes, not the {shard.nbytes} its manifest records; "
                            "it is truncated or from another run, re-run moetool quantize.")
     try:
-        _, header = read_header(path)
+        start, header = read_header(path)
         meta = header.get("__metadata__", {})
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        tensor = header[TENSOR]
+        # map_shard trusts this: one uint8 tensor that fills the file from the end of the header.
+        if tensor["dtype"] != "U8" or list(tensor["data_offsets"]) != [0, size - start] or \
+                list(tensor["shape"]) != [size - start] or not isinstance(meta, dict):
+            raise ValueError("not a shard of blobs")
+    except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError, RecursionError):
         raise MoetoolError(f"{where} has a corrupt header; re-run moetool quantize.") from None
     if meta.get("settings_sha256") != settings_sha256 or meta.get("layer") != str(shard.layer):
         raise MoetoolError(f"{where} belongs to another quantization run (its header does not match the manifest); "
@@ -409,6 +518,15 @@ def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = Fals
     if (crc and file_crc32(path) != f.crc32) or (full and sha256_file(path) != f.sha256):
         raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is corrupt (checksum mismatch); "
                            "re-run moetool quantize.")
+
+
+def _plain_name(name: str) -> bool:
+    """A single file name: nothing a manifest could use to reach outside the bundle directory."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and name.isprintable()
+
+
+def _quote(name: str) -> str:
+    return repr(name if len(name) <= 60 else name[:57] + "...")
 
 
 def _manifest_checksum(body: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.model import ExpertWeights
+from moetool.schema import SchemaError
 
 ALIGN = 64  # bytes; every part and every blob starts on a cache-line boundary (aligned typed views, fast DMA)
 META_DTYPE = "float16"  # scales and zeros: what hqq keeps on the GPU; 2 bytes per group instead of 4
@@ -127,6 +128,19 @@ PACKINGS: dict[Bits, Packing] = {
 PACKING_BY_NAME = {p.name: p for p in PACKINGS.values()}
 
 
+PREFERRED_GROUP = 64  # HQQ's and GPTQ's usual group; the bundle sizes quoted in the README are at 64
+
+
+def auto_group_size(layers) -> int:
+    """64, or the largest power of two under it that divides every expert's input widths.
+
+    A projection's input width must split into whole groups: the demo model's experts are 16
+    neurons wide, so its `down` projection takes group 16 (a real model's widths are multiples of 64).
+    """
+    widths = {w for g in layers for w in (g.hidden_size, g.intermediate_size)}
+    return math.gcd(PREFERRED_GROUP, *widths)
+
+
 # ---- layout -------------------------------------------------------------------------------------
 
 
@@ -174,6 +188,42 @@ class Layout:
             if p.name == name:
                 return p
         raise KeyError(name)
+
+    def validate(self) -> None:
+        """On read: the layout must be the one `make_layout` gives for its own shapes and settings.
+
+        A part's offset, dtype and shape decide which bytes `views` reinterprets; recomputing the
+        layout is the one check that catches every hand edit before it misreads a blob (or fails
+        inside a generation as a misaligned view).
+        """
+        choices = ", ".join(str(int(b)) for b in Bits)
+        if self.bits not in {int(b) for b in Bits}:
+            raise SchemaError("bits", f"is {self.bits}, not a stored precision ({choices})")
+        if tuple(p.name for p in self.projections) != PROJECTIONS:
+            raise SchemaError("projections", f"must be the {' and '.join(PROJECTIONS)} projections, in that order")
+        gate_up, down = self.projections
+        for i, proj in enumerate(self.projections):
+            if len(proj.shape) != 2 or min(proj.shape) < 1:
+                raise SchemaError(f"projections[{i}].shape", f"is {list(proj.shape)}, not a matrix shape [out, in]")
+        has_bias = any(p.name == "gate_up_bias" for p in self.parts)
+        try:
+            expected = make_layout(self.bits, gate_up.shape, down.shape, has_bias, gate_up.group_size or 64, gate_up.axis)
+        except MoetoolError as e:
+            raise SchemaError("projections", f"cannot be stored at {self.bits} bits ({str(e).rstrip('.')})") from None
+        for i, (mine, theirs) in enumerate(zip(self.projections, expected.projections)):
+            if mine != theirs:
+                raise SchemaError(f"projections[{i}]", f"is not what this format stores for a {list(mine.shape)} "
+                                                       f"projection at {self.bits} bits (packing {theirs.packing}, "
+                                                       f"group size {theirs.group_size})")
+        for i, (mine, theirs) in enumerate(zip(self.parts, expected.parts)):
+            if mine != theirs:
+                raise SchemaError(f"parts[{i}]", f"is not where this format puts {theirs.name} (offset "
+                                                 f"{theirs.offset}, {theirs.nbytes} bytes of {theirs.dtype} "
+                                                 f"{list(theirs.shape)})")
+        if len(self.parts) != len(expected.parts):
+            raise SchemaError("parts", f"lists {len(self.parts)} parts, not the {len(expected.parts)} of this layout")
+        if self.nbytes != expected.nbytes:
+            raise SchemaError("nbytes", f"is {self.nbytes}, not the {expected.nbytes} bytes this layout takes")
 
 
 def _align(n: int) -> int:

@@ -20,10 +20,11 @@ from the shards that still hash right; other settings start clean.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
-import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -35,16 +36,18 @@ import torch
 
 from moetool.artifacts import atomic_write_bytes, sha256_file
 from moetool.errors import MoetoolError
+from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
 from moetool.quant.bundle import MANIFEST, MODEL_DIR, NON_EXPERT, Bundle, Entry, ModelFile, Shard, ShardWriter, \
     file_crc32, write_safetensors
-from moetool.quant.format import DTYPES, Bits, Layout, QTensor, dequantize, dequantize_qtensor, encode, \
-    make_layout, relative_error
+from moetool.quant.format import (DTYPES, Bits, Layout, QTensor, auto_group_size, dequantize, dequantize_qtensor,
+                                   encode, make_layout, relative_error)
 
 METHODS = ("hqq", "gptq")
 READ_CHUNK = 8  # experts read from the checkpoint at once: memory stays flat in the number of experts
 JOURNAL = ".quantize-journal.json"
+LOCK = ".quantize.lock"  # flock'ed while a quantize writes the directory
 
 
 @dataclass(frozen=True)
@@ -78,27 +81,12 @@ class Progress:
     layer: int | None = None
 
 
-PREFERRED_GROUP = 64  # HQQ's and GPTQ's usual group; the bundle sizes quoted in the README are at 64
-
-
-def auto_group_size(layers) -> int:
-    """64, or the largest power of two under it that divides every expert's input widths.
-
-    A projection's input width must split into whole groups: the demo model's experts are 16
-    neurons wide, so its `down` projection takes group 16 (a real model's widths are multiples of 64).
-    """
-    widths = {w for g in layers for w in (g.hidden_size, g.intermediate_size)}
-    return math.gcd(PREFERRED_GROUP, *widths)
-
-
 def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None) -> Bundle:
     """Quantize every expert of `cfg.model` at `cfg.bits` into a self-contained bundle in `cfg.out`."""
     report = progress or (lambda p: None)
     bits = _check(cfg)
     out = Path(cfg.out)
-    if (out / MANIFEST).exists():
-        raise MoetoolError(f"{out} already holds a finished bundle ({MANIFEST}); choose another output directory "
-                           "or delete it.")
+    check_out_dir(out)
     if cfg.calib_text is not None and not Path(cfg.calib_text).is_file():
         raise MoetoolError(f"calibration text {cfg.calib_text} does not exist.")
 
@@ -120,44 +108,130 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
 
     try:
         out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
-        journal = Journal(out, settings_sha)
-        model_files = write_model_files(lm, out)
-        todo = [layer for layer in layers if layer.index not in journal.done]
-        done = total - sum(layer.num_experts for layer in todo)
-
-        def quantize_layer(layer: MoeLayer, routed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-            nonlocal done
-
-            def on_expert(expert: int, base: int = done) -> None:
-                report(Progress("expert", base + expert + 1, total, layer.index))
-
-            shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], routed, out, settings_sha, on_expert)
-            journal.add(layer.index, shard, entries)
-            done += layer.num_experts
-            report(Progress("shard", done, total, layer.index))
-
-        if todo and _calibrated(cfg):
-            report(Progress("calibrate", done, total))
-            calibrate_layer_by_layer(lm, calibration_ids(lm, cfg), {g.index for g in todo}, quantize_layer)
-        else:
-            for layer in todo:
-                quantize_layer(layer, None)
-
-        bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
-                        group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
-                        layouts={_layout_key(lay): lay for per in layouts.values() for lay in per.values()},
-                        shards=tuple(journal.done[layer.index][0] for layer in layers),
-                        entries=tuple(e for layer in layers for e in journal.done[layer.index][1]),
-                        model_files=model_files)
-        bundle.save(out / MANIFEST)
-        journal.remove()
+        lock = DirectoryLock(out)
     except OSError as e:
-        # A full disk, a read-only or vanished directory: what was finished stays journaled for a re-run.
-        where = e.filename or out
-        raise MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); finished layers are kept, "
-                           "re-run the same command to continue.") from None
-    Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
+        raise _cannot_write(out, e) from None
+    with lock:
+        check_out_dir(out)  # again, under the lock: another run may have finished here since the first look
+        try:
+            bundle = _write_bundle(lm, cfg, bits, out, inputs, settings, settings_sha, layouts, total, report)
+        except OSError as e:
+            raise _cannot_write(out, e) from None
+        Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
     return bundle
+
+
+def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], out: Path, inputs: dict[str, str],
+                  settings: dict, settings_sha: str, layouts: dict[int, dict[Bits, Layout]], total: int,
+                  report: Callable[[Progress], None]) -> Bundle:
+    """Quantize the layers the journal lacks, then write the manifest (the caller holds `out`'s lock)."""
+    layers = lm.geometry.layers
+    journal = Journal(out, settings_sha)
+    model_files = write_model_files(lm, out)
+    todo = [layer for layer in layers if layer.index not in journal.done]
+    done = total - sum(layer.num_experts for layer in todo)
+
+    def quantize_layer(layer: MoeLayer, routed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        nonlocal done
+
+        def on_expert(expert: int, base: int = done) -> None:
+            report(Progress("expert", base + expert + 1, total, layer.index))
+
+        shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], routed, out, settings_sha, on_expert)
+        journal.add(layer.index, shard, entries)
+        done += layer.num_experts
+        report(Progress("shard", done, total, layer.index))
+
+    if todo and _calibrated(cfg):
+        report(Progress("calibrate", done, total))
+        calibrate_layer_by_layer(lm, calibration_ids(lm, cfg), {g.index for g in todo}, quantize_layer)
+    else:
+        for layer in todo:
+            quantize_layer(layer, None)
+
+    bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
+                    group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
+                    layouts={_layout_key(lay): lay for per in layouts.values() for lay in per.values()},
+                    shards=tuple(journal.done[layer.index][0] for layer in layers),
+                    entries=tuple(e for layer in layers for e in journal.done[layer.index][1]),
+                    model_files=model_files)
+    bundle.save(out / MANIFEST)
+    journal.remove()
+    return bundle
+
+
+def _cannot_write(out: Path, e: OSError) -> MoetoolError:
+    # A full disk, a read-only or vanished directory: what was finished stays journaled for a re-run.
+    where = e.filename or out
+    return MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); finished layers are kept, "
+                        "re-run the same command to continue.")
+
+
+# ---- the output directory -----------------------------------------------------------------------
+
+SHARD_NAME = re.compile(r"layer-\d{3,}\.safetensors")
+# What quantize itself puts in a bundle directory (temp files included); anything else is the user's.
+_WRITTEN = rf"{SHARD_NAME.pattern}|{MODEL_DIR}|{re.escape(MANIFEST)}|{re.escape(JOURNAL[1:])}"  # temp: .NAME.*.tmp
+OWN_NAMES = re.compile(rf"{SHARD_NAME.pattern}|{MODEL_DIR}|{re.escape(MANIFEST)}|{re.escape(JOURNAL)}|"
+                       rf"{re.escape(LOCK)}|\.({_WRITTEN})\..+\.tmp")
+LEFTOVER = re.compile(rf"{re.escape(LOCK)}|\..+\.tmp")  # what a run killed before its journal leaves behind
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse, in one sentence, an output that is a file, a finished bundle, or a directory that is
+    not empty and not an unfinished bundle (a journal, and only the files quantize writes)."""
+    if out.exists() and not out.is_dir():
+        raise MoetoolError(f"{out} is a file, not a directory to write a bundle in; choose another output directory.")
+    if (out / MANIFEST).exists():
+        raise MoetoolError(f"{out} already holds a finished bundle ({MANIFEST}); choose another output directory "
+                           "or delete it.")
+    if not out.is_dir():
+        return
+    names = sorted(p.name for p in out.iterdir())
+    foreign = [n for n in names if not OWN_NAMES.fullmatch(n)]
+    if not foreign and JOURNAL not in names:
+        foreign = [n for n in names if not LEFTOVER.fullmatch(n)]
+    if foreign:
+        raise MoetoolError(f"{out} is not empty and is not a moetool bundle (it holds {foreign[0]!r}); choose an empty "
+                           "or new output directory.")
+
+
+class DirectoryLock:
+    """An exclusive lock on a bundle directory while one quantize writes it: a second quantize into
+    the same directory is refused at once instead of racing the first (whose stale-temp cleanup
+    would delete the other's files). `flock` is dropped by the kernel when a process dies, so a
+    killed run's lock file never blocks the next run."""
+
+    def __init__(self, out: Path, tries: int = 3):
+        self.path = out / LOCK
+        for _ in range(tries):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self.busy(out) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)  # the holder finished and removed the file between our open and our lock: again
+        raise self.busy(out)
+
+    @staticmethod
+    def busy(out: Path) -> MoetoolError:
+        return MoetoolError(f"another moetool quantize is writing a bundle in {out}; wait for it to finish or choose "
+                            "another output directory.")
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.path.unlink(missing_ok=True)  # while still held, so a waiter's inode check sees it gone
+        os.close(self.fd)
 
 
 def write_model_files(lm: LoadedModel, out: Path) -> tuple[ModelFile, ...]:
@@ -328,7 +402,9 @@ def calibration_ids(lm: LoadedModel, cfg: QuantizeConfig) -> torch.Tensor:
         generator = torch.Generator().manual_seed(cfg.seed)
         return torch.randint(0, lm.model.config.vocab_size, (n_seq, seq_len), generator=generator)
     if cfg.calib_text is not None:
-        text, where = Path(cfg.calib_text).read_text(encoding="utf-8", errors="replace"), str(cfg.calib_text)
+        from moetool.datasets import read_text_file
+
+        text, where = read_text_file(Path(cfg.calib_text), "--calib-text"), str(cfg.calib_text)
     else:
         from moetool.datasets import train_text  # lazy: reads the packaged text only when calibrating
 
@@ -384,26 +460,33 @@ class Journal:
     def __init__(self, out: Path, settings_sha: str):
         self.path, self.settings_sha = out / JOURNAL, settings_sha
         self.done: dict[int, tuple[Shard, list[Entry]]] = {}
-        for stray in out.glob(".layer-*.tmp"):  # temp shards of a killed run
-            stray.unlink()
-        for stray in out.glob(f".{MODEL_DIR}.*.tmp"):  # a killed run's half-written model/
-            shutil.rmtree(stray, ignore_errors=True)
-        if not self.path.exists():
-            return
-        try:
-            data = json.loads(self.path.read_text())
-            records = {int(k): (Shard(**v["shard"]), [Entry(**e) for e in v["entries"]])
-                       for k, v in data["layers"].items()}
-            same = data["settings_sha256"] == settings_sha
-        except (ValueError, KeyError, TypeError):
-            records, same = {}, False
+        # A killed run's temp shards, half-written model/ and half-written journal or manifest. Safe
+        # to delete: the caller holds the directory's lock, so no live run is writing them.
+        for stray in out.glob(".*.tmp"):
+            if not OWN_NAMES.fullmatch(stray.name):
+                continue
+            if stray.is_dir():
+                shutil.rmtree(stray, ignore_errors=True)
+            else:
+                stray.unlink(missing_ok=True)
+        records, same = {}, False
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+                records = {int(k): (build(Shard, v["shard"]), build(list[Entry], v["entries"]))
+                           for k, v in data["layers"].items()}
+                same = data["settings_sha256"] == settings_sha
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # SchemaError is a ValueError
+                records, same = {}, False
         for layer, (shard, entries) in records.items():
+            if not SHARD_NAME.fullmatch(shard.name):
+                continue  # not a name quantize gives a shard: never read, never delete it
             path = out / shard.name
             if same and path.is_file() and sha256_file(path) == shard.sha256:
                 self.done[layer] = (shard, entries)
             elif not same:
                 path.unlink(missing_ok=True)  # made with other settings: start clean
-        self._save()
+        self._save()  # at once, even empty: it is what marks the directory as an unfinished bundle of ours
 
     def add(self, layer: int, shard: Shard, entries: list[Entry]) -> None:
         self.done[layer] = (shard, entries)

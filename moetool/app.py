@@ -1,0 +1,139 @@
+"""The Typer app, its two consoles and the `command` wrapper every command registers through.
+
+    from moetool.app import app, command, err, out
+
+    @command
+    def verify(bundle: Path) -> None: ...
+
+Results go to stdout (`out`: a Rich table, or JSON with --json); progress and errors go to stderr
+(`err`). Rich lives in the CLI and nowhere else. Each command is a module of moetool/commands/;
+moetool/cli.py imports them all and runs `app`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from moetool.errors import MoetoolError
+
+app = typer.Typer(
+    name="moetool",
+    help="Run Mixture-of-Experts models on one memory-limited GPU.\n\nExample: moetool check ./my-moe-checkpoint",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode="markdown",
+)
+out = Console()
+err = Console(stderr=True)
+# Progress bars use `disable=not err.is_terminal`: on a pipe or a log file a bar cannot redraw, and
+# its teardown would put a blank line before a one-line error.
+
+BUG = ("this is a bug in moetool, not a problem with your input: please report it with the traceback above "
+       "and the command you ran.")
+
+# torchao (pulled in by the gptq extra) logs kernel-library misses and deprecations on import;
+# on a CLI they would bury the one line moetool prints.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+def _quiet_libraries() -> None:
+    """transformers' loading bars and warnings would bury moetool's own output."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+@app.callback()
+def _root() -> None:
+    """Run Mixture-of-Experts models on one memory-limited GPU.
+
+    Pipeline: quantize -> profile -> fit -> run / eval -> report; each stage writes a JSON
+    artifact the next one reads. Example: `moetool check ./my-moe-checkpoint`
+    """
+
+
+def os_sentence(e: OSError) -> str:
+    """One sentence for a failure of the filesystem (or the network): the path and the cause, as the OS says them."""
+    cause = e.strerror or str(e) or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"no space left on the device{where} ({cause}); free some space and run the same command again."
+    if e.filename is None:
+        return f"{cause} ({type(e).__name__})."
+    path = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+    return f"{path}: {cause}."
+
+
+def _fail(sentence: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {escape(sentence)}", highlight=False, soft_wrap=True)  # a path may hold [ ]
+    return typer.Exit(1)
+
+
+def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Register `fn` as a command of `app`, with one policy for what goes wrong:
+
+    - a `MoetoolError` (a problem the user can fix) is one red line on stderr and exit code 1;
+    - an `OSError` (a path that is a directory, under a file, not writable; a full disk) is one red
+      line naming the path and the cause, and exit code 1;
+    - any other exception is a bug: its traceback, then one line asking to report it, and exit
+      code 1 (as Python's own uncaught exception), so a script sees the code it saw before.
+
+    Typer's own exits (`typer.Exit`, usage errors) and Ctrl-C pass through untouched.
+    """
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _quiet_libraries()
+            try:
+                return fn(*args, **kwargs)
+            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+                raise  # typer.Exit is a RuntimeError: not a bug
+            except MoetoolError as e:
+                raise _fail(str(e)) from None
+            except OSError as e:
+                raise _fail(os_sentence(e)) from None
+            except Exception:  # noqa: BLE001 - shown in full, not hidden: a bug to report
+                err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
+                raise _fail(BUG) from None
+
+        return app.command(name=name)(wrapper)
+
+    return register(fn) if fn is not None else register
+
+
+def writable(path: Path | None, kind: str = "file", option: str = "--out") -> None:
+    """Refuse, before any work, an output path that cannot be written: a `kind` ("file" or "dir") whose
+    path is the other kind, lies under a file, or in a directory this user cannot write."""
+    if path is None:
+        return
+    p = Path(path)
+    if kind == "file" and p.is_dir():
+        raise MoetoolError(f"{option} {p} is a directory; give a file path, e.g. {p / 'result.json'}.")
+    if kind == "dir" and p.exists() and not p.is_dir():
+        raise MoetoolError(f"{option} {p} is a file; give a directory.")
+    start = p if kind == "dir" else p.parent
+    parent = next((a for a in (start, *start.parents) if a.exists()), Path("."))
+    if not parent.is_dir():
+        raise MoetoolError(f"{option} {p} lies under {parent}, which is a file, not a directory.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MoetoolError(f"{option} {p} cannot be written: {parent} is not writable (permission denied).")
+
+
+__all__ = ["BUG", "app", "command", "err", "os_sentence", "out", "writable"]

@@ -1,0 +1,80 @@
+"""`moetool run`: greedy generation under a policy and a device budget, as a table of the engine's stats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import Progress
+from rich.table import Table
+
+from moetool.app import command, err, out, writable
+from moetool.errors import MoetoolError
+from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
+                             HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
+from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.3f} ms"
+
+
+@command
+def run(
+    model: ModelOpt = None,
+    bundle: BundleOpt = None,
+    policy: PolicyOpt = "lru",
+    set_: SetOpt = None,
+    fit: FitOpt = None,
+    budget: BudgetOpt = DEFAULT_BUDGET,
+    clock: ClockOpt = Clock.wall,
+    hw: HwOpt = DEFAULT_HW,
+    prompt: Annotated[str | None, typer.Option(help="One prompt (default: a fixed English sentence).")] = None,
+    prompts: Annotated[Path | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt (greedy).")] = 32,
+    batch_size: BatchOpt = 1,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = Dtype.auto,
+    host_budget: HostBudgetOpt = None,
+    save: Annotated[Path | None, typer.Option("--out", help="Where to write the Run artifact (JSON).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate greedily under a policy and a device budget; report TTFT/TPOT, hits and traffic.
+
+    Example: `moetool run --bundle out/bundle --policy lru --budget 25% --clock sim --hw rtx3090 --prompt "Hello" --out lru.run.json`
+    """
+    from moetool.datasets import read_prompts
+    from moetool.run import RunConfig
+    from moetool.run import run as run_stage
+
+    writable(save)
+    if prompt is not None and prompts is not None:
+        raise MoetoolError("give --prompt or --prompts, not both.")
+    texts = read_prompts(prompts) if prompts is not None else (prompt,) if prompt else RunConfig.prompts
+    cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget),
+                    prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(f"run {policy}", total=len(cfg.prompts))
+        result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
+    if save is not None:
+        result.save(save)
+    if as_json:
+        out.print_json(json.dumps(result.to_json()))
+        return
+    for p, t in zip(result.prompts, result.texts):
+        out.print(f"[bold]{p}[/bold]{t}", highlight=False)
+    table = Table(title=f"{policy} on {result.model.source} ({result.clock} clock{', ' + result.hw if result.hw else ''})")
+    for col in ("TTFT", "TPOT mean", "TPOT p99", "hit rate", "bytes/token", "stall", "peak device", "budget"):
+        table.add_column(col, justify="right")
+    tp = result.tpot_s or {}
+    table.add_row(_fmt_s(result.ttft_s), _fmt_s(tp.get("mean")), _fmt_s(tp.get("p99")),
+                  "-" if result.hit_rate is None else f"{result.hit_rate:.3f}", f"{result.bytes_per_token / 2**20:.2f} MiB",
+                  f"{result.stall_s:.4f} s", f"{result.peak_device_bytes / 2**20:.1f} MiB",
+                  f"{result.budget_bytes / 2**20:.1f} MiB")
+    out.print(table)
+    b = result.budget
+    err.print(f"budget: non-expert {b['non_expert_bytes'] / 2**20:.1f} MiB, KV/activation margin "
+              f"{b['margin_bytes'] / 2**20:.1f} MiB, staging {b['staging_bytes'] / 2**20:.1f} MiB, expert cache "
+              f"{b['cache_bytes'] / 2**20:.1f} MiB", highlight=False)

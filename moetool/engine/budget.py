@@ -1,0 +1,136 @@
+"""Device memory sizing: one source for how a budget splits, used by the engine and by `fit`.
+
+A budget is either a size (`12GiB`: everything on the device) or a share of the experts at the
+reference precision (`25%`: the expert cache alone, with the fixed parts added on top). The fixed
+parts are the non-expert weights, the KV cache and activations for the planned sequence length
+(`kv_margin`), and the staging buffers. `Budget` then tracks reservations against the total.
+
+    plan = split_budget("25%", n_experts=96, expert_bytes={16: 4096, 4: 1280},
+                        non_expert_bytes=1 << 20, margin_bytes=1 << 20)
+    plan.cache_bytes == 96 * 4096 // 4
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetool.engine.store import REFERENCE_BITS
+from moetool.errors import MoetoolError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+ACTIVATION_MARGIN = 16 * 2**20  # bytes for activations and workspace beside the KV cache
+PLAN_TOKENS = 4096  # sequence length a run's KV margin is planned for unless it knows its own
+STAGING_SLOTS = 2  # per precision: a demand load that is not cached streams through these, double-buffered
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """How the device budget is spent."""
+
+    total_bytes: int
+    non_expert_bytes: int
+    margin_bytes: int  # KV cache for the longest sequence + activations
+    staging_bytes: int
+    cache_bytes: int  # what policies may carve into expert slots
+    expert_bytes_reference: int  # all experts at the reference precision (what a percentage refers to)
+
+
+def parse_size(text: str, option: str = "--budget") -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        share = " or a percentage like 25%" if option == "--budget" else ""
+        raise MoetoolError(f"{option} '{text}' is not a size like 12GiB / 500MB{share}.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype, top_k: int = 0) -> int:
+    """Bytes of a KV cache for `batch` sequences of `max_tokens`, plus activations.
+
+    The activations are a fixed workspace margin plus the engine's per-layer expert outputs, held
+    for a prefill of `max_tokens` until they are summed in expert order (T * top_k rows of H).
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    item = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * cfg.num_hidden_layers * heads * head_dim * item + top_k * cfg.hidden_size * item
+    return per_token * max_tokens * batch + ACTIVATION_MARGIN
+
+
+def staging_bytes(expert_bytes: dict[int, int]) -> int:
+    """The staging buffers: STAGING_SLOTS of each stored precision's slot."""
+    return STAGING_SLOTS * sum(expert_bytes.values())
+
+
+MAX_SHARE_PCT = 1000.0  # a share budget above this is a typo, not a plan
+
+
+def parse_budget(spec: str, option: str = "--budget") -> tuple[str, float]:
+    """("share", fraction of the bf16 experts) for `25%`, ("size", bytes) for `12GiB`, or one sentence."""
+    text = spec.strip()
+    if not text.endswith("%"):
+        return "size", float(parse_size(text, option))
+    try:
+        pct = float(text[:-1])
+    except ValueError:
+        raise MoetoolError(f"{option} '{spec}' is not a percentage like 25%.") from None
+    if not (math.isfinite(pct) and 0 <= pct <= MAX_SHARE_PCT):
+        raise MoetoolError(f"{option} '{spec}' must be between 0% and {MAX_SHARE_PCT:g}% of the bf16 expert bytes.")
+    return "share", pct / 100
+
+
+def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non_expert_bytes: int,
+                 margin_bytes: int) -> BudgetPlan:
+    """Split `spec` over non-expert weights, the KV/activation margin, staging and the expert cache.
+
+    `expert_bytes` maps each stored precision to one expert's slot. Without a 16-bit copy the
+    reference is the highest precision scaled to 16 bits.
+    """
+    top = max(expert_bytes)
+    ref = n_experts * (expert_bytes[REFERENCE_BITS] if REFERENCE_BITS in expert_bytes
+                       else expert_bytes[top] * REFERENCE_BITS // top)
+    staging = staging_bytes(expert_bytes)
+    fixed = non_expert_bytes + margin_bytes + staging
+    kind, value = parse_budget(spec)
+    if kind == "share":
+        cache = int(value * ref)
+        total = fixed + cache
+    else:
+        total = int(value)
+        cache = total - fixed
+        if cache < 0:
+            raise MoetoolError(f"--budget {spec} is below the minimum of {fixed / 2**20:.1f} MiB (non-expert weights "
+                               f"{non_expert_bytes / 2**20:.1f} MiB + KV/activation margin {margin_bytes / 2**20:.1f} "
+                               f"MiB + staging {staging / 2**20:.1f} MiB).")
+    return BudgetPlan(total_bytes=total, non_expert_bytes=non_expert_bytes, margin_bytes=margin_bytes,
+                      staging_bytes=staging, cache_bytes=cache, expert_bytes_reference=ref)
+
+
+class BudgetExceeded(RuntimeError):
+    """An internal invariant broke: something asked for device bytes beyond the budget."""
+
+
+class Budget:
+    """Device bytes: what was promised, what is reserved, and the peak."""
+
+    def __init__(self, total: int):
+        self.total = int(total)
+        self.used = 0
+        self.peak = 0
+
+    def try_reserve(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.total:
+            return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        if not self.try_reserve(nbytes):
+            raise BudgetExceeded(f"{what} needs {nbytes} B but only {self.total - self.used} B of the budget is left")

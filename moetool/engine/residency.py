@@ -1,0 +1,243 @@
+"""Residency: the one owner of what is on the device — slots per precision pool, their per-layer
+quotas, their eviction orders, and the table of copies (resident or in flight).
+
+A policy declares its pools once (`Policy.pools`: bits, slots, quota per layer, eviction order) and
+answers once per layer with a plan; the residency does the rest. `make_room` is the generic
+admission rule (quota, then the pool's eviction order, never a shielded expert); a policy whose
+paper has its own rule (DyMoE's no-duplication and promotion, DynaExq's target set, Fate's INT2
+pool) wraps it in `Policy.admit`. Pools and staging buffers are carved from the budget once, at
+start: the hot path only moves slots between a free list and the table, so there is no allocator
+churn and the budget cannot be exceeded. A copy in flight is LOADING until its event has completed;
+only RESIDENT copies serve plans (DynaExq's invariant: the forward reads only fully materialized
+versions).
+
+    residency = Residency(store, [Pool(bits=16, slots=8, quota={0: 4, 1: 4})], Budget(1 << 30), torch.device("cpu"))
+    victims = residency.make_room(Fetch(0, 5, 16), shield=set(), demand=True)
+    handle, dst = residency.begin_load(Fetch(0, 5, 16), victims, prefetched=False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from moetool.engine.budget import STAGING_SLOTS, Budget, BudgetExceeded
+from moetool.engine.store import HostStore
+from moetool.errors import MoetoolError
+from moetool.policies.base import Fetch, Key, Pool
+from moetool.policies.eviction import EVICTIONS, Eviction
+
+class State(IntEnum):
+    LOADING = 1
+    RESIDENT = 2
+
+
+@dataclass
+class Handle:
+    """One device copy of (layer, expert) at `bits`: in `slot` of that precision's pool, or, for a
+    demand load the policy did not admit, in a staging buffer (`staged`) and dropped after use."""
+
+    slot: int | None  # None: staged
+    state: State = State.LOADING
+    event: Any = None  # torch.cuda.Event or None
+    ready_at: float = 0.0  # simulated completion time
+    prefetched: bool = False  # brought in ahead of use; counted as used on its first hit
+    data: torch.Tensor | None = field(default=None, repr=False)  # a staged copy's bytes, once its copy started
+
+    @property
+    def staged(self) -> bool:
+        return self.slot is None
+
+
+@dataclass
+class _PoolState:
+    """One precision's physical slots and its logical eviction orders."""
+
+    spec: Pool
+    slots: torch.Tensor  # [n, slot bytes] uint8
+    free: list[int]  # free slot indices, next one last
+    holders: dict[Key, None]  # keys holding a slot (resident or loading), in admission order
+    orders: dict[int | None, Eviction]  # scope (layer, or None for a global pool) -> eviction order
+
+
+class Residency:
+    """Implements the policies' read-only `CacheView`, admission (`make_room`), and the slot table."""
+
+    def __init__(self, store: HostStore, pools: list[Pool], budget: Budget, device: torch.device):
+        self.store, self.budget, self.device = store, budget, torch.device(device)
+        self.staging: dict[int, torch.Tensor] = {}
+        self._staging_next: dict[int, int] = {}
+        for bits in store.bits:
+            n = STAGING_SLOTS * store.slot_bytes(bits)
+            if not budget.try_reserve(n):
+                raise MoetoolError(f"the expert budget cannot hold even the {STAGING_SLOTS} staging buffers of "
+                                   f"{bits}-bit experts ({n} B); raise --budget.")
+            self.staging[bits] = torch.empty(STAGING_SLOTS, store.slot_bytes(bits), dtype=torch.uint8, device=device)
+            self._staging_next[bits] = 0
+        self.pools: dict[int, _PoolState] = {}
+        for spec in pools:
+            if spec.slots <= 0:
+                continue
+            if spec.bits not in store.bits:
+                raise MoetoolError(f"the policy wants a {spec.bits}-bit cache but the bundle has only "
+                                   f"{list(store.bits)} bits.")
+            if spec.eviction is not None and spec.eviction not in EVICTIONS:
+                raise MoetoolError(f"unknown eviction '{spec.eviction}' (known: {', '.join(sorted(EVICTIONS))}).")
+            budget.reserve(spec.slots * store.slot_bytes(spec.bits), f"the {spec.bits}-bit pool of {spec.slots} slots")
+            self.pools[spec.bits] = _PoolState(
+                spec=spec, free=list(range(spec.slots - 1, -1, -1)), holders={}, orders={},
+                slots=torch.empty(spec.slots, store.slot_bytes(spec.bits), dtype=torch.uint8, device=device))
+        self.table: dict[tuple[int, int, int], Handle] = {}  # (layer, expert, bits) -> the copy
+        self._ordered: set[tuple[int, int, int]] = set()  # keys an eviction order holds
+        # Brought in ahead of use and not referenced yet: for a pool with `prefetch_is_reference`, the
+        # admission stood for the first reference (otherwise ARC would put every prefetched expert in
+        # its frequency list T2 on first use).
+        self._fresh: set[tuple[int, int, int]] = set()
+
+    # -- CacheView (what policies read) -------------------------------------------------------
+    def resident_bits(self, layer: int, expert: int) -> tuple[int, ...]:
+        return tuple(b for b in self.pools if (h := self.table.get((layer, expert, b))) and h.state == State.RESIDENT)
+
+    def loading_bits(self, layer: int, expert: int) -> tuple[int, ...]:
+        return tuple(b for b in self.pools if (h := self.table.get((layer, expert, b))) and h.state == State.LOADING)
+
+    def residents(self, bits: int) -> list[Key]:
+        """Every key holding a slot at `bits` (resident or still loading), oldest admission first."""
+        pool = self.pools.get(bits)
+        return list(pool.holders) if pool else []
+
+    def capacity(self, bits: int) -> int:
+        pool = self.pools.get(bits)
+        return pool.spec.slots if pool else 0
+
+    def free(self, bits: int) -> int:
+        pool = self.pools.get(bits)
+        return len(pool.free) if pool else 0
+
+    # -- admission ------------------------------------------------------------------------------
+    def order(self, bits: int, layer: int) -> Eviction:
+        """The eviction order that ranks `layer`'s experts in the `bits` pool (per layer when the pool
+        has quotas, so ARC's adaptation and LRU recency stay per layer; else one for the pool)."""
+        pool = self.pools[bits]
+        scope = layer if pool.spec.quota is not None else None
+        if scope not in pool.orders:
+            pool.orders[scope] = EVICTIONS[pool.spec.eviction](**pool.spec.eviction_options)
+        return pool.orders[scope]
+
+    def make_room(self, want: Fetch, shield: set[Key], demand: bool) -> list[Fetch] | None:
+        """The generic rule: victims so that `want` fits ([] if it fits already), or None to not cache it.
+
+        Within the layer's quota (or the whole pool without quotas) a free slot is taken; otherwise the
+        pool's eviction order picks a victim among the unshielded holders of the layer (of the pool when
+        the layer is under its quota but the pool is full). The order is told in the sequence ARC needs:
+        the request, the victim's removal, then the insertion. A pool without an eviction order only
+        admits into free slots.
+        """
+        pool = self.pools.get(want.bits)
+        if pool is None:
+            return None
+        spec, key = pool.spec, (want.layer, want.expert)
+        if spec.eviction is None:
+            return [] if pool.free else None
+        limit = spec.quota.get(want.layer, 0) if spec.quota is not None else spec.slots
+        if limit <= 0:
+            return None
+        order = self.order(want.bits, want.layer)
+        order.request(key)
+        if spec.quota is not None:
+            mine = [k for k in pool.holders if k[0] == want.layer]
+            if len(mine) < limit and pool.free:
+                candidates = None
+            else:
+                candidates = mine if len(mine) >= limit else list(pool.holders)
+        else:
+            candidates = None if pool.free else list(pool.holders)
+        victims = []
+        if candidates is not None:
+            candidates = [k for k in candidates if k not in shield]
+            if not candidates:
+                return None
+            victim = order.victim(candidates)
+            self._forget((*victim, want.bits))
+            victims.append(Fetch(victim[0], victim[1], want.bits))
+        order.insert(key)
+        self._ordered.add((*key, want.bits))
+        if spec.prefetch_is_reference and not demand:
+            self._fresh.add((*key, want.bits))
+        return victims
+
+    def used(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
+        """After a layer ran: (expert, bits, was_hit) of every expert it used on the device."""
+        for e, bits, hit in experts:
+            pool = self.pools.get(bits)
+            if pool is None or pool.spec.eviction is None:
+                continue
+            key = (layer, e, bits)
+            if key in self._fresh:
+                self._fresh.discard(key)
+            elif hit:
+                self.order(bits, layer).touch((layer, e))
+
+    def observe(self, layer: int, scores: torch.Tensor) -> None:
+        """Give every eviction order that ranks by router scores this layer's mean scores [E] (SMoE eq. 3)."""
+        for bits in self.pools:
+            if self.pools[bits].spec.eviction is not None:
+                order = self.order(bits, layer)
+                if hasattr(order, "observe"):
+                    order.observe(layer, scores)
+
+    def wants_scores(self) -> bool:
+        return any(EVICTIONS[p.spec.eviction].reads_scores for p in self.pools.values() if p.spec.eviction)
+
+    def _forget(self, key: tuple[int, int, int]) -> None:
+        """Take `key` out of its eviction order (once) and out of the fresh set."""
+        self._fresh.discard(key)
+        if key in self._ordered:
+            self._ordered.discard(key)
+            self.order(key[2], key[0]).remove(key[:2])
+
+    # -- the slot table ----------------------------------------------------------------------------
+    def get(self, layer: int, expert: int, bits: int) -> Handle | None:
+        return self.table.get((layer, expert, bits))
+
+    def begin_load(self, want: Fetch, victims: list[Fetch], *, prefetched: bool = False) -> tuple[Handle, torch.Tensor]:
+        """Evict `victims`, take a free slot for `want`; the caller copies into the returned view."""
+        for v in victims:
+            self.evict(v.layer, v.expert, v.bits)
+        pool = self.pools.get(want.bits)
+        if pool is None or not pool.free:
+            raise BudgetExceeded(f"no free {want.bits}-bit slot for ({want.layer}, {want.expert}): the policy did "
+                                 "not make room")
+        handle = Handle(slot=pool.free.pop(), prefetched=prefetched)
+        self.table[want.layer, want.expert, want.bits] = handle
+        pool.holders[want.layer, want.expert] = None
+        return handle, pool.slots[handle.slot]
+
+    def staging_slot(self, bits: int) -> torch.Tensor:
+        i = self._staging_next[bits]
+        self._staging_next[bits] = (i + 1) % STAGING_SLOTS
+        return self.staging[bits][i]
+
+    def publish(self, layer: int, expert: int, bits: int) -> None:
+        self.table[layer, expert, bits].state = State.RESIDENT
+
+    def loading(self) -> list[tuple[tuple[int, int, int], Handle]]:
+        return [(key, h) for key, h in self.table.items() if h.state == State.LOADING]
+
+    def evict(self, layer: int, expert: int, bits: int) -> None:
+        self._forget((layer, expert, bits))
+        handle = self.table.pop((layer, expert, bits), None)
+        if handle is None:
+            return
+        pool = self.pools[bits]
+        del pool.holders[layer, expert]
+        pool.free.append(handle.slot)
+
+    def data(self, bits: int, handle: Handle) -> torch.Tensor:
+        """The bytes of a copy: its slot, or its staging buffer."""
+        if handle.staged:
+            return handle.data
+        return self.pools[bits].slots[handle.slot][: self.store.slot_bytes(bits)]

@@ -1,0 +1,92 @@
+"""The CLI options several commands share, declared once as `Annotated` aliases, and their parsers.
+
+    @command
+    def run(model: ModelOpt = None, bundle: BundleOpt = None, policy: PolicyOpt = "lru", ...) -> None:
+
+Defaults stay at each command's parameter (eval's budget is 100%, run's 25%); the help, the type
+and the choices live here. Values are checked by the configs they fill (`EngineSpec.check`, ...),
+so a command, a grid cell and a Python caller are refused with the same sentence.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from moetool.errors import MoetoolError
+from moetool.spec import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES
+
+Clock = Enum("Clock", {c: c for c in CLOCKS}, type=str)  # a `str, Enum`: Typer shows and checks the choices
+Dtype = Enum("Dtype", {d: d for d in ("auto", *DTYPES)}, type=str)
+
+
+ModelArg = Annotated[str, typer.Argument(help="A local Hugging Face model directory, a hub id, or 'demo'.")]
+ModelOpt = Annotated[str | None, typer.Option(help="Model: a local directory, a hub id, or 'demo' (default: the "
+                                              "--bundle's own model, else demo).")]
+BundleOpt = Annotated[Path | None, typer.Option(help="Quantized bundle directory; it holds the whole model, so "
+                                                "--model is optional (default: experts from the checkpoint).")]
+# The registry imports torch (seconds `--help` should not pay), so the names are not listed here:
+# `EngineSpec.check` refuses an unknown one with a sentence that lists them all.
+PolicyOpt = Annotated[str, typer.Option(metavar="POLICY", help="Policy: a name in moetool.policies.POLICIES; "
+                                        "an unknown one is refused with the list of them all.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")]
+FitOpt = Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used (--set wins).")]
+BudgetOpt = Annotated[str, typer.Option(help=f"Device budget: a size (12GiB) or the expert cache as a share of bf16 "
+                                        f"experts ({DEFAULT_BUDGET}).")]
+ClockOpt = Annotated[Clock, typer.Option(help="wall (measured) or sim (modelled on --hw).")]
+HwOpt = Annotated[str, typer.Option(help=f"Hardware profile for the sim clock: a preset name ({DEFAULT_HW}, ...) "
+                                    f"or a profile JSON.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda (cuda:N).")]
+DtypeOpt = Annotated[Dtype, typer.Option(help="Compute dtype; auto: bf16 on CUDA, fp32 on CPU.")]
+HostBudgetOpt = Annotated[str | None, typer.Option(help="Host memory for pinned experts and the staging ring (e.g. "
+                                                   "32GiB; default on CUDA: free memory less a margin; on a CPU, "
+                                                   "experts are read from the mapped bundle unless given).")]
+BatchOpt = Annotated[int, typer.Option(help="Sequences per forward (prompts per batch).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
+
+
+def parse_settings(pairs: list[str] | None, option: str = "--set") -> dict[str, str]:
+    """`["a=1", "b=x"]` -> {"a": "1", "b": "x"}."""
+    settings: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise MoetoolError(f"{option} takes key=value, not '{pair}'.")
+        settings[key.strip()] = value.strip()
+    return settings
+
+
+def parse_seconds(text: str | None, option: str = "--target-tpot") -> float | None:
+    """'0.05', '0.05s' or '50ms' -> seconds."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s)?\s*", text)
+    if not m:
+        raise MoetoolError(f"{option} takes seconds such as 0.05 or 50ms, not '{text}'.")
+    return float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
+
+
+def parse_numbers(text: str, option: str, kind: type = float) -> tuple[Any, ...]:
+    """'8,4,2' -> (8, 4, 2), or one sentence naming `option`."""
+    try:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise MoetoolError(f"{option} takes comma-separated {what}, not '{text}'.") from None
+
+
+def spec_fields(model: str | None, bundle: Path | None, policy: str, set_: list[str] | None, fit: Path | None,
+                budget: str, clock: Clock, hw: str, device: str, dtype: Dtype,
+                host_budget: str | None) -> dict[str, Any]:
+    """The `EngineSpec` fields of the shared options, as run and eval take them."""
+    return dict(model=model, bundle=bundle, policy=policy, settings=parse_settings(set_), fit=fit, budget=budget,
+                clock=Clock(clock).value, hw=hw, device=device, dtype=Dtype(dtype).value, host_budget=host_budget)
+
+
+__all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
+           "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
+           "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]

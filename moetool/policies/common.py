@@ -1,0 +1,67 @@
+"""Small pieces every paper's policy uses: layer order, routing counts, look-ahead scores, hardware
+timings, slot splits and knob checks. Nothing here is one paper's mechanism (those live in the file
+named after the paper).
+
+    popularity(torch.tensor([[0, 2], [0, 1]]), 4).tolist() == [2, 1, 1, 0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.policies.base import EngineContext, LayerView, check_bits, valid_slots
+from moetool.policies.eviction import EVICTIONS
+
+__all__ = ["all_experts", "check_bits", "check_eviction", "even_quota", "hw_seconds", "next_moe_layer",
+           "popularity", "predicted_scores", "valid_slots"]
+
+
+def all_experts(ctx: EngineContext) -> int:
+    """Experts in the model: MoE layers x experts per layer."""
+    return len(ctx.moe_layers) * ctx.num_experts
+
+
+def next_moe_layer(ctx: EngineContext, moe_pos: int) -> int | None:
+    """Decoder index of the MoE layer after position `moe_pos` (what `LayerView.predict` takes)."""
+    return ctx.moe_layers[moe_pos + 1] if moe_pos + 1 < len(ctx.moe_layers) else None
+
+
+def hw_seconds(ctx: EngineContext, key: str, bits: int | None = None) -> float | None:
+    """`ctx.hw[key]` (or `ctx.hw[key][bits]`), None where the hardware profile lacks it."""
+    value: Any = ctx.hw.get(key)
+    if bits is not None:
+        value = value.get(bits) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def predicted_scores(view: LayerView, ctx: EngineContext) -> tuple[int, torch.Tensor] | None:
+    """(next MoE layer, its router's softmax scores [T, E] on this layer's gate input), or None."""
+    nxt = next_moe_layer(ctx, view.moe_pos)
+    if nxt is None:
+        return None
+    logits = view.predict(nxt)  # [T, E]
+    if logits is None or logits.numel() == 0:
+        return None
+    return nxt, torch.softmax(logits.float(), dim=-1)
+
+
+def popularity(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert [E] (Fate's popularity, DyMoE's token load, DynaExq's counters)."""
+    flat = idx[valid_slots(idx, num_experts)]  # [n]
+    return torch.bincount(flat, minlength=num_experts)
+
+
+def even_quota(layers: tuple[int, ...], slots: int) -> dict[int, int]:
+    """Split `slots` evenly over `layers`, the remainder going to the shallowest ones."""
+    if not layers:
+        return {}
+    base, extra = divmod(slots, len(layers))
+    return {layer: base + (1 if i < extra else 0) for i, layer in enumerate(layers)}
+
+
+def check_eviction(policy: str, name: str) -> None:
+    if name not in EVICTIONS:
+        raise MoetoolError(f"policy '{policy}': unknown eviction '{name}' (known: {', '.join(sorted(EVICTIONS))}).")

@@ -1,0 +1,142 @@
+"""What a stage asks of the engine (`EngineSpec`) and what the engine reports back (`EngineRecord`).
+
+`RunConfig` and `EvalConfig` are engine specs with their workload added; `FitConfig` (its smoe
+sweep) and `DemoConfig` hold one. `Run` and `Eval` are engine records with their measurements
+added, filled by `moetool.run.engine_record`. So an option such as `--host-budget` is declared
+here once and reaches every stage, grid cell and artifact that runs the engine.
+
+    spec = EngineSpec(bundle=Path("out/bundle"), policy="fate", budget="25%", clock="sim")
+    spec.check()                        # one-sentence refusals before any model is loaded
+    RunConfig(**spec.engine_fields(), prompts=("Hello",))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetool.errors import MoetoolError
+
+DEFAULT_HW = "rtx3090"  # the sim clock's machine: the consumer GPU the papers offload on
+DEFAULT_BUDGET = "25%"  # expert cache = a quarter of the bf16 experts: every policy must offload
+DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes; `auto` picks one per device
+CLOCKS = ("wall", "sim")  # measured, or modelled on a hardware profile
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """The model, experts, policy and device budget an engine is built from (`run.prepare`)."""
+
+    model: str | None = None  # checkpoint; None: the bundle's own model, or the demo model without a bundle
+    bundle: Path | None = None  # quantized experts (and the whole model); None: experts from the checkpoint
+    policy: str = "lru"  # a name in moetool.policies.POLICIES
+    settings: dict[str, str] = field(default_factory=dict)  # policy knobs as `--set key=value` strings
+    fit: Path | None = None  # fit artifact whose knobs for `policy` are used (`settings` win)
+    budget: str = DEFAULT_BUDGET  # whole device budget (12GiB) or expert cache share of bf16 experts (25%)
+    clock: str = "wall"  # one of CLOCKS
+    hw: str = DEFAULT_HW  # hardware profile of the sim clock: a preset name or a profile JSON
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; else one of DTYPES
+    host_budget: str | None = None  # host bytes for pinned experts and the staging ring (default: free memory less a margin)
+
+    def engine_fields(self) -> dict[str, Any]:
+        """This spec's own fields (not a subclass's workload), e.g. to build another config from it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSpec)}
+
+    def check(self) -> None:
+        """Refuse in one sentence, before anything loads, what no model could run with."""
+        from moetool.engine.clock import load_hw
+        from moetool.policies import POLICIES
+        from moetool.policies.base import parse_params
+
+        if self.policy not in POLICIES:
+            raise MoetoolError(f"unknown policy '{self.policy}' (known: {', '.join(sorted(POLICIES))}).")
+        parse_params(POLICIES[self.policy], self.settings)  # unknown knobs and bad values, before the model loads
+        check_budget(self.budget)
+        if self.clock not in CLOCKS:
+            raise MoetoolError(f"--clock must be {' or '.join(CLOCKS)}, not '{self.clock}'.")
+        load_hw(self.hw)  # the engine's cost model reads it whatever the clock
+        check_device(self.device)
+        resolve_dtype(self.dtype, self.device)
+        if self.host_budget is not None and check_size(self.host_budget, "--host-budget") == 0:
+            raise MoetoolError(f"--host-budget must be more than 0 bytes, not '{self.host_budget}'.")
+        if self.fit is not None and not Path(self.fit).is_file():
+            raise MoetoolError(f"--fit {self.fit} does not exist.")
+
+
+def check_positive(**values: int) -> None:
+    """Each count (max_new_tokens=0, ...) is at least 1, or one sentence naming its option."""
+    for name, value in values.items():
+        if value < 1:
+            raise MoetoolError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
+
+
+def check_size(text: str, option: str) -> int:
+    """Bytes of a size such as 12GiB or 500MB, or one sentence naming `option`."""
+    from moetool.engine import parse_size
+
+    return parse_size(text, option)
+
+
+def check_budget(text: str, option: str = "--budget") -> None:
+    """A size (12GiB) or a share of the bf16 experts (25%), as the engine's budget planner reads it."""
+    from moetool.engine.budget import parse_budget
+
+    parse_budget(text, option)
+
+
+def parse_device(device: str) -> Any:
+    """`device` as a torch.device, or one sentence."""
+    import torch
+
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MoetoolError(f"--device must be cpu or cuda (cuda:N), not '{device}'.") from None
+
+
+def check_device(device: str) -> None:
+    """A device torch knows, and CUDA only on a machine that has it."""
+    import torch
+
+    if parse_device(device).type == "cuda" and not torch.cuda.is_available():
+        raise MoetoolError(f"--device {device} asks for CUDA, but this machine has no usable CUDA device.")
+
+
+def resolve_dtype(name: str, device: str) -> Any:
+    """The torch dtype of `name` on `device`: `auto` is bf16 on CUDA (what the kernels and the bundles
+    are made for) and fp32 on a CPU (exact against transformers, and CPU bf16 matmuls are slow)."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if parse_device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise MoetoolError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not '{name}'.")
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRecord:
+    """What the engine ran and counted: the fields `Run` and `Eval` share (their JSON keys, one to one).
+
+    Filled by `moetool.run.engine_record` after the engine has run, so a run and an evaluation of
+    the same spec report the same things in the same places.
+    """
+
+    policy: str
+    params: dict[str, Any]  # the policy's knobs as it ran (defaults, fit, --set)
+    clock: str
+    hw: str | None  # the sim clock's hardware profile; None on the wall clock
+    device: str
+    dtype: str = "float32"  # the compute dtype (`auto` resolved); artifacts from before it was recorded ran in fp32
+    budget_bytes: int
+    budget: dict[str, int]  # how the budget is spent (BudgetPlan)
+    peak_device_bytes: int
+    summary: dict[str, Any]  # every engine counter (hit rate, substitutions, skips, CPU experts, precision mix, ...)
+    layers: dict[str, dict[str, Any]]  # per MoE layer
+
+
+__all__ = ["CLOCKS", "DEFAULT_BUDGET", "DEFAULT_HW", "DTYPES", "EngineRecord", "EngineSpec", "check_budget",
+           "check_device", "check_positive", "check_size", "parse_device", "resolve_dtype"]
