@@ -517,7 +517,7 @@ def test_an_interrupted_report_leaves_the_previous_one_whole(tmp_path, monkeypat
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("moetool.report._comparison_figures", ctrl_c)  # after the profile's figures are drawn
+    monkeypatch.setattr("moetool.report.comparison_figures", ctrl_c)  # after the profile's figures are drawn
     with pytest.raises(KeyboardInterrupt):
         report([art], tmp_path / "rep")
     assert {p.name: p.read_bytes() for p in (tmp_path / "rep").iterdir()} == before

@@ -39,8 +39,8 @@ from moetool.errors import MoetoolError
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
-from moetool.quant.bundle import MANIFEST, MODEL_DIR, NON_EXPERT, Bundle, Entry, ModelFile, Shard, ShardWriter, \
-    file_crc32, write_safetensors
+from moetool.quant.bundle import MANIFEST, Bundle, Entry
+from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.format import (DTYPES, Bits, Layout, QTensor, auto_group_size, dequantize, dequantize_qtensor,
                                    encode, make_layout, relative_error)
 
