@@ -19,10 +19,7 @@ from typing import Any
 
 from moetool.errors import MoetoolError
 
-DEFAULT_HW = "rtx3090"  # the sim clock's machine: the consumer GPU the papers offload on
-DEFAULT_BUDGET = "25%"  # expert cache = a quarter of the bf16 experts: every policy must offload
-DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes; `auto` picks one per device
-CLOCKS = ("wall", "sim")  # measured, or modelled on a hardware profile
+from moetool.defaults import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES  # noqa: F401 (re-exported for commands)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,8 +17,8 @@ from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
 from moetool.engine.runtime import Engine
 from moetool.engine.store import HostStore
+from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
-from moetool.spec import DEFAULT_HW
 from moetool.model import LoadedModel, available_memory
 from moetool.policies import make_policy
 from moetool.policies.base import EngineContext

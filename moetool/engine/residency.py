@@ -91,6 +91,9 @@ class Residency:
                 spec=spec, free=list(range(spec.slots - 1, -1, -1)), holders={}, orders={},
                 slots=torch.empty(spec.slots, store.slot_bytes(spec.bits), dtype=torch.uint8, device=device))
         self.table: dict[tuple[int, int, int], Handle] = {}  # (layer, expert, bits) -> the copy
+        self._in_flight: set[tuple[int, int, int]] = set()  # LOADING keys: what a layer start may publish
+        self._reads_scores = any(p.spec.eviction and EVICTIONS[p.spec.eviction].reads_scores
+                                 for p in self.pools.values())
         self._ordered: set[tuple[int, int, int]] = set()  # keys an eviction order holds
         # Brought in ahead of use and not referenced yet: for a pool with `prefetch_is_reference`, the
         # admission stood for the first reference (otherwise ARC would put every prefetched expert in
@@ -190,7 +193,8 @@ class Residency:
                     order.observe(layer, scores)
 
     def wants_scores(self) -> bool:
-        return any(EVICTIONS[p.spec.eviction].reads_scores for p in self.pools.values() if p.spec.eviction)
+        """Whether some pool's eviction order ranks by router scores (then the engine calls `observe`)."""
+        return self._reads_scores
 
     def _forget(self, key: tuple[int, int, int]) -> None:
         """Take `key` out of its eviction order (once) and out of the fresh set."""
@@ -213,6 +217,7 @@ class Residency:
                                  "not make room")
         handle = Handle(slot=pool.free.pop(), prefetched=prefetched)
         self.table[want.layer, want.expert, want.bits] = handle
+        self._in_flight.add((want.layer, want.expert, want.bits))
         pool.holders[want.layer, want.expert] = None
         return handle, pool.slots[handle.slot]
 
@@ -223,12 +228,15 @@ class Residency:
 
     def publish(self, layer: int, expert: int, bits: int) -> None:
         self.table[layer, expert, bits].state = State.RESIDENT
+        self._in_flight.discard((layer, expert, bits))
 
     def loading(self) -> list[tuple[tuple[int, int, int], Handle]]:
-        return [(key, h) for key, h in self.table.items() if h.state == State.LOADING]
+        """The copies still in flight (a few per layer, not the whole table)."""
+        return [(key, self.table[key]) for key in self._in_flight]
 
     def evict(self, layer: int, expert: int, bits: int) -> None:
         self._forget((layer, expert, bits))
+        self._in_flight.discard((layer, expert, bits))
         handle = self.table.pop((layer, expert, bits), None)
         if handle is None:
             return

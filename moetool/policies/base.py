@@ -17,14 +17,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
 from moetool.errors import MoetoolError
-
-if TYPE_CHECKING:
-    from moetool.engine.residency import Residency
 
 Key = tuple[int, int]  # (decoder layer index, expert)
 
@@ -89,6 +86,7 @@ class ResidencyView(Protocol):
     def residents(self, bits: int) -> list[Key]: ...  # every (layer, expert) held at `bits`
     def capacity(self, bits: int) -> int: ...  # slots of that precision
     def free(self, bits: int) -> int: ...
+    def make_room(self, want: Fetch, shield: set[Key], demand: bool) -> list[Fetch] | None: ...  # the generic rule
 
 
 @dataclass
@@ -203,7 +201,7 @@ class Policy:
     def plan(self, view: LayerView) -> LayerPlan:
         return LayerPlan.routed(view, self.precisions()[0])
 
-    def admit(self, want: Fetch, residency: "Residency", shield: set[Key], demand: bool) -> list[Fetch] | None:
+    def admit(self, want: Fetch, residency: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """Victims to evict so `want` is cached ([] if it fits), or None to not cache it.
 
         The default is the residency's generic rule (quota, then the pool's eviction order); a

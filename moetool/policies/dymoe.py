@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,6 @@ from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerVi
 from moetool.policies.common import (check_bits, check_eviction, even_quota, popularity, predicted_scores,
                                      valid_slots)
 from moetool.policies.fate import CrossLayerPrefetch
-
-if TYPE_CHECKING:
-    from moetool.engine.residency import Residency
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
 
@@ -234,7 +231,7 @@ class DyMoE(Policy):
         return [Pool(b, n, quota=even_quota(self.ctx.moe_layers, n), eviction=self.params.eviction)
                 for b, n in self.slots.items() if n > 0]
 
-    def admit(self, want: Fetch, residency: "Residency", shield: set[Key], demand: bool) -> list[Fetch] | None:
+    def admit(self, want: Fetch, residency: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """§4.4.2 rule 1 (no duplication): never a low copy next to a high one, resident or in flight;
         rule 2 (precision promotion): a high copy admitted for an expert held low evicts the low copy."""
         layer, expert = want.layer, want.expert

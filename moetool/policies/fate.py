@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
-                                   register)
+                                   ResidencyView, register)
 from moetool.policies.common import check_bits, check_eviction, hw_seconds, popularity, predicted_scores
-
-if TYPE_CHECKING:
-    from moetool.engine.residency import Residency
 
 # -- Fate's mechanisms -----------------------------------------------------------------------------
 
@@ -206,7 +203,7 @@ class Fate(Policy):
         return [Fetch(layer, e, self.params.cache_bits) for layer, q in self.quota.items()
                 if q >= self.ctx.num_experts for e in range(self.ctx.num_experts)]
 
-    def admit(self, want: Fetch, residency: "Residency", shield: set[Key], demand: bool) -> list[Fetch] | None:
+    def admit(self, want: Fetch, residency: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """An INT2 copy is not cached for an expert already held at `cache_bits` (§4.5 moves the
         unpopular experts at INT2, not the ones the cache holds)."""
         if want.bits != self.params.cache_bits and self.params.cache_bits in residency.resident_bits(want.layer,

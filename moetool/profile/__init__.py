@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 import torch
 
 from moetool.artifacts import Artifact, sha256_file
+from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.schema import SchemaError
-from moetool.spec import DEFAULT_HW
 from moetool.profile.data import load_sequences
 from moetool.profile.prefetch import PrefetchAccumulator, PrefetchProfile
 from moetool.profile.routing import RoutingAccumulator, RoutingProfile
