@@ -328,15 +328,20 @@ def load_config(source: str) -> Any:
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
 
 
-def load_reference(source: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Plain transformers model on CPU with its experts inside, for comparisons (loads everything)."""
+def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, experts_impl: str = "eager") -> nn.Module:
+    """Plain transformers model on CPU with its experts inside, for comparisons (loads everything).
+
+    `experts_impl` is transformers' experts kernel: "eager" (its per-expert loop, what
+    `ProviderExperts` and the engine's eager path match) or "grouped_mm" (its default, what the
+    engine's grouped path matches).
+    """
     from transformers import AutoModelForCausalLM
 
     src = resolve_source(source)
     config = load_config(src)
     _check_architecture(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl)
     except Exception as e:  # noqa: BLE001 - the checkpoint is user input: any failure is one sentence
         raise MoetoolError(f"cannot load the weights of '{src}': {_first_line(e)}") from None
     return model.eval()

@@ -18,10 +18,11 @@ from typing import Annotated, Any
 import typer
 
 from moetool.errors import MoetoolError
-from moetool.spec import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES
+from moetool.spec import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS
 
 Clock = Enum("Clock", {c: c for c in CLOCKS}, type=str)  # a `str, Enum`: Typer shows and checks the choices
 Dtype = Enum("Dtype", {d: d for d in ("auto", *DTYPES)}, type=str)
+ExpertsImpl = Enum("ExpertsImpl", {i: i for i in EXPERTS_IMPLS}, type=str)
 
 
 ModelArg = Annotated[str, typer.Argument(help="A local Hugging Face model directory, a hub id, or 'demo'.")]
@@ -45,6 +46,9 @@ DtypeOpt = Annotated[Dtype, typer.Option(help="Compute dtype; auto: bf16 on CUDA
 HostBudgetOpt = Annotated[str | None, typer.Option(help="Host memory for pinned experts and the staging ring (e.g. "
                                                    "32GiB; default on CUDA: free memory less a margin; on a CPU, "
                                                    "experts are read from the mapped bundle unless given).")]
+ExpertsImplOpt = Annotated[ExpertsImpl, typer.Option(help="Expert compute: grouped_mm (grouped GEMMs, bit-exact "
+                                                 "against transformers' default kernel) or eager (one expert at a "
+                                                 "time, bit-exact against its eager loop).")]
 BatchOpt = Annotated[int, typer.Option(help="Sequences per forward (prompts per batch).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
 
@@ -81,12 +85,13 @@ def parse_numbers(text: str, option: str, kind: type = float) -> tuple[Any, ...]
 
 def spec_fields(model: str | None, bundle: Path | None, policy: str, set_: list[str] | None, fit: Path | None,
                 budget: str, clock: Clock, hw: str, device: str, dtype: Dtype,
-                host_budget: str | None) -> dict[str, Any]:
+                host_budget: str | None, experts_impl: ExpertsImpl = ExpertsImpl.grouped_mm) -> dict[str, Any]:
     """The `EngineSpec` fields of the shared options, as run and eval take them."""
     return dict(model=model, bundle=bundle, policy=policy, settings=parse_settings(set_), fit=fit, budget=budget,
-                clock=Clock(clock).value, hw=hw, device=device, dtype=Dtype(dtype).value, host_budget=host_budget)
+                clock=Clock(clock).value, hw=hw, device=device, dtype=Dtype(dtype).value, host_budget=host_budget,
+                experts_impl=ExpertsImpl(experts_impl).value)
 
 
 __all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
-           "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
+           "ExpertsImpl", "ExpertsImplOpt", "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
            "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]

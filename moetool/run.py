@@ -139,7 +139,8 @@ def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = P
         inputs[str(spec.fit)] = sha256_file(Path(spec.fit))
     engine, plan = build_engine(lm, store, spec.policy, settings=spec.settings, fitted=fitted, budget=spec.budget,
                                 clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=max_tokens,
-                                batch=batch or getattr(spec, "batch_size", 1), host_budget=host_budget)
+                                batch=batch or getattr(spec, "batch_size", 1), host_budget=host_budget,
+                                experts_impl=spec.experts_impl)
     return Prepared(spec=spec, lm=lm, engine=engine, plan=plan, inputs=inputs,
                     dtype=str(dtype).removeprefix("torch."))
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from moetool.errors import MoetoolError
 
-from moetool.defaults import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES  # noqa: F401 (re-exported for commands)
+from moetool.defaults import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS  # noqa: F401 (re-exported for commands)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +37,7 @@ class EngineSpec:
     device: str = "cpu"
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; else one of DTYPES
     host_budget: str | None = None  # host bytes for pinned experts and the staging ring (default: free memory less a margin)
+    experts_impl: str = "grouped_mm"  # one of EXPERTS_IMPLS: grouped GEMMs, or one expert at a time ("eager")
 
     def engine_fields(self) -> dict[str, Any]:
         """This spec's own fields (not a subclass's workload), e.g. to build another config from it."""
@@ -59,6 +60,8 @@ class EngineSpec:
         resolve_dtype(self.dtype, self.device)
         if self.host_budget is not None and check_size(self.host_budget, "--host-budget") == 0:
             raise MoetoolError(f"--host-budget must be more than 0 bytes, not '{self.host_budget}'.")
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise MoetoolError(f"--experts-impl must be {' or '.join(EXPERTS_IMPLS)}, not '{self.experts_impl}'.")
         if self.fit is not None and not Path(self.fit).is_file():
             raise MoetoolError(f"--fit {self.fit} does not exist.")
 

@@ -13,11 +13,12 @@ from moetool.policies.base import Phase
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-def _engine(path, policy, budget, clock="sim", batch=None, **settings):
+def _engine(path, policy, budget, clock="sim", batch=None, experts_impl="grouped_mm", **settings):
     lm = load_model(path)
     engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), policy,
                                 settings={k: str(v) for k, v in settings.items()}, budget=budget, clock=clock,
-                                batch=batch or IDS.shape[0])  # the KV margin is planned for the widest forward
+                                batch=batch or IDS.shape[0],  # the KV margin is planned for the widest forward
+                                experts_impl=experts_impl)
     return lm, engine, plan
 
 
@@ -25,21 +26,25 @@ def _engine(path, policy, budget, clock="sim", batch=None, **settings):
 def expected(tiny_ckpt):
     cache = {}
 
-    def get(arch):
-        if arch not in cache:
-            ref = load_reference(tiny_ckpt(arch))
-            cache[arch] = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10, do_sample=False)
-        return cache[arch]
+    def get(arch, impl="grouped_mm"):
+        if (arch, impl) not in cache:
+            ref = load_reference(tiny_ckpt(arch), experts_impl=impl)
+            cache[arch, impl] = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10,
+                                             do_sample=False)
+        return cache[arch, impl]
     return get
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 @pytest.mark.parametrize("policy,budget", [("resident", "100%"), ("lod", "10%"), ("lru", "10%"), ("lru", "50%"),
                                            ("eap", "25%"), ("eap", "100%")])
-def test_lossless_policies_generate_the_same_tokens(tiny_ckpt, expected, arch, policy, budget):
-    lm, engine, plan = _engine(tiny_ckpt(arch), policy, budget)
+def test_lossless_policies_generate_the_same_tokens(tiny_ckpt, expected, arch, policy, budget, impl):
+    """Each compute path against the transformers kernel it matches: grouped GEMMs against
+    `grouped_mm`, one expert at a time against the eager loop."""
+    lm, engine, plan = _engine(tiny_ckpt(arch), policy, budget, experts_impl=impl)
     got = lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10, do_sample=False)
-    assert torch.equal(got, expected(arch))
+    assert torch.equal(got, expected(arch, impl))
     s = engine.stats.summary()
     assert s["peak_device_bytes"] <= plan.total_bytes
     if policy == "resident":
@@ -125,9 +130,12 @@ def test_sim_clock_overlap_arithmetic_on_a_hand_made_timeline():
     assert clock.end_step() == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("policy,budget", [("resident", "100%"), ("lru", "25%"), ("lod", "10%")])
-def test_wide_top_k_batches_match_transformers_bit_for_bit(tmp_path, policy, budget):
-    """top-8 of 16: a token's 8 expert outputs must be summed in transformers' (ascending expert) order.
+def test_wide_top_k_batches_match_transformers_bit_for_bit(tmp_path, policy, budget, impl):
+    """top-8 of 16: a token's 8 expert outputs must be summed as transformers sums them (slot order
+    for grouped_mm, ascending expert order for the eager loop), and each expert's rows must reach
+    its GEMM in the same order.
 
     With k = 2 any order gives the same fp32 sum; with k = 8 it does not, and misses arrive after
     hits, so only a summation order independent of arrival keeps a lossless policy exact.
@@ -137,8 +145,8 @@ def test_wide_top_k_batches_match_transformers_bit_for_bit(tmp_path, policy, bud
     path = save_tiny("qwen2_moe", tmp_path / "wide", hidden_size=64, num_experts=16, num_experts_per_tok=8)
     ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = load_reference(path)(ids).logits
-        lm, engine, _ = _engine(path, policy, budget, batch=ids.shape[0])
+        ref = load_reference(path, experts_impl=impl)(ids).logits
+        lm, engine, _ = _engine(path, policy, budget, batch=ids.shape[0], experts_impl=impl)
         got = lm.model(ids).logits
     assert torch.equal(got, ref)
     if policy != "resident":

@@ -68,6 +68,48 @@ def test_alg1_alpha_zero_substitutes_nothing():
     assert cache_router(SCORES, IDX, mask(8, 2, 3, 4, 5), 0.0).tolist() == [[0, 7, 1]]
 
 
+def _alg1_token_by_token(scores, idx, resident, alpha):
+    """Algorithm 1 written as the paper reads, one token at a time: the reference for the vectorised one."""
+    T, k = idx.shape
+    E = scores.shape[1]
+    out = idx.clone()
+    valid = (idx >= 0) & (idx < E)
+    hi, lo, low_bound = thresholds(scores, k, alpha)
+    sel = scores.gather(1, idx.clamp(0, E - 1))
+    top = valid & (sel > hi[:, None])
+    in_c = torch.zeros(E, dtype=torch.bool)
+    in_c[idx[top]] = True
+    usable = resident | in_c
+    for t in range(T):
+        b = [j for j in range(k) if valid[t, j] and not top[t, j] and sel[t, j] >= lo[t] and not usable[idx[t, j]]]
+        if not b:
+            continue
+        inactive = torch.ones(E, dtype=torch.bool)
+        inactive[idx[t][valid[t]]] = False
+        a = (inactive & usable & (scores[t] >= low_bound[t]) & (scores[t] <= lo[t])).nonzero().squeeze(1)
+        a = a[torch.argsort(scores[t, a], descending=True, stable=True)].tolist()
+        b.sort(key=lambda j: -float(sel[t, j]))
+        replaced = b if len(a) >= len(b) else b[len(b) - len(a):]
+        for j, e in zip(replaced, a):
+            out[t, j] = e
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_alg1_vectorised_equals_token_by_token(seed):
+    """Random batches with ties, dropped slots and partial residency: every token's substitutions
+    are the ones the per-token reading of Algorithm 1 makes."""
+    g = torch.Generator().manual_seed(seed)
+    T, E, k = 9, 12, 4
+    scores = torch.softmax(torch.randn(T, E, generator=g) * 0.3, -1)
+    scores = (scores * 200).round() / 200  # ties: equal scores must break the same way
+    idx = torch.topk(scores + 1e-6 * torch.arange(E), k).indices
+    idx[torch.rand(T, k, generator=g) < 0.1] = E  # dropped slots
+    resident = torch.rand(E, generator=g) < 0.4
+    for alpha in (0.0, 0.2, 0.5):
+        assert torch.equal(cache_router(scores, idx, resident, alpha), _alg1_token_by_token(scores, idx, resident, alpha))
+
+
 def test_alg2_two_pointer_split():
     # C_load = 2, C_CPU = 1, five misses: load, cpu, cpu, load, cpu -> n_load = 2 (max(4, 3) = 4, eq. 4's optimum)
     assert cpu_split([1.0] * 5, 2.0) == 2

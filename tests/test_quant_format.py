@@ -9,7 +9,7 @@ from moetool.errors import MoetoolError
 from moetool.model import ExpertWeights
 from moetool.quant import hqq
 from moetool.quant.format import (ALIGN, PACKINGS, Bits, dequantize, dequantize_into, dequantize_qtensor,
-                                  empty_weights, encode, make_layout, relative_error, views)
+                                  dequantize_stack, empty_weights, encode, make_layout, relative_error, views)
 
 QUANT_BITS = (Bits.INT8, Bits.INT4, Bits.INT2)
 
@@ -104,6 +104,28 @@ def test_dequantize_into_reuses_buffers_and_matches():
     assert torch.equal(out.gate_up, dequantize(blob, layout).gate_up)
     # dequantize_qtensor predicts the stored result before the blob exists (used by GPTQ's down calibration)
     assert torch.equal(dequantize_qtensor(q["down"], layout.projections[1]), out.down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("bits", [Bits.BF16, *QUANT_BITS])
+def test_dequantize_stack_is_dequantize_for_each_blob_bit_for_bit(bits, axis, has_bias, dtype):
+    """The grouped path decodes n experts at once from strided rows of a slot pool: each must be
+    exactly what the per-expert decode gives (the engine's two paths then differ only in the GEMM)."""
+    experts = [gaussian_expert(rows=32, hidden=64, bias=has_bias, seed=s) for s in range(3)]
+    layout = make_layout(bits, experts[0].gate_up.shape, experts[0].down.shape, has_bias, group_size=32, axis=axis)
+    pool = torch.zeros(4, layout.nbytes + ALIGN, dtype=torch.uint8)  # padded slots, as a pool's rows are
+    for i, w in enumerate(experts):
+        encode(layout, w, None if bits == Bits.BF16 else hqq.quantize_expert(w, bits, 32, axis, optimize=False),
+               out=pool[i + 1, :layout.nbytes])
+    stack = dequantize_stack(pool[1:], layout, dtype)  # a strided view, like a slot range
+    for i in range(3):
+        want = dequantize(pool[i + 1, :layout.nbytes], layout, dtype)
+        for name, t in want.tensors().items():
+            assert torch.equal(getattr(stack, name)[i], t), name
+    if bits == Bits.BF16 and dtype == torch.bfloat16:  # the reference in the compute dtype is read in place
+        assert stack.gate_up.data_ptr() == pool[1:, :].data_ptr() + layout.part("gate_up").offset
 
 
 @pytest.mark.parametrize("bad", [5, 3, 0, 1, 32, 4.5, "four"])

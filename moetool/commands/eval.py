@@ -17,7 +17,7 @@ from rich.table import Table
 
 from moetool.app import command, err, out, writable
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
-                             HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
+                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
 from moetool.spec import DEFAULT_HW
 
 
@@ -55,6 +55,7 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = Dtype.auto,
     host_budget: HostBudgetOpt = None,
+    experts_impl: ExpertsImplOpt = ExpertsImpl.grouped_mm,
     save: Annotated[Path | None, typer.Option("--out", help="Where to write the Eval artifact (NAME.eval.json).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -73,7 +74,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
 
     writable(save)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    cfg = EvalConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget),
+    cfg = EvalConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
+                                     experts_impl),
                      task=task, num_fewshot=num_fewshot, limit=limit, include_path=include_path,
                      mmlu_source=mmlu_source.value, data=data, stepwise=stepwise, context=context,
                      batch_size=batch_size)

@@ -13,7 +13,7 @@ from rich.table import Table
 from moetool.app import command, err, out, writable
 from moetool.errors import MoetoolError
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
-                             HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
+                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
@@ -38,6 +38,7 @@ def run(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = Dtype.auto,
     host_budget: HostBudgetOpt = None,
+    experts_impl: ExpertsImplOpt = ExpertsImpl.grouped_mm,
     save: Annotated[Path | None, typer.Option("--out", help="Where to write the Run artifact (JSON).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -53,7 +54,8 @@ def run(
     if prompt is not None and prompts is not None:
         raise MoetoolError("give --prompt or --prompts, not both.")
     texts = read_prompts(prompts) if prompts is not None else (prompt,) if prompt else RunConfig.prompts
-    cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget),
+    cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
+                                     experts_impl),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(f"run {policy}", total=len(cfg.prompts))

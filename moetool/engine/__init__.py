@@ -15,7 +15,7 @@ from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, kv_margin, p
                                    split_budget)
 from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
-from moetool.engine.runtime import Engine
+from moetool.engine.runtime import EXPERTS_IMPLS, Engine  # noqa: F401 (API)
 from moetool.engine.store import HostStore
 from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
@@ -55,13 +55,16 @@ def default_host_budget() -> int:
 def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: dict[str, str] | None = None,
                  fitted: dict[str, Any] | None = None, budget: str = "100%", clock: str = "wall",
                  hw: str = DEFAULT_HW, device: str | torch.device = "cpu", max_tokens: int = PLAN_TOKENS,
-                 batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None) -> tuple[Engine, BudgetPlan]:
+                 batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None,
+                 experts_impl: str = "grouped_mm") -> tuple[Engine, BudgetPlan]:
     """Build the policy and the engine over `store` and install it in `lm`.
 
     `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
     precisions in host memory (pinned on CUDA) within `host_budget` bytes (default:
     `default_host_budget()`) and stages the rest through a ring; off, blobs are copied straight
-    from where they lie (the memory-mapped bundle).
+    from where they lie (the memory-mapped bundle). `experts_impl` picks the compute path:
+    "grouped_mm" (grouped GEMMs, bit-exact against transformers' default kernel) or "eager" (one
+    expert at a time, bit-exact against transformers' eager loop).
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
@@ -82,7 +85,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the run's real peak, not the loading's
-    engine = Engine(lm, store, pol, residency, clk, cost, device)
+    engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl)
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
     dtype = str(store.compute_dtype).removeprefix("torch.")
     engine.stats.context = lambda: {"dtype": dtype, **store.host_stats()}

@@ -174,6 +174,8 @@ class Residency:
 
     def used(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
         """After a layer ran: (expert, bits, was_hit) of every expert it used on the device."""
+        if not self._ordered:
+            return  # no eviction order holds anything (a resident or static policy): nothing to tell
         for e, bits, hit in experts:
             pool = self.pools.get(bits)
             if pool is None or pool.spec.eviction is None:
@@ -243,6 +245,10 @@ class Residency:
         pool = self.pools[bits]
         del pool.holders[layer, expert]
         pool.free.append(handle.slot)
+
+    def pool_bytes(self, bits: int) -> torch.Tensor:
+        """The `bits` pool's slots, [slots, slot bytes] uint8: what a grouped GEMM reads in place."""
+        return self.pools[bits].slots
 
     def data(self, bits: int, handle: Handle) -> torch.Tensor:
         """The bytes of a copy: its slot, or its staging buffer."""

@@ -1,5 +1,6 @@
-"""The engine: per MoE layer, route -> plan -> schedule -> compute (hits, then in flight, then
-misses) -> combine -> prefetch.
+"""The engine: per MoE layer, route -> plan -> group -> schedule -> compute (hits, then in flight,
+then misses; one grouped GEMM per precision and batch, or one expert at a time with
+`experts_impl="eager"`) -> combine -> prefetch.
 
 `Engine` owns the host store, the residency (device slots, quotas, eviction orders), the copier,
 the clock, the stats and the policy, and installs an `EngineExperts` module in every MoE block.
@@ -13,55 +14,24 @@ drives the engine unchanged.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from enum import IntEnum
+from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from moetool.engine.clock import CostModel, SimClock, WallClock
+from moetool.engine.groups import _WHERE, Combine, Group, Rows, Status, grouped_mlp
 from moetool.engine.residency import Handle, Residency, State
 from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier
+from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
-
-
-class Status(IntEnum):
-    """Where a device-side group's expert copy stands when the layer is scheduled (the compute order)."""
-
-    HIT = 0  # resident: computes first
-    IN_FLIGHT = 1  # a prefetch still copying: computes when its own copy lands
-    MISS = 2  # a demand load started now: into a cached slot, or streamed through a staging buffer
-
-
-@dataclass
-class Group:
-    """The (token, slot) pairs of one layer that run one expert at one precision in one place."""
-
-    expert: int
-    bits: int
-    where: Where
-    tok: torch.Tensor  # [n] token rows, on the compute device
-    slot: torch.Tensor  # [n] routing slots, on the compute device
-    tok_host: torch.Tensor  # [n] the same rows on the host (a CPU-assisted expert indexes host tensors)
-    slot_host: torch.Tensor
-    status: Status = Status.HIT
-    handle: Handle | None = None
-
-
-@dataclass
-class Output:
-    """One group's routing-weighted expert output, held until the layer's sum in expert order."""
-
-    expert: int
-    bits: int
-    tok: torch.Tensor  # [n] token rows, on hidden's device
-    y: torch.Tensor  # [n, H]
 
 
 class EngineExperts(ProviderExperts):
@@ -78,9 +48,16 @@ class EngineExperts(ProviderExperts):
 
 class Engine:
     def __init__(self, lm: LoadedModel, store: HostStore, policy: Policy, residency: Residency,
-                 clock: SimClock | WallClock, cost: CostModel, device: torch.device):
+                 clock: SimClock | WallClock, cost: CostModel, device: torch.device,
+                 experts_impl: str = "grouped_mm"):
+        if experts_impl not in EXPERTS_IMPLS:
+            raise MoetoolError(f"--experts-impl must be one of {', '.join(EXPERTS_IMPLS)}, not '{experts_impl}'.")
+        # grouped_mm: one grouped GEMM per precision and batch (bit-exact against transformers'
+        # grouped_mm experts); eager: one expert at a time (bit-exact against its eager loop).
+        self.grouped = experts_impl == "grouped_mm"
         self.lm, self.store, self.policy, self.residency = lm, store, policy, residency
         self.clock, self.cost, self.device = clock, cost, torch.device(device)
+        self.simulated = clock.kind == "sim"  # the cost model is read only by the simulated clock
         self.copier = Copier(self.device)
         self.layers = lm.geometry.layers
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
@@ -182,18 +159,19 @@ class Engine:
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         g = module.layer
         st = self.stats.layer(g.index)
-        self.clock.compute(self.cost.t_dense(hidden.shape[0]))
+        if self.simulated:
+            self.clock.compute(self.cost.t_dense(hidden.shape[0]))
         self._publish_ready()
         view = self._view(g, hidden, top_k_index, top_k_weights)  # the layer's one host sync
         plan = self.policy.plan(view)
-        groups = self._group(plan, view.top_k_index, st)
+        groups = self._group(plan, view.top_k_index, g.num_experts, st)
         weight = plan.weight.to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
         on_host = [x for x in groups if x.where == Where.CPU]
         on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU])
         shield = {(g.index, x.expert) for x in on_device}
-        cpu_ready, outputs = self._compute_on_host(module, hidden, weight, on_host, st)
-        outputs += self._compute_on_device(module, hidden, weight, on_device, staged, st)
-        out = self._combine(hidden, outputs)
+        out = Combine(hidden, weight, grouped=self.grouped)
+        cpu_ready = self._compute_on_host(module, hidden, on_host, st, out)
+        self._compute_on_device(module, hidden, on_device, staged, st, out)
         st.needed += len(on_device)
         st.stall_s += self.clock.wait(cpu_ready)
         self.residency.used(g.index, [(x.expert, x.bits, x.status != Status.MISS) for x in on_device])
@@ -201,7 +179,7 @@ class Engine:
         for f in self.policy.prefetch(view):
             if self._start_load(f, shield, prefetched=True) is not None:
                 self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
-        return out
+        return out.result()
 
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> LayerView:
@@ -216,44 +194,46 @@ class Engine:
             router_logits=logits, residency=self.residency, predict=lambda later: self._predict(later, hidden),
             token_importance=self._importance.pop(g.index, None))
 
-    def _group(self, plan: LayerPlan, idx: torch.Tensor, st: LayerStats) -> list[Group]:
-        """The plan's (token, slot) pairs grouped by (expert, bits, where), counting skips, substitutions
-        and the precision mix.
+    def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats) -> list[Group]:
+        """The plan's running (token, slot) pairs grouped by (where, bits, expert), counting skips,
+        substitutions and the precision mix. Vectorised (numpy on the host arrays, a constant number
+        of calls whatever T x k is); one index upload for the layer.
 
-        Plain Python over `tolist()`: for decode-sized plans (a few tokens x k) this is several times
-        cheaper than a chain of small torch ops, and it stays linear for prefill.
+        Within a group, rows keep the order the matching transformers kernel gives them, so a
+        lossless policy matches it bit for bit: token-major as `grouped_mm` (a stable sort of the
+        flattened routing), slot-major as the eager loop.
         """
-        skip, on_device = int(Where.SKIP), int(Where.GPU)
-        pairs: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
-        # Slot-major, token-minor, as transformers' eager loop: each expert's rows reach the GEMM in
-        # the same order, so a lossless policy matches the reference bit for bit.
-        for s in range(plan.expert.shape[1]):
-            cols = zip(*(c.tolist() for c in (plan.expert[:, s], plan.bits[:, s], plan.where[:, s], idx[:, s])))
-            for t, (e, b, w, i) in enumerate(cols):
-                if w == skip:
-                    st.skips += 1
-                    continue
-                if e != i:
-                    st.substitutions += 1
-                if w == on_device:
-                    st.precision_mix[b] += 1
-                tok, slot = pairs.setdefault((e, b, w), ([], []))
-                tok.append(t)
-                slot.append(s)
-        if not pairs:
+        T, k = plan.expert.shape
+        arrays = [t.numpy() for t in (plan.expert, plan.bits, plan.where, idx)]
+        pos = np.arange(T * k).reshape(T, k)  # flat position t * k + s of every (token, slot)
+        if not self.grouped:
+            arrays, pos = [a.T for a in arrays], pos.T  # slot-major, token-minor
+        expert, bits, where, routed, pos = (a.reshape(-1) for a in (*arrays, pos))
+        on_device = int(Where.GPU)
+        run = where != int(Where.SKIP)
+        st.skips += int(run.size - np.count_nonzero(run))
+        expert, bits, where, routed, pos = expert[run], bits[run], where[run], routed[run], pos[run]
+        st.substitutions += int(np.count_nonzero(expert != routed))
+        key = (where * (max(int(b) for b in self.store.bits) + 1) + bits) * num_experts + expert
+        order = np.argsort(key, kind="stable")  # stable: each group's rows keep the order above
+        key, pos = key[order], pos[order]
+        if not key.size:
             return []
-        # One index tensor for the whole layer, moved to the device once; groups are slices of it.
-        flat_tok = torch.tensor([t for tok, _ in pairs.values() for t in tok])  # [n]
-        flat_slot = torch.tensor([s for _, slot in pairs.values() for s in slot])  # [n]
-        on_cpu = self.device.type == "cpu"
-        tok_d = flat_tok if on_cpu else flat_tok.to(self.device, non_blocking=True)
-        slot_d = flat_slot if on_cpu else flat_slot.to(self.device, non_blocking=True)
-        groups, start = [], 0
-        for (e, b, w), (tok, _) in pairs.items():
-            end = start + len(tok)
-            groups.append(Group(e, b, Where(w), tok_d[start:end], slot_d[start:end], flat_tok[start:end],
-                                flat_slot[start:end]))
-            start = end
+        bounds = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), int(key.size)]
+        tok, slot = np.divmod(pos, k)
+        host = [torch.from_numpy(a) for a in (tok, slot, pos)]
+        if self.device.type == "cpu":
+            rows = Rows(*host, *host)
+        else:
+            both = torch.stack(host).to(self.device, non_blocking=True)  # one upload for the layer
+            rows = Rows(*host, both[0], both[1], both[2])
+        firsts = order[bounds[:-1]]
+        groups = []
+        for e, b, w, start, end in zip(expert[firsts].tolist(), bits[firsts].tolist(), where[firsts].tolist(),
+                                       bounds[:-1], bounds[1:]):
+            if w == on_device:
+                st.precision_mix[b] += end - start
+            groups.append(Group(e, b, _WHERE[w], rows, start, end))
         return groups
 
     def _schedule(self, layer: int, groups: list[Group]) -> tuple[list[Group], list[Group]]:
@@ -272,72 +252,104 @@ class Engine:
         for x in groups:
             if x.status == Status.MISS:
                 x.handle = self._start_load(Fetch(layer, x.expert, x.bits), shield, demand=True)
-        groups = sorted(groups, key=lambda x: (x.status, x.handle.staged))
+        if any(x.status != Status.HIT for x in groups):
+            groups = sorted(groups, key=lambda x: (x.status, x.handle.staged))
         staged = [x for x in groups if x.handle.staged]
         if staged:
             self._copy_staged(layer, staged.pop(0))
         return groups, staged
 
-    def _compute_on_host(self, module: EngineExperts, hidden: torch.Tensor, weight: torch.Tensor,
-                         groups: list[Group], st: LayerStats) -> tuple[float, list[Output]]:
+    def _compute_on_host(self, module: EngineExperts, hidden: torch.Tensor, groups: list[Group],
+                         st: LayerStats, out: "Combine") -> float:
         """SMoE Algorithm 2's CPU-assisted experts: run on the host, concurrently with the device."""
-        ready, outputs = 0.0, []
+        ready = 0.0
         for x in groups:
-            ready = max(ready, self.clock.cpu(self.cost.c_cpu(len(x.tok_host))))
+            ready = max(ready, self.clock.cpu(self.cost.c_cpu(len(x))))
             w = self.store.decode(self.store.host(module.layer.index, x.expert, x.bits), module.layer.index,
                                   x.expert, x.bits)
-            outputs.append(self._expert_out(module, hidden, w, x, weight, host=True))
+            y = module.expert_forward(hidden[x.tok].to(w.gate_up.device), w).to(hidden.device)  # [n, H]
+            out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
             st.cpu_experts += 1
-        return ready, outputs
+        return ready
 
-    def _compute_on_device(self, module: EngineExperts, hidden: torch.Tensor, weight: torch.Tensor,
-                           groups: list[Group], staged: list[Group], st: LayerStats) -> list[Output]:
-        """Device groups in schedule order, each waiting only for its own copy."""
-        layer, outputs = module.layer.index, []
-        for x in groups:
-            h = x.handle
-            if h.staged and staged:
-                self._copy_staged(layer, staged.pop(0))  # the next staged expert loads while this one computes
-            if h.state == State.LOADING:
-                self.copier.wait(h.event)
-                st.stall_s += self.clock.wait(h.ready_at)
-                if not h.staged:
-                    self.residency.publish(layer, x.expert, x.bits)
-            if h.prefetched:
-                st.prefetch_used += 1
-                h.prefetched = False
-            (st.misses if x.status == Status.MISS else st.hits)[x.bits] += 1
-            w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
-            self.clock.compute(self.cost.t_expert(x.bits, len(x.tok)))
-            outputs.append(self._expert_out(module, hidden, w, x, weight, host=False))
-        return outputs
+    def _compute_on_device(self, module: EngineExperts, hidden: torch.Tensor, groups: list[Group],
+                           staged: list[Group], st: LayerStats, out: "Combine") -> None:
+        """Device groups in schedule order: hits, then copies in flight, then cached misses, each batch
+        waiting only for its own copies; staged misses one at a time behind their streamed copies.
 
-    @staticmethod
-    def _combine(hidden: torch.Tensor, outputs: list[Output]) -> torch.Tensor:
-        """Sum the outputs into [T, H] in ascending (expert, bits) order, whatever order they computed in.
-
-        fp32 addition is not associative, and with k = 16 a different order moves logits by ~1e-5,
-        enough to flip a near-tied routing decision downstream; transformers' eager loop sums in
-        expert order. Holding the [n, H] outputs until here costs T*k*H activations, which the
-        budget's margin counts (`kv_margin`).
+        The grouped path (default) runs each batch as one grouped GEMM per precision; the eager path
+        (`experts_impl="eager"`) one expert at a time, as transformers' eager loop.
         """
-        out = torch.zeros_like(hidden)  # [T, H]
-        for o in sorted(outputs, key=lambda o: (o.expert, o.bits)):
-            out.index_add_(0, o.tok, o.y)
-        return out
+        layer = module.layer.index
+        batches = [[x for x in groups if x.status == s and not x.handle.staged] for s in Status]
+        for batch in (*batches, [x for x in groups if x.handle.staged]):
+            for x in batch:
+                h = x.handle
+                if h.staged and staged:
+                    self._copy_staged(layer, staged.pop(0))  # the next staged expert loads while this one computes
+                if h.state == State.LOADING:
+                    self.copier.wait(h.event)
+                    st.stall_s += self.clock.wait(h.ready_at)
+                    if not h.staged:
+                        self.residency.publish(layer, x.expert, x.bits)
+                if h.prefetched:
+                    st.prefetch_used += 1
+                    h.prefetched = False
+                (st.misses if x.status == Status.MISS else st.hits)[x.bits] += 1
+                if self.simulated:
+                    self.clock.compute(self.cost.t_expert(x.bits, len(x)))
+                if not self.grouped or h.staged:
+                    w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
+                    out.add(module.expert_forward(hidden[x.tok], w), x.pos, x.tok, x.slot, x.expert, x.bits)
+            if self.grouped and batch and not batch[0].handle.staged:
+                for bits in sorted({x.bits for x in batch}, reverse=True):
+                    self._grouped(module, hidden, [x for x in batch if x.bits == bits], bits, out)
 
-    @staticmethod
-    def _expert_out(module: EngineExperts, hidden: torch.Tensor, w, x: Group, weight: torch.Tensor,
-                    host: bool) -> Output:
-        """One group's routing-weighted expert output [n, H], on hidden's device."""
-        tok, slot = (x.tok_host, x.slot_host) if host else (x.tok, x.slot)
-        if tok.device != hidden.device:  # a CPU-assisted expert: host indices and weights, result moved back
-            xs = hidden[tok.to(hidden.device)].to(w.gate_up.device)
-            y = module.expert_forward(xs, w).to(hidden.device)  # [n, H]
-            tok, slot = tok.to(hidden.device), slot.to(hidden.device)
+    def _grouped(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], bits: int,
+                 out: "Combine") -> None:
+        """One grouped GEMM per projection over `batch` (same precision, all in pool slots).
+
+        Weights come from the pool without a per-expert call: the reference precision in the compute
+        dtype is read in place, as a strided [slots, out, in] view over the slot range the batch spans
+        (its unused slots are empty groups); anything else, or a range mostly empty on the host where
+        each empty group costs a kernel call, is gathered (one index op on the packed bytes) and
+        decoded for the n experts at once (`dequantize_stack`).
+        """
+        layer, rows = module.layer.index, batch[0].rows
+        batch = sorted(batch, key=lambda x: x.handle.slot)
+        slots = [x.handle.slot for x in batch]
+        pool = self.residency.pool_bytes(bits)  # [slots, slot bytes] uint8
+        span = slots[-1] - slots[0] + 1
+        if self._in_place(layer, bits, span, len(batch)):
+            blobs = pool[slots[0]:slots[-1] + 1]
+            counts = [0] * span
+            for x in batch:
+                counts[x.handle.slot - slots[0]] = len(x)
         else:
-            y = module.expert_forward(hidden[tok], w)  # [n, H]
-        return Output(x.expert, x.bits, tok, (y * weight[tok, slot, None]).to(hidden.dtype))
+            blobs = pool.index_select(0, torch.tensor(slots, device=pool.device))
+            counts = [len(x) for x in batch]
+        stack = self.store.decode_stack(blobs, layer, bits)
+        offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
+        if offs.device != hidden.device:
+            offs = offs.to(hidden.device, non_blocking=True)
+        if batch[0].start == 0 and batch[-1].end == rows.tok.shape[0] and \
+                all(a.end == b.start for a, b in zip(batch, batch[1:])):
+            tok, pos = rows.tok, rows.pos  # every row of the layer, in their own order: no gather
+        else:
+            sel = torch.from_numpy(np.concatenate([np.arange(x.start, x.end) for x in batch]))
+            sel = sel.to(rows.tok.device, non_blocking=True)
+            tok, pos = rows.tok[sel], rows.pos[sel]
+        out.add(grouped_mlp(module, hidden[tok], stack, offs, counts), pos)
+
+    def _in_place(self, layer: int, bits: int, span: int, n: int) -> bool:
+        """Whether the batch's weights can be read in place from the pool's slot range (else gathered)."""
+        if not self.store.stack_is_view(layer, bits):
+            return False
+        if self.device.type == "cuda":
+            return True  # the device kernel skips empty groups within one launch
+        # On the host each empty group costs ~2.5 us of kernel overhead and gathering an expert costs
+        # its bytes at memory speed (~10 GB/s): measured on the 2-core CI machine, scripts/bench_engine.py.
+        return (span - n) * 2.5e-6 <= n * self.store.slot_bytes(bits) / 10e9
 
     # -- loads -------------------------------------------------------------------------------------
     def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False) -> Handle | None:

@@ -22,7 +22,7 @@ from moetool.errors import MoetoolError
 from moetool.model import ExpertWeights
 
 if TYPE_CHECKING:
-    from moetool.quant.format import Part
+    from moetool.quant.format import ExpertStack, Layout, Part
 
 REFERENCE_BITS = 16  # the unquantized precision (bf16 in bundles; the model's dtype in memory)
 
@@ -112,8 +112,12 @@ class HostStore:
     """
 
     def __init__(self, fetch: Callable[[int, int, int], torch.Tensor], sizes: dict[Key3, int],
-                 decoders: dict[int, Decoder], compute_dtype: torch.dtype):
+                 decoders: dict[int, Decoder], compute_dtype: torch.dtype,
+                 layouts: Callable[[int, int], Layout] | None = None):
         self._fetch = fetch
+        self._layouts = layouts  # (layer, bits) -> the layout every expert of the layer has at those bits
+        self._layout_cache: dict[tuple[int, int], Layout] = {}
+        self._is_view: dict[tuple[int, int], bool] = {}
         self._sizes = sizes
         self._decoders = decoders
         self.compute_dtype = compute_dtype
@@ -132,6 +136,8 @@ class HostStore:
     @classmethod
     def from_experts(cls, experts, dtype: torch.dtype) -> "HostStore":
         """A reference-precision store packed in memory from the checkpoint's experts, a layer at a time."""
+        from moetool.quant.format import Layout, Projection
+
         blobs: dict[Key3, torch.Tensor] = {}
         layouts: dict[tuple[int, int], tuple[Part, ...]] = {}
         for g in experts.geometry.layers:
@@ -142,8 +148,14 @@ class HostStore:
         def decode(blob: torch.Tensor, layer: int, expert: int, bits: int) -> ExpertWeights:
             return unpack_reference(blob, layouts[layer, expert])
 
+        def layout(layer: int, bits: int) -> Layout:
+            # Every expert of a layer has the same shapes, so expert 0's parts stand for the layer's.
+            parts = layouts[layer, 0]
+            projections = tuple(Projection(p.name, p.shape, "bf16", 0, 1) for p in parts if p.name in ("gate_up", "down"))
+            return Layout(REFERENCE_BITS, blobs[layer, 0, REFERENCE_BITS].numel(), projections, parts)
+
         return cls(lambda layer, expert, bits: blobs[layer, expert, bits], {k: v.numel() for k, v in blobs.items()},
-                   {REFERENCE_BITS: decode}, dtype)
+                   {REFERENCE_BITS: decode}, dtype, layout)
 
     @classmethod
     def from_bundle(cls, bundle, dtype: torch.dtype) -> "HostStore":
@@ -162,7 +174,12 @@ class HostStore:
             # One buffer per layout is safe: experts of a layer run one after another on one stream.
             return dequantize_into(blob, bundle.layout(entry), scratch[key])
 
-        return cls(bundle.blob, sizes, {int(b): decode for b in bundle.manifest.bits}, dtype)
+        first = {(e.layer, e.bits): e for e in reversed(bundle.manifest.entries)}  # a layout is per (layer, bits)
+
+        def layout(layer: int, bits: int):
+            return bundle.layout(first[layer, bits])
+
+        return cls(bundle.blob, sizes, {int(b): decode for b in bundle.manifest.bits}, dtype, layout)
 
     def configure_host(self, *, bits: tuple[int, ...], host_budget: int, ring_slots: int, page_lock: bool) -> None:
         """Turn on host tiers: pin `bits` per layer within `host_budget`, stage the rest through a ring.
@@ -212,6 +229,31 @@ class HostStore:
         if w.gate_up.dtype != self.compute_dtype:
             w = w.to(w.gate_up.device, self.compute_dtype)
         return w
+
+    def decode_stack(self, blobs: torch.Tensor, layer: int, bits: int) -> ExpertStack:
+        """Weights of n experts of `layer` at `bits` from their blobs ([n, >= nbytes] uint8, any device),
+        stacked for a grouped GEMM in the compute dtype (views where the blobs hold that dtype already)."""
+        from moetool.quant.format import dequantize_stack
+
+        return dequantize_stack(blobs, self.layout(layer, bits), self.compute_dtype)
+
+    def stack_is_view(self, layer: int, bits: int) -> bool:
+        """Whether `decode_stack` at `bits` is a view of the blobs (the compute dtype, unquantized)."""
+        from moetool.quant.format import DTYPES, PACKING_BY_NAME
+
+        key = (layer, bits)
+        if key not in self._is_view:
+            lay = self.layout(layer, bits)
+            self._is_view[key] = all(p.packing not in PACKING_BY_NAME and DTYPES[lay.part(p.name).dtype] ==
+                                     self.compute_dtype for p in lay.projections)
+        return self._is_view[key]
+
+    def layout(self, layer: int, bits: int) -> Layout:
+        """Where each part of `layer`'s experts lies in their `bits` blobs (one layout per layer and bits)."""
+        key = (layer, bits)
+        if key not in self._layout_cache:
+            self._layout_cache[key] = self._layouts(layer, bits)
+        return self._layout_cache[key]
 
     def host_stats(self) -> dict[str, int | bool]:
         return {"host_tiers": self.tiers, "host_pinned_bytes": self.pinned_bytes,

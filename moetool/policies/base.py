@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from moetool.errors import MoetoolError
@@ -109,6 +110,9 @@ class LayerView:
 
 def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[T, k] bool: routing slots that name a real expert (some routers mark dropped slots with E or -1)."""
+    if idx.device.type == "cpu":  # numpy: a few calls on a small array cost a tenth of torch's
+        a = idx.numpy()
+        return torch.from_numpy((a >= 0) & (a < num_experts))
     return (idx >= 0) & (idx < num_experts)
 
 
@@ -127,10 +131,12 @@ class LayerPlan:
     @classmethod
     def routed(cls, view: LayerView, bits: int) -> "LayerPlan":
         """Run every selected expert as routed, on the device, at `bits`; dropped slots are skipped."""
-        idx = view.top_k_index
-        where = torch.where(valid_slots(idx, view.num_experts), int(Where.GPU), int(Where.SKIP))  # [T, k]
-        return cls(expert=idx.clone(), bits=torch.full_like(idx, bits), where=where,
-                   weight=view.top_k_weights.clone())
+        # numpy on the host arrays: per layer and token this is on the hot path, and a torch call on
+        # a [1, k] tensor costs more than the numpy work it stands for.
+        idx = view.top_k_index.numpy()
+        where = np.where((idx >= 0) & (idx < view.num_experts), int(Where.GPU), int(Where.SKIP))  # [T, k]
+        return cls(expert=torch.from_numpy(idx.copy()), bits=torch.from_numpy(np.full_like(idx, bits)),
+                   where=torch.from_numpy(where), weight=torch.from_numpy(view.top_k_weights.numpy().copy()))
 
     def running(self) -> torch.Tensor:
         """[T, k] bool: the slots that run an expert somewhere."""

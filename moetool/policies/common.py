@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from moetool.errors import MoetoolError
@@ -46,6 +47,31 @@ def predicted_scores(view: LayerView, ctx: EngineContext) -> tuple[int, torch.Te
     if logits is None or logits.numel() == 0:
         return None
     return nxt, torch.softmax(logits.float(), dim=-1)
+
+
+def routed_experts(plan_expert: torch.Tensor, running: torch.Tensor) -> list[int]:
+    """The distinct experts a plan runs somewhere, ascending (numpy: a decode layer's plan is [1, k])."""
+    return np.unique(plan_expert.numpy()[running.numpy()]).tolist()
+
+
+def assign_by_expert(target: torch.Tensor, expert: torch.Tensor, running: torch.Tensor, values: dict[int, Any]) -> None:
+    """`target[t, s] = values[expert[t, s]]` wherever the slot runs and its expert has a value, in place.
+
+    One vectorised pass over the [T, k] plan (a lookup table over experts) instead of a mask per
+    expert: per-layer work that does not grow with tokens x k in Python.
+    """
+    if not values:
+        return
+    e = expert.numpy()
+    size = max(int(e.max(initial=0)), max(values)) + 1
+    has = np.zeros(size, dtype=bool)
+    table = np.zeros(size, dtype=target.numpy().dtype)
+    keys = np.fromiter(values, dtype=np.int64, count=len(values))
+    has[keys] = True
+    table[keys] = list(values.values())
+    e = np.clip(e, 0, size - 1)  # dropped slots (E or -1) are not running: any index does
+    sel = running.numpy() & has[e]
+    target.numpy()[sel] = table[e[sel]]
 
 
 def popularity(idx: torch.Tensor, num_experts: int) -> torch.Tensor:

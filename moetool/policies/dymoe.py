@@ -22,8 +22,8 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, Where, register)
-from moetool.policies.common import (check_bits, check_eviction, even_quota, popularity, predicted_scores,
-                                     valid_slots)
+from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, even_quota, popularity,
+                                     predicted_scores, routed_experts, valid_slots)
 from moetool.policies.fate import CrossLayerPrefetch
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
@@ -249,13 +249,15 @@ class DyMoE(Policy):
         critical = critical_experts(view, self.schedule[view.moe_pos], self.params.hh_ratio)
         plan = LayerPlan.routed(view, self.high)
         valid = plan.running()  # [T, k]
-        for e in plan.expert[valid].unique().tolist():
-            mask = (plan.expert == e) & valid  # [T, k]
+        bits_of, skipped = {}, {}
+        for e in routed_experts(plan.expert, valid):
             if e not in critical and self.low == 0:
-                plan.where[mask] = Where.SKIP  # "4/0": a 0-bit expert is not run at all
-                plan.weight[mask] = 0.0
+                skipped[e] = 0  # "4/0": a 0-bit expert is not run at all, its routing weight dropped
             else:
-                plan.bits[mask] = run_bits(view.residency, view.layer, e, e in critical, self.high, self.low)
+                bits_of[e] = run_bits(view.residency, view.layer, e, e in critical, self.high, self.low)
+        assign_by_expert(plan.bits, plan.expert, valid, bits_of)
+        assign_by_expert(plan.weight, plan.expert, valid, skipped)
+        assign_by_expert(plan.where, plan.expert, valid, {e: int(Where.SKIP) for e in skipped})
         return plan
 
     def prefetch(self, view: LayerView) -> list[Fetch]:

@@ -20,7 +20,7 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool,
                                    ResidencyView, Step, register)
-from moetool.policies.common import check_bits, popularity
+from moetool.policies.common import assign_by_expert, check_bits, popularity, routed_experts
 
 
 def _size(n: int) -> str:
@@ -188,9 +188,8 @@ class DynaExq(Policy):
         self.hotness.observe(view.moe_pos, view.top_k_index)
         plan = LayerPlan.routed(view, self.lo)
         valid = plan.running()  # [T, k]
-        for e in plan.expert[valid].unique().tolist():
-            if self.hi in view.residency.resident_bits(view.layer, e):
-                plan.bits[(plan.expert == e) & valid] = self.hi
+        assign_by_expert(plan.bits, plan.expert, valid, {e: self.hi for e in routed_experts(plan.expert, valid)
+                                                         if self.hi in view.residency.resident_bits(view.layer, e)})
         return plan
 
     def end_step(self, step: Step, cache: ResidencyView) -> list[Fetch]:

@@ -23,7 +23,8 @@ import torch
 
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, register)
-from moetool.policies.common import check_bits, check_eviction, hw_seconds, popularity, predicted_scores
+from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, hw_seconds, popularity,
+                                     predicted_scores, routed_experts)
 
 # -- Fate's mechanisms -----------------------------------------------------------------------------
 
@@ -225,14 +226,13 @@ class Fate(Policy):
             return plan
         low = int2_experts(popularity(view.top_k_index, E), self.params.p)
         bits_of = {}
-        for e in plan.expert[valid].unique().tolist():
+        for e in routed_experts(plan.expert, valid):
             have = view.residency.resident_bits(view.layer, e)
             if self.params.cache_bits in have:
                 bits_of[e] = self.params.cache_bits
             elif self.params.low_bits in have or e in low:
                 bits_of[e] = self.params.low_bits
-        for e, b in bits_of.items():
-            plan.bits[(plan.expert == e) & valid] = b
+        assign_by_expert(plan.bits, plan.expert, valid, bits_of)
         return plan
 
     def prefetch(self, view: LayerView) -> list[Fetch]:

@@ -64,23 +64,25 @@ def cache_router(scores: torch.Tensor, idx: torch.Tensor, resident: torch.Tensor
     in_c = torch.zeros(E, dtype=torch.bool)
     in_c[idx[top]] = True  # C: top-score experts of every token
     usable = resident | in_c  # [E] where a substitute may come from
-    for t in range(T):
-        b_slots = [j for j in range(k) if valid[t, j] and not top[t, j] and sel[t, j] >= lo[t]
-                   and not usable[idx[t, j]]]
-        if not b_slots:
-            continue
-        inactive = torch.ones(E, dtype=torch.bool)
-        inactive[idx[t][valid[t]]] = False
-        cand = inactive & usable & (scores[t] >= low_bound[t]) & (scores[t] <= lo[t])  # [E] A_t
-        a = cand.nonzero().squeeze(1)
-        a = a[torch.argsort(scores[t, a], descending=True, stable=True)].tolist()  # best first
-        b_slots.sort(key=lambda j: -float(sel[t, j]))  # best first
-        if len(a) >= len(b_slots):
-            replaced = b_slots  # |A| >= |B|: every low-score expert gets one of the top |B| of A
-        else:
-            replaced = b_slots[len(b_slots) - len(a):]  # |A| < |B|: keep the top |B| - |A| of B
-        for j, e in zip(replaced, a):
-            out[t, j] = e
+    # Every token at once (a [T, k] and a [T, E] pass, no loop over tokens):
+    # B_t: active, valid, not top-score, at or above L, not usable as is; best-scored first.
+    b = valid & ~top & (sel >= lo[:, None]) & ~usable[idx.clamp(0, E - 1)]  # [T, k]
+    active = torch.zeros(T, E, dtype=torch.long).scatter_add_(1, idx.clamp(0, E - 1), valid.long()) > 0  # [T, E]
+    inactive = ~active  # a dropped slot (E or -1) activates nothing
+    # A_t: inactive and usable experts with R <= score <= L; best-scored first.
+    a = inactive & usable & (scores >= low_bound[:, None]) & (scores <= lo[:, None])  # [T, E]
+    inf = torch.tensor(float("inf"))
+    b_rank = torch.argsort(torch.where(b, -sel, inf), dim=1, stable=True)  # [T, k] B's slots first, best first
+    a_rank = torch.argsort(torch.where(a, -scores, inf), dim=1, stable=True)  # [T, E] A's experts first
+    n_b, n_a = b.sum(1, keepdim=True), a.sum(1, keepdim=True)  # [T, 1]
+    # |A| >= |B|: B's r-th best takes A's r-th best. |A| < |B|: B's top |B| - |A| stay, and B's r-th
+    # best (r >= |B| - |A|) takes A's (r - (|B| - |A|))-th best. Either way: shift = max(0, |B| - |A|).
+    r = torch.arange(k).expand(T, k)  # [T, k] rank within B
+    shift = (n_b - n_a).clamp(min=0)
+    takes = (r < n_b) & (r >= shift)  # [T, k] B ranks that are replaced
+    pick = a_rank.gather(1, (r - shift).clamp(0, E - 1))  # [T, k] A's expert for each B rank
+    rows = torch.arange(T)[:, None].expand(T, k)
+    out[rows[takes], b_rank[takes]] = pick[takes]
     return out
 
 

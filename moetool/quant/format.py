@@ -348,3 +348,54 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     ref = reference.float()
     denom = torch.linalg.vector_norm(ref).item()
     return torch.linalg.vector_norm(ref - approx.float()).item() / denom if denom else 0.0
+
+
+# ---- many experts at once (the engine's grouped path) ---------------------------------------------
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """n experts' weights stacked for a grouped GEMM: [n, out, in] per projection (views or a scratch)."""
+
+    gate_up: torch.Tensor  # [n, 2I, H] (or [n, I, H] without a gate)
+    down: torch.Tensor  # [n, H, I]
+    gate_up_bias: torch.Tensor | None = None  # [n, 2I]
+    down_bias: torch.Tensor | None = None  # [n, H]
+
+
+def _stack_views(blobs: torch.Tensor, part: Part) -> torch.Tensor:
+    """The part of every blob in `blobs` ([n, >= nbytes] uint8) as an [n, *shape] typed view (no copy)."""
+    n = blobs.shape[0]
+    return blobs[:, part.offset:part.offset + part.nbytes].view(DTYPES[part.dtype]).view(n, *part.shape)
+
+
+def dequantize_stack(blobs: torch.Tensor, layout: Layout, dtype: torch.dtype) -> ExpertStack:
+    """`dequantize` for n blobs of one layout at once ([n, >= layout.nbytes] uint8, rows may be strided).
+
+    Bit for bit what `dequantize_into` gives for each blob (codes exact in `dtype`, then subtract
+    the zero and multiply by the scale in `dtype`), in a constant number of ops for the n experts.
+    A reference-precision projection already in `dtype` is returned as a view of `blobs`.
+    """
+    n = blobs.shape[0]
+    out = {}
+    for proj in layout.projections:
+        if proj.packing not in PACKING_BY_NAME:  # the reference precision: a view, cast if needed
+            w = _stack_views(blobs, layout.part(proj.name))
+            out[proj.name] = w if w.dtype == dtype else w.to(dtype)
+            continue
+        per = PACKING_BY_NAME[proj.packing].per_byte
+        bits, mask = 8 // per, (1 << (8 // per)) - 1
+        q = _stack_views(blobs, layout.part(f"{proj.name}.q"))  # [n, R / per, C] uint8
+        # Slice i of the rows sits in bits 8 - bits*(i+1) of each byte (hqq's order): shift and mask in
+        # uint8, stack the slices as rows and cast once (a table lookup would index with int64, 8x the bytes).
+        shifts = [8 - bits * (i + 1) for i in range(per)]
+        slices = [(q >> shift) & mask if shift else q & mask for shift in shifts] if per > 1 else [q]
+        codes = torch.stack(slices, 1).view(n, *proj.grouped_shape())  # [n, R, C] uint8
+        zero = _stack_views(blobs, layout.part(f"{proj.name}.zero")).to(dtype)
+        scale = _stack_views(blobs, layout.part(f"{proj.name}.scale")).to(dtype)
+        # uint8 - `dtype` promotes the codes exactly (they are small integers): the cast and the
+        # subtraction in one pass over the weights instead of two.
+        out[proj.name] = torch.sub(codes, zero).mul_(scale).view(n, *proj.shape)
+    if any(p.name == "gate_up_bias" for p in layout.parts):
+        for name in ("gate_up_bias", "down_bias"):
+            out[name] = _stack_views(blobs, layout.part(name)).to(dtype)
+    return ExpertStack(**out)
