@@ -34,6 +34,9 @@ from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, St
 from moetool.policies.dymoe import token_importance
 
 
+VIEW_CACHE = 4096  # entries in each small per-engine memo (pool views, offsets) before it is reset
+
+
 class EngineExperts(ProviderExperts):
     """The experts module the engine installs: same call as the model's, computed by the engine."""
 
@@ -58,6 +61,8 @@ class Engine:
         self.lm, self.store, self.policy, self.residency = lm, store, policy, residency
         self.clock, self.cost, self.device = clock, cost, torch.device(device)
         self.simulated = clock.kind == "sim"  # the cost model is read only by the simulated clock
+        self._views: dict[tuple[int, int, int, int], Any] = {}  # (layer, bits, first slot, span) -> ExpertStack
+        self._offs: dict[tuple[int, ...], torch.Tensor] = {}  # group sizes -> grouped_mm offsets
         self.copier = Copier(self.device)
         self.layers = lm.geometry.layers
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
@@ -321,17 +326,20 @@ class Engine:
         pool = self.residency.pool_bytes(bits)  # [slots, slot bytes] uint8
         span = slots[-1] - slots[0] + 1
         if self._in_place(layer, bits, span, len(batch)):
-            blobs = pool[slots[0]:slots[-1] + 1]
+            key = (layer, bits, slots[0], span)
+            stack = self._views.get(key)
+            if stack is None:  # views alias the pool, so a slot range's views serve every later step
+                if len(self._views) >= VIEW_CACHE:
+                    self._views.clear()
+                stack = self._views[key] = self.store.decode_stack(pool[slots[0]:slots[0] + span], layer, bits)
             counts = [0] * span
             for x in batch:
                 counts[x.handle.slot - slots[0]] = len(x)
         else:
             blobs = pool.index_select(0, torch.tensor(slots, device=pool.device))
+            stack = self.store.decode_stack(blobs, layer, bits)
             counts = [len(x) for x in batch]
-        stack = self.store.decode_stack(blobs, layer, bits)
-        offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
-        if offs.device != hidden.device:
-            offs = offs.to(hidden.device, non_blocking=True)
+        offs = self._offsets(counts, hidden.device)
         if batch[0].start == 0 and batch[-1].end == rows.tok.shape[0] and \
                 all(a.end == b.start for a, b in zip(batch, batch[1:])):
             tok, pos = rows.tok, rows.pos  # every row of the layer, in their own order: no gather
@@ -340,6 +348,17 @@ class Engine:
             sel = sel.to(rows.tok.device, non_blocking=True)
             tok, pos = rows.tok[sel], rows.pos[sel]
         out.add(grouped_mlp(module, hidden[tok], stack, offs, counts), pos)
+
+    def _offsets(self, counts: list[int], device: torch.device) -> torch.Tensor:
+        """grouped_mm's group ends (int32, on `device`) for these group sizes; decode steps repeat the
+        same few patterns, so they are made once."""
+        key = tuple(counts)
+        offs = self._offs.get(key)
+        if offs is None:
+            if len(self._offs) >= VIEW_CACHE:
+                self._offs.clear()
+            offs = self._offs[key] = torch.tensor(list(accumulate(counts)), dtype=torch.int32).to(device)
+        return offs
 
     def _in_place(self, layer: int, bits: int, span: int, n: int) -> bool:
         """Whether the batch's weights can be read in place from the pool's slot range (else gathered)."""
