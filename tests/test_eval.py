@@ -67,7 +67,7 @@ def _plain_lm_eval(model_path, task: str, limit: int, num_fewshot: int, batch_si
     for t in loaded["tasks"].values():
         t.set_config(key="num_fewshot", value=num_fewshot)
         t.set_fewshot_seed(seed=1234)
-    model = load_reference(model_path)
+    model = load_reference(model_path, experts_impl="grouped_mm")  # plain transformers: its default kernel
     lm = HFLM(pretrained=model, tokenizer=load_tokenizer(str(model_path)), batch_size=batch_size,
               max_length=min(MAX_LENGTH, model.config.max_position_embeddings), softmax_dtype=torch.float32)
     return evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True, bootstrap_iters=0)
@@ -173,7 +173,7 @@ def test_cli_mmlu_runs_every_subject_offline_with_limit_per_subject(tiny_lm, tmp
 # -- perplexity ------------------------------------------------------------------------------------------
 
 def _plain_ppl(model_path, ids: torch.Tensor, context: int) -> float:
-    model = load_reference(model_path)
+    model = load_reference(model_path, experts_impl="grouped_mm")  # plain transformers: its default kernel
     nll, n = 0.0, 0
     with torch.no_grad():
         for s in range(0, ids.numel(), context):
