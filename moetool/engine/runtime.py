@@ -125,8 +125,14 @@ class Engine:
 
     def _before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("past_key_values")
-        past = cache.get_seq_length() if cache is not None else 0
+        # transformers >= 5.24 passes the KV cache as `cache`; earlier releases (and callers that still
+        # pass it by its old name) as `past_key_values`.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            past = cache.get_seq_length()
+        else:  # no cache object under a name we know: the first position says prefill (0) or decode
+            pos = kwargs.get("position_ids")
+            past = int(pos[..., 0].min()) if pos is not None and pos.numel() else 0
         if ids is not None and self.plan_tokens:
             self._check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1)
         self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
@@ -205,8 +211,9 @@ class Engine:
         of calls whatever T x k is); one index upload for the layer.
 
         Within a group, rows keep the order the matching transformers kernel gives them, so a
-        lossless policy matches it bit for bit: token-major as `grouped_mm` (a stable sort of the
-        flattened routing), slot-major as the eager loop.
+        lossless policy matches it bit for bit: `grouped_mm`'s own `torch.sort` of the flattened
+        experts (not a stable sort: a CPU GEMM's result for a row depends on where the row sits in
+        its tile, so the order inside a group matters), slot-major as the eager loop.
         """
         T, k = plan.expert.shape
         arrays = [t.numpy() for t in (plan.expert, plan.bits, plan.where, idx)]
@@ -214,6 +221,9 @@ class Engine:
         if not self.grouped:
             arrays, pos = [a.T for a in arrays], pos.T  # slot-major, token-minor
         expert, bits, where, routed, pos = (a.reshape(-1) for a in (*arrays, pos))
+        if self.grouped:
+            first = torch.sort(torch.from_numpy(expert.astype(np.int64))).indices.numpy()
+            expert, bits, where, routed, pos = (a[first] for a in (expert, bits, where, routed, pos))
         on_device = int(Where.GPU)
         run = where != int(Where.SKIP)
         st.skips += int(run.size - np.count_nonzero(run))
