@@ -28,9 +28,14 @@ def bundle(tiny_ckpt, tmp_path_factory):
 
 
 def _python_groups(plan: LayerPlan, idx: torch.Tensor, slot_major: bool):
-    """The grouping written out as loops: {(where, bits, expert): [(token, slot), ...]} in kernel order."""
+    """The grouping written out as loops: {(where, bits, expert): [(token, slot), ...]} in kernel order:
+    slot-major for the eager loop; for grouped_mm, the order its own `torch.sort` of the flattened
+    experts gives (transformers' `grouped_mm_experts_forward`), which is not always token-major."""
     T, k = plan.expert.shape
-    pairs = [(t, s) for s in range(k) for t in range(T)] if slot_major else [(t, s) for t in range(T) for s in range(k)]
+    if slot_major:
+        pairs = [(t, s) for s in range(k) for t in range(T)]
+    else:
+        pairs = [divmod(int(p), k) for p in torch.sort(plan.expert.reshape(-1)).indices]
     groups, skips, subs = {}, 0, 0
     for t, s in pairs:
         w, b, e = int(plan.where[t, s]), int(plan.bits[t, s]), int(plan.expert[t, s])
