@@ -14,6 +14,12 @@ so drift in machine load hits all alike. Sections (`--skip` any of them):
            eager), in a separate pass so the timers never touch the timed comparisons.
   ppl      perplexity of static INT4 through each experts_impl (eager: dequantize, then matmul) on
            the first 256 tokens of moetool's training text (tokenizer-less models: its bytes).
+  kernels  one MoE layer's expert math for k experts and one token (CPU): the compute-dtype weights
+           in one grouped GEMM per projection, the bundle's INT4 blobs decoded for the k at once
+           (`dequantize_stack`) then the same GEMMs, and torch's packed-int4 CPU kernel
+           (`_weight_int4pack_mm_for_cpu`, the tinygemm layout torchao uses) once per expert and
+           projection where its group size (>= 32, dividing the input width) fits, the rest decoded;
+           in fp32 and in bf16 (the kernel's fast path is bf16 only).
 
 Without `--bundle` the model is first quantized (HQQ without its optimizer, bits 16/8/4/2, group
 size auto) into a temporary directory. `--model qwen-moe-tiny` builds, in that directory, a random
@@ -49,10 +55,11 @@ from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.model import encode, load_config, load_model, load_tokenizer, model_fingerprint, resolve_source
 from moetool.quant.bundle import Bundle
+from moetool.quant.format import ExpertStack
 from moetool.quant.quantize import QuantizeConfig, quantize
 
 IMPLS = ("grouped_mm", "eager")
-SECTIONS = ("p1", "static", "offload", "host", "ppl")
+SECTIONS = ("p1", "static", "offload", "host", "ppl", "kernels")
 PROMPT = "The history of the city begins"
 PPL_TOKENS = 256
 QWEN_MOE_TINY = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
@@ -288,6 +295,93 @@ def section_ppl(b: Bench) -> dict:
     return out
 
 
+def _median_us(fn, n: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _int4pack(w: torch.Tensor):
+    """(packed, group, scales_and_zeros) of `w` [N, K] in torch's CPU int4 layout, or None with the reason:
+    asymmetric 4-bit codes per group of the largest of 128/64/32 inputs dividing K."""
+    n, k = w.shape
+    group = next((g for g in (128, 64, 32) if k % g == 0), None)
+    if group is None:
+        return None, f"input width {k} has no group of 32, 64 or 128"
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((wg - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    # The kernel computes (q - 8) * scale + zero: the group minimum is zero - 8 * scale.
+    sz = torch.stack([scale[..., 0], (lo + 8 * scale)[..., 0]], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+    except RuntimeError as exc:
+        return None, str(exc).splitlines()[0]
+    return (packed, group, sz.to(w.dtype)), None
+
+
+def section_kernels(b: Bench) -> dict:
+    if b.device.type != "cpu":
+        print("\n== kernels: CPU only (torch's CUDA int4 kernel takes another packing)")
+        return {}
+    if 4 not in b.bundle.manifest.bits:
+        print("\n== kernels: skipped, the bundle has no INT4")
+        return {}
+    lm, _ = b.engine("resident", "grouped_mm", store="checkpoint")  # its experts module: the model's activation
+    g = lm.geometry.layers[0]
+    k, module = g.top_k, lm.model.get_submodule(g.path).experts
+    group = b.bundle.manifest.group_size
+    print(f"\n== kernels: layer {g.index}'s expert math, {k} experts x 1 token, median of 200 calls "
+          f"(the bundle's INT4 group size: {group}; torch's kernel takes 32, 64, 128 or 256)")
+    results = {"bundle_group_size": group}
+    for dtype in (torch.float32, torch.bfloat16):  # torch's CPU int4 kernel has a fast path for bf16 only
+        store = HostStore.from_bundle(b.bundle, dtype)
+        blobs = torch.stack([store.host(g.index, e, 4) for e in range(k)])  # k experts' INT4 blobs
+        x = torch.randn(k, g.hidden_size, dtype=dtype)  # one token per expert
+        offs, counts = torch.arange(1, k + 1, dtype=torch.int32), [1] * k
+        deq = store.decode_stack(blobs, g.index, 4)
+        # The same GEMMs on weights already in `dtype` (decoded once, outside the timer): a resident expert.
+        full = ExpertStack(deq.gate_up.contiguous(), deq.down.contiguous())
+        out = {"resident grouped": _median_us(lambda: runtime.grouped_mlp(module, x, full, offs, counts)),
+               "int4 dequantize_stack + grouped": _median_us(
+                   lambda: runtime.grouped_mlp(module, x, store.decode_stack(blobs, g.index, 4), offs, counts))}
+        # Speed only: the kernel's packing of the decoded weights at its own group size (not the bundle's).
+        packs, why = {}, {}
+        for name in ("gate_up", "down"):
+            per = [_int4pack(getattr(deq, name)[e]) for e in range(k)]
+            packs[name] = [p for p, _ in per] if per[0][0] is not None else None
+            why[name] = per[0][1]
+
+        def kernel(x=x, blobs=blobs, store=store, packs=packs):
+            for e in range(k):
+                h = x[e:e + 1]
+                for name in ("gate_up", "down"):
+                    if packs[name] is not None:
+                        p, grp, sz = packs[name][e]
+                        h = torch.ops.aten._weight_int4pack_mm_for_cpu(h, p, grp, sz)
+                    else:
+                        h = h @ getattr(store.decode_stack(blobs[e:e + 1], g.index, 4), name)[0].T
+                    if name == "gate_up":
+                        h = module.impl._apply_gate(h) if g.gated else module.impl.act_fn(h)
+        out["int4 kernel per expert"] = _median_us(kernel)
+        tag = str(dtype).removeprefix("torch.")
+        for name, reason in why.items():
+            if reason:
+                print(f"  {tag}: {name} has no int4 kernel ({reason}); decoded per expert instead")
+        for name, us in out.items():
+            print(f"  {tag:<9} {name:<34} {us:9.1f} us")
+        for name, us in list(out.items())[1:]:
+            print(f"ratio {name} / resident grouped ({tag}) = {us / out['resident grouped']:.2f}x")
+        results[tag] = {"us": out, "no_kernel": {n: r for n, r in why.items() if r}}
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo", help="a model directory or hub id, 'demo', or 'qwen-moe-tiny'")
@@ -320,7 +414,7 @@ def main() -> None:
         results = {"model": args.model, "device": str(b.device), "dtype": args.dtype,
                    "threads": torch.get_num_threads(), "tokens": args.tokens, "rounds": args.rounds}
         for name, fn in (("p1", section_p1), ("static", section_static), ("offload", section_offload),
-                         ("host", section_host), ("ppl", section_ppl)):
+                         ("host", section_host), ("ppl", section_ppl), ("kernels", section_kernels)):
             if name not in skip:
                 note(f"[{name}]")
                 results[name] = fn(b)
