@@ -202,11 +202,14 @@ class ProviderExperts(nn.Module):
         self.layer = layer
         self.provider = provider
 
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own activation on gate_up's output: [n, 2I] -> [n, I] (or act([n, I]) ungated)."""
+        return self.impl._apply_gate(h) if self.layer.gated else self.impl.act_fn(h)
+
     def expert_forward(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         """One expert's MLP on its tokens: [n, H] -> [n, H], with the model's own activation."""
         h = F.linear(x, w.gate_up, w.gate_up_bias)  # [n, 2I]
-        h = self.impl._apply_gate(h) if self.layer.gated else self.impl.act_fn(h)  # [n, I]
-        return F.linear(h, w.down, w.down_bias)  # [n, H]
+        return F.linear(self.activation(h), w.down, w.down_bias)  # [n, H]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

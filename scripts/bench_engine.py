@@ -139,14 +139,15 @@ class Bench:
     def plain(self, **kw):
         return AutoModelForCausalLM.from_pretrained(self.src, dtype=self.dtype, **kw).to(self.device).eval()
 
-    def engine(self, policy: str, impl: str, budget: str = "100%", store: str = "bundle", **settings):
+    def engine(self, policy: str, impl: str, budget: str = "100%", store: str = "bundle", int4_kernel: bool = True,
+               **settings):
         """A freshly loaded model with its own engine: engines rewire the model, so none share one."""
         note(f"  building {policy} {settings or ''} {budget} {impl}")
         lm = load_model(self.src, device=self.device, dtype=self.dtype)
         st = (HostStore.from_experts(lm.experts, self.dtype) if store == "checkpoint"
               else HostStore.from_bundle(self.bundle, self.dtype))
         engine, _ = build_engine(lm, st, policy, settings={k: str(v) for k, v in settings.items()}, budget=budget,
-                                 device=self.device, experts_impl=impl)
+                                 device=self.device, experts_impl=impl, int4_kernel=int4_kernel)
         return lm, engine
 
 
@@ -175,10 +176,17 @@ def section_static(b: Bench) -> dict:
     models = {}
     for impl in IMPLS:
         for name, (policy, settings) in variants.items():
-            models[name + ("" if impl == "grouped_mm" else "-eager")] = b.engine(policy, impl, **settings)[0].model
+            lm, engine = b.engine(policy, impl, **settings)
+            models[name + ("" if impl == "grouped_mm" else "-eager")] = lm.model
+            if name == "static-int4" and engine.int4_kernel_layers:  # the same without torch's int4 kernel
+                print(f"  static-int4 runs torch's packed-int4 kernel in {len(engine.int4_kernel_layers)} layers")
+                models["static-int4-dequantize"] = b.engine(policy, impl, int4_kernel=False, **settings)[0].model
     med, _ = interleaved(models, b.ids, b.args, b.device)
     ms = rows(med)
     ratios = {}
+    if "static-int4-dequantize" in med:
+        ratios["static-int4-dequantize/resident"] = r = med["static-int4-dequantize"] / med["resident"]
+        print(f"ratio static-INT4 without the int4 kernel (dequantize) / resident = {r:.3f}x")
     for impl, sfx in zip(IMPLS, ("", "-eager")):
         for q, goal in (("int4", "1.0x"), ("int2", "1.1x")):  # decoding INT2 unpacks more per byte than INT4
             ratios[f"static-{q}/resident ({impl})"] = r = med[f"static-{q}{sfx}"] / med["resident" + sfx]

@@ -56,7 +56,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                  fitted: dict[str, Any] | None = None, budget: str = "100%", clock: str = "wall",
                  hw: str = DEFAULT_HW, device: str | torch.device = "cpu", max_tokens: int = PLAN_TOKENS,
                  batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None,
-                 experts_impl: str = "grouped_mm") -> tuple[Engine, BudgetPlan]:
+                 experts_impl: str = "grouped_mm", int4_kernel: bool = True) -> tuple[Engine, BudgetPlan]:
     """Build the policy and the engine over `store` and install it in `lm`.
 
     `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
@@ -64,7 +64,9 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     `default_host_budget()`) and stages the rest through a ring; off, blobs are copied straight
     from where they lie (the memory-mapped bundle). `experts_impl` picks the compute path:
     "grouped_mm" (grouped GEMMs, bit-exact against transformers' default kernel) or "eager" (one
-    expert at a time, bit-exact against transformers' eager loop).
+    expert at a time, bit-exact against transformers' eager loop). `int4_kernel` lets the grouped
+    path run INT4 experts through torch's packed-int4 CPU kernel where it applies (bf16 compute on a
+    CPU; `moetool.quant.int4_kernel`); off, they are dequantized per batch as every other precision.
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
@@ -85,8 +87,9 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the run's real peak, not the loading's
-    engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl)
+    engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, int4_kernel)
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
     dtype = str(store.compute_dtype).removeprefix("torch.")
-    engine.stats.context = lambda: {"dtype": dtype, **store.host_stats()}
+    kernel_layers = len(engine.int4_kernel_layers)
+    engine.stats.context = lambda: {"dtype": dtype, "int4_kernel_layers": kernel_layers, **store.host_stats()}
     return engine, plan

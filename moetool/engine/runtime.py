@@ -32,6 +32,7 @@ from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
+from moetool.quant import int4_kernel
 
 
 VIEW_CACHE = 4096  # entries in each small per-engine memo (pool views, offsets) before it is reset
@@ -52,7 +53,7 @@ class EngineExperts(ProviderExperts):
 class Engine:
     def __init__(self, lm: LoadedModel, store: HostStore, policy: Policy, residency: Residency,
                  clock: SimClock | WallClock, cost: CostModel, device: torch.device,
-                 experts_impl: str = "grouped_mm"):
+                 experts_impl: str = "grouped_mm", int4_kernel: bool = True):
         if experts_impl not in EXPERTS_IMPLS:
             raise MoetoolError(f"--experts-impl must be one of {', '.join(EXPERTS_IMPLS)}, not '{experts_impl}'.")
         # grouped_mm: one grouped GEMM per precision and batch (bit-exact against transformers'
@@ -63,6 +64,7 @@ class Engine:
         self.simulated = clock.kind == "sim"  # the cost model is read only by the simulated clock
         self._views: dict[tuple[int, int, int, int], Any] = {}  # (layer, bits, first slot, span) -> ExpertStack
         self._offs: dict[tuple[int, ...], torch.Tensor] = {}  # group sizes -> grouped_mm offsets
+        self._kviews: dict[tuple[int, int], Any] = {}  # (layer, slot address) -> int4 kernel views
         self.copier = Copier(self.device)
         self.layers = lm.geometry.layers
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
@@ -75,8 +77,18 @@ class Engine:
         # The sequence length and batch the budget's KV margin was planned for (0: not checked).
         self.plan_tokens, self.plan_batch = 0, 1
         self._hooks: list[Any] = []
+        # Layers whose INT4 experts run through torch's packed-int4 kernel (converted once, in their
+        # slot, as they load): bf16 compute on a CPU, grouped path, shapes the kernel takes.
+        self.int4_kernel_layers = self._int4_kernel_layers() if int4_kernel and self.grouped else frozenset()
         self._install()
         self.warm_bytes = self._warm()
+
+    def _int4_kernel_layers(self) -> frozenset[int]:
+        if 4 not in self.store.bits:
+            return frozenset()
+        dtype = next(self.lm.model.parameters()).dtype
+        return frozenset(g.index for g in self.layers
+                         if int4_kernel.unsupported(self.store.layout(g.index, 4), self.device, dtype) is None)
 
     def _warm(self) -> int:
         """Load the policy's start-up set and wait for it; its bytes are reported apart from per-token
@@ -313,11 +325,16 @@ class Engine:
                 (st.misses if x.status == Status.MISS else st.hits)[x.bits] += 1
                 if self.simulated:
                     self.clock.compute(self.cost.t_expert(x.bits, len(x)))
-                if not self.grouped or h.staged:
+                if x.bits == 4 and layer in self.int4_kernel_layers:  # its slot holds the kernel's layout
+                    y = int4_kernel.expert_forward(hidden[x.tok], self._kernel_weights(layer, self.residency.data(4, h)),
+                                                   module.activation)
+                    out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+                elif not self.grouped or h.staged:
                     w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
                     out.add(module.expert_forward(hidden[x.tok], w), x.pos, x.tok, x.slot, x.expert, x.bits)
             if self.grouped and batch and not batch[0].handle.staged:
-                for bits in sorted({x.bits for x in batch}, reverse=True):
+                for bits in sorted({x.bits for x in batch} - ({4} if layer in self.int4_kernel_layers else set()),
+                                   reverse=True):
                     self._grouped(module, hidden, [x for x in batch if x.bits == bits], bits, out)
 
     def _grouped(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], bits: int,
@@ -358,6 +375,17 @@ class Engine:
             sel = sel.to(rows.tok.device, non_blocking=True)
             tok, pos = rows.tok[sel], rows.pos[sel]
         out.add(grouped_mlp(module, hidden[tok], stack, offs, counts), pos)
+
+    def _kernel_weights(self, layer: int, blob: torch.Tensor) -> int4_kernel.KernelWeights:
+        """Views of a converted INT4 slot for torch's int4 kernel; they alias the slot, so each slot's
+        are made once."""
+        key = (layer, blob.data_ptr())
+        w = self._kviews.get(key)
+        if w is None:
+            if len(self._kviews) >= VIEW_CACHE:
+                self._kviews.clear()
+            w = self._kviews[key] = int4_kernel.kernel_weights(blob, self.store.layout(layer, 4))
+        return w
 
     def _offsets(self, counts: list[int], device: torch.device) -> torch.Tensor:
         """grouped_mm's group ends (int32, on `device`) for these group sizes; decode steps repeat the
@@ -403,6 +431,9 @@ class Engine:
         src, ring_slot = self.store.source(want.layer, want.expert, want.bits)
         event = self.copier.copy(dst[: src.numel()], src)
         self.store.release(ring_slot, event)
+        if want.bits == 4 and want.layer in self.int4_kernel_layers:
+            self.copier.wait(event)  # a CPU copy: already done
+            int4_kernel.convert_(dst[: src.numel()], self.store.layout(want.layer, 4))
         return event, src.numel()
 
     def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool) -> None:
