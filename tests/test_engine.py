@@ -198,6 +198,9 @@ def test_a_sequence_longer_than_the_plan_is_refused_in_one_sentence(tiny_ckpt):
         lm.model.generate(IDS[:1, :6], max_new_tokens=6, do_sample=False)
     with pytest.raises(MoetoolError, match="2 sequence"):
         lm.model(IDS[:, :4])
+    embeds = lm.model.get_input_embeddings()(IDS[:1]).repeat(1, 2, 1)  # 16 positions given as embeddings
+    with pytest.raises(MoetoolError, match="1 sequence.* of 16 tokens exceeds"):
+        lm.model(inputs_embeds=embeds)
     wider = plan_budget("50%", lm, store, max_tokens=40, batch=2)
     assert wider.margin_bytes > plan.margin_bytes and wider.cache_bytes == plan.cache_bytes  # a share: cache fixed
     assert engine.stats.summary()["peak_allocated_bytes"] is None  # measured on CUDA only

@@ -137,6 +137,8 @@ class Engine:
 
     def _before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None and kwargs.get("inputs_embeds") is not None:  # [B, T, H]: its tokens count the same
+            ids = kwargs["inputs_embeds"][..., 0]
         # transformers >= 5.24 passes the KV cache as `cache`; earlier releases (and callers that still
         # pass it by its old name) as `past_key_values`.
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
