@@ -108,3 +108,13 @@ def test_eager_and_fp32_engines_keep_dequantizing(kernel_model):
     engine, _ = build_engine(lm, HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), torch.float32),
                              "static", settings={"bits": "4"}, budget="100%", clock="sim")
     assert not engine.int4_kernel_layers
+
+
+def test_biases_and_a_custom_gate_go_through_the_kernel_path(tmp_path):
+    """gpt_oss: expert biases, transposed checkpoint tensors, its clamped interleaved gate."""
+    path = save_tiny("gpt_oss", tmp_path / "m", intermediate_size=32)
+    quantize(QuantizeConfig(model=str(path), out=tmp_path / "b", bits=(16, 4), group_size=32, dtype="bfloat16"))
+    got, engine, _ = _logits(path, tmp_path / "b", "static", "100%")
+    want, _, _ = _logits(path, tmp_path / "b", "static", "100%", int4_kernel=False)
+    assert engine.int4_kernel_layers == frozenset(g.index for g in engine.layers)
+    _close(got, want)
