@@ -1,9 +1,10 @@
 """Benchmark the engine's compute paths (experts_impl grouped_mm vs eager) at batch 1, in one run.
 
 Every timing is the median wall time of one greedy decode step with a KV cache (perf_counter, after
-a device sync on CUDA). Variants compared with each other are interleaved: in each of `--rounds`
-rounds every variant decodes `--tokens` tokens from the same prompt, in an order rotated per round,
-so drift in machine load hits all alike. Sections (`--skip` any of them):
+a device sync on CUDA). Variants compared with each other are interleaved step by step: in each of
+`--rounds` rounds every variant decodes `--tokens` tokens from the same prompt, the variants taking
+turns at every step in an order rotated per step, so drift in machine load (large on a shared
+2-core VM) hits all alike. Sections (`--skip` any of them):
 
   p1       plain transformers (its default grouped_mm experts kernel), plain eager loop, and engine
            `resident` with each experts_impl; ratios engine / plain per kernel; same greedy tokens.
@@ -12,8 +13,9 @@ so drift in machine load hits all alike. Sections (`--skip` any of them):
   host     host (Python) time per MoE layer per decode step of `resident`: `Engine.run_layer` less
            the expert math inside it (`runtime.grouped_mlp`, or `EngineExperts.expert_forward` for
            eager), in a separate pass so the timers never touch the timed comparisons.
-  ppl      perplexity of static INT4 through each experts_impl (eager: dequantize, then matmul) on
-           the first 256 tokens of moetool's training text (tokenizer-less models: its bytes).
+  ppl      perplexity of static INT4 and INT2 through each experts_impl (eager: dequantize, then
+           matmul: the reference) on the first 1,024 tokens of moetool's training text
+           (tokenizer-less models: its bytes).
   kernels  one MoE layer's expert math for k experts and one token (CPU): the compute-dtype weights
            in one grouped GEMM per projection, the bundle's INT4 blobs decoded for the k at once
            (`dequantize_stack`) then the same GEMMs, and torch's packed-int4 CPU kernel
@@ -55,13 +57,13 @@ from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.model import encode, load_config, load_model, load_tokenizer, model_fingerprint, resolve_source
 from moetool.quant.bundle import Bundle
-from moetool.quant.format import ExpertStack
+from moetool.quant.format import ExpertStack, stack_views
 from moetool.quant.quantize import QuantizeConfig, quantize
 
 IMPLS = ("grouped_mm", "eager")
 SECTIONS = ("p1", "static", "offload", "host", "ppl", "kernels")
 PROMPT = "The history of the city begins"
-PPL_TOKENS = 256
+PPL_TOKENS = 1024
 QWEN_MOE_TINY = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
                      vocab_size=8192, max_position_embeddings=4096, num_experts=60, num_experts_per_tok=4,
                      moe_intermediate_size=352, shared_expert_intermediate_size=1408, norm_topk_prob=False)
@@ -78,31 +80,47 @@ def sync(device: torch.device) -> None:
 
 def decode(model, ids: torch.Tensor, tokens: int, device: torch.device) -> tuple[list[float], list[int]]:
     """Prefill `ids` [1, T], then `tokens` greedy decode steps: each step's seconds, and the tokens."""
-    cache, times, out = DynamicCache(), [], []
-    with torch.no_grad():
-        nxt = model(ids.to(device), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(tokens):
-            sync(device)
-            t0 = time.perf_counter()
-            logits = model(nxt, past_key_values=cache, use_cache=True).logits
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(int(nxt))
-    return times, out
+    step = Stepper(model, ids, device)
+    times = [step() for _ in range(tokens)]
+    return times, step.tokens
+
+
+class Stepper:
+    """One model decoding greedily from a prompt with its own KV cache; each call is one timed step."""
+
+    def __init__(self, model, ids: torch.Tensor, device: torch.device):
+        self.model, self.device, self.cache, self.tokens = model, device, DynamicCache(), []
+        with torch.no_grad():
+            logits = model(ids.to(device), past_key_values=self.cache, use_cache=True).logits
+        self.next = logits[:, -1].argmax(-1, keepdim=True)
+
+    def __call__(self) -> float:
+        sync(self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = self.model(self.next, past_key_values=self.cache, use_cache=True).logits
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        self.next = logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens.append(int(self.next))
+        return seconds
 
 
 def interleaved(models: dict, ids: torch.Tensor, args, device) -> tuple[dict[str, float], dict[str, list[int]]]:
-    """Median decode-step seconds and greedy tokens per variant, the variants interleaved round by round."""
+    """Median decode-step seconds and greedy tokens per variant. The variants take turns step by step
+    (the order rotated every step), so drift in machine load hits all of them alike."""
     for name, m in models.items():  # warm-up: first-call allocations, caches filled, kernels chosen
         note(f"  warm-up {name}")
         decode(m, ids, 2, device)
     names, times, toks = list(models), {k: [] for k in models}, {}
     for r in range(args.rounds):
         note(f"  round {r + 1}/{args.rounds}")
-        for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: no variant always goes first
-            t, toks[name] = decode(models[name], ids, args.tokens, device)
-            times[name] += t
+        steppers = {name: Stepper(models[name], ids, device) for name in names}
+        for i in range(args.tokens):
+            turn = (r * args.tokens + i) % len(names)
+            for name in names[turn:] + names[:turn]:  # rotated: no variant always goes first
+                times[name].append(steppers[name]())
+        toks = {name: st.tokens for name, st in steppers.items()}
     return {k: statistics.median(v) for k, v in times.items()}, toks
 
 
@@ -290,16 +308,18 @@ def section_host(b: Bench) -> dict:
 
 def section_ppl(b: Bench) -> dict:
     ids = encode(b.tokenizer, train_text()[:16 * PPL_TOKENS], b.config.vocab_size)[:PPL_TOKENS]
-    print(f"\n== perplexity, static INT4, {len(ids)} tokens of moetool's training text")
+    print(f"\n== perplexity, static INT4 and INT2, {len(ids)} tokens of moetool's training text "
+          "(eager: dequantize each expert, then matmul: the reference)")
     out = {}
-    for impl in IMPLS:
-        lm, _ = b.engine("static", impl, bits=4)
-        with torch.no_grad():
-            logits = lm.model(ids[None].to(b.device), use_cache=False).logits[0].float()  # [T, V]
-        out[impl] = math.exp(F.cross_entropy(logits[:-1], ids[1:].to(b.device)).item())
-        print(f"  perplexity static-INT4 {impl:<11} {out[impl]:12.6f}")
-    out["rel_diff"] = d = abs(out["grouped_mm"] - out["eager"]) / out["eager"]
-    print(f"relative difference grouped_mm vs eager = {d * 100:.5f}% (goal within 0.5%)")
+    for bits in (4, 2):
+        for impl in IMPLS:
+            lm, _ = b.engine("static", impl, bits=bits)
+            with torch.no_grad():
+                logits = lm.model(ids[None].to(b.device), use_cache=False).logits[0].float()  # [T, V]
+            out[f"int{bits} {impl}"] = p = math.exp(F.cross_entropy(logits[:-1], ids[1:].to(b.device)).item())
+            print(f"  perplexity static-INT{bits} {impl:<11} {p:12.6f}")
+        out[f"int{bits} rel_diff"] = d = abs(out[f"int{bits} grouped_mm"] - out[f"int{bits} eager"]) / out[f"int{bits} eager"]
+        print(f"relative difference INT{bits} grouped_mm vs eager = {d * 100:.5f}% (goal within 0.5%)")
     return out
 
 
@@ -353,12 +373,13 @@ def section_kernels(b: Bench) -> dict:
         blobs = torch.stack([store.host(g.index, e, 4) for e in range(k)])  # k experts' INT4 blobs
         x = torch.randn(k, g.hidden_size, dtype=dtype)  # one token per expert
         offs, counts = torch.arange(1, k + 1, dtype=torch.int32), [1] * k
-        deq = store.decode_stack(blobs, g.index, 4)
+        dequant = lambda blobs: store.decode_stack(stack_views(blobs, store.layout(g.index, 4)), g.index, 4)  # noqa: E731
+        deq = dequant(blobs)
         # The same GEMMs on weights already in `dtype` (decoded once, outside the timer): a resident expert.
         full = ExpertStack(deq.gate_up.contiguous(), deq.down.contiguous())
         out = {"resident grouped": _median_us(lambda: runtime.grouped_mlp(module, x, full, offs, counts)),
                "int4 dequantize_stack + grouped": _median_us(
-                   lambda: runtime.grouped_mlp(module, x, store.decode_stack(blobs, g.index, 4), offs, counts))}
+                   lambda: runtime.grouped_mlp(module, x, dequant(blobs), offs, counts))}
         # Speed only: the kernel's packing of the decoded weights at its own group size (not the bundle's).
         packs, why = {}, {}
         for name in ("gate_up", "down"):
@@ -366,7 +387,7 @@ def section_kernels(b: Bench) -> dict:
             packs[name] = [p for p, _ in per] if per[0][0] is not None else None
             why[name] = per[0][1]
 
-        def kernel(x=x, blobs=blobs, store=store, packs=packs):
+        def kernel(x=x, blobs=blobs, dequant=dequant, packs=packs):
             for e in range(k):
                 h = x[e:e + 1]
                 for name in ("gate_up", "down"):
@@ -374,7 +395,7 @@ def section_kernels(b: Bench) -> dict:
                         p, grp, sz = packs[name][e]
                         h = torch.ops.aten._weight_int4pack_mm_for_cpu(h, p, grp, sz)
                     else:
-                        h = h @ getattr(store.decode_stack(blobs[e:e + 1], g.index, 4), name)[0].T
+                        h = h @ getattr(dequant(blobs[e:e + 1]), name)[0].T
                     if name == "gate_up":
                         h = module.impl._apply_gate(h) if g.gated else module.impl.act_fn(h)
         out["int4 kernel per expert"] = _median_us(kernel)

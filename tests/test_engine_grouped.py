@@ -6,11 +6,12 @@ import torch
 
 import moetool.engine.runtime as runtime
 from moetool.engine import build_engine
+from moetool.engine.budget import decode_workspace, expert_params, kv_margin
 from moetool.engine.stats import LayerStats
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
 from moetool.model import load_model, load_reference
-from moetool.policies.base import LayerPlan, Where
+from moetool.policies.base import LayerPlan, LayerView, Phase, Step, Where
 from moetool.quant.bundle import Bundle
 from moetool.quant.quantize import QuantizeConfig, quantize
 from moetool.run import RunConfig, prepare
@@ -70,6 +71,53 @@ def test_vectorised_grouping_equals_the_loop_in_the_kernels_row_order(tiny_ckpt,
     assert sum(st.precision_mix.values()) == sum(len(v) for key, v in want.items() if key[0] == Where.GPU)
 
 
+def _routed_view(idx: torch.Tensor, E: int, weight: torch.Tensor) -> LayerView:
+    return LayerView(layer=0, moe_pos=0, num_experts=E, step=Step(0, Phase.PREFILL, idx.shape[0]), top_k_index=idx,
+                     top_k_weights=weight, router_logits=torch.empty(0), residency=None, predict=lambda later: None)
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_an_untouched_routed_plan_groups_as_its_arrays_do(tiny_ckpt, dropped, seed):
+    """The routed plan's shortcut (transformers' own sort, no arrays made) gives the groups, rows and
+    counts the general path gives for the same plan written out; a slot the router marked dropped
+    (id E) sends the layer down the general path, which skips it."""
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "resident", budget="100%", batch=2)
+    g = torch.Generator().manual_seed(seed)
+    T, k, E = 9, 3, 4
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # experts repeat across tokens
+    if dropped:
+        idx[torch.rand(T, k, generator=g) < 0.2] = E
+    weight = torch.rand(T, k, generator=g)
+    routed = LayerPlan.routed(_routed_view(idx, E, weight), 16)
+    assert routed.uniform_bits() == 16
+    written = LayerPlan(expert=idx.clone(), bits=torch.full((T, k), 16), where=torch.where(idx < E, 0, 2),
+                        weight=weight.clone())
+    got, want = LayerStats(), LayerStats()
+    a, b = engine._group(routed, idx, E, got), engine._group(written, idx, E, want)
+    rows = lambda groups: [(int(x.where), x.bits, x.expert, x.tok_host.tolist(), x.slot_host.tolist(),  # noqa: E731
+                            x.pos.tolist()) for x in groups]
+    assert rows(a) == rows(b)
+    assert (got.skips, got.substitutions, dict(got.precision_mix)) == \
+        (want.skips, want.substitutions, dict(want.precision_mix))
+    assert got.skips == int((idx == E).sum())
+
+
+def test_a_policy_that_touches_a_routed_plan_gets_its_own_arrays():
+    idx, weight = torch.tensor([[2, 0, 3], [1, 2, 4]]), torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+    view = _routed_view(idx, 4, weight.clone())
+    plan = LayerPlan.routed(view, 4)
+    assert torch.equal(plan.routing_weight(), view.top_k_weights)  # untouched: the router's own, no copy
+    plan.weight[0, 0] = 0.0  # a policy changing its plan must not change what the router said
+    assert torch.equal(view.top_k_weights, weight) and plan.routing_weight()[0, 0] == 0
+    assert plan.uniform_bits() == 4  # weights do not change the grouping: the shortcut stays
+    assert plan.bits.tolist() == [[4] * 3] * 2 and plan.where.tolist() == [[0, 0, 0], [0, 0, 2]]  # id 4 = E: dropped
+    assert plan.uniform_bits() is None  # read arrays may have been changed in place: the shortcut is off
+    plan.expert[1, 0] = 3
+    assert view.top_k_index[1, 0] == 1  # a changed expert is the policy's copy
+
+
 def test_static_low_bits_equal_grouped_mm_on_the_dequantized_weights_bit_for_bit(tiny_ckpt, bundle):
     """Quantized experts through the grouped path: the batched decode, then transformers' own grouped GEMM.
     Loaded into a plain transformers model, the same dequantized weights give the same logits exactly."""
@@ -114,6 +162,51 @@ def test_grouped_and_eager_paths_agree_on_a_mixed_precision_policy(tiny_ckpt, bu
         with torch.no_grad():
             logits[impl] = ready.lm.model(IDS).logits
     torch.testing.assert_close(logits["grouped_mm"], logits["eager"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy,settings,budget", [("resident", {}, "100%"), ("static", {"bits": "2"}, "100%"),
+                                                    ("lru", {}, "60%"), ("eap", {}, "60%")])
+def test_the_steady_state_shortcut_keeps_every_counter_of_the_general_path(tiny_ckpt, bundle, monkeypatch, policy,
+                                                                           settings, budget):
+    """Layers whose routed experts are all resident run whole in `_run_resident` (no per-expert
+    objects). With it and without it (the general path for every layer): the same logits bit for
+    bit, and the same counters (hits, misses, precision mix, prefetch use, bytes moved)."""
+    real, taken = runtime.Engine._run_resident, []
+    results = {}
+    for shortcut in (True, False):
+        monkeypatch.setattr(runtime.Engine, "_run_resident",
+                            (lambda self, *a: taken.append(r := real(self, *a)) or r) if shortcut else
+                            (lambda self, *a: None))
+        ready = prepare(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=bundle, policy=policy, settings=settings,
+                                  budget=budget, batch_size=1, max_new_tokens=12))
+        with torch.no_grad():
+            out = ready.lm.model.generate(IDS[:1], max_new_tokens=12, do_sample=False, output_logits=True,
+                                          return_dict_in_generate=True)
+        stats = {layer: (dict(s.hits), dict(s.misses), dict(s.precision_mix), s.needed, s.prefetch_issued,
+                         s.prefetch_used, s.bytes_h2d) for layer, s in ready.engine.stats.layers.items()}
+        results[shortcut] = (torch.stack(out.logits), stats)
+    assert any(r is not None for r in taken)  # the shortcut ran
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1] == results[False][1]
+
+
+def test_decoded_experts_stay_within_the_workspace_the_budget_plans(tiny_ckpt, bundle, monkeypatch):
+    """The grouped path decodes at most `decode_chunk` experts at once (a larger prefill batch runs in
+    chunks, with the same result bit for bit), and the budget's margin holds that workspace."""
+    ready = prepare(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=bundle, policy="static", settings={"bits": "4"},
+                              budget="100%", batch_size=2))
+    engine, g = ready.engine, ready.lm.geometry.layers[0]
+    assert ready.plan.margin_bytes == kv_margin(ready.lm.model.config, engine.plan_tokens, 2, torch.float32, g.top_k) \
+        + decode_workspace(expert_params(g), torch.float32, g.top_k)
+    with torch.no_grad():
+        whole = ready.lm.model(IDS).logits
+    sizes, real = [], runtime.grouped_mlp
+    monkeypatch.setattr(runtime, "grouped_mlp", lambda *a: sizes.append(a[2].gate_up.shape[0]) or real(*a))
+    engine.decode_chunk = 1
+    with torch.no_grad():
+        chunked = ready.lm.model(IDS).logits
+    assert max(sizes) == 1 and len(sizes) > len(ready.lm.geometry.layers)  # one expert decoded at a time
+    assert torch.equal(chunked, whole)
 
 
 def test_an_unknown_experts_impl_is_refused_in_one_sentence():

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, kv_margin, parse_size,  # noqa: F401 (API)
-                                   split_budget)
+from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, expert_params, kv_margin, parse_size,  # noqa: F401 (API)
+                                   plan_margin, split_budget)
 from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
 from moetool.engine.runtime import EXPERTS_IMPLS, Engine  # noqa: F401 (API)
@@ -25,22 +25,24 @@ from moetool.policies.base import EngineContext
 
 def plan_budget(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1) -> BudgetPlan:
     """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts."""
-    g = lm.geometry.layers[0]
     n_experts = sum(layer.num_experts for layer in lm.geometry.layers)
+    # Some stored precision decoded rather than read in place: the decode workspace is device memory too.
+    decoded = any(not store.stack_is_view(layer.index, b) for layer in lm.geometry.layers for b in store.bits)
     return split_budget(spec, n_experts=n_experts, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
                         non_expert_bytes=lm.non_expert_bytes(),
-                        margin_bytes=kv_margin(lm.model.config, max_tokens, batch, store.compute_dtype, g.top_k))
+                        margin_bytes=plan_margin(lm.model.config, lm.geometry.layers, max_tokens, batch,
+                                                 store.compute_dtype, decoded))
 
 
 def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, dict]:
     profile, raw = load_hw(hw)
     g = lm.geometry.layers[0]
-    expert_params = g.hidden_size * g.intermediate_size * (3 if g.gated else 2)
-    ref_bytes = expert_params * 2  # bf16, what a dequantizing kernel writes and a bf16 expert reads
+    params = expert_params(g)
+    ref_bytes = params * 2  # bf16, what a dequantizing kernel writes and a bf16 expert reads
     dense_params = lm.non_expert_bytes() / next(lm.model.parameters()).element_size()
     n_moe = len(lm.geometry.layers)
     cost = CostModel(hw=profile, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
-                     expert_flops_per_token=2.0 * expert_params, reference_bytes=ref_bytes,
+                     expert_flops_per_token=2.0 * params, reference_bytes=ref_bytes,
                      dense_bytes_per_layer=dense_params * 2 / n_moe,
                      dense_flops_per_token_per_layer=2.0 * dense_params / n_moe)
     return cost, raw

@@ -63,6 +63,28 @@ def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype, top_
     return per_token * max_tokens * batch + ACTIVATION_MARGIN
 
 
+def decode_workspace(expert_params: int, dtype: torch.dtype, experts: int) -> int:
+    """Bytes the grouped path decodes into: `experts` experts' weights in the compute dtype, plus what
+    they are decoded from (their gathered parts and unpacked codes, at most 2 bytes a weight). The
+    engine decodes at most `experts` at once (a batch with more runs in chunks), so this bounds it."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return experts * expert_params * (item + 2)
+
+
+def expert_params(layer: Any) -> int:
+    """Weights of one expert of a MoE layer (`model.MoeLayer`): gate and up (or up alone), and down."""
+    return layer.hidden_size * layer.intermediate_size * (3 if layer.gated else 2)
+
+
+def plan_margin(config: Any, layers: Any, max_tokens: int, batch: int, dtype: torch.dtype, decoded: bool) -> int:
+    """The margin a budget plans beside weights and experts: the KV cache and activations
+    (`kv_margin`), plus the grouped path's decode workspace where some stored precision is decoded
+    rather than read in place (`decode_workspace`, a chunk of top-k experts)."""
+    top_k = layers[0].top_k
+    workspace = decode_workspace(max(expert_params(g) for g in layers), dtype, top_k) if decoded else 0
+    return kv_margin(config, max_tokens, batch, dtype, top_k) + workspace
+
+
 def staging_bytes(expert_bytes: dict[int, int]) -> int:
     """The staging buffers: STAGING_SLOTS of each stored precision's slot."""
     return STAGING_SLOTS * sum(expert_bytes.values())

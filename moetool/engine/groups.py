@@ -1,8 +1,8 @@
 """A layer's work once planned: its (token, slot) rows grouped by expert and precision, the grouped
 expert MLP over them, and the combine that sums a token's k outputs as transformers does.
 
-    groups = engine._group(plan, idx, num_experts, stats)       # [Group], slices of one Rows
-    y = grouped_mlp(module, hidden[rows.tok], stack, offs, counts)
+    groups = group_plan(plan, idx, num_experts, stats, grouped=True, max_bits=16, device=cpu)  # [Group]
+    y = grouped_mlp(module, hidden.index_select(0, rows.tok), stack, offs, counts)
     out = Combine(hidden, weight, grouped=True); out.add(y, rows.pos); out.result()
 """
 
@@ -17,7 +17,8 @@ from torch import nn
 from transformers.integrations.moe import _grouped_mm  # the dispatcher transformers' grouped_mm experts use
 
 from moetool.engine.residency import Handle
-from moetool.policies.base import Where
+from moetool.engine.stats import LayerStats
+from moetool.policies.base import LayerPlan, Where
 from moetool.quant.format import ExpertStack
 
 _WHERE = tuple(Where)  # Where(i) without the enum call (a few us each, per group and layer)
@@ -42,6 +43,17 @@ class Rows:
     tok: torch.Tensor  # the same three on the compute device
     slot: torch.Tensor
     pos: torch.Tensor
+
+
+@dataclass(slots=True)
+class Routed:
+    """A routed plan no policy changed, grouped as transformers' grouped_mm groups it: `experts` in
+    ascending order, `counts[i]` rows each, the rows in grouped_mm's own order; all at `bits`."""
+
+    bits: int
+    experts: list[int]
+    counts: list[int]
+    rows: Rows
 
 
 @dataclass(slots=True)
@@ -100,14 +112,18 @@ class Combine:
         T, k = weight.shape
         if grouped:
             self.flat = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
+            self.flat_weight = weight.reshape(-1)  # [T*k]
         else:
             self.outputs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (expert, bits, tok, y)
 
     def add(self, y: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor | None = None,
             slot: torch.Tensor | None = None, expert: int = 0, bits: int = 0) -> None:
-        """Rows `y` [n, H] of the (token, slot) pairs at flat positions `pos` (token `tok`, slot `slot`)."""
+        """Rows `y` [n, H] of the (token, slot) pairs at flat positions `pos` (token `tok`, slot `slot`);
+        `y` is a fresh output the caller hands over (the grouped path weights it in place)."""
         if self.grouped:
-            self.flat.index_copy_(0, pos, (y * self.weight.view(-1)[pos, None]).to(self.flat.dtype))
+            w = self.flat_weight.index_select(0, pos).unsqueeze_(1)  # [n, 1]
+            y = y.mul_(w) if y.dtype == w.dtype else y * w  # in place: y is the caller's fresh output
+            self.flat.index_copy_(0, pos, y if y.dtype == self.flat.dtype else y.to(self.flat.dtype))
         else:
             self.outputs.append((expert, bits, tok, (y * self.weight[tok, slot, None]).to(self.hidden.dtype)))
 
@@ -130,9 +146,94 @@ def grouped_mlp(module: nn.Module, x: torch.Tensor, stack: ExpertStack, offs: to
     group_of_row = None
     if stack.gate_up_bias is not None:
         group_of_row = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(x.device)
-        h.add_(stack.gate_up_bias[group_of_row])
+        h.add_(stack.gate_up_bias.index_select(0, group_of_row))
     h = module.impl._apply_gate(h) if module.layer.gated else module.impl.act_fn(h)  # [n, I]
     y = _grouped_mm(h, stack.down.transpose(-2, -1), offs)  # [n, H]
     if group_of_row is not None:
-        y.add_(stack.down_bias[group_of_row])
+        y.add_(stack.down_bias.index_select(0, group_of_row))
     return y
+
+
+def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats, *, grouped: bool,
+               max_bits: int, device: torch.device, routed: Routed | None = None) -> list[Group]:
+    """The plan's running (token, slot) pairs grouped by (where, bits, expert), counting skips,
+    substitutions and the precision mix. Vectorised (numpy on the host arrays, a constant number
+    of calls whatever T x k is); one index upload for the layer.
+
+    Within a group, rows keep the order the matching transformers kernel gives them, so a
+    lossless policy matches it bit for bit: `grouped_mm`'s own `torch.sort` of the flattened
+    experts (not a stable sort: a CPU GEMM's result for a row depends on where the row sits in
+    its tile, so the order inside a group matters), slot-major as the eager loop. Where every
+    group has one row (a decode step of distinct experts) any sort gives that order, so the
+    torch sort runs only when some group has several.
+    """
+    T, k = idx.shape
+    if routed is None and grouped:
+        routed = routed_rows(plan, idx, num_experts, device)
+    if routed is not None:  # every slot as routed, on the device, at one precision
+        st.precision_mix[routed.bits] += routed.rows.pos.numel()
+        groups, start, where = [], 0, _WHERE[int(Where.GPU)]
+        for e, n in zip(routed.experts, routed.counts):
+            groups.append(Group(e, routed.bits, where, routed.rows, start, start + n))
+            start += n
+        return groups
+    expert, bits, where = (t.numpy() for t in (plan.expert, plan.bits, plan.where))  # [T, k] each
+    subst = expert != idx.numpy()
+    if subst.any():
+        st.substitutions += int(np.count_nonzero(subst & (where != int(Where.SKIP))))
+    pos = np.arange(T * k)  # flat position t * k + s of every (token, slot)
+    if not grouped:
+        expert, bits, where, pos = (a.T for a in (expert, bits, where, pos.reshape(T, k)))  # slot-major
+    expert, bits, where, pos = (a.reshape(-1) for a in (expert, bits, where, pos))
+    # One key per (where, bits, expert): skipped slots (Where.SKIP, the largest) sort last.
+    span = max_bits + 1
+    key = (where * span + bits) * num_experts + expert
+    order = np.argsort(key, kind="stable")  # stable: the eager loop's slot-major order within a group
+    skey = key[order]
+    change = skey[1:] != skey[:-1]
+    if grouped and not change.all():  # some group has several rows: grouped_mm's own order
+        first = torch.sort(torch.from_numpy(expert.astype(np.int64, copy=False))).indices.numpy()
+        order = first[np.argsort(key[first], kind="stable")]  # the same sorted keys, ties as grouped_mm
+    n = int(np.searchsorted(skey, int(Where.SKIP) * span * num_experts))  # rows that run
+    st.skips += int(skey.size - n)
+    if not n:
+        return []
+    bounds = [0, *(np.flatnonzero(change[:n - 1]) + 1).tolist(), n]
+    tok, slot = np.divmod(pos[order[:n]], k)
+    host = [torch.from_numpy(a) for a in (tok, slot, pos[order[:n]])]
+    if device.type == "cpu":
+        rows = Rows(*host, *host)
+    else:
+        both = torch.stack(host).to(device, non_blocking=True)  # one upload for the layer
+        rows = Rows(*host, both[0], both[1], both[2])
+    w_b, e = np.divmod(skey[bounds[:-1]], num_experts)
+    w, b = np.divmod(w_b, span)
+    groups, on_device, mix = [], int(Where.GPU), st.precision_mix
+    for e, b, w, start, end in zip(e.tolist(), b.tolist(), w.tolist(), bounds[:-1], bounds[1:]):
+        if w == on_device:
+            mix[b] += end - start
+        groups.append(Group(e, b, _WHERE[w], rows, start, end))
+    return groups
+
+
+def routed_rows(plan: LayerPlan, idx: torch.Tensor, num_experts: int, device: torch.device) -> Routed | None:
+    """A routed plan no policy changed (every lossless policy, static precision), grouped as
+    transformers' `grouped_mm` groups it, in a handful of torch calls (the grouped path's shortcut);
+    None for any other plan, or if the router marked a slot dropped (an id out of range: the general
+    path skips it)."""
+    bits = plan.uniform_bits()
+    if bits is None:
+        return None
+    T, k = idx.shape
+    sorted_expert, perm = torch.sort(idx.reshape(-1))  # [T*k]: grouped_mm's own order
+    experts, counts = torch.unique_consecutive(sorted_expert, return_counts=True)
+    experts, counts = experts.tolist(), counts.tolist()
+    if not experts or experts[0] < 0 or experts[-1] >= num_experts:
+        return None
+    tok, slot = perm.div(k, rounding_mode="floor"), perm.remainder(k)
+    if device.type == "cpu":
+        rows = Rows(tok, slot, perm, tok, slot, perm)
+    else:
+        both = torch.stack((tok, slot, perm)).to(device, non_blocking=True)  # one upload for the layer
+        rows = Rows(tok, slot, perm, both[0], both[1], both[2])
+    return Routed(bits, experts, counts, rows)

@@ -172,10 +172,15 @@ class Residency:
             self._fresh.add((*key, want.bits))
         return victims
 
+    def tracks_use(self) -> bool:
+        """Whether `used` has anything to tell: some eviction order holds a key (not so for a resident
+        or static policy, whose pools need no order)."""
+        return bool(self._ordered)
+
     def used(self, layer: int, experts: list[tuple[int, int, bool]]) -> None:
         """After a layer ran: (expert, bits, was_hit) of every expert it used on the device."""
         if not self._ordered:
-            return  # no eviction order holds anything (a resident or static policy): nothing to tell
+            return  # no eviction order holds anything: nothing to tell
         for e, bits, hit in experts:
             pool = self.pools.get(bits)
             if pool is None or pool.spec.eviction is None:

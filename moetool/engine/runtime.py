@@ -1,6 +1,7 @@
 """The engine: per MoE layer, route -> plan -> group -> schedule -> compute (hits, then in flight,
 then misses; one grouped GEMM per precision and batch, or one expert at a time with
-`experts_impl="eager"`) -> combine -> prefetch.
+`experts_impl="eager"`) -> combine -> prefetch. The steady state (a routed plan no policy changed,
+every expert resident at its one precision) skips the per-expert steps: `_run_resident`.
 
 `Engine` owns the host store, the residency (device slots, quotas, eviction orders), the copier,
 the clock, the stats and the policy, and installs an `EngineExperts` module in every MoE block.
@@ -22,20 +23,18 @@ import torch
 from torch import nn
 
 from moetool.engine.clock import CostModel, SimClock, WallClock
-from moetool.engine.groups import _WHERE, Combine, Group, Rows, Status, grouped_mlp
+from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows
 from moetool.engine.residency import Handle, Residency, State
 from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier
+from moetool.engine.weights import PoolWeights
 from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
 from moetool.quant import int4_kernel
-
-
-VIEW_CACHE = 4096  # entries in each small per-engine memo (pool views, offsets) before it is reset
 
 
 class EngineExperts(ProviderExperts):
@@ -62,11 +61,11 @@ class Engine:
         self.lm, self.store, self.policy, self.residency = lm, store, policy, residency
         self.clock, self.cost, self.device = clock, cost, torch.device(device)
         self.simulated = clock.kind == "sim"  # the cost model is read only by the simulated clock
-        self._views: dict[tuple[int, int, int, int], Any] = {}  # (layer, bits, first slot, span) -> ExpertStack
-        self._offs: dict[tuple[int, ...], torch.Tensor] = {}  # group sizes -> grouped_mm offsets
-        self._kviews: dict[tuple[int, int], Any] = {}  # (layer, slot address) -> int4 kernel views
+        self.weights = PoolWeights(store, residency, self.device)  # what grouped GEMMs read from the pools
+        self.decode_chunk = max(g.top_k for g in lm.geometry.layers)  # experts decoded at once (budget.decode_workspace)
         self.copier = Copier(self.device)
         self.layers = lm.geometry.layers
+        self._max_bits = max(int(b) for b in store.bits)
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
         self.stats = Stats(tuple(g.index for g in self.layers))
         self.step: Step | None = None
@@ -77,6 +76,7 @@ class Engine:
         # The sequence length and batch the budget's KV margin was planned for (0: not checked).
         self.plan_tokens, self.plan_batch = 0, 1
         self._hooks: list[Any] = []
+        self._routers: list[nn.Module] = []  # routers whose forward the engine wraps (`_install`)
         # Layers whose INT4 experts run through torch's packed-int4 kernel (converted once, in their
         # slot, as they load): bf16 compute on a CPU, grouped path, shapes the kernel takes.
         self.int4_kernel_layers = self._int4_kernel_layers() if int4_kernel and self.grouped else frozenset()
@@ -112,7 +112,11 @@ class Engine:
             block = model.get_submodule(g.path)
             block.experts = EngineExperts(block.experts.impl, g, self)
             router = block.get_submodule(g.router)
-            self._hooks.append(router.register_forward_hook(self._router_hook(g.index)))
+            # The router's forward wrapped as an instance attribute rather than a forward hook: a module
+            # with hooks takes nn.Module's slow call path, ~40 us a layer on the CI machine (1-2% of a
+            # decode step on the demo model, scripts/bench_engine.py p1).
+            router.forward = self._router_capture(g.index, router.forward)
+            self._routers.append(router)
         if self.policy.needs_token_importance:
             # DyMoE eq. 1 needs attention probabilities, which only the eager kernel returns.
             model.set_attn_implementation("eager")
@@ -122,11 +126,13 @@ class Engine:
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward))
 
-    def _router_hook(self, layer: int):
-        def hook(module, args, output):
+    def _router_capture(self, layer: int, forward):
+        def capture(*args, **kwargs):
+            output = forward(*args, **kwargs)
             if not self._predicting:
                 self._logits[layer] = output[0] if isinstance(output, tuple) else output  # [T, E]
-        return hook
+            return output
+        return capture
 
     def _attention_hook(self, layer: int):
         def hook(module, args, output):
@@ -189,21 +195,28 @@ class Engine:
         self._publish_ready()
         view = self._view(g, hidden, top_k_index, top_k_weights)  # the layer's one host sync
         plan = self.policy.plan(view)
-        groups = self._group(plan, view.top_k_index, g.num_experts, st)
-        weight = plan.weight.to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
-        on_host = [x for x in groups if x.where == Where.CPU]
-        on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU])
-        shield = {(g.index, x.expert) for x in on_device}
+        weight = plan.routing_weight().to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
         out = Combine(hidden, weight, grouped=self.grouped)
-        cpu_ready = self._compute_on_host(module, hidden, on_host, st, out)
-        self._compute_on_device(module, hidden, on_device, staged, st, out)
-        st.needed += len(on_device)
-        st.stall_s += self.clock.wait(cpu_ready)
-        self.residency.used(g.index, [(x.expert, x.bits, x.status != Status.MISS) for x in on_device])
+        routed = self._routed_rows(plan, view.top_k_index, g.num_experts)
+        on_device = self._run_resident(module, hidden, routed, st, out) if routed is not None else None
+        if on_device is None:  # anything but the steady state: group, schedule, load, compute
+            groups = self._group(plan, view.top_k_index, g.num_experts, st, routed)
+            on_host = [x for x in groups if x.where == Where.CPU]
+            on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU] if on_host else groups)
+            cpu_ready = self._compute_on_host(module, hidden, on_host, st, out)
+            self._compute_on_device(module, hidden, on_device, staged, st, out)
+            st.needed += len(on_device)
+            st.stall_s += self.clock.wait(cpu_ready)
+            if self.residency.tracks_use():
+                self.residency.used(g.index, [(x.expert, x.bits, x.status != Status.MISS) for x in on_device])
+            on_device = [x.expert for x in on_device]
         # Asked after the layer ran, so the policy sees the residency this layer's loads left.
-        for f in self.policy.prefetch(view):
-            if self._start_load(f, shield, prefetched=True) is not None:
-                self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
+        fetches = self.policy.prefetch(view)
+        if fetches:
+            shield = {(g.index, e) for e in on_device}
+            for f in fetches:
+                if self._start_load(f, shield, prefetched=True) is not None:
+                    self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
         return out.result()
 
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -219,51 +232,41 @@ class Engine:
             router_logits=logits, residency=self.residency, predict=lambda later: self._predict(later, hidden),
             token_importance=self._importance.pop(g.index, None))
 
-    def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats) -> list[Group]:
-        """The plan's running (token, slot) pairs grouped by (where, bits, expert), counting skips,
-        substitutions and the precision mix. Vectorised (numpy on the host arrays, a constant number
-        of calls whatever T x k is); one index upload for the layer.
+    def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats,
+               routed: Routed | None = None) -> list[Group]:
+        return group_plan(plan, idx, num_experts, st, grouped=self.grouped, max_bits=self._max_bits,
+                          device=self.device, routed=routed)
 
-        Within a group, rows keep the order the matching transformers kernel gives them, so a
-        lossless policy matches it bit for bit: `grouped_mm`'s own `torch.sort` of the flattened
-        experts (not a stable sort: a CPU GEMM's result for a row depends on where the row sits in
-        its tile, so the order inside a group matters), slot-major as the eager loop.
-        """
-        T, k = plan.expert.shape
-        arrays = [t.numpy() for t in (plan.expert, plan.bits, plan.where, idx)]
-        pos = np.arange(T * k).reshape(T, k)  # flat position t * k + s of every (token, slot)
-        if not self.grouped:
-            arrays, pos = [a.T for a in arrays], pos.T  # slot-major, token-minor
-        expert, bits, where, routed, pos = (a.reshape(-1) for a in (*arrays, pos))
-        if self.grouped:
-            first = torch.sort(torch.from_numpy(expert.astype(np.int64))).indices.numpy()
-            expert, bits, where, routed, pos = (a[first] for a in (expert, bits, where, routed, pos))
-        on_device = int(Where.GPU)
-        run = where != int(Where.SKIP)
-        st.skips += int(run.size - np.count_nonzero(run))
-        expert, bits, where, routed, pos = expert[run], bits[run], where[run], routed[run], pos[run]
-        st.substitutions += int(np.count_nonzero(expert != routed))
-        key = (where * (max(int(b) for b in self.store.bits) + 1) + bits) * num_experts + expert
-        order = np.argsort(key, kind="stable")  # stable: each group's rows keep the order above
-        key, pos = key[order], pos[order]
-        if not key.size:
-            return []
-        bounds = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), int(key.size)]
-        tok, slot = np.divmod(pos, k)
-        host = [torch.from_numpy(a) for a in (tok, slot, pos)]
-        if self.device.type == "cpu":
-            rows = Rows(*host, *host)
-        else:
-            both = torch.stack(host).to(self.device, non_blocking=True)  # one upload for the layer
-            rows = Rows(*host, both[0], both[1], both[2])
-        firsts = order[bounds[:-1]]
-        groups = []
-        for e, b, w, start, end in zip(expert[firsts].tolist(), bits[firsts].tolist(), where[firsts].tolist(),
-                                       bounds[:-1], bounds[1:]):
-            if w == on_device:
-                st.precision_mix[b] += end - start
-            groups.append(Group(e, b, _WHERE[w], rows, start, end))
-        return groups
+    def _routed_rows(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int) -> Routed | None:
+        return routed_rows(plan, idx, num_experts, self.device) if self.grouped else None
+
+    def _run_resident(self, module: EngineExperts, hidden: torch.Tensor, routed: Routed, st: LayerStats,
+                      out: Combine) -> list[int] | None:
+        """The steady state whole: every routed expert resident at the plan's one precision. One
+        grouped GEMM over the pool, no per-expert objects, nothing to load or wait for. Returns the
+        experts it ran, or None (nothing done) where that does not hold: the general path runs."""
+        layer, bits = module.layer.index, routed.bits
+        if self.simulated or (bits == 4 and layer in self.int4_kernel_layers):
+            return None  # the sim clock charges each expert; the INT4 kernel runs one expert at a time
+        get = self.residency.table.get
+        handles = [get((layer, e, bits)) for e in routed.experts]
+        if not all(h is not None and h.state == State.RESIDENT for h in handles):
+            return None
+        slots = []
+        for h in handles:
+            if h.prefetched:  # its first use: counted for prefetch precision
+                st.prefetch_used += 1
+                h.prefetched = False
+            slots.append(h.slot)
+        n = len(slots)
+        st.hits[bits] += n
+        st.needed += n
+        st.precision_mix[bits] += routed.rows.pos.numel()
+        if self.residency.tracks_use():
+            self.residency.used(layer, [(e, bits, True) for e in routed.experts])
+        starts = list(accumulate(routed.counts, initial=0))
+        self._gemm(module, hidden, bits, slots, list(zip(starts, starts[1:])), routed.rows, out)
+        return routed.experts
 
     def _schedule(self, layer: int, groups: list[Group]) -> tuple[list[Group], list[Group]]:
         """Each device group's copy: a hit, a prefetch in flight, or a demand load started now.
@@ -273,23 +276,30 @@ class Engine:
         next one while the previous computes. Returns the groups in compute order (hits, in flight,
         cached misses, staged misses) and the staged ones whose copies are still to be issued.
         """
+        get, misses, all_hit = self.residency.table.get, [], True  # the table itself: one dict lookup a group
+        for x in groups:
+            x.handle = h = get((layer, x.expert, x.bits))
+            if h is None:
+                x.status = Status.MISS
+                misses.append(x)
+            elif h.state != State.RESIDENT:
+                x.status = Status.IN_FLIGHT
+            else:
+                continue
+            all_hit = False
+        if all_hit:  # the common decode step once the cache is warm: nothing to order or stage
+            return groups, []
         shield = {(layer, x.expert) for x in groups}
-        for x in groups:
-            x.handle = self.residency.get(layer, x.expert, x.bits)
-            x.status = Status.MISS if x.handle is None else \
-                Status.HIT if x.handle.state == State.RESIDENT else Status.IN_FLIGHT
-        for x in groups:
-            if x.status == Status.MISS:
-                x.handle = self._start_load(Fetch(layer, x.expert, x.bits), shield, demand=True)
-        if any(x.status != Status.HIT for x in groups):
-            groups = sorted(groups, key=lambda x: (x.status, x.handle.staged))
+        for x in misses:
+            x.handle = self._start_load(Fetch(layer, x.expert, x.bits), shield, demand=True)
+        groups = sorted(groups, key=lambda x: (x.status, x.handle.staged))
         staged = [x for x in groups if x.handle.staged]
         if staged:
             self._copy_staged(layer, staged.pop(0))
         return groups, staged
 
     def _compute_on_host(self, module: EngineExperts, hidden: torch.Tensor, groups: list[Group],
-                         st: LayerStats, out: "Combine") -> float:
+                         st: LayerStats, out: Combine) -> float:
         """SMoE Algorithm 2's CPU-assisted experts: run on the host, concurrently with the device."""
         ready = 0.0
         for x in groups:
@@ -302,7 +312,7 @@ class Engine:
         return ready
 
     def _compute_on_device(self, module: EngineExperts, hidden: torch.Tensor, groups: list[Group],
-                           staged: list[Group], st: LayerStats, out: "Combine") -> None:
+                           staged: list[Group], st: LayerStats, out: Combine) -> None:
         """Device groups in schedule order: hits, then copies in flight, then cached misses, each batch
         waiting only for its own copies; staged misses one at a time behind their streamed copies.
 
@@ -310,105 +320,97 @@ class Engine:
         (`experts_impl="eager"`) one expert at a time, as transformers' eager loop.
         """
         layer = module.layer.index
-        batches = [[x for x in groups if x.status == s and not x.handle.staged] for s in Status]
-        for batch in (*batches, [x for x in groups if x.handle.staged]):
-            for x in batch:
-                h = x.handle
-                if h.staged and staged:
-                    self._copy_staged(layer, staged.pop(0))  # the next staged expert loads while this one computes
-                if h.state == State.LOADING:
-                    self.copier.wait(h.event)
-                    st.stall_s += self.clock.wait(h.ready_at)
-                    if not h.staged:
-                        self.residency.publish(layer, x.expert, x.bits)
-                if h.prefetched:
-                    st.prefetch_used += 1
-                    h.prefetched = False
-                (st.misses if x.status == Status.MISS else st.hits)[x.bits] += 1
-                if self.simulated:
-                    self.clock.compute(self.cost.t_expert(x.bits, len(x)))
-                if x.bits == 4 and layer in self.int4_kernel_layers:  # its slot holds the kernel's layout
-                    y = int4_kernel.expert_forward(hidden[x.tok], self._kernel_weights(layer, self.residency.data(4, h)),
-                                                   module.activation)
-                    out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
-                elif not self.grouped or h.staged:
-                    w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
-                    out.add(module.expert_forward(hidden[x.tok], w), x.pos, x.tok, x.slot, x.expert, x.bits)
-            if self.grouped and batch and not batch[0].handle.staged:
-                for bits in sorted({x.bits for x in batch} - ({4} if layer in self.int4_kernel_layers else set()),
-                                   reverse=True):
-                    self._grouped(module, hidden, [x for x in batch if x.bits == bits], bits, out)
+        int4_here = layer in self.int4_kernel_layers
+        if groups and groups[-1].status == Status.HIT:  # all hits (the schedule puts them first)
+            batches = [groups]
+        else:
+            batches = [[x for x in groups if x.status == s and not x.handle.staged] for s in Status]
+            batches.append([x for x in groups if x.handle.staged])
+        for batch in batches:
+            if not batch:
+                continue
+            per_expert = not self.grouped or batch[0].handle.staged  # staged copies come one at a time
+            if batch[0].status == Status.HIT and not (per_expert or self.simulated or int4_here):
+                for x in batch:  # resident copies, one grouped GEMM: only the prefetch accounting per expert
+                    if x.handle.prefetched:
+                        st.prefetch_used += 1
+                        x.handle.prefetched = False
+            else:
+                self._per_group(module, hidden, batch, staged, per_expert, st, out)
+            counter = st.misses if batch[0].status == Status.MISS else st.hits  # a batch has one status
+            for bits in sorted({x.bits for x in batch}, reverse=True):
+                same = [x for x in batch if x.bits == bits]
+                counter[bits] += len(same)
+                if not per_expert and not (bits == 4 and int4_here):
+                    self._grouped(module, hidden, same, bits, out)
+
+    def _per_group(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], staged: list[Group],
+                   per_expert: bool, st: LayerStats, out: Combine) -> None:
+        """A batch's groups one by one: wait for each copy, account for it, and compute the experts
+        that do not join a grouped GEMM (eager, staged, torch's INT4 kernel)."""
+        layer = module.layer.index
+        int4_here = layer in self.int4_kernel_layers
+        for x in batch:
+            h = x.handle
+            if h.state == State.LOADING or h.staged:
+                self._await(layer, x, staged, st)
+            if h.prefetched:
+                st.prefetch_used += 1
+                h.prefetched = False
+            if self.simulated:
+                self.clock.compute(self.cost.t_expert(x.bits, len(x)))
+            if x.bits == 4 and int4_here:  # its slot holds the kernel's layout
+                y = int4_kernel.expert_forward(hidden.index_select(0, x.tok),
+                                               self.weights.kernel_weights(layer, self.residency.data(4, h)),
+                                               module.activation)
+                out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+            elif per_expert:
+                w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
+                y = module.expert_forward(hidden.index_select(0, x.tok), w)
+                out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+
+    def _await(self, layer: int, x: Group, staged: list[Group], st: LayerStats) -> None:
+        """Before a group computes: issue the next staged copy (it loads while this one computes),
+        then wait for this group's own copy and publish it if it is cached."""
+        h = x.handle
+        if h.staged and staged:
+            self._copy_staged(layer, staged.pop(0))
+        if h.state == State.LOADING:
+            self.copier.wait(h.event)
+            st.stall_s += self.clock.wait(h.ready_at)
+            if not h.staged:
+                self.residency.publish(layer, x.expert, x.bits)
 
     def _grouped(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], bits: int,
-                 out: "Combine") -> None:
-        """One grouped GEMM per projection over `batch` (same precision, all in pool slots).
+                 out: Combine) -> None:
+        """One grouped GEMM per projection over `batch` (same precision, all in pool slots)."""
+        self._gemm(module, hidden, bits, [x.handle.slot for x in batch], [(x.start, x.end) for x in batch],
+                   batch[0].rows, out)
 
-        Weights come from the pool without a per-expert call: the reference precision in the compute
-        dtype is read in place, as a strided [slots, out, in] view over the slot range the batch spans
-        (its unused slots are empty groups); anything else, or a range mostly empty on the host where
-        each empty group costs a kernel call, is gathered (one index op on the packed bytes) and
-        decoded for the n experts at once (`dequantize_stack`).
-        """
-        layer, rows = module.layer.index, batch[0].rows
-        batch = sorted(batch, key=lambda x: x.handle.slot)
-        slots = [x.handle.slot for x in batch]
-        pool = self.residency.pool_bytes(bits)  # [slots, slot bytes] uint8
-        span = slots[-1] - slots[0] + 1
-        if self._in_place(layer, bits, span, len(batch)):
-            key = (layer, bits, slots[0], span)
-            stack = self._views.get(key)
-            if stack is None:  # views alias the pool, so a slot range's views serve every later step
-                if len(self._views) >= VIEW_CACHE:
-                    self._views.clear()
-                stack = self._views[key] = self.store.decode_stack(pool[slots[0]:slots[0] + span], layer, bits)
-            counts = [0] * span
-            for x in batch:
-                counts[x.handle.slot - slots[0]] = len(x)
-        else:
-            blobs = pool.index_select(0, torch.tensor(slots, device=pool.device))
-            stack = self.store.decode_stack(blobs, layer, bits)
-            counts = [len(x) for x in batch]
-        offs = self._offsets(counts, hidden.device)
-        if batch[0].start == 0 and batch[-1].end == rows.tok.shape[0] and \
-                all(a.end == b.start for a, b in zip(batch, batch[1:])):
+    def _gemm(self, module: EngineExperts, hidden: torch.Tensor, bits: int, slots: list[int],
+              ranges: list[tuple[int, int]], rows: Rows, out: Combine) -> None:
+        """Experts in pool `slots` at `bits`, group i on rows `ranges[i]` of `rows`: one grouped GEMM per
+        projection, weights from the pool without a per-expert call (`PoolWeights`). Per-group
+        bookkeeping is Python over at most E groups a layer; per-row work is one torch call each."""
+        layer, n = module.layer.index, len(slots)
+        if n > self.decode_chunk and not self.weights.in_place(layer, bits, slots):
+            # Decoded experts live in a workspace the budget sized for `decode_chunk` of them (a token's
+            # top-k): a larger batch (prefill) runs in chunks. Each group's GEMM is its own: same result.
+            for i in range(0, n, self.decode_chunk):
+                self._gemm(module, hidden, bits, slots[i:i + self.decode_chunk], ranges[i:i + self.decode_chunk],
+                           rows, out)
+            return
+        stack, sizes, order = self.weights.for_slots(layer, bits, slots, [b - a for a, b in ranges])
+        if order is None and ranges[0][0] == 0 and ranges[-1][1] == rows.tok.shape[0] and \
+                all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
             tok, pos = rows.tok, rows.pos  # every row of the layer, in their own order: no gather
-        else:
-            sel = torch.from_numpy(np.concatenate([np.arange(x.start, x.end) for x in batch]))
-            sel = sel.to(rows.tok.device, non_blocking=True)
-            tok, pos = rows.tok[sel], rows.pos[sel]
-        out.add(grouped_mlp(module, hidden[tok], stack, offs, counts), pos)
-
-    def _kernel_weights(self, layer: int, blob: torch.Tensor) -> int4_kernel.KernelWeights:
-        """Views of a converted INT4 slot for torch's int4 kernel; they alias the slot, so each slot's
-        are made once."""
-        key = (layer, blob.data_ptr())
-        w = self._kviews.get(key)
-        if w is None:
-            if len(self._kviews) >= VIEW_CACHE:
-                self._kviews.clear()
-            w = self._kviews[key] = int4_kernel.kernel_weights(blob, self.store.layout(layer, 4))
-        return w
-
-    def _offsets(self, counts: list[int], device: torch.device) -> torch.Tensor:
-        """grouped_mm's group ends (int32, on `device`) for these group sizes; decode steps repeat the
-        same few patterns, so they are made once."""
-        key = tuple(counts)
-        offs = self._offs.get(key)
-        if offs is None:
-            if len(self._offs) >= VIEW_CACHE:
-                self._offs.clear()
-            offs = self._offs[key] = torch.tensor(list(accumulate(counts)), dtype=torch.int32).to(device)
-        return offs
-
-    def _in_place(self, layer: int, bits: int, span: int, n: int) -> bool:
-        """Whether the batch's weights can be read in place from the pool's slot range (else gathered)."""
-        if not self.store.stack_is_view(layer, bits):
-            return False
-        if self.device.type == "cuda":
-            return True  # the device kernel skips empty groups within one launch
-        # On the host each empty group costs ~2.5 us of kernel overhead and gathering an expert costs
-        # its bytes at memory speed (~10 GB/s): measured on the 2-core CI machine, scripts/bench_engine.py.
-        return (span - n) * 2.5e-6 <= n * self.store.slot_bytes(bits) / 10e9
+        else:  # the groups' row ranges, concatenated in the order the stack holds them
+            sel = np.concatenate([np.arange(*ranges[i]) for i in (order or range(len(ranges)))])
+            sel = torch.from_numpy(sel).to(rows.tok.device, non_blocking=True)
+            tok, pos = rows.tok.index_select(0, sel), rows.pos.index_select(0, sel)
+        offs = torch.tensor(list(accumulate(sizes)), dtype=torch.int32).to(hidden.device, non_blocking=True)
+        # index_select: a quarter of the cost of `hidden[tok]` (advanced indexing) per call
+        out.add(grouped_mlp(module, hidden.index_select(0, tok), stack, offs, sizes), pos)
 
     # -- loads -------------------------------------------------------------------------------------
     def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False) -> Handle | None:
@@ -474,3 +476,6 @@ class Engine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for router in self._routers:
+            del router.forward  # the class's own forward again
+        self._routers.clear()

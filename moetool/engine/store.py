@@ -230,12 +230,13 @@ class HostStore:
             w = w.to(w.gate_up.device, self.compute_dtype)
         return w
 
-    def decode_stack(self, blobs: torch.Tensor, layer: int, bits: int) -> ExpertStack:
-        """Weights of n experts of `layer` at `bits` from their blobs ([n, >= nbytes] uint8, any device),
-        stacked for a grouped GEMM in the compute dtype (views where the blobs hold that dtype already)."""
-        from moetool.quant.format import dequantize_stack
+    def decode_stack(self, parts: dict[str, torch.Tensor], layer: int, bits: int) -> ExpertStack:
+        """Weights of n experts of `layer` at `bits` from their blobs' parts ([n, *shape] each, as
+        `quant.format.stack_views` gives them, on any device), stacked for a grouped GEMM in the
+        compute dtype (views where the blobs hold that dtype already)."""
+        from moetool.quant.format import dequantize_parts
 
-        return dequantize_stack(blobs, self.layout(layer, bits), self.compute_dtype)
+        return dequantize_parts(parts, self.layout(layer, bits), self.compute_dtype)
 
     def stack_is_view(self, layer: int, bits: int) -> bool:
         """Whether `decode_stack` at `bits` is a view of the blobs (the compute dtype, unquantized)."""

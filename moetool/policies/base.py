@@ -116,31 +116,83 @@ def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return (idx >= 0) & (idx < num_experts)
 
 
-@dataclass
+class _Made:
+    """A `LayerPlan` array made from the router's view on first access (`make(view, plan)`), then the
+    plan's own: a policy may change it in place or assign another."""
+
+    def __init__(self, make: Callable[["LayerView", "LayerPlan"], np.ndarray]):
+        self.make = make
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, plan: "LayerPlan | None", owner: type | None = None):
+        if plan is None:
+            return self
+        value = getattr(plan, self.slot)
+        if value is None:
+            value = torch.from_numpy(self.make(plan._view, plan))
+            setattr(plan, self.slot, value)
+        return value
+
+    def __set__(self, plan: "LayerPlan", value: torch.Tensor) -> None:
+        setattr(plan, self.slot, value)
+
+
+def _valid_or_skip(view: "LayerView", plan: "LayerPlan") -> np.ndarray:
+    idx = view.top_k_index.numpy()
+    return np.where((idx >= 0) & (idx < view.num_experts), int(Where.GPU), int(Where.SKIP))  # [T, k]
+
+
 class LayerPlan:
     """Per (token, slot): which expert runs, at which bits, where, with which weight.
 
-    A slot that runs nothing is `where == Where.SKIP` (its `expert` is then meaningless).
+    expert [T, k] int64, bits [T, k] int64, where [T, k] int64 (`Where`), weight [T, k] float32. A
+    slot that runs nothing is `where == Where.SKIP` (its `expert` is then meaningless).
+
+    `routed` makes its arrays on first access: a policy that reads or changes one gets its own
+    copy, and one that never touches them (every lossless policy, static precision) costs the hot
+    path nothing, and tells the engine so (`uniform_bits`): every routed slot runs as routed, on
+    the device, at one precision.
     """
 
-    expert: torch.Tensor  # [T, k] int64
-    bits: torch.Tensor  # [T, k] int64
-    where: torch.Tensor  # [T, k] int64 (Where)
-    weight: torch.Tensor  # [T, k] float32
+    __slots__ = ("_expert", "_bits", "_where", "_weight", "_view", "_uniform")
+
+    # numpy on the host arrays: a torch call on a [1, k] tensor costs more than the numpy work.
+    expert = _Made(lambda view, plan: view.top_k_index.numpy().copy())
+    bits = _Made(lambda view, plan: np.full(tuple(view.top_k_index.shape), plan._uniform, np.int64))
+    where = _Made(_valid_or_skip)
+    weight = _Made(lambda view, plan: view.top_k_weights.numpy().copy())
+
+    def __init__(self, expert: torch.Tensor, bits: torch.Tensor, where: torch.Tensor, weight: torch.Tensor):
+        self._expert, self._bits, self._where, self._weight = expert, bits, where, weight
+        self._view: LayerView | None = None
+        self._uniform: int | None = None
 
     @classmethod
     def routed(cls, view: LayerView, bits: int) -> "LayerPlan":
         """Run every selected expert as routed, on the device, at `bits`; dropped slots are skipped."""
-        # numpy on the host arrays: per layer and token this is on the hot path, and a torch call on
-        # a [1, k] tensor costs more than the numpy work it stands for.
-        idx = view.top_k_index.numpy()
-        where = np.where((idx >= 0) & (idx < view.num_experts), int(Where.GPU), int(Where.SKIP))  # [T, k]
-        return cls(expert=torch.from_numpy(idx.copy()), bits=torch.from_numpy(np.full_like(idx, bits)),
-                   where=torch.from_numpy(where), weight=torch.from_numpy(view.top_k_weights.numpy().copy()))
+        plan = cls.__new__(cls)
+        plan._expert = plan._bits = plan._where = plan._weight = None
+        plan._view, plan._uniform = view, bits
+        return plan
 
     def running(self) -> torch.Tensor:
         """[T, k] bool: the slots that run an expert somewhere."""
         return self.where != Where.SKIP
+
+    # -- what the engine reads (without making copies) --------------------------------------------
+    def uniform_bits(self) -> int | None:
+        """The one precision every routed slot runs at, on the device, as routed, if no policy
+        touched the routed plan's experts, bits or placement; else None. (A slot the router
+        marked dropped is still skipped: the engine checks the experts' range.)"""
+        if self._uniform is None or self._expert is not None or self._bits is not None or self._where is not None:
+            return None
+        return self._uniform
+
+    def routing_weight(self) -> torch.Tensor:
+        """`weight`, or the router's own weights when no policy touched them (no copy)."""
+        return self._weight if self._weight is not None else self._view.top_k_weights
 
 
 @dataclass(frozen=True)

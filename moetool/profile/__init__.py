@@ -73,7 +73,7 @@ class ModelInfo:
     expert_bytes: dict[int, int]  # bits -> one expert's blob
     expert_bytes_source: str  # "bundle DIR" or "layout (not quantized)"
     non_expert_bytes: int  # at `dtype`
-    kv_margin_bytes: int  # KV cache for PLAN_TOKENS (as `run` plans without its own lengths), batch 1, + activations
+    kv_margin_bytes: int  # `run`'s margin without its own lengths: KV for PLAN_TOKENS, activations, decode workspace
     staging_bytes: int  # the engine's staging buffers
     dtype: str
 
@@ -156,7 +156,7 @@ def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> ModelInfo:
-    from moetool.engine.budget import PLAN_TOKENS, kv_margin, staging_bytes
+    from moetool.engine.budget import PLAN_TOKENS, plan_margin, staging_bytes
 
     g = lm.geometry.layers[0]
     if bundle is not None:
@@ -174,7 +174,8 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
     return ModelInfo(moe_layers=tuple(x.index for x in lm.geometry.layers),
                      num_hidden_layers=lm.geometry.num_hidden_layers, num_experts=g.num_experts, top_k=g.top_k,
                      expert_bytes=sizes, expert_bytes_source=how, non_expert_bytes=lm.non_expert_bytes(),
-                     kv_margin_bytes=kv_margin(lm.model.config, PLAN_TOKENS, 1, dtype, g.top_k),
+                     kv_margin_bytes=plan_margin(lm.model.config, lm.geometry.layers, PLAN_TOKENS, 1, dtype,
+                                                 decoded=any(b != 16 for b in sizes) or dtype != torch.bfloat16),
                      staging_bytes=staging_bytes(sizes), dtype=dtype_name)
 
 

@@ -361,6 +361,11 @@ class ExpertStack:
     gate_up_bias: torch.Tensor | None = None  # [n, 2I]
     down_bias: torch.Tensor | None = None  # [n, H]
 
+    def slice(self, start: int, stop: int) -> "ExpertStack":
+        """Experts start..stop-1 of the stack, as views."""
+        return ExpertStack(*(None if t is None else t[start:stop]
+                             for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias)))
+
 
 def _stack_views(blobs: torch.Tensor, part: Part) -> torch.Tensor:
     """The part of every blob in `blobs` ([n, >= nbytes] uint8) as an [n, *shape] typed view (no copy)."""
@@ -368,34 +373,59 @@ def _stack_views(blobs: torch.Tensor, part: Part) -> torch.Tensor:
     return blobs[:, part.offset:part.offset + part.nbytes].view(DTYPES[part.dtype]).view(n, *part.shape)
 
 
+def stack_views(blobs: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """Every part of n blobs ([n, >= layout.nbytes] uint8, rows may be strided) as an [n, *shape]
+    typed view (no copy). Over a whole slot pool these are made once; `index_select` on each part
+    then gathers a batch's experts in one op per part."""
+    return {p.name: _stack_views(blobs, p) for p in layout.parts}
+
+
 def dequantize_stack(blobs: torch.Tensor, layout: Layout, dtype: torch.dtype) -> ExpertStack:
-    """`dequantize` for n blobs of one layout at once ([n, >= layout.nbytes] uint8, rows may be strided).
+    """`dequantize` for n blobs of one layout at once ([n, >= layout.nbytes] uint8, rows may be strided)."""
+    return dequantize_parts(stack_views(blobs, layout), layout, dtype)
+
+
+def dequantize_parts(parts: dict[str, torch.Tensor], layout: Layout, dtype: torch.dtype) -> ExpertStack:
+    """`dequantize` for n experts given as their parts ([n, *shape] each, as `stack_views` gives them).
 
     Bit for bit what `dequantize_into` gives for each blob (codes exact in `dtype`, then subtract
-    the zero and multiply by the scale in `dtype`), in a constant number of ops for the n experts.
-    A reference-precision projection already in `dtype` is returned as a view of `blobs`.
+    the zero and multiply by the scale in `dtype`), in a constant number of ops for the n experts:
+    on the decode path each op costs more than the work in it, so the count is what matters. A
+    reference-precision projection already in `dtype` is returned as is (a view of the blobs).
     """
-    n = blobs.shape[0]
     out = {}
     for proj in layout.projections:
         if proj.packing not in PACKING_BY_NAME:  # the reference precision: a view, cast if needed
-            w = _stack_views(blobs, layout.part(proj.name))
+            w = parts[proj.name]
             out[proj.name] = w if w.dtype == dtype else w.to(dtype)
             continue
         per = PACKING_BY_NAME[proj.packing].per_byte
-        bits, mask = 8 // per, (1 << (8 // per)) - 1
-        q = _stack_views(blobs, layout.part(f"{proj.name}.q"))  # [n, R / per, C] uint8
-        # Slice i of the rows sits in bits 8 - bits*(i+1) of each byte (hqq's order): shift and mask in
-        # uint8, stack the slices as rows and cast once (a table lookup would index with int64, 8x the bytes).
-        shifts = [8 - bits * (i + 1) for i in range(per)]
-        slices = [(q >> shift) & mask if shift else q & mask for shift in shifts] if per > 1 else [q]
-        codes = torch.stack(slices, 1).view(n, *proj.grouped_shape())  # [n, R, C] uint8
-        zero = _stack_views(blobs, layout.part(f"{proj.name}.zero")).to(dtype)
-        scale = _stack_views(blobs, layout.part(f"{proj.name}.scale")).to(dtype)
-        # uint8 - `dtype` promotes the codes exactly (they are small integers): the cast and the
-        # subtraction in one pass over the weights instead of two.
-        out[proj.name] = torch.sub(codes, zero).mul_(scale).view(n, *proj.shape)
-    if any(p.name == "gate_up_bias" for p in layout.parts):
+        bits = 8 // per
+        q = parts[f"{proj.name}.q"]  # [n, R / per, C] uint8
+        n = q.shape[0]
+        if per > 1:
+            # Slice i of the rows sits in bits 8 - bits*(i+1) of each byte (hqq's order): one
+            # broadcast shift and one mask unpack every slice. Same-dtype ops throughout: mixed-dtype
+            # arithmetic (uint8 - float) takes torch's unvectorised promotion path, ~10x slower.
+            q = torch.bitwise_and(q.unsqueeze(1) >> _shifts(bits, q.device), (1 << bits) - 1)  # [n, per, R/per, C]
+        w = q.reshape(n, *proj.grouped_shape()).to(dtype)  # [n, R, C]: small integers, exact in `dtype`
+        zero = parts[f"{proj.name}.zero"].to(dtype)
+        scale = parts[f"{proj.name}.scale"].to(dtype)
+        out[proj.name] = w.sub_(zero).mul_(scale).view(n, *proj.shape)
+    if "gate_up_bias" in parts:
         for name in ("gate_up_bias", "down_bias"):
-            out[name] = _stack_views(blobs, layout.part(name)).to(dtype)
+            out[name] = parts[name].to(dtype)
     return ExpertStack(**out)
+
+
+_SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """[1, 8/bits, 1, 1] uint8: the right shift that brings slice i of a packed byte to the bottom."""
+    key = (bits, str(device))
+    if key not in _SHIFTS:
+        per = 8 // bits
+        _SHIFTS[key] = torch.tensor([8 - bits * (i + 1) for i in range(per)], dtype=torch.uint8,
+                                    device=device).view(1, per, 1, 1)
+    return _SHIFTS[key]

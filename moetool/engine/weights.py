@@ -1,0 +1,87 @@
+"""The expert weights a grouped GEMM reads from the residency's slot pools, without a per-expert call.
+
+The reference precision in the compute dtype is read in place: the pool's uint8 rows viewed as a
+strided [slots, out, in] tensor (made once per layer), sliced to the slot range a batch spans, its
+unused slots being empty groups. Anything else (quantized experts, bf16 blobs under fp32 compute),
+or a range mostly empty on the host where each empty group costs a kernel call, is gathered with
+one index op per blob part (from typed views of the whole pool, made once) and decoded for the n
+experts at once (`quant.format.dequantize_parts`).
+
+    weights = PoolWeights(store, residency, device)
+    stack, group_sizes, order = weights.for_slots(layer, bits, slots=[7, 2], rows=[3, 1])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetool.engine.residency import Residency
+from moetool.engine.store import HostStore
+from moetool.quant import int4_kernel
+from moetool.quant.format import ExpertStack, stack_views
+
+VIEW_CACHE = 4096  # converted INT4 slots whose kernel views are kept before the memo is reset
+
+
+class PoolWeights:
+    def __init__(self, store: HostStore, residency: Residency, device: torch.device):
+        self.store, self.residency, self.device = store, residency, device
+        self._stacks: dict[tuple[int, int], ExpertStack] = {}  # (layer, bits) -> the whole pool as views
+        self._parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, bits) -> its part views
+        self._kviews: dict[tuple[int, int], int4_kernel.KernelWeights] = {}  # (layer, slot address) -> views
+
+    def for_slots(self, layer: int, bits: int, slots: list[int],
+                  rows: list[int]) -> tuple[ExpertStack, list[int], list[int] | None]:
+        """Weights of the experts in `slots` (one per group, in the caller's order; `rows[i]` rows in
+        group i), stacked for one grouped GEMM: (the stack, the group sizes its GEMM takes, and the
+        order of the caller's groups it expects, None for the caller's own)."""
+        first, last = min(slots), max(slots)
+        if self.in_place(layer, bits, slots):
+            stack = self.pool_stack(layer, bits).slice(first, last + 1)  # views: no copy
+            sizes = [0] * (last - first + 1)
+            for s, n in zip(slots, rows):
+                sizes[s - first] = n
+            ascending = all(a < b for a, b in zip(slots, slots[1:]))  # a resident pool: slots in expert order
+            return stack, sizes, None if ascending else sorted(range(len(slots)), key=slots.__getitem__)
+        at = torch.tensor(slots, device=self.residency.pool_bytes(bits).device)
+        parts = {name: v.index_select(0, at) for name, v in self.pool_parts(layer, bits).items()}
+        return self.store.decode_stack(parts, layer, bits), rows, None
+
+    def pool_stack(self, layer: int, bits: int) -> ExpertStack:
+        """The whole `bits` pool as `layer`'s experts ([slots, out, in] per projection; views where the
+        pool holds the compute dtype), made once per layer."""
+        key = (layer, bits)
+        stack = self._stacks.get(key)
+        if stack is None:
+            stack = self._stacks[key] = self.store.decode_stack(self.pool_parts(layer, bits), layer, bits)
+        return stack
+
+    def pool_parts(self, layer: int, bits: int) -> dict[str, torch.Tensor]:
+        """Every part of the `bits` pool's slots, typed as `layer`'s layout ([slots, *shape] views), made once."""
+        key = (layer, bits)
+        parts = self._parts.get(key)
+        if parts is None:
+            parts = self._parts[key] = stack_views(self.residency.pool_bytes(bits), self.store.layout(layer, bits))
+        return parts
+
+    def kernel_weights(self, layer: int, blob: torch.Tensor) -> int4_kernel.KernelWeights:
+        """Views of a converted INT4 slot for torch's int4 kernel; they alias the slot, so each slot's
+        are made once."""
+        key = (layer, blob.data_ptr())
+        w = self._kviews.get(key)
+        if w is None:
+            if len(self._kviews) >= VIEW_CACHE:
+                self._kviews.clear()
+            w = self._kviews[key] = int4_kernel.kernel_weights(blob, self.store.layout(layer, 4))
+        return w
+
+    def in_place(self, layer: int, bits: int, slots: list[int]) -> bool:
+        """Whether the experts in `slots` can be read in place from the pool (else gathered and decoded)."""
+        if not self.store.stack_is_view(layer, bits):
+            return False
+        n, span = len(slots), max(slots) - min(slots) + 1
+        if self.device.type == "cuda":
+            return True  # the device kernel skips empty groups within one launch
+        # On the host each empty group costs ~2.5 us of kernel overhead and gathering an expert costs
+        # its bytes at memory speed (~10 GB/s): measured on the 2-core CI machine, scripts/bench_engine.py.
+        return (span - n) * 2.5e-6 <= n * self.store.slot_bytes(bits) / 10e9
