@@ -200,12 +200,7 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
         return []
     bounds = [0, *(np.flatnonzero(change[:n - 1]) + 1).tolist(), n]
     tok, slot = np.divmod(pos[order[:n]], k)
-    host = [torch.from_numpy(a) for a in (tok, slot, pos[order[:n]])]
-    if device.type == "cpu":
-        rows = Rows(*host, *host)
-    else:
-        both = torch.stack(host).to(device, non_blocking=True)  # one upload for the layer
-        rows = Rows(*host, both[0], both[1], both[2])
+    rows = _rows(torch.from_numpy(tok), torch.from_numpy(slot), torch.from_numpy(pos[order[:n]]), device)
     w_b, e = np.divmod(skey[bounds[:-1]], num_experts)
     w, b = np.divmod(w_b, span)
     groups, on_device, mix = [], int(Where.GPU), st.precision_mix
@@ -230,10 +225,13 @@ def routed_rows(plan: LayerPlan, idx: torch.Tensor, num_experts: int, device: to
     experts, counts = experts.tolist(), counts.tolist()
     if not experts or experts[0] < 0 or experts[-1] >= num_experts:
         return None
-    tok, slot = perm.div(k, rounding_mode="floor"), perm.remainder(k)
-    if device.type == "cpu":
-        rows = Rows(tok, slot, perm, tok, slot, perm)
-    else:
-        both = torch.stack((tok, slot, perm)).to(device, non_blocking=True)  # one upload for the layer
-        rows = Rows(tok, slot, perm, both[0], both[1], both[2])
+    rows = _rows(perm.div(k, rounding_mode="floor"), perm.remainder(k), perm, device)
     return Routed(bits, experts, counts, rows)
+
+
+def _rows(tok: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, device: torch.device) -> Rows:
+    """Host row indices, and the same on the compute device (one upload for the layer)."""
+    if device.type == "cpu":
+        return Rows(tok, slot, pos, tok, slot, pos)
+    both = torch.stack((tok, slot, pos)).to(device, non_blocking=True)
+    return Rows(tok, slot, pos, both[0], both[1], both[2])
