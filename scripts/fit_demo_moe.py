@@ -1,14 +1,18 @@
-"""Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors.
+"""Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors (`make fit-demo`).
 
-Run once by a maintainer (the fit takes ~6 minutes on 2 idle CPU cores, the evaluation ~3 more);
-CI only applies the result:
+Run by a maintainer (never by CI, which applies the committed result). Two stages, both resumable:
+the layerwise fit (demo_fit, ~6 minutes on 2 idle cores) and the end-to-end distillation towards
+the dense model (demo_distil, about an hour); rerunning after an interruption picks up where the
+last checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~10 minutes of evaluation:
 
-    .venv/bin/python scripts/fit_demo_moe.py                   # fit, evaluate, write the file
-    .venv/bin/python scripts/fit_demo_moe.py --experts 64 --top-k 16 --shared 512 --out /tmp/c.safetensors
+    .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
+    .venv/bin/python scripts/fit_demo_moe.py --steps 20 --out /tmp/c.safetensors   # a quick trial
 
-It reports held-out perplexity of the dense model, of the MoE with least-squares routers only
-("before training") and of the fitted MoE, the active neuron fraction, the per-layer share of
-routed tokens taken by the busiest 25% of experts, and a greedy chat answer.
+It reports perplexity of the dense model, of the MoE before training (least-squares routers), after
+the layerwise fit and after distillation, on held-out text of the fitting domains and on a domain
+no fit ever sees (moetool.datasets.unseen_text); the active neuron fraction; how peaked the gates
+are (mean top-1 vs (k+1)-th softmax score, share of the top-k weight on the best k/4 experts); the
+per-layer share of routed tokens taken by the busiest 25% of experts; and a greedy chat answer.
 """
 
 from __future__ import annotations
@@ -26,10 +30,9 @@ from rich.console import Console
 from rich.table import Table
 
 from moetool import datasets
-from moetool.demo import (
-    committed_params_path, convert, fetch_dense_gguf, load_dense, save_params,
-)
-from moetool.demo_fit import FitSettings, fit_conversion
+from moetool.demo import cache_root, committed_params_path, convert, fetch_dense_gguf, load_dense, load_params, save_params
+from moetool.demo_distil import DistilSettings, fit_demo, router_stats
+from moetool.demo_fit import FitSettings
 
 console = Console(stderr=True)
 PROMPT = "What is the capital of France? Answer in one sentence."
@@ -50,30 +53,6 @@ def perplexity(model, tok, text: str, max_tokens: int, seq_len: int = 512, batch
 
 
 @torch.no_grad()
-def expert_load(model, tok, text: str, max_tokens: int) -> list[float]:
-    """Per layer: share of routed (token, expert) slots taken by the busiest 25% of experts."""
-    counts = {}
-
-    def hook(mod, _inp, out, layer):
-        idx = out[2].flatten()  # the router returns (logits, weights, indices)
-        counts[layer] = counts.get(layer, 0) + torch.bincount(idx, minlength=mod.num_experts)
-
-    handles = [blk.mlp.gate.register_forward_hook(lambda m, i, o, l=l: hook(m, i, o, l))
-               for l, blk in enumerate(model.model.layers)]
-    try:
-        ids = torch.tensor(tok(text)["input_ids"][:max_tokens])[None]
-        model(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
-    shares = []
-    for l in sorted(counts):
-        c = counts[l].float().sort(descending=True).values
-        shares.append((c[: max(1, len(c) // 4)].sum() / c.sum()).item())
-    return shares
-
-
-@torch.no_grad()
 def chat(model, tok, prompt: str, max_new_tokens: int = 40) -> str:
     msgs = [{"role": "user", "content": prompt}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -81,54 +60,84 @@ def chat(model, tok, prompt: str, max_new_tokens: int = 40) -> str:
     return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def _summary(stats: list[dict[str, float]]) -> dict[str, float]:
+    mean = lambda key: sum(r[key] for r in stats) / len(stats)  # noqa: E731
+    return {"top1_over_next": round(mean("top1") / mean("next"), 3),
+            "top_quarter_weight": round(mean("top_quarter_weight"), 4),
+            "top25_experts_mean": round(mean("top25_experts"), 4),
+            "layers_top25_at_least_40pct": sum(r["top25_experts"] >= 0.4 for r in stats)}
+
+
 def main() -> None:
-    d = FitSettings()
+    d, dd = FitSettings(), DistilSettings()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=committed_params_path())
+    ap.add_argument("--workdir", type=Path, default=cache_root() / "demo-fit", help="checkpoints of both stages")
     ap.add_argument("--shared", type=int, default=d.shared)
     ap.add_argument("--experts", type=int, default=d.experts)
     ap.add_argument("--top-k", type=int, default=d.top_k)
     ap.add_argument("--train-tokens", type=int, default=d.train_tokens)
     ap.add_argument("--router-steps", type=int, default=d.router_steps)
-    ap.add_argument("--rank", type=int, default=d.compensation_rank, help="compensation rank (0: none)")
-    ap.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens for perplexity")
+    ap.add_argument("--rank", type=int, default=d.compensation_rank, help="layerwise down-projection refit rank (0: none)")
+    ap.add_argument("--steps", type=int, default=dd.steps, help="distillation steps (0: layerwise fit only)")
+    ap.add_argument("--batch", type=int, default=dd.batch, help="distillation windows per step")
+    ap.add_argument("--logit-std", type=float, default=dd.logit_std, help="router logit spread after annealing")
+    ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     s = dataclasses.replace(d, shared=args.shared, experts=args.experts, top_k=args.top_k,
                             train_tokens=args.train_tokens, router_steps=args.router_steps,
                             compensation_rank=args.rank)
+    ds = dataclasses.replace(dd, steps=args.steps, batch=args.batch, logit_std=args.logit_std)
     t_all = time.perf_counter()
     with console.status("loading the dense model") as status:
         def progress(msg: str) -> None:
             status.update(msg)
-            if msg.startswith("layer"):
+            if msg.startswith(("layer", "stage")):
                 console.log(msg)
+
+        def step_report(done: int, total: int, kl: float, gap: float, sec: float) -> None:
+            left = (total - done) * sec / 60
+            status.update(f"stage 2: distillation step {done}/{total}, KL {kl:.4f}, log-gap {gap:.2f}, "
+                          f"{sec:.1f}s/step, ~{left:.0f} min left")
+            if done % 10 == 0 or done == total:
+                console.log(f"distil step {done}/{total}: KL {kl:.4f}, top-1/(k+1)-th log-gap {gap:.2f} ({sec:.1f}s/step)")
 
         dense, tok = load_dense(fetch_dense_gguf(progress=progress))
         t0 = time.perf_counter()
-        outcome = fit_conversion(dense, tok, s, progress=progress)
+        fitted = fit_demo(dense, tok, s, ds, workdir=args.workdir, progress=progress, report=step_report)
         fit_s = time.perf_counter() - t0
         console.log(f"fitted in {fit_s:.0f}s")
-        heldout = datasets.heldout_text()
-        status.update("held-out perplexity: dense")
-        ppl_dense = perplexity(dense, tok, heldout, args.eval_tokens)
-        status.update("held-out perplexity: MoE before router training")
-        ppl_before = perplexity(convert(dense, outcome.baseline), tok, heldout, args.eval_tokens)
-        status.update("held-out perplexity: fitted MoE")
-        params = outcome.params
-        moe = convert(dense, params)
-        ppl_moe = perplexity(moe, tok, heldout, args.eval_tokens)
-        status.update("expert load and a sample answer")
-        load = expert_load(moe, tok, heldout, 4096)
-        answer_moe, answer_dense = chat(moe, tok, PROMPT), chat(dense, tok, PROMPT)
+        # Evaluate what gets committed: the fp16 round trip of the parameters.
+        params = fitted.params
+        tmp = args.out.with_name(args.out.name + ".eval")
+        save_params(params, tmp)
+        params = load_params(tmp)
+        tmp.unlink()
+        texts = {"heldout": datasets.heldout_text(), "unseen": datasets.unseen_text()}
+        models = {"dense": dense, "before_training": convert(dense, fitted.baseline),
+                  "layerwise": convert(dense, fitted.layerwise), "moe": convert(dense, params)}
+        ppl = {}
+        for name, model in models.items():
+            for text_name, text in texts.items():
+                status.update(f"perplexity: {name} on {text_name}")
+                ppl[f"{name}_{text_name}"] = round(perplexity(model, tok, text, args.eval_tokens), 3)
+        status.update("router statistics and a sample answer")
+        ids = torch.tensor(tok(texts["heldout"])["input_ids"][: 8 * 512]).view(8, 512)
+        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "moe")}
+        answer_moe, answer_dense = chat(models["moe"], tok, PROMPT), chat(dense, tok, PROMPT)
 
     report = {
         "experts": params.experts, "top_k": params.top_k, "shared": params.shared,
         "expert_size": params.expert_size, "active_fraction": round(params.active_fraction, 4),
-        "eval_tokens": args.eval_tokens, "ppl_dense": round(ppl_dense, 3),
-        "ppl_moe_before_training": round(ppl_before, 3), "ppl_moe": round(ppl_moe, 3),
-        "ppl_ratio": round(ppl_moe / ppl_dense, 4), "ppl_ratio_before": round(ppl_before / ppl_dense, 4),
-        "top25pct_expert_share_per_layer": [round(v, 4) for v in load],
+        "eval_tokens": args.eval_tokens, "ppl": ppl,
+        "ppl_ratio_heldout": round(ppl["moe_heldout"] / ppl["dense_heldout"], 4),
+        "ppl_ratio_unseen": round(ppl["moe_unseen"] / ppl["dense_unseen"], 4),
+        "ppl_ratio_layerwise_heldout": round(ppl["layerwise_heldout"] / ppl["dense_heldout"], 4),
+        "ppl_ratio_layerwise_unseen": round(ppl["layerwise_unseen"] / ppl["dense_unseen"], 4),
+        "gates_layerwise": _summary(stats["layerwise"]), "gates": _summary(stats["moe"]),
+        "top25pct_expert_share_per_layer": [round(r["top25_experts"], 4) for r in stats["moe"]],
+        "top1_over_next_per_layer": [round(r["top1"] / r["next"], 3) for r in stats["moe"]],
         "fit_seconds": round(fit_s), "total_seconds": round(time.perf_counter() - t_all),
         "prompt": PROMPT, "answer_moe": answer_moe, "answer_dense": answer_dense,
     }
@@ -139,7 +148,7 @@ def main() -> None:
     table.add_column("quantity")
     table.add_column("value")
     for key, val in report.items():
-        table.add_row(key, json.dumps(val) if isinstance(val, list) else str(val))
+        table.add_row(key, json.dumps(val) if isinstance(val, (list, dict)) else str(val))
     Console().print(table)
 
 

@@ -1,4 +1,5 @@
-"""The packaged offline data: train/held-out text are disjoint, MC tasks load with valid answers."""
+"""The packaged offline data: train/held-out text are disjoint, unseen text is a domain of its own,
+MC tasks load with valid answers."""
 
 import hashlib
 from importlib import resources
@@ -9,15 +10,25 @@ from moetool import datasets
 from moetool.errors import MoetoolError
 
 
-def _lines(text: str) -> set[str]:
+def _lines(text: str, min_len: int = 40) -> set[str]:
     # Short lines ("Exeunt.", speaker names, ">>> a") legitimately repeat across works.
-    return {ln.strip() for ln in text.splitlines() if len(ln.strip()) >= 40}
+    return {ln.strip() for ln in text.splitlines() if len(ln.strip()) >= min_len}
 
 
-def test_train_and_heldout_text_are_nonempty_and_disjoint():
-    train, heldout = datasets.train_text(), datasets.heldout_text()
-    assert len(train) > 1_000_000 and len(heldout) > 100_000
+# One string per fitting domain, found in no other domain: Shakespeare's stage direction, the Python
+# docs' interpreter prompt, the Debian handbook's example company.
+DOMAIN_MARKERS = {"shakespeare": "Exeunt", "python docs": ">>> ", "debian handbook": "Falcot"}
+
+
+def test_train_heldout_and_unseen_text_are_nonempty_and_disjoint():
+    train, heldout, unseen = datasets.train_text(), datasets.heldout_text(), datasets.unseen_text()
+    assert len(train) > 2_000_000 and len(heldout) > 200_000 and len(unseen) > 100_000
     shared = _lines(train) & _lines(heldout)
+    assert not shared, sorted(shared)[:5]
+    for domain, marker in DOMAIN_MARKERS.items():
+        assert marker in train and marker in heldout, f"{domain} missing from train or heldout"
+        assert marker not in unseen, f"unseen text holds {domain} text"
+    shared = _lines(unseen, 60) & (_lines(train, 60) | _lines(heldout, 60))
     assert not shared, sorted(shared)[:5]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moetool import datasets, demo
+from moetool.demo_distil import router_stats
 from moetool.errors import MoetoolError
 
 
@@ -133,7 +134,9 @@ def test_saved_checkpoint_equals_the_in_memory_conversion(moe, dense, params, to
 
 
 @torch.no_grad()
-def test_router_picks_top_k_experts_with_near_uniform_weights(moe, tok):
+def test_router_weights_are_peaked_like_a_trained_moe(moe, tok):
+    """The distilled routers weight their experts: the best expert's score is several times the best
+    unselected one's, and the top quarter of the k selected experts carries more than its share."""
     captured = {}
     handle = moe.model.layers[3].mlp.gate.register_forward_hook(lambda m, i, o: captured.update(o=o))
     try:
@@ -143,8 +146,11 @@ def test_router_picks_top_k_experts_with_near_uniform_weights(moe, tok):
     _, weights, idx = captured["o"]
     k = moe.config.num_experts_per_tok
     assert idx.shape[-1] == k and weights.shape == idx.shape
-    # Tiny router logits keep each renormalised weight close to 1/k (hard gating, see demo.moe_config).
-    assert (weights * k - 1).abs().max().item() < 0.1
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[0]))  # norm_topk_prob
+    stats = router_stats(moe, _ids(tok, 512))
+    mean = lambda key: sum(r[key] for r in stats) / len(stats)  # noqa: E731
+    assert mean("top1") >= 3 * mean("next")
+    assert mean("top_quarter_weight") > 1.25 * (k // 4) / k  # a flat router gives (k // 4) / k
 
 
 @torch.no_grad()
@@ -204,12 +210,15 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_heldout_perplexity_within_goal(moe, dense, tok):
-    ids = torch.tensor(tok(datasets.heldout_text())["input_ids"][: 8 * 512]).view(8, 512)
-
-    def ppl(model):
+def test_perplexity_against_the_dense_model(moe, dense, tok):
+    """Held-out text of the fitting domains within 1.5x dense (measured 1.22x on 8,192 tokens). The
+    unseen domain (fortune quotations) is at 1.77x, over the 1.5x goal: bounded here so that it
+    cannot silently get worse."""
+    def ppl(model, text):
+        ids = torch.tensor(tok(text)["input_ids"][: 4 * 512]).view(4, 512)
         logits = model(input_ids=ids).logits[:, :-1]
         return math.exp(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                           ids[:, 1:].reshape(-1)).item())
 
-    assert ppl(moe) <= 1.6 * ppl(dense)
+    assert ppl(moe, datasets.heldout_text()) <= 1.5 * ppl(dense, datasets.heldout_text())
+    assert ppl(moe, datasets.unseen_text()) <= 2.0 * ppl(dense, datasets.unseen_text())

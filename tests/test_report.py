@@ -120,3 +120,47 @@ def test_quality_table_pairs_every_setting_with_resident(tmp_path):
     assert "| setting | expert cache MiB | mc | ± stderr | agree w/ resident | ppl |" in md
     assert "| resident bits=16 | 8 | 0.25 | 0.1 | 1 | - |" in md
     assert "| static bits=2 | 8 | 0.25 | 0.1 | 0.5 | 12.5 |" in md  # ppl and mc of one setting share a row
+
+
+def _ppl_eval(policy: str, params: dict, ppl: float) -> dict:
+    return {"schema": "eval", "schema_version": 1, "model": FP.__dict__, "task": "ppl", "policy": policy,
+            "params": params, "budget": {"cache_bytes": 8 << 20}, "metrics": {"ppl": ppl}, "stderr": {}}
+
+
+def test_trends_table_checks_each_claim_on_the_matching_settings(tmp_path):
+    """Each claim compares the settings it names (matched on recorded knobs), and says met or not met."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    evals = {"resident": _ppl_eval("resident", {"bits": 16}, 10.0),
+             "int4": _ppl_eval("static", {"bits": 4}, 10.2),
+             "int2": _ppl_eval("static", {"bits": 2}, 13.0),
+             "smoe-fitted": _ppl_eval("smoe", {"alpha": 0.1}, 12.0),  # another alpha: not the claim's setting
+             "smoe": _ppl_eval("smoe", {"alpha": 0.3}, 10.05),
+             "dymoe-r75": _ppl_eval("dymoe", {"r": 0.75, "precisions": {"high": 4, "low": 0}}, 11.0),
+             "dymoe": _ppl_eval("dymoe", {"r": 0.9, "precisions": {"high": 4, "low": 0}}, 10.5),
+             "dynaexq": _ppl_eval("dynaexq", {"precisions": {"high": 4, "low": 2}}, 12.0)}
+    for name, e in evals.items():
+        (d / f"{name}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "## The papers' trends on this model" in md
+    assert "| SMoE alpha = 0.3 within 1% of resident | 10.050 vs 10.000 | +0.50% | met |" in md
+    assert "| DyMoE 4/0 r = 0.9 within 2% of static INT4 | 10.500 vs 10.200 | +2.94% | not met |" in md
+    assert "DynaExq 4/2 better than static INT2 (DynaExq's expert cache 8.0 MiB) | 12.000 vs 13.000 | -7.69% | met |" in md
+
+
+def test_trends_table_is_left_out_without_both_sides(tmp_path):
+    d = tmp_path / "evals"
+    d.mkdir()
+    (d / "smoe.eval.json").write_text(json.dumps(_ppl_eval("smoe", {"alpha": 0.3}, 10.0)))
+    report([d], tmp_path / "rep")
+    assert "papers' trends" not in (tmp_path / "rep" / "summary.md").read_text()
+
+
+def test_report_reads_peakedness_and_the_int2_depth_trend_from_the_profile(artifacts, tmp_path):
+    report([artifacts], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "top-1 / top-3 score |" in md  # top-2 routing: the best score over the best unselected one
+    assert "| 0 | 0.3 | 0.9 | 0.2 | 0.4 | 0.9 | 3 |" in md  # mean sorted scores 0.5, 0.25, 0.1667
+    # sensitivity deltas 3.0, 1.0, 0.4, 0.1 over 4 layers: first third (1 layer) vs last third
+    assert "mean Δppl first 1 layers +3.000, last 1 +0.100 | 30.00x | met |" in md

@@ -1,0 +1,318 @@
+"""Second stage of the demo conversion: distil the MoE towards the dense model, end to end.
+
+The layerwise fit (`demo_fit`) only chooses experts: its routers have logits of std 0.01, so the
+renormalised top-k weights are all about 1/k. A trained MoE weights its experts, and a few carry
+most of each token's weight, which is what SMoE and DyMoE read as importance. Here the converted
+model is trained to predict the dense SmolLM2's next-token distribution (KL on the logits,
+knowledge distillation as in Hinton et al. 2015) while its router logits are scaled up to a
+trained MoE's spread, so that the experts and the shared expert adapt to soft, peaked weights.
+
+- Trainable: each layer's router [E, H] and rank-r corrections of the FFN's gate, up and down
+  projections (the conversion's `lora`, in dense neuron order). Attention, norms and embeddings
+  stay the dense weights, so the checkpoint still differs from SmolLM2 only in its FFNs.
+- Peaked gates: the routers start at logit std `logit_std` and a multiplier on the logits rises
+  geometrically from `start_std / logit_std` to 1 over the first `anneal` share of the steps
+  (temperature annealing), so the model moves from the layerwise fit's hard gating to soft
+  weights without a loss spike. After that the routers are free: nothing holds their scale.
+  The target spread (std 1.5) is our choice: the papers name no value.
+- No load-balancing loss: skewed expert popularity is part of what the papers exploit.
+- The MoE block is computed densely for training (every neuron, unselected experts weighted 0):
+  the same function as Qwen2-MoE's block built by `demo.convert`, in three matmuls per layer.
+- Resumable: a checkpoint (parameters, optimiser, step) is written atomically every
+  `checkpoint_every` steps and picked up when the same settings run again.
+
+    >>> params = distil(dense, tok, fitted_params, DistilSettings(steps=20), checkpoint=Path("/tmp/d.pt"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetool.demo_fit import ConversionParams
+
+# (step, total steps, KL, mean best-to-(k+1)-th log-gap over layers, seconds per step), after every step.
+StepReport = Callable[[int, int, float, float, float], None]
+
+
+@dataclass(frozen=True)
+class DistilSettings:
+    steps: int = 300
+    batch: int = 2  # windows per step (about 12 s a step on 2 cores)
+    seq_len: int = 512
+    rank: int = 32  # rank of each gate/up/down correction (committed file: ~13 MB at 32)
+    lr: float = 2e-3  # Adam, cosine decay to 10% after `warmup` steps
+    router_lr: float = 5e-4
+    warmup: int = 10
+    logit_std: float = 1.0  # router logit spread reached after annealing (our choice)
+    start_std: float = 1e-2  # the layerwise fit's spread: hard gating
+    anneal: float = 0.4  # share of the steps over which the logit multiplier rises to 1
+    # After annealing, a hinge holds each layer's mean log-gap between the best and the (k+1)-th
+    # score at >= min_gap (ln 4: top-1 four times the best unselected expert's score); without
+    # it distillation flattens the routers back towards hard gating, the easiest way down for KL.
+    min_gap: float = math.log(4.0)
+    gap_weight: float = 1.0
+    checkpoint_every: int = 10
+    seed: int = 0
+
+    def key(self, params: ConversionParams) -> str:
+        """What a checkpoint must match to be resumed: these settings and the starting conversion."""
+        h = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode())
+        for t in (params.perm, params.router, *(params.lora[k] for k in sorted(params.lora))):
+            h.update(t.detach().float().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+class MoeFFN(nn.Module):
+    """One converted MoE block in training form, standing in for a dense MLP.
+
+    Frozen dense weights in permuted neuron order (shared neurons first, then the experts' groups)
+    plus trainable router and low-rank corrections. `teacher=True` runs the original dense MLP.
+    """
+
+    def __init__(self, mlp: nn.Module, p: ConversionParams, layer: int, s: DistilSettings, gen: torch.Generator,
+                 sample: torch.Tensor):
+        super().__init__()
+        # The dense MLP is held outside the module tree: its weights are neither trained nor checkpointed.
+        self._dense = (mlp,)
+        self.teacher, self.scale, self.gap = False, 1.0, torch.zeros(())
+        self.shared, self.experts, self.top_k, self.m = p.shared, p.experts, p.top_k, p.expert_size
+        perm = p.perm[layer]
+        wg, wu, wd = (w.detach().float() for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+        self.register_buffer("perm", perm, persistent=False)
+        self.register_buffer("wg", wg[perm].contiguous(), persistent=False)
+        self.register_buffer("wu", wu[perm].contiguous(), persistent=False)
+        self.register_buffer("wd", wd[:, perm].contiguous(), persistent=False)
+        inter, hidden, r = wg.shape[0], wg.shape[1], s.rank
+        router = p.router[layer].float()
+        # Start at logit std `logit_std` on real router inputs (`sample` [T, H]); the annealed
+        # multiplier `scale` makes the first steps' logits those of the layerwise fit.
+        self.router = nn.Parameter(router * (s.logit_std / ((sample.float() @ router.T).std() + 1e-12)))
+
+        def a_init(rows: int, cols: int) -> nn.Parameter:  # LoRA's start: A random, B zero
+            return nn.Parameter(torch.randn(rows, cols, generator=gen) / math.sqrt(cols))
+
+        self.gate_a, self.gate_b = a_init(r, hidden), nn.Parameter(torch.zeros(inter, r))
+        self.up_a, self.up_b = a_init(r, hidden), nn.Parameter(torch.zeros(inter, r))
+        self.down_a, self.down_b = a_init(r, inter), nn.Parameter(torch.zeros(hidden, r))
+        if "down_b" in p.lora:  # start from the layerwise fit's down-projection refit
+            b, a = p.lora["down_b"][layer].float(), p.lora["down_a"][layer].float()[:, perm]
+            n = min(r, b.shape[1])
+            with torch.no_grad():
+                self.down_b[:, :n] = b[:, :n]
+                self.down_a[:n] = a[:n]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.teacher:
+            return self._dense[0](x)
+        g = x @ self.wg.T + (x @ self.gate_a.T) @ self.gate_b.T
+        u = x @ self.wu.T + (x @ self.up_a.T) @ self.up_b.T
+        a = F.silu(g) * u  # [..., I]
+        # Qwen2-MoE's routing (demo_fit.route): softmax, top-k, renormalised to sum to k (down is
+        # k-scaled). One top-(k+1) also gives the gap between the best and the best unselected score.
+        top = torch.softmax((x @ self.router.T * self.scale).float(), dim=-1).topk(self.top_k + 1, dim=-1)
+        idx, w = top.indices[..., : self.top_k], top.values[..., : self.top_k]
+        w = w / w.sum(-1, keepdim=True) * self.top_k
+        self.gap = (top.values[..., 0].log() - top.values[..., self.top_k].log()).mean()
+        gate = torch.zeros(*x.shape[:-1], self.experts, dtype=a.dtype).scatter(-1, idx, w.to(a.dtype))
+        routed = a[..., self.shared:].unflatten(-1, (self.experts, self.m)) * gate[..., None]
+        a = torch.cat([a[..., : self.shared], routed.flatten(-2)], dim=-1)
+        return a @ self.wd.T + (a @ self.down_a.T) @ self.down_b.T
+
+    @torch.no_grad()
+    def export(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(router [E, H], lora factors in dense neuron order) as `demo.convert` applies them."""
+        inv = torch.argsort(self.perm)
+        lora = {"gate_b": self.gate_b[inv], "gate_a": self.gate_a, "up_b": self.up_b[inv], "up_a": self.up_a,
+                "down_b": self.down_b, "down_a": self.down_a[:, inv]}
+        return (self.router * self.scale).detach().clone(), {k: v.detach().clone() for k, v in lora.items()}
+
+
+def _windows(ids: torch.Tensor, s: DistilSettings) -> torch.Tensor:
+    """Start offsets of every step's windows [steps, batch], fixed by the seed (resumes see the same data)."""
+    gen = torch.Generator().manual_seed(s.seed)
+    return torch.randint(0, ids.numel() - s.seq_len, (s.steps, s.batch), generator=gen)
+
+
+def _lr_at(step: int, s: DistilSettings) -> float:
+    if step < s.warmup:
+        return (step + 1) / s.warmup
+    t = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def _scale_at(step: int, s: DistilSettings) -> float:
+    t = min(1.0, step / max(1.0, s.anneal * s.steps))
+    return math.exp((1 - t) * math.log(s.start_std / s.logit_std))
+
+
+def _save(path: Path, state: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings = DistilSettings(), *,
+           checkpoint: Path | None = None, report: StepReport | None = None) -> ConversionParams:
+    """Train `params`' routers and FFN corrections so the MoE matches `dense` on `ids` [N] (token ids).
+
+    Returns the trained conversion (routers at their final scale, `lora` with gate/up/down pairs).
+    `dense` is used in place and restored; resumes from `checkpoint` when it holds these settings.
+    """
+    layers = dense.model.layers
+    originals = [blk.mlp for blk in layers]
+    for p in dense.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(s.seed)
+    samples = _router_inputs(dense, ids[: s.seq_len])
+    students = [MoeFFN(mlp, params, i, s, gen, samples[i]) for i, mlp in enumerate(originals)]
+    opt = torch.optim.Adam([
+        {"params": [st.router for st in students], "lr": s.router_lr, "base": s.router_lr},
+        {"params": [q for st in students for n, q in st.named_parameters() if n != "router"], "lr": s.lr,
+         "base": s.lr},
+    ])
+    key, start = s.key(params), 0
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=True)
+        if state.get("key") == key:
+            for st, sd in zip(students, state["students"]):
+                st.load_state_dict(sd)
+            opt.load_state_dict(state["opt"])
+            start = state["step"]
+    starts = _windows(ids, s)
+    try:
+        for blk, st in zip(layers, students):
+            blk.mlp = st
+        for step in range(start, s.steps):
+            t0 = time.perf_counter()
+            x = torch.stack([ids[o:o + s.seq_len] for o in starts[step].tolist()])
+            kl = _step(dense, students, x, _scale_at(step, s))
+            gaps = torch.stack([st.gap for st in students])
+            held = step >= s.anneal * s.steps  # during annealing the schedule sets the spread
+            loss = kl + s.gap_weight * F.relu(s.min_gap - gaps).pow(2).mean() if held else kl
+            for g in opt.param_groups:
+                g["lr"] = g["base"] * _lr_at(step, s)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            done = step + 1
+            if checkpoint is not None and (done % s.checkpoint_every == 0 or done == s.steps):
+                _save(checkpoint, {"key": key, "step": done, "opt": opt.state_dict(),
+                                   "students": [st.state_dict() for st in students]})
+            if report is not None:
+                report(done, s.steps, kl.item(), gaps.mean().item(), time.perf_counter() - t0)
+        for st in students:
+            st.scale = _scale_at(s.steps, s)
+        exported = [st.export() for st in students]
+    finally:
+        for blk, mlp in zip(layers, originals):
+            blk.mlp = mlp
+    router = torch.stack([r for r, _ in exported])
+    lora = {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}
+    meta = params.meta | {"distil": asdict(s)}
+    return replace(params, router=router, lora=lora, meta=meta)
+
+
+def _step(dense, students: list[MoeFFN], x: torch.Tensor, scale: float) -> torch.Tensor:
+    """KL(dense || MoE) per token, averaged, on windows x [B, T]."""
+    with torch.no_grad():
+        for st in students:
+            st.teacher = True
+        target = F.log_softmax(dense(input_ids=x).logits.float(), dim=-1)
+        for st in students:
+            st.teacher, st.scale = False, scale
+    logp = F.log_softmax(dense(input_ids=x).logits.float(), dim=-1)
+    return F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
+@torch.no_grad()
+def _router_inputs(dense, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's FFN input (the router's input) on `ids` [T], as [T, H]."""
+    got: dict[int, torch.Tensor] = {}
+    hooks = [blk.mlp.register_forward_pre_hook(lambda m, a, i=i: got.__setitem__(i, a[0].flatten(0, -2)))
+             for i, blk in enumerate(dense.model.layers)]
+    try:
+        dense.model(input_ids=ids[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return [got[i] for i in range(len(dense.model.layers))]
+
+
+@dataclass(frozen=True)
+class Fitted:
+    params: ConversionParams  # both stages: what gets committed
+    layerwise: ConversionParams  # stage 1 only (hard gating): the "before distillation" model
+    baseline: ConversionParams  # least-squares routers, no compensation
+
+
+def fit_demo(dense, tok, fit=None, s: DistilSettings = DistilSettings(), *, workdir: Path,
+             progress: Callable[[str], None] | None = None, report: StepReport | None = None) -> Fitted:
+    """Both stages of the demo conversion; each stage's result is kept in `workdir` and reused.
+
+    Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil`, about
+    an hour on 2 cores) checkpoints as it goes, so an interrupted fit resumes where it stopped.
+    """
+    from moetool.datasets import train_text
+    from moetool.demo import load_params, save_params
+    from moetool.demo_fit import FitSettings, fit_conversion
+
+    fit = FitSettings() if fit is None else fit
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode()).hexdigest()[:12]
+    stage1, base = workdir / f"layerwise-{tag}.safetensors", workdir / f"baseline-{tag}.safetensors"
+    if stage1.is_file() and base.is_file():
+        layerwise, baseline = load_params(stage1), load_params(base)
+        if progress is not None:
+            progress(f"stage 1 (layerwise fit) reused from {stage1}")
+    else:
+        outcome = fit_conversion(dense, tok, fit, progress=progress)
+        save_params(outcome.baseline, base)
+        save_params(outcome.params, stage1)  # last: its presence means stage 1 finished
+        # The committed file stores fp16; train from exactly what a resume would load.
+        layerwise, baseline = load_params(stage1), load_params(base)
+    if progress is not None:
+        progress("stage 2: tokenising the training text")
+    ids = torch.tensor(tok(train_text())["input_ids"])
+    params = distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report)
+    return Fitted(params, layerwise, baseline)
+
+
+@torch.no_grad()
+def router_stats(model, ids: torch.Tensor) -> list[dict[str, float]]:
+    """Per MoE layer of a Qwen2-MoE-style `model` on `ids` [B, T]: how peaked and how skewed routing is.
+
+    top1 / next: mean softmax score of the best expert and of the (k+1)-th (the best unselected);
+    top_quarter_weight: share of the renormalised top-k weight carried by the best k/4 experts;
+    top25_experts: share of routed (token, slot) pairs taken by the busiest 25% of experts.
+    """
+    got: dict[int, torch.Tensor] = {}
+    gates = [blk.mlp.gate for blk in model.model.layers]
+    hooks = [g.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(l, o[0].float()))
+             for l, g in enumerate(gates)]
+    try:
+        model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for layer in sorted(got):
+        probs = torch.softmax(got[layer].reshape(-1, got[layer].shape[-1]), dim=-1)
+        e, k = probs.shape[1], gates[layer].top_k
+        top = probs.sort(dim=-1, descending=True).values
+        w = top[:, :k] / top[:, :k].sum(-1, keepdim=True)
+        counts = torch.bincount(probs.topk(k, dim=-1).indices.flatten(), minlength=e).float().sort(descending=True).values
+        out.append({"top1": top[:, 0].mean().item(), "next": top[:, k].mean().item(),
+                    "top_quarter_weight": w[:, : max(1, k // 4)].sum(-1).mean().item(),
+                    "top25_experts": (counts[: max(1, e // 4)].sum() / counts.sum()).item()})
+    return out

@@ -1,0 +1,152 @@
+"""The demo conversion's distillation stage on a tiny dense llama: the training form of the MoE block
+is the Qwen2-MoE block `demo.convert` builds, training lowers the KL, and an interrupted run resumes
+to the same parameters as an uninterrupted one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moetool import demo
+from moetool.demo_distil import DistilSettings, MoeFFN, _router_inputs, _scale_at, distil, router_stats
+from moetool.demo_fit import ConversionParams
+
+H, I, SHARED, E, K = 32, 96, 32, 8, 2  # 8 routed experts of 8 neurons, top-2
+
+
+def _dense(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=H, intermediate_size=I, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                      initializer_range=0.2)  # large weights: a peaked next-token distribution to match
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _params(dense, seed: int = 0) -> ConversionParams:
+    gen = torch.Generator().manual_seed(seed)
+    layers = dense.config.num_hidden_layers
+    perm = torch.stack([torch.randperm(I, generator=gen) for _ in range(layers)])
+    router = torch.randn(layers, E, H, generator=gen)
+    return ConversionParams(SHARED, E, K, perm, router, {}, {})
+
+
+def _ids(n: int = 4000, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+SMALL = DistilSettings(steps=6, batch=2, seq_len=32, rank=4, lr=3e-3, router_lr=3e-3, warmup=1,
+                       anneal=0.5, checkpoint_every=2)
+
+
+@torch.no_grad()
+def test_training_form_equals_the_converted_qwen2_moe_block():
+    """Swapped into the dense model with random corrections, MoeFFN gives the logits of demo.convert."""
+    dense, x = _dense(), _ids(40)[None]
+    p = _params(dense)
+    gen = torch.Generator().manual_seed(3)
+    sample = torch.randn(16, H)
+    students = [MoeFFN(blk.mlp, p, i, SMALL, gen, sample) for i, blk in enumerate(dense.model.layers)]
+    for st in students:  # non-zero corrections everywhere, and a router that is not the start
+        for name, q in st.named_parameters():
+            q.copy_(torch.randn(q.shape, generator=gen) * (0.3 if name == "router" else 0.05))
+    originals = [blk.mlp for blk in dense.model.layers]
+    for blk, st in zip(dense.model.layers, students):
+        blk.mlp = st
+    want = dense(input_ids=x).logits
+    for blk, mlp in zip(dense.model.layers, originals):
+        blk.mlp = mlp
+    exported = [st.export() for st in students]
+    trained = ConversionParams(SHARED, E, K, p.perm, torch.stack([r for r, _ in exported]),
+                               {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}, {})
+    got = demo.convert(dense, trained)(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_logit_multiplier_anneals_from_hard_gating_to_the_target_spread():
+    s = DistilSettings(steps=100, anneal=0.4, logit_std=1.0, start_std=0.01)
+    assert math.isclose(_scale_at(0, s) * s.logit_std, s.start_std)
+    assert _scale_at(20, s) < _scale_at(30, s) < 1.0
+    assert _scale_at(40, s) == 1.0 and _scale_at(100, s) == 1.0
+
+
+@torch.no_grad()
+def _kl(dense, moe, x: torch.Tensor) -> float:
+    target = torch.log_softmax(dense(input_ids=x).logits, -1)
+    logp = torch.log_softmax(moe(input_ids=x).logits, -1)
+    return torch.nn.functional.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True,
+                                      reduction="batchmean").item()
+
+
+def test_distillation_lowers_held_out_kl_and_leaves_the_dense_model_unchanged():
+    dense = _dense()
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    p = _params(dense)
+    # No annealing (start spread = target spread), so the first student is exactly convert(dense, start).
+    s = DistilSettings(**{**SMALL.__dict__, "steps": 60, "batch": 4, "lr": 1e-2, "start_std": 1.0, "logit_std": 1.0})
+    trained = distil(dense, _ids(), p, s)
+    held = _ids(256, seed=9).view(4, 64)
+    samples = _router_inputs(dense, _ids()[: s.seq_len])
+    scaled = torch.stack([p.router[i] * (s.logit_std / (samples[i] @ p.router[i].T).std()) for i in range(2)])
+    first = ConversionParams(SHARED, E, K, p.perm, scaled, {}, {})
+    assert _kl(dense, demo.convert(dense, trained), held) < 0.95 * _kl(dense, demo.convert(dense, first), held)
+    for k, v in dense.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert type(dense.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert set(trained.lora) == {"gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"}
+    assert trained.lora["gate_b"].shape == (2, I, s.rank) and trained.router.shape == (2, E, H)
+
+
+def test_interrupted_distillation_resumes_to_the_same_parameters(tmp_path):
+    dense, ids = _dense(), _ids()
+    p = _params(dense)
+    whole = distil(dense, ids, p, SMALL, checkpoint=tmp_path / "a.pt")
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_5(done, total, kl, gap, sec):
+        if done == 5:
+            raise Stop
+
+    ckpt = tmp_path / "b.pt"
+    with pytest.raises(Stop):
+        distil(dense, ids, p, SMALL, checkpoint=ckpt, report=stop_at_5)
+    assert torch.load(ckpt, weights_only=True)["step"] == 4  # the last checkpoint before the stop
+    seen: list[int] = []
+    resumed = distil(dense, ids, p, SMALL, checkpoint=ckpt, report=lambda done, *_: seen.append(done))
+    assert seen == [5, 6]
+    torch.testing.assert_close(resumed.router, whole.router, rtol=0, atol=0)
+    for k in whole.lora:
+        torch.testing.assert_close(resumed.lora[k], whole.lora[k], rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_other_settings_is_not_resumed(tmp_path):
+    dense, ids = _dense(), _ids()
+    p = _params(dense)
+    ckpt = tmp_path / "c.pt"
+    distil(dense, ids, p, SMALL, checkpoint=ckpt)
+    other = DistilSettings(**{**SMALL.__dict__, "lr": 1e-3})
+    seen: list[int] = []
+    distil(dense, ids, p, other, checkpoint=ckpt, report=lambda done, *_: seen.append(done))
+    assert seen == list(range(1, other.steps + 1))
+
+
+@torch.no_grad()
+def test_router_stats_read_peaked_and_flat_routers():
+    dense = _dense()
+    p = _params(dense)
+    flat = demo.convert(dense, ConversionParams(SHARED, E, K, p.perm, p.router * 1e-4, {}, {}))
+    peaked = demo.convert(dense, ConversionParams(SHARED, E, K, p.perm, p.router * 3.0, {}, {}))
+    x = _ids(64)[None]
+    for layer in router_stats(flat, x):
+        assert layer["top1"] / layer["next"] < 1.01
+        assert math.isclose(layer["top_quarter_weight"], 1 / K, rel_tol=1e-2)
+    for layer in router_stats(peaked, x):
+        assert layer["top1"] / layer["next"] > 3.0
+        assert layer["top_quarter_weight"] > 1 / K
+        assert 0.25 <= layer["top25_experts"] <= 1.0
