@@ -85,10 +85,14 @@ def demo_sweeps(cfg: DemoConfig, model: str, bundle: Path, fitted: Path) -> dict
     evals = load_grid(EVALS_GRID)
     evals["grid"]["task"] = [{**t, "limit": cfg.ppl_tokens if t["task"] == "ppl" else cfg.mc_limit}
                              for t in evals["grid"]["task"]]
-    where = {**cfg.shared(), "model": model, "bundle": str(bundle), "fit": str(fitted)}
-    return {"runs": SweepConfig(grid=RUNS_GRID, out=Path(cfg.out) / "runs", workers=cfg.workers,
+    # A grid's own paths are relative to its file (moetool/grids/); ours are relative to the caller's
+    # directory, so they go in absolute (a model that is no local path is a hub id, left as it is).
+    model = str(Path(model).resolve()) if Path(model).exists() else model
+    where = {**cfg.shared(), "model": model, "bundle": str(Path(bundle).resolve()), "fit": str(Path(fitted).resolve())}
+    out = Path(cfg.out).resolve()
+    return {"runs": SweepConfig(grid=RUNS_GRID, out=out / "runs", workers=cfg.workers,
                                 overrides={**where, "prompts": {"heldout": cfg.prompts}, "max_new_tokens": cfg.tokens}),
-            "evals": SweepConfig(grid=evals, out=Path(cfg.out) / "evals", workers=cfg.workers, overrides=where)}
+            "evals": SweepConfig(grid=evals, out=out / "evals", workers=cfg.workers, overrides=where)}
 
 
 def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str, Path]:
@@ -103,7 +107,7 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
     from moetool.sweep import cells_of, sweep
 
     cfg.check()
-    out = Path(cfg.out)
+    out = Path(cfg.out).resolve()  # every stage below gets absolute paths (see demo_sweeps)
     out.mkdir(parents=True, exist_ok=True)
     bundle, prof, fitted = out / "bundle", out / "demo.profile.json", out / "demo.fit.json"
     # Five stages and one step per run or eval cell (ran, reused, or refused by its budget and recorded

@@ -59,3 +59,22 @@ def test_a_rerun_reuses_every_valid_artifact(piped):
     before = {p: p.stat().st_mtime_ns for p in artifacts}
     demo_pipeline(cfg)
     assert {p: p.stat().st_mtime_ns for p in artifacts} == before
+
+
+def test_relative_paths_are_the_callers_not_the_grid_files(tmp_path, monkeypatch):
+    """`moetool demo --out out/demo` (make demo's default) must not resolve against moetool/grids/."""
+    from pathlib import Path
+
+    from moetool.pipeline import demo_sweeps
+    from moetool.sweep import cells_of
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    cfg = DemoConfig(out=Path("out/demo"), engine=EngineSpec(model="model"))
+    sweeps = demo_sweeps(cfg, "model", Path("out/demo/bundle"), Path("out/demo/demo.fit.json"))
+    for name, sweep_cfg in sweeps.items():
+        assert sweep_cfg.out == tmp_path / "out" / "demo" / name
+        for cell in cells_of(sweep_cfg):
+            assert cell.settings["bundle"] == str(tmp_path / "out" / "demo" / "bundle")
+            assert cell.settings["fit"] == str(tmp_path / "out" / "demo" / "demo.fit.json")
+            assert cell.settings["model"] == str(tmp_path / "model")

