@@ -197,9 +197,8 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
         pol, params = e.get("policy", "?"), e.get("params") or {}
         same = [(p, r) for p, r in runs if r.policy == pol and all(
             r.params[k] == v for k, v in params.items() if k in r.params and isinstance(v, (str, int, float, bool)))]
-        if not same:
-            same = [(p, r) for p, r in runs if r.policy == pol]
-            same = same if len(same) == 1 else []
+        # No fallback to "the one run of this policy": a run at other knobs (static INT4 for an INT2
+        # eval, SMoE's fitted alpha for alpha = 0.3) would lend the eval a TPOT it did not have.
         tpot = same[0][1].tpot_s["mean"] if same and same[0][1].tpot_s else None
         source = same[0][0].name if tpot is not None else None
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps

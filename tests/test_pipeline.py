@@ -41,7 +41,7 @@ def test_every_stage_leaves_its_artifact(piped):
     assert runs["resident"]["status"] == "done" and runs["lru"]["status"] == "done"
     evals = json.loads((paths["evals"] / "sweep.json").read_text())["cells"]
     tasks = [t["task"] for t in load_grid(EVALS_GRID)["grid"]["task"]]
-    assert len(evals) == len(load_grid(EVALS_GRID)["grid"]["policy"]) * len(tasks) == 8
+    assert len(evals) == len(load_grid(EVALS_GRID)["grid"]["policy"]) * len(tasks) == 12
     for name, cell in evals.items():
         assert (cell["status"] == "done") == (paths["evals"] / f"{name}.eval.json").is_file()
         assert cell["status"] in ("done", "refused")

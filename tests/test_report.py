@@ -164,3 +164,15 @@ def test_report_reads_peakedness_and_the_int2_depth_trend_from_the_profile(artif
     assert "| 0 | 0.3 | 0.9 | 0.2 | 0.4 | 0.9 | 3 |" in md  # mean sorted scores 0.5, 0.25, 0.1667
     # sensitivity deltas 3.0, 1.0, 0.4, 0.1 over 4 layers: first third (1 layer) vs last third
     assert "mean Δppl first 1 layers +3.000, last 1 +0.100 | 30.00x | met |" in md
+
+
+def test_an_eval_takes_no_tpot_from_a_run_at_other_knobs(tmp_path):
+    d = tmp_path / "art"
+    d.mkdir()
+    synthetic_run("static", {"bits": 4}, 0.1).save(d / "int4.run.json")
+    (d / "int2.eval.json").write_text(json.dumps(_ppl_eval("static", {"bits": 2}, 12.0)))
+    (d / "int4.eval.json").write_text(json.dumps(_ppl_eval("static", {"bits": 4}, 10.0)))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| static bits=2 | ppl | 12 | - | int2.eval.json | - |" in md
+    assert "| static bits=4 | ppl | 10 | 100 | int4.eval.json | int4.run.json |" in md
