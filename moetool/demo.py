@@ -17,6 +17,7 @@ download, a load and a save:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -231,6 +232,46 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
     return model.eval()
 
 
+@dataclass(frozen=True)
+class Fitted:
+    params: ConversionParams  # both stages: what gets committed
+    layerwise: ConversionParams  # stage 1 only (hard gating): the "before distillation" model
+    baseline: ConversionParams  # least-squares routers, no compensation
+
+
+def fit_demo(dense, tok, fit=None, s=None, *, workdir: Path, progress: Progress | None = None,
+             report=None) -> Fitted:
+    """Both stages of the demo conversion; each stage's result is kept in `workdir` and reused.
+
+    Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil`, about
+    an hour on 2 cores) checkpoints as it goes, so an interrupted fit resumes where it stopped.
+    """
+    from moetool.datasets import train_text
+    from moetool.demo_distil import DistilSettings, distil
+    from moetool.demo_fit import FitSettings, fit_conversion
+
+    fit = FitSettings() if fit is None else fit
+    s = DistilSettings() if s is None else s
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode()).hexdigest()[:12]
+    stage1, base = workdir / f"layerwise-{tag}.safetensors", workdir / f"baseline-{tag}.safetensors"
+    if stage1.is_file() and base.is_file():
+        layerwise, baseline = load_params(stage1), load_params(base)
+        if progress is not None:
+            progress(f"stage 1 (layerwise fit) reused from {stage1}")
+    else:
+        outcome = fit_conversion(dense, tok, fit, progress=progress)
+        save_params(outcome.baseline, base)
+        save_params(outcome.params, stage1)  # last: its presence means stage 1 finished
+        # The committed file stores fp16; train from exactly what a resume would load.
+        layerwise, baseline = load_params(stage1), load_params(base)
+    if progress is not None:
+        progress("stage 2: tokenising the training text")
+    ids = torch.tensor(tok(train_text())["input_ids"])
+    params = distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report)
+    return Fitted(params, layerwise, baseline)
+
+
 def _marker_ok(out: Path, params_sha: str) -> dict | None:
     """The marker of a finished, intact build in `out`, or None."""
     try:
@@ -313,8 +354,6 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     _say(progress, "loading the dense SmolLM2-135M-Instruct GGUF")
     dense, tok = load_dense(gguf)
     if refit:
-        from moetool.demo_distil import fit_demo
-
         params = fit_demo(dense, tok, workdir=out.parent / (out.name + ".fit"), progress=progress).params
         params_path = out.parent / (out.name + ".conversion.safetensors")
         save_params(params, params_path)

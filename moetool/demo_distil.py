@@ -249,45 +249,6 @@ def _router_inputs(dense, ids: torch.Tensor) -> list[torch.Tensor]:
     return [got[i] for i in range(len(dense.model.layers))]
 
 
-@dataclass(frozen=True)
-class Fitted:
-    params: ConversionParams  # both stages: what gets committed
-    layerwise: ConversionParams  # stage 1 only (hard gating): the "before distillation" model
-    baseline: ConversionParams  # least-squares routers, no compensation
-
-
-def fit_demo(dense, tok, fit=None, s: DistilSettings = DistilSettings(), *, workdir: Path,
-             progress: Callable[[str], None] | None = None, report: StepReport | None = None) -> Fitted:
-    """Both stages of the demo conversion; each stage's result is kept in `workdir` and reused.
-
-    Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil`, about
-    an hour on 2 cores) checkpoints as it goes, so an interrupted fit resumes where it stopped.
-    """
-    from moetool.datasets import train_text
-    from moetool.demo import load_params, save_params
-    from moetool.demo_fit import FitSettings, fit_conversion
-
-    fit = FitSettings() if fit is None else fit
-    workdir.mkdir(parents=True, exist_ok=True)
-    tag = hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode()).hexdigest()[:12]
-    stage1, base = workdir / f"layerwise-{tag}.safetensors", workdir / f"baseline-{tag}.safetensors"
-    if stage1.is_file() and base.is_file():
-        layerwise, baseline = load_params(stage1), load_params(base)
-        if progress is not None:
-            progress(f"stage 1 (layerwise fit) reused from {stage1}")
-    else:
-        outcome = fit_conversion(dense, tok, fit, progress=progress)
-        save_params(outcome.baseline, base)
-        save_params(outcome.params, stage1)  # last: its presence means stage 1 finished
-        # The committed file stores fp16; train from exactly what a resume would load.
-        layerwise, baseline = load_params(stage1), load_params(base)
-    if progress is not None:
-        progress("stage 2: tokenising the training text")
-    ids = torch.tensor(tok(train_text())["input_ids"])
-    params = distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report)
-    return Fitted(params, layerwise, baseline)
-
-
 @torch.no_grad()
 def router_stats(model, ids: torch.Tensor) -> list[dict[str, float]]:
     """Per MoE layer of a Qwen2-MoE-style `model` on `ids` [B, T]: how peaked and how skewed routing is.

@@ -30,8 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from moetool import datasets
-from moetool.demo import cache_root, committed_params_path, convert, fetch_dense_gguf, load_dense, load_params, save_params
-from moetool.demo_distil import DistilSettings, fit_demo, router_stats
+from moetool.demo import (
+    cache_root, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense, load_params, save_params,
+)
+from moetool.demo_distil import DistilSettings, router_stats
 from moetool.demo_fit import FitSettings
 
 console = Console(stderr=True)
