@@ -17,11 +17,13 @@ turns at every step in an order rotated per step, so drift in machine load (larg
            matmul: the reference) on the first 1,024 tokens of moetool's training text
            (tokenizer-less models: its bytes).
   kernels  one MoE layer's expert math for k experts and one token (CPU): the compute-dtype weights
-           in one grouped GEMM per projection, the bundle's INT4 blobs decoded for the k at once
-           (`dequantize_stack`) then the same GEMMs, and torch's packed-int4 CPU kernel
+           in one grouped GEMM per projection, the bundle's INT4 (and INT2) blobs decoded for the k
+           at once (`dequantize_stack`) then the same GEMMs, torch's packed-int4 CPU kernel
            (`_weight_int4pack_mm_for_cpu`, the tinygemm layout torchao uses) once per expert and
-           projection where its group size (>= 32, dividing the input width) fits, the rest decoded;
-           in fp32 and in bf16 (the kernel's fast path is bf16 only).
+           projection where its group size (>= 32, dividing the input width) fits, the rest decoded,
+           and the engine's own kernel path: the bundle's INT4 and INT2 blobs converted as in a slot,
+           the k experts in one kernel call per projection (`int4_kernel.fused_forward`); in fp32
+           and in bf16 (the kernel takes bf16 activations: fp32 ones are rounded).
 
 Without `--bundle` the model is first quantized (HQQ without its optimizer, bits 16/8/4/2, group
 size auto) into a temporary directory. `--model qwen-moe-tiny` builds, in that directory, a random
@@ -56,6 +58,7 @@ from moetool.datasets import train_text
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.model import encode, load_config, load_model, load_tokenizer, model_fingerprint, resolve_source
+from moetool.quant import int4_kernel
 from moetool.quant.bundle import Bundle
 from moetool.quant.format import ExpertStack, stack_views
 from moetool.quant.quantize import QuantizeConfig, quantize
@@ -196,15 +199,17 @@ def section_static(b: Bench) -> dict:
         for name, (policy, settings) in variants.items():
             lm, engine = b.engine(policy, impl, **settings)
             models[name + ("" if impl == "grouped_mm" else "-eager")] = lm.model
-            if name == "static-int4" and engine.int4_kernel_layers:  # the same without torch's int4 kernel
-                print(f"  static-int4 runs torch's packed-int4 kernel in {len(engine.int4_kernel_layers)} layers")
-                models["static-int4-dequantize"] = b.engine(policy, impl, int4_kernel=False, **settings)[0].model
+            on_kernel = engine.kernel_layers.get(settings.get("bits", 0), ())
+            if on_kernel:  # the same without torch's int4 kernel
+                print(f"  {name} runs torch's packed-int4 kernel in {len(on_kernel)} layers")
+                models[f"{name}-dequantize"] = b.engine(policy, impl, int4_kernel=False, **settings)[0].model
     med, _ = interleaved(models, b.ids, b.args, b.device)
     ms = rows(med)
     ratios = {}
-    if "static-int4-dequantize" in med:
-        ratios["static-int4-dequantize/resident"] = r = med["static-int4-dequantize"] / med["resident"]
-        print(f"ratio static-INT4 without the int4 kernel (dequantize) / resident = {r:.3f}x")
+    for q in ("int4", "int2"):
+        if f"static-{q}-dequantize" in med:
+            ratios[f"static-{q}-dequantize/resident"] = r = med[f"static-{q}-dequantize"] / med["resident"]
+            print(f"ratio static-{q.upper()} without the int4 kernel (dequantize) / resident = {r:.3f}x")
     for impl, sfx in zip(IMPLS, ("", "-eager")):
         for q, goal in (("int4", "1.0x"), ("int2", "1.1x")):  # decoding INT2 unpacks more per byte than INT4
             ratios[f"static-{q}/resident ({impl})"] = r = med[f"static-{q}{sfx}"] / med["resident" + sfx]
@@ -354,6 +359,30 @@ def _int4pack(w: torch.Tensor):
     return (packed, group, sz.to(w.dtype)), None
 
 
+def _fused_case(store: HostStore, layer: int, bits: int, k: int, x: torch.Tensor, act):
+    """k experts' blobs at `bits` converted as the engine converts them in its slots, run as the
+    engine runs them for one token (`int4_kernel.fused_forward` on a `kernel_stack`-like gather);
+    None where the kernel does not take the layout."""
+    layout = store.layout(layer, bits)
+    if int4_kernel.unsupported(layout, torch.device("cpu"), x.dtype) or not int4_kernel.fusable(layout, k):
+        return None
+    pool = torch.stack([store.host(layer, e, bits) for e in range(k)]).clone()
+    for row in pool:
+        int4_kernel.convert_(row, layout)
+    views = []
+    for proj in layout.projections:
+        (n, kk), q, sz = proj.shape, layout.part(f"{proj.name}.q"), layout.part(f"{proj.name}.scale")
+        views.append((pool[:, q.offset:q.offset + q.nbytes].view(k, n, -1), proj.group_size,
+                      pool[:, sz.offset:sz.offset + 2 * sz.nbytes].view(torch.bfloat16).view(k, kk // proj.group_size, n, 2)))
+    at, weight = torch.arange(k), torch.full((k,), 1.0 / k, dtype=x.dtype)
+
+    def run():
+        per = [(int4_kernel.expand(c.index_select(0, at)) if bits == 2 else c.index_select(0, at), grp,
+                sz.index_select(0, at)) for c, grp, sz in views]
+        return int4_kernel.fused_forward(x, per[0], per[1], weight, act)
+    return run
+
+
 def section_kernels(b: Bench) -> dict:
     if b.device.type != "cpu":
         print("\n== kernels: CPU only (torch's CUDA int4 kernel takes another packing)")
@@ -399,6 +428,15 @@ def section_kernels(b: Bench) -> dict:
                     if name == "gate_up":
                         h = module.impl._apply_gate(h) if g.gated else module.impl.act_fn(h)
         out["int4 kernel per expert"] = _median_us(kernel)
+        for bits in (4, 2):  # the engine's own path: the bundle's blobs converted, one call per projection
+            if bits in b.bundle.manifest.bits:
+                fused = _fused_case(store, g.index, bits, k, x[:1], module.activation)
+                if fused is not None:
+                    out[f"int{bits} kernel, k experts in one call per projection"] = _median_us(fused)
+        if 2 in b.bundle.manifest.bits:
+            blobs2 = torch.stack([store.host(g.index, e, 2) for e in range(k)])
+            out["int2 dequantize_stack + grouped"] = _median_us(lambda: runtime.grouped_mlp(
+                module, x, store.decode_stack(stack_views(blobs2, store.layout(g.index, 2)), g.index, 2), offs, counts))
         tag = str(dtype).removeprefix("torch.")
         for name, reason in why.items():
             if reason:

@@ -1,9 +1,10 @@
-"""INT4 experts through torch's packed-int4 CPU kernel: the in-place conversion of a bundle blob, the
-kernel's result against the dequantized weights, and the engine path against the dequantize path.
+"""INT4 and INT2 experts through torch's packed-int4 CPU kernel: the in-place conversion of a bundle
+blob, the kernel's result against the dequantized weights, and the engine path against the
+dequantize path, under bf16 and fp32 compute.
 
-Stated tolerance: the kernel keeps scale and zero point in bf16 and accumulates in its own order, so
-against the dequantized reference (bf16) outputs agree within 2% of their largest magnitude; the
-measured gap is about one bf16 rounding step (~0.5%).
+Stated tolerance: the kernel keeps scale and zero point in bf16, takes bf16 activations (fp32 ones
+rounded) and accumulates in its own order, so against the dequantized reference outputs agree within
+2% of their largest magnitude; the measured gap is about one or two bf16 rounding steps (~0.5-1%).
 """
 
 import math
@@ -17,13 +18,13 @@ from moetool.engine.store import HostStore
 from moetool.model import load_model
 from moetool.quant import hqq, int4_kernel
 from moetool.quant.bundle import Bundle
-from moetool.quant.format import ALIGN, Bits, dequantize, encode, make_layout
+from moetool.quant.format import ALIGN, Bits, dequantize, encode, make_layout, unpack_2bit_u8, views
 from moetool.quant.quantize import QuantizeConfig, quantize
 from tiny import save_tiny
 from test_quant_format import gaussian_expert
 
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
-CPU, BF16 = torch.device("cpu"), torch.bfloat16
+CPU, BF16, FP32 = torch.device("cpu"), torch.bfloat16, torch.float32
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, share: float = 0.02) -> None:
@@ -31,17 +32,18 @@ def _close(got: torch.Tensor, want: torch.Tensor, share: float = 0.02) -> None:
     assert (got - want).abs().max() <= share * want.abs().max(), f"max diff {(got - want).abs().max():.4g}"
 
 
-@pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("group", [32, 64])
-def test_converted_blob_through_the_kernel_equals_the_dequantized_expert(has_bias, group):
+@pytest.mark.parametrize("bits", [Bits.INT4, Bits.INT2])
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("has_bias,group", [(False, 32), (True, 64)])
+def test_converted_blob_through_the_kernel_equals_the_dequantized_expert(bits, dtype, has_bias, group):
     w = gaussian_expert(rows=64, hidden=128, bias=has_bias, seed=1)
-    layout = make_layout(Bits.INT4, w.gate_up.shape, w.down.shape, has_bias, group_size=group)
-    assert int4_kernel.unsupported(layout, CPU, BF16) is None
+    layout = make_layout(bits, w.gate_up.shape, w.down.shape, has_bias, group_size=group)
+    assert int4_kernel.unsupported(layout, CPU, dtype) is None
     pool = torch.zeros(2, layout.nbytes + ALIGN, dtype=torch.uint8)  # a slot inside a pool, as the engine has
     blob = pool[1, :layout.nbytes]
-    encode(layout, w, hqq.quantize_expert(w, Bits.INT4, group, optimize=False), out=blob)
-    ref = dequantize(blob.clone(), layout, BF16)
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0)).to(BF16)
+    encode(layout, w, hqq.quantize_expert(w, bits, group, optimize=False), out=blob)
+    ref = dequantize(blob.clone(), layout, dtype)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0)).to(dtype)
     act = lambda h: F.silu(h[:, :64]) * h[:, 64:]  # noqa: E731
     want = F.linear(act(F.linear(x, ref.gate_up, ref.gate_up_bias)), ref.down, ref.down_bias)
     int4_kernel.convert_(blob, layout)
@@ -50,64 +52,85 @@ def test_converted_blob_through_the_kernel_equals_the_dequantized_expert(has_bia
     _close(got, want)
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (128, 96), (576, 32)])
+def test_int2_codes_expand_to_the_kernels_own_packing(shape):
+    """The reordered INT2 bytes, expanded, are byte for byte what the conversion op makes of the codes
+    (raised by INT2_BASE): the packed order read off the op (`_pack_order`) is the op's."""
+    n, k = shape
+    w = gaussian_expert(rows=n // 2, hidden=k, bias=False, seed=2)  # gate_up [n, k]
+    layout = make_layout(Bits.INT2, w.gate_up.shape, w.down.shape, False, group_size=32)
+    blob = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    encode(layout, w, hqq.quantize_expert(w, Bits.INT2, 32, optimize=False), out=blob)
+    proj = layout.projections[0]
+    codes = torch.empty(proj.grouped_shape(), dtype=torch.uint8)
+    unpack_2bit_u8(views(blob, layout)["gate_up.q"], codes)
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(n, k).to(torch.int32) + int4_kernel.INT2_BASE, 8)
+    int4_kernel.convert_(blob, layout)
+    got = int4_kernel.kernel_weights(blob, layout)
+    assert got.int2 and got.gate_up[0].shape == (n, k // 4)  # still INT2's bytes in the slot
+    assert torch.equal(int4_kernel.expand(got.gate_up[0]), want.view(n, k // 2))
+
+
 def test_what_the_kernel_cannot_run_is_named():
     shapes = ((64, 128), (128, 32))
     ok = make_layout(Bits.INT4, *shapes, False, group_size=32)
-    assert "bf16" in int4_kernel.unsupported(ok, CPU, torch.float32)
+    assert int4_kernel.unsupported(ok, CPU, FP32) is None and int4_kernel.unsupported(ok, CPU, BF16) is None
+    assert "float16" in int4_kernel.unsupported(ok, CPU, torch.float16)
     assert "CPU" in int4_kernel.unsupported(ok, torch.device("cuda"), BF16)
     assert "group size 16" in int4_kernel.unsupported(make_layout(Bits.INT4, *shapes, False, group_size=16), CPU, BF16)
     assert "multiple of 16" in int4_kernel.unsupported(make_layout(Bits.INT4, (40, 128), (128, 64), False, 32), CPU, BF16)
-    assert "not hqq INT4" in int4_kernel.unsupported(make_layout(Bits.INT2, *shapes, False, group_size=32), CPU, BF16)
+    assert int4_kernel.unsupported(make_layout(Bits.INT2, *shapes, False, group_size=32), CPU, BF16) is None
+    assert "not hqq INT4 or INT2" in int4_kernel.unsupported(make_layout(Bits.INT8, *shapes, False, group_size=32), CPU, BF16)
 
 
 @pytest.fixture(scope="module")
 def kernel_model(tmp_path_factory):
-    """A tiny qwen2_moe whose experts fit the kernel (32-wide: groups of 32), and its bf16 INT4 bundle."""
+    """A tiny qwen2_moe whose experts fit the kernel (32-wide: groups of 32), and its bf16 INT4/INT2 bundle."""
     tmp = tmp_path_factory.mktemp("int4k")
     path = save_tiny("qwen2_moe", tmp / "m", moe_intermediate_size=32)
     quantize(QuantizeConfig(model=str(path), out=tmp / "b", bits=(16, 4, 2), group_size=32, dtype="bfloat16"))
     return path, tmp / "b"
 
 
-def _logits(path, bundle, policy, budget, **kw):
-    lm = load_model(path, dtype=BF16)
-    store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), BF16)
-    engine, plan = build_engine(lm, store, policy, settings={"bits": "4"} if policy == "static" else {},
-                                budget=budget, clock="sim", batch=2, **kw)
+def _logits(path, bundle, policy, budget, dtype=BF16, settings=None, **kw):
+    lm = load_model(path, dtype=dtype)
+    store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), dtype)
+    settings = settings if settings is not None else {"bits": "4"} if policy == "static" else {}
+    engine, plan = build_engine(lm, store, policy, settings=settings, budget=budget, clock="sim", batch=2, **kw)
     with torch.no_grad():
         return lm.model(IDS).logits.float(), engine, plan
 
 
-@pytest.mark.parametrize("policy,budget", [("static", "100%"), ("dymoe", "40%")])
-def test_engine_int4_kernel_matches_the_dequantize_path(kernel_model, policy, budget):
-    """Resident INT4 slots, and (dymoe 4/2 at 40%) demand loads, evictions and staged copies, each
-    converted as it lands: same results within the stated tolerance, same perplexity within 0.5%,
-    same device bytes."""
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("policy,settings,budget", [("static", {"bits": "4"}, "100%"), ("static", {"bits": "2"}, "100%"),
+                                                    ("dymoe", {}, "40%")])
+def test_engine_int4_kernel_matches_the_dequantize_path(kernel_model, dtype, policy, settings, budget):
+    """Resident INT4 and INT2 slots, and (dymoe 4/2 at 40%) demand loads, evictions and staged copies,
+    each converted as it lands, under bf16 and fp32 compute: same results within the stated
+    tolerance, same perplexity within 0.5%, same device bytes."""
     path, bundle = kernel_model
-    got, engine, plan = _logits(path, bundle, policy, budget)
-    want, plain, _ = _logits(path, bundle, policy, budget, int4_kernel=False)
-    assert engine.int4_kernel_layers == frozenset(g.index for g in engine.layers) and not plain.int4_kernel_layers
-    assert engine.stats.summary()["int4_kernel_layers"] == len(engine.layers)
+    got, engine, plan = _logits(path, bundle, policy, budget, dtype, settings)
+    want, plain, _ = _logits(path, bundle, policy, budget, dtype, settings, int4_kernel=False)
+    every = frozenset(g.index for g in engine.layers)
+    assert engine.kernel_layers == {4: every, 2: every} and not plain.kernel_layers
+    assert engine.stats.summary()["int4_kernel_layers"] == {"4": len(every), "2": len(every)}
     _close(got, want)
     ppl = [math.exp(F.cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]), IDS[:, 1:].reshape(-1)).item())
            for x in (got, want)]
     assert abs(ppl[0] - ppl[1]) <= 0.005 * ppl[1]
     s, p = engine.stats.summary(), plain.stats.summary()
-    assert s["precision_mix"].get("4", 0) > 0  # INT4 experts really ran
+    for bits in ({"4"} if settings.get("bits") == "4" else {"2"} if settings else {"4", "2"}):
+        assert s["precision_mix"].get(bits, 0) > 0  # experts at these bits really ran
     if policy == "dymoe":
         assert s["hit_rate"] < 1  # and some were loaded (converted) during the forward
     assert s["peak_device_bytes"] == p["peak_device_bytes"] <= plan.total_bytes
     assert s["bytes_h2d"] == p["bytes_h2d"]
 
 
-def test_eager_and_fp32_engines_keep_dequantizing(kernel_model):
+def test_the_eager_path_keeps_dequantizing(kernel_model):
     path, bundle = kernel_model
     _, eager, _ = _logits(path, bundle, "static", "100%", experts_impl="eager")
-    assert not eager.int4_kernel_layers
-    lm = load_model(path)  # fp32 compute: the kernel's slow path, not used
-    engine, _ = build_engine(lm, HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), torch.float32),
-                             "static", settings={"bits": "4"}, budget="100%", clock="sim")
-    assert not engine.int4_kernel_layers
+    assert not eager.kernel_layers
 
 
 def test_biases_and_a_custom_gate_go_through_the_kernel_path(tmp_path):
@@ -116,5 +139,68 @@ def test_biases_and_a_custom_gate_go_through_the_kernel_path(tmp_path):
     quantize(QuantizeConfig(model=str(path), out=tmp_path / "b", bits=(16, 4), group_size=32, dtype="bfloat16"))
     got, engine, _ = _logits(path, tmp_path / "b", "static", "100%")
     want, _, _ = _logits(path, tmp_path / "b", "static", "100%", int4_kernel=False)
-    assert engine.int4_kernel_layers == frozenset(g.index for g in engine.layers)
+    assert engine.kernel_layers[4] == frozenset(g.index for g in engine.layers)
     _close(got, want)
+
+
+@pytest.mark.parametrize("bits", [Bits.INT4, Bits.INT2])
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_one_token_through_stacked_experts_equals_the_weighted_sum_of_each(bits, dtype):
+    """fused_forward (gate_up stacked along rows, down along input columns, one kernel call each)
+    against each expert through the kernel alone, weighted and summed."""
+    n, gen = 5, torch.Generator().manual_seed(3)
+    experts = [gaussian_expert(rows=64, hidden=128, bias=False, seed=10 + i) for i in range(n)]
+    layout = make_layout(bits, experts[0].gate_up.shape, experts[0].down.shape, False, group_size=32)
+    assert int4_kernel.fusable(layout, n)
+    pool = torch.zeros(n + 1, layout.nbytes, dtype=torch.uint8)
+    for i, w in enumerate(experts):
+        encode(layout, w, hqq.quantize_expert(w, bits, 32, optimize=False), out=pool[i + 1])
+        int4_kernel.convert_(pool[i + 1], layout)
+    slots = [4, 1, 3, 2, 5]  # pool order is not expert order
+    x = torch.randn(1, 128, generator=gen).to(dtype)
+    weight = torch.rand(n, generator=gen).to(dtype)
+    act = lambda h: F.silu(h[:, :64]) * h[:, 64:]  # noqa: E731
+    want = sum(weight[i].float() * int4_kernel.expert_forward(x, int4_kernel.kernel_weights(pool[s], layout), act).float()
+               for i, s in enumerate(slots))
+    per = []
+    for proj in layout.projections:
+        n_out, k = proj.shape
+        q, sc = layout.part(f"{proj.name}.q"), layout.part(f"{proj.name}.scale")
+        codes = torch.stack([pool[s, q.offset:q.offset + q.nbytes] for s in slots]).view(n, n_out, -1)
+        sz = torch.stack([pool[s, sc.offset:sc.offset + 2 * sc.nbytes] for s in slots])
+        per.append((int4_kernel.expand(codes) if bits == Bits.INT2 else codes, 32,
+                    sz.view(torch.bfloat16).view(n, k // 32, n_out, 2)))
+    got = int4_kernel.fused_forward(x, per[0], per[1], weight, act)
+    _close(got, want)
+
+
+def test_what_does_not_stack_is_named():
+    shapes = ((64, 128), (128, 32))
+    assert int4_kernel.block_rows(64, 128) is not None  # the kernel's packing on this CPU is in block form
+    assert not int4_kernel.fusable(make_layout(Bits.INT4, *shapes, True, group_size=32), 4)  # biases: per expert
+
+
+def test_decode_steps_run_each_layers_kernel_experts_in_one_call(kernel_model, monkeypatch):
+    """Greedy decode, batch 1 (one token a step): every MoE layer's INT4 and INT2 experts (dymoe 4/2)
+    go through fused_forward, and each step's logits match the dequantize path within the stated
+    tolerance."""
+    path, bundle = kernel_model
+    calls = []
+    fused = int4_kernel.fused_forward
+    monkeypatch.setattr(int4_kernel, "fused_forward", lambda *a: calls.append(a[1][0].shape[0]) or fused(*a))
+    runs = []
+    for kernel in (True, False):
+        lm = load_model(path, dtype=FP32)
+        store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), FP32)
+        engine, _ = build_engine(lm, store, "dymoe", budget="100%", clock="sim", int4_kernel=kernel)
+        with torch.no_grad():
+            out = lm.model.generate(IDS[:1], max_new_tokens=4, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)
+        runs.append((out, engine))
+    (got, engine), (want, _) = runs
+    layers = len(engine.layers)
+    assert engine.fused_layers == engine.kernel_layers
+    assert len(calls) >= 3 * layers  # the 3 decode steps after the prompt, every layer at least once
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        _close(g, w)

@@ -67,8 +67,9 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     from where they lie (the memory-mapped bundle). `experts_impl` picks the compute path:
     "grouped_mm" (grouped GEMMs, bit-exact against transformers' default kernel) or "eager" (one
     expert at a time, bit-exact against transformers' eager loop). `int4_kernel` lets the grouped
-    path run INT4 experts through torch's packed-int4 CPU kernel where it applies (bf16 compute on a
-    CPU; `moetool.quant.int4_kernel`); off, they are dequantized per batch as every other precision.
+    path run INT4 and INT2 experts through torch's packed-int4 CPU kernel where it applies (bf16 or
+    fp32 compute on a CPU, groups of 32+; `moetool.quant.int4_kernel`); off, they are dequantized per
+    batch as every other precision.
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
@@ -92,6 +93,6 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, int4_kernel)
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
     dtype = str(store.compute_dtype).removeprefix("torch.")
-    kernel_layers = len(engine.int4_kernel_layers)
+    kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}
     engine.stats.context = lambda: {"dtype": dtype, "int4_kernel_layers": kernel_layers, **store.host_stats()}
     return engine, plan

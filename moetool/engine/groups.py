@@ -110,6 +110,7 @@ class Combine:
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, grouped: bool):
         self.hidden, self.weight, self.grouped = hidden, weight, grouped  # weight [T, k], hidden's dtype
         T, k = weight.shape
+        self.summed: torch.Tensor | None = None  # `add_sum`'s rows
         if grouped:
             self.flat = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
             self.flat_weight = weight.reshape(-1)  # [T*k]
@@ -127,10 +128,18 @@ class Combine:
         else:
             self.outputs.append((expert, bits, tok, (y * self.weight[tok, slot, None]).to(self.hidden.dtype)))
 
+    def add_sum(self, y: torch.Tensor) -> None:
+        """A single token's experts already weighted and summed, [1, H] (the int4 kernel's fused
+        decode): added to the token's sum over its slots (grouped path only)."""
+        self.summed = y if self.summed is None else self.summed + y
+
     def result(self) -> torch.Tensor:
         if self.grouped:
             T, k = self.weight.shape
-            return self.flat.view(T, k, -1).sum(1).to(self.hidden.dtype)
+            out = self.flat.view(T, k, -1).sum(1)
+            if self.summed is not None:
+                out += self.summed.to(out.dtype)
+            return out.to(self.hidden.dtype)
         out = torch.zeros_like(self.hidden)  # [T, H]
         for _, _, tok, y in sorted(self.outputs, key=lambda o: o[:2]):
             out.index_add_(0, tok, y)

@@ -77,18 +77,30 @@ class Engine:
         self.plan_tokens, self.plan_batch = 0, 1
         self._hooks: list[Any] = []
         self._routers: list[nn.Module] = []  # routers whose forward the engine wraps (`_install`)
-        # Layers whose INT4 experts run through torch's packed-int4 kernel (converted once, in their
-        # slot, as they load): bf16 compute on a CPU, grouped path, shapes the kernel takes.
-        self.int4_kernel_layers = self._int4_kernel_layers() if int4_kernel and self.grouped else frozenset()
+        # bits -> layers whose experts at those bits run through torch's packed-int4 kernel (converted
+        # once, in their slot, as they load): INT4 and INT2, on a CPU, grouped path, shapes it takes.
+        # Of those, `fused_layers`: where a single token's experts run in one kernel call per projection.
+        self.kernel_layers, self.fused_layers = self._kernel_layers() if int4_kernel and self.grouped else ({}, {})
         self._install()
         self.warm_bytes = self._warm()
 
-    def _int4_kernel_layers(self) -> frozenset[int]:
-        if 4 not in self.store.bits:
-            return frozenset()
+    def _kernel_layers(self) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
         dtype = next(self.lm.model.parameters()).dtype
-        return frozenset(g.index for g in self.layers
-                         if int4_kernel.unsupported(self.store.layout(g.index, 4), self.device, dtype) is None)
+        on, fused = {}, {}
+        for bits in (4, 2):
+            if bits not in self.store.bits:
+                continue
+            layers = [g for g in self.layers
+                      if int4_kernel.unsupported(self.store.layout(g.index, bits), self.device, dtype) is None]
+            if layers:
+                on[bits] = frozenset(g.index for g in layers)
+                fused[bits] = frozenset(g.index for g in layers
+                                        if int4_kernel.fusable(self.store.layout(g.index, bits), g.num_experts))
+        return on, fused
+
+    def on_kernel(self, layer: int, bits: int) -> bool:
+        """Whether `layer`'s experts at `bits` run through torch's packed-int4 kernel (their slots hold its layout)."""
+        return layer in self.kernel_layers.get(bits, ())
 
     def _warm(self) -> int:
         """Load the policy's start-up set and wait for it; its bytes are reported apart from per-token
@@ -246,8 +258,8 @@ class Engine:
         grouped GEMM over the pool, no per-expert objects, nothing to load or wait for. Returns the
         experts it ran, or None (nothing done) where that does not hold: the general path runs."""
         layer, bits = module.layer.index, routed.bits
-        if self.simulated or (bits == 4 and layer in self.int4_kernel_layers):
-            return None  # the sim clock charges each expert; the INT4 kernel runs one expert at a time
+        if self.simulated or self.on_kernel(layer, bits):
+            return None  # the sim clock charges each expert; the int4 kernel runs one expert at a time
         get = self.residency.table.get
         handles = [get((layer, e, bits)) for e in routed.experts]
         if not all(h is not None and h.state == State.RESIDENT for h in handles):
@@ -320,7 +332,7 @@ class Engine:
         (`experts_impl="eager"`) one expert at a time, as transformers' eager loop.
         """
         layer = module.layer.index
-        int4_here = layer in self.int4_kernel_layers
+        kernel_here = any(layer in layers for layers in self.kernel_layers.values())
         if groups and groups[-1].status == Status.HIT:  # all hits (the schedule puts them first)
             batches = [groups]
         else:
@@ -330,7 +342,7 @@ class Engine:
             if not batch:
                 continue
             per_expert = not self.grouped or batch[0].handle.staged  # staged copies come one at a time
-            if batch[0].status == Status.HIT and not (per_expert or self.simulated or int4_here):
+            if batch[0].status == Status.HIT and not (per_expert or self.simulated or kernel_here):
                 for x in batch:  # resident copies, one grouped GEMM: only the prefetch accounting per expert
                     if x.handle.prefetched:
                         st.prefetch_used += 1
@@ -341,15 +353,17 @@ class Engine:
             for bits in sorted({x.bits for x in batch}, reverse=True):
                 same = [x for x in batch if x.bits == bits]
                 counter[bits] += len(same)
-                if not per_expert and not (bits == 4 and int4_here):
+                if not per_expert and not self.on_kernel(layer, bits):
                     self._grouped(module, hidden, same, bits, out)
 
     def _per_group(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], staged: list[Group],
                    per_expert: bool, st: LayerStats, out: Combine) -> None:
         """A batch's groups one by one: wait for each copy, account for it, and compute the experts
-        that do not join a grouped GEMM (eager, staged, torch's INT4 kernel)."""
+        that do not join a grouped GEMM (eager, staged, torch's int4 kernel). For a single token, the
+        int4 kernel's experts in pool slots run together after the loop: one call per projection."""
         layer = module.layer.index
-        int4_here = layer in self.int4_kernel_layers
+        fused: dict[int, list[Group]] = {}
+        single = hidden.shape[0] == 1
         for x in batch:
             h = x.handle
             if h.state == State.LOADING or h.staged:
@@ -359,15 +373,22 @@ class Engine:
                 h.prefetched = False
             if self.simulated:
                 self.clock.compute(self.cost.t_expert(x.bits, len(x)))
-            if x.bits == 4 and int4_here:  # its slot holds the kernel's layout
+            if self.on_kernel(layer, x.bits) and single and not h.staged and layer in self.fused_layers[x.bits]:
+                fused.setdefault(x.bits, []).append(x)
+            elif self.on_kernel(layer, x.bits):  # its slot holds the kernel's layout
                 y = int4_kernel.expert_forward(hidden.index_select(0, x.tok),
-                                               self.weights.kernel_weights(layer, self.residency.data(4, h)),
+                                               self.weights.kernel_weights(layer, x.bits, self.residency.data(x.bits, h)),
                                                module.activation)
                 out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
             elif per_expert:
                 w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
                 y = module.expert_forward(hidden.index_select(0, x.tok), w)
                 out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+        for bits, xs in fused.items():
+            gate_up, down = self.weights.kernel_stack(layer, bits, [x.handle.slot for x in xs])
+            pos = xs[0].pos if len(xs) == 1 else torch.cat([x.pos for x in xs])
+            out.add_sum(int4_kernel.fused_forward(hidden, gate_up, down, out.flat_weight.index_select(0, pos),
+                                                  module.activation))
 
     def _await(self, layer: int, x: Group, staged: list[Group], st: LayerStats) -> None:
         """Before a group computes: issue the next staged copy (it loads while this one computes),
@@ -435,9 +456,9 @@ class Engine:
         src, ring_slot = self.store.source(want.layer, want.expert, want.bits)
         event = self.copier.copy(dst[: src.numel()], src)
         self.store.release(ring_slot, event)
-        if want.bits == 4 and want.layer in self.int4_kernel_layers:
+        if self.on_kernel(want.layer, want.bits):
             self.copier.wait(event)  # a CPU copy: already done
-            int4_kernel.convert_(dst[: src.numel()], self.store.layout(want.layer, 4))
+            int4_kernel.convert_(dst[: src.numel()], self.store.layout(want.layer, want.bits))
         return event, src.numel()
 
     def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool) -> None:

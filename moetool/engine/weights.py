@@ -20,7 +20,7 @@ from moetool.engine.store import HostStore
 from moetool.quant import int4_kernel
 from moetool.quant.format import ExpertStack, stack_views
 
-VIEW_CACHE = 4096  # converted INT4 slots whose kernel views are kept before the memo is reset
+VIEW_CACHE = 4096  # converted INT4/INT2 slots whose kernel views are kept before the memo is reset
 
 
 class PoolWeights:
@@ -28,7 +28,8 @@ class PoolWeights:
         self.store, self.residency, self.device = store, residency, device
         self._stacks: dict[tuple[int, int], ExpertStack] = {}  # (layer, bits) -> the whole pool as views
         self._parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, bits) -> its part views
-        self._kviews: dict[tuple[int, int], int4_kernel.KernelWeights] = {}  # (layer, slot address) -> views
+        self._kviews: dict[tuple[int, int, int], int4_kernel.KernelWeights] = {}  # (layer, bits, slot address) -> views
+        self._kpools: dict[tuple[int, int], list] = {}  # (layer, bits) -> the converted pool's kernel views
 
     def for_slots(self, layer: int, bits: int, slots: list[int],
                   rows: list[int]) -> tuple[ExpertStack, list[int], list[int] | None]:
@@ -64,16 +65,38 @@ class PoolWeights:
             parts = self._parts[key] = stack_views(self.residency.pool_bytes(bits), self.store.layout(layer, bits))
         return parts
 
-    def kernel_weights(self, layer: int, blob: torch.Tensor) -> int4_kernel.KernelWeights:
-        """Views of a converted INT4 slot for torch's int4 kernel; they alias the slot, so each slot's
-        are made once."""
-        key = (layer, blob.data_ptr())
+    def kernel_weights(self, layer: int, bits: int, blob: torch.Tensor) -> int4_kernel.KernelWeights:
+        """Views of a converted INT4 or INT2 slot for torch's int4 kernel; they alias the slot, so each
+        slot's are made once."""
+        key = (layer, bits, blob.data_ptr())
         w = self._kviews.get(key)
         if w is None:
             if len(self._kviews) >= VIEW_CACHE:
                 self._kviews.clear()
-            w = self._kviews[key] = int4_kernel.kernel_weights(blob, self.store.layout(layer, 4))
+            w = self._kviews[key] = int4_kernel.kernel_weights(blob, self.store.layout(layer, bits))
         return w
+
+    def kernel_stack(self, layer: int, bits: int, slots: list[int]) -> tuple[tuple, tuple]:
+        """(gate_up, down) of the converted INT4/INT2 experts in `slots` for `int4_kernel.fused_forward`:
+        per projection (codes [n, N, K/2] in the kernel's packing, INT2's expanded; group; scales and
+        zero points [n, K/g, N, 2]), gathered from typed views of the whole pool (made once)."""
+        key = (layer, bits)
+        pool = self._kpools.get(key)
+        if pool is None:
+            blobs, layout = self.residency.pool_bytes(bits), self.store.layout(layer, bits)
+            pool = []
+            for proj in layout.projections:
+                (n, k), q, sz = proj.shape, layout.part(f"{proj.name}.q"), layout.part(f"{proj.name}.scale")
+                codes = blobs[:, q.offset:q.offset + q.nbytes].view(-1, n, q.nbytes // n)
+                sz = blobs[:, sz.offset:sz.offset + 2 * sz.nbytes].view(torch.bfloat16).view(-1, k // proj.group_size, n, 2)
+                pool.append((codes, proj.group_size, sz))
+            self._kpools[key] = pool
+        at = torch.tensor(slots)
+        out = []
+        for codes, group, sz in pool:
+            c = codes.index_select(0, at)
+            out.append((int4_kernel.expand(c) if bits == 2 else c, group, sz.index_select(0, at)))
+        return out[0], out[1]
 
     def in_place(self, layer: int, bits: int, slots: list[int]) -> bool:
         """Whether the experts in `slots` can be read in place from the pool (else gathered and decoded)."""
