@@ -24,6 +24,8 @@ turns at every step in an order rotated per step, so drift in machine load (larg
            and the engine's own kernel path: the bundle's INT4 and INT2 blobs converted as in a slot,
            the k experts in one kernel call per projection (`int4_kernel.fused_forward`); in fp32
            and in bf16 (the kernel takes bf16 activations: fp32 ones are rounded).
+  prefill  one forward of a `--prefill-tokens` prompt through static INT4 and INT2, with torch's
+           int4 kernel (several tokens: experts decoded from its layout) and without.
 
 Without `--bundle` the model is first quantized (HQQ without its optimizer, bits 16/8/4/2, group
 size auto) into a temporary directory. `--model qwen-moe-tiny` builds, in that directory, a random
@@ -64,7 +66,7 @@ from moetool.quant.format import ExpertStack, stack_views
 from moetool.quant.quantize import QuantizeConfig, quantize
 
 IMPLS = ("grouped_mm", "eager")
-SECTIONS = ("p1", "static", "offload", "host", "ppl", "kernels")
+SECTIONS = ("p1", "static", "offload", "host", "ppl", "kernels", "prefill")
 PROMPT = "The history of the city begins"
 PPL_TOKENS = 1024
 QWEN_MOE_TINY = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, num_key_value_heads=8,
@@ -235,6 +237,39 @@ def section_offload(b: Bench) -> dict:
         ratios[name] = r = med[f"{name} grouped_mm"] / med[f"{name} eager"]
         print(f"ratio {name} grouped_mm / eager = {r:.3f}x")
     return {"median_ms": ms, "ratios_grouped_over_eager": ratios}
+
+
+def section_prefill(b: Bench) -> dict:
+    """One forward of a `--prefill-tokens` prompt (moetool's training text) through static INT4 and
+    INT2 at budget 100%, with torch's int4 kernel and without (dequantize); the variants alternate,
+    median of `--rounds` after one warm-up each."""
+    n = b.args.prefill_tokens
+    print(f"\n== prefill: one forward of {n} tokens, static precision, int4 kernel vs dequantize")
+    ids = encode(b.tokenizer, train_text()[:20 * n], b.config.vocab_size)[: n][None].to(b.device)
+    if ids.shape[1] < n:
+        print(f"  (the text gives {ids.shape[1]} tokens)")
+    out = {}
+    for bits in (4, 2):
+        if bits not in b.bundle.manifest.bits:
+            continue
+        models = {kernel: b.engine("static", "grouped_mm", int4_kernel=kernel, bits=bits)[0].model
+                  for kernel in (True, False)}
+        times = {kernel: [] for kernel in models}
+        with torch.no_grad():
+            for r in range(b.args.rounds + 1):
+                for kernel, m in models.items():
+                    sync(b.device)
+                    t0 = time.perf_counter()
+                    m(ids)
+                    sync(b.device)
+                    if r:  # the first round warms up
+                        times[kernel].append(time.perf_counter() - t0)
+        med = {("kernel" if k else "dequantize"): statistics.median(v) for k, v in times.items()}
+        for name, sec in med.items():
+            print(f"  static-int{bits} {name:<11} median prefill {sec * 1e3:9.1f} ms")
+        out[f"int{bits}"] = {**{k: v * 1e3 for k, v in med.items()}, "ratio": med["kernel"] / med["dequantize"]}
+        print(f"ratio static-INT{bits} prefill, int4 kernel / dequantize = {med['kernel'] / med['dequantize']:.3f}x")
+    return out
 
 
 def timed(fn, acc: list[float]):
@@ -454,6 +489,7 @@ def main() -> None:
     ap.add_argument("--model", default="demo", help="a model directory or hub id, 'demo', or 'qwen-moe-tiny'")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per variant per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefill-tokens", type=int, default=256, help="prompt length of the prefill section")
     ap.add_argument("--bundle", default=None, help="an existing bundle of the model (default: quantize one)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -481,7 +517,8 @@ def main() -> None:
         results = {"model": args.model, "device": str(b.device), "dtype": args.dtype,
                    "threads": torch.get_num_threads(), "tokens": args.tokens, "rounds": args.rounds}
         for name, fn in (("p1", section_p1), ("static", section_static), ("offload", section_offload),
-                         ("host", section_host), ("ppl", section_ppl), ("kernels", section_kernels)):
+                         ("host", section_host), ("ppl", section_ppl), ("kernels", section_kernels),
+                         ("prefill", section_prefill)):
             if name not in skip:
                 note(f"[{name}]")
                 results[name] = fn(b)

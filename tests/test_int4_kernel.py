@@ -104,12 +104,17 @@ def _logits(path, bundle, policy, budget, dtype=BF16, settings=None, **kw):
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 @pytest.mark.parametrize("policy,settings,budget", [("static", {"bits": "4"}, "100%"), ("static", {"bits": "2"}, "100%"),
                                                     ("dymoe", {}, "40%")])
-def test_engine_int4_kernel_matches_the_dequantize_path(kernel_model, dtype, policy, settings, budget):
+def test_engine_int4_kernel_matches_the_dequantize_path(kernel_model, dtype, policy, settings, budget, monkeypatch):
     """Resident INT4 and INT2 slots, and (dymoe 4/2 at 40%) demand loads, evictions and staged copies,
     each converted as it lands, under bf16 and fp32 compute: same results within the stated
-    tolerance, same perplexity within 0.5%, same device bytes."""
+    tolerance, same perplexity within 0.5%, same device bytes. Several tokens a layer: the pool's
+    converted experts are decoded from the kernel's layout for grouped GEMMs."""
     path, bundle = kernel_model
+    decoded = []
+    decode = int4_kernel.decode
+    monkeypatch.setattr(int4_kernel, "decode", lambda *a: decoded.append(a[0].shape[0]) or decode(*a))
     got, engine, plan = _logits(path, bundle, policy, budget, dtype, settings)
+    assert decoded  # the prefill's kernel experts went through grouped GEMMs
     want, plain, _ = _logits(path, bundle, policy, budget, dtype, settings, int4_kernel=False)
     every = frozenset(g.index for g in engine.layers)
     assert engine.kernel_layers == {4: every, 2: every} and not plain.kernel_layers
@@ -204,3 +209,30 @@ def test_decode_steps_run_each_layers_kernel_experts_in_one_call(kernel_model, m
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
         _close(g, w)
+
+
+@pytest.mark.parametrize("bits", [Bits.INT4, Bits.INT2])
+@pytest.mark.parametrize("blocked", [True, False])
+def test_decoding_the_kernel_layout_gives_the_dequantized_weights(bits, blocked, monkeypatch):
+    """int4_kernel.decode (several tokens' path) on converted blobs against hqq's dequantize: equal
+    up to the bf16 rounding of scale and zero point (within 1% of the largest weight), by the block
+    form's reshapes and by the scatter kept for any other packing."""
+    if not blocked:
+        monkeypatch.setattr(int4_kernel, "block_rows", lambda n, k: None)
+    experts = [gaussian_expert(rows=64, hidden=128, bias=False, seed=20 + i) for i in range(3)]
+    layout = make_layout(bits, experts[0].gate_up.shape, experts[0].down.shape, False, group_size=32)
+    pool = torch.zeros(3, layout.nbytes, dtype=torch.uint8)
+    want = []
+    for i, w in enumerate(experts):
+        encode(layout, w, hqq.quantize_expert(w, bits, 32, optimize=False), out=pool[i])
+        want.append(dequantize(pool[i].clone(), layout, FP32))
+        int4_kernel.convert_(pool[i], layout)
+    for proj in layout.projections:
+        n_out, k = proj.shape
+        q, sc = layout.part(f"{proj.name}.q"), layout.part(f"{proj.name}.scale")
+        codes = pool[:, q.offset:q.offset + q.nbytes].reshape(3, n_out, -1)
+        codes = int4_kernel.expand(codes) if bits == Bits.INT2 else codes
+        sz = pool[:, sc.offset:sc.offset + 2 * sc.nbytes].contiguous().view(torch.bfloat16).view(3, k // 32, n_out, 2)
+        got = int4_kernel.decode(codes, 32, sz, FP32)
+        for i in range(3):
+            _close(got[i], getattr(want[i], proj.name), share=0.01)

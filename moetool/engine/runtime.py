@@ -81,6 +81,7 @@ class Engine:
         # once, in their slot, as they load): INT4 and INT2, on a CPU, grouped path, shapes it takes.
         # Of those, `fused_layers`: where a single token's experts run in one kernel call per projection.
         self.kernel_layers, self.fused_layers = self._kernel_layers() if int4_kernel and self.grouped else ({}, {})
+        self.weights.kernel = {(layer, bits) for bits, layers in self.kernel_layers.items() for layer in layers}
         self._install()
         self.warm_bytes = self._warm()
 
@@ -258,8 +259,8 @@ class Engine:
         grouped GEMM over the pool, no per-expert objects, nothing to load or wait for. Returns the
         experts it ran, or None (nothing done) where that does not hold: the general path runs."""
         layer, bits = module.layer.index, routed.bits
-        if self.simulated or self.on_kernel(layer, bits):
-            return None  # the sim clock charges each expert; the int4 kernel runs one expert at a time
+        if self.simulated or (self.on_kernel(layer, bits) and hidden.shape[0] == 1):
+            return None  # the sim clock charges each expert; one token's kernel experts run fused (_per_group)
         get = self.residency.table.get
         handles = [get((layer, e, bits)) for e in routed.experts]
         if not all(h is not None and h.state == State.RESIDENT for h in handles):
@@ -332,7 +333,8 @@ class Engine:
         (`experts_impl="eager"`) one expert at a time, as transformers' eager loop.
         """
         layer = module.layer.index
-        kernel_here = any(layer in layers for layers in self.kernel_layers.values())
+        single = hidden.shape[0] == 1  # one token: the int4 kernel's experts run fused in _per_group
+        kernel_here = single and any(layer in layers for layers in self.kernel_layers.values())
         if groups and groups[-1].status == Status.HIT:  # all hits (the schedule puts them first)
             batches = [groups]
         else:
@@ -353,7 +355,7 @@ class Engine:
             for bits in sorted({x.bits for x in batch}, reverse=True):
                 same = [x for x in batch if x.bits == bits]
                 counter[bits] += len(same)
-                if not per_expert and not self.on_kernel(layer, bits):
+                if not per_expert and not (single and self.on_kernel(layer, bits)):
                     self._grouped(module, hidden, same, bits, out)
 
     def _per_group(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], staged: list[Group],
@@ -373,13 +375,15 @@ class Engine:
                 h.prefetched = False
             if self.simulated:
                 self.clock.compute(self.cost.t_expert(x.bits, len(x)))
-            if self.on_kernel(layer, x.bits) and single and not h.staged and layer in self.fused_layers[x.bits]:
-                fused.setdefault(x.bits, []).append(x)
-            elif self.on_kernel(layer, x.bits):  # its slot holds the kernel's layout
-                y = int4_kernel.expert_forward(hidden.index_select(0, x.tok),
-                                               self.weights.kernel_weights(layer, x.bits, self.residency.data(x.bits, h)),
-                                               module.activation)
-                out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+            if self.on_kernel(layer, x.bits):  # its slot holds the kernel's layout
+                if single and not h.staged and layer in self.fused_layers[x.bits]:
+                    fused.setdefault(x.bits, []).append(x)  # run together after the loop
+                elif single or per_expert:
+                    y = int4_kernel.expert_forward(hidden.index_select(0, x.tok),
+                                                   self.weights.kernel_weights(layer, x.bits, self.residency.data(x.bits, h)),
+                                                   module.activation)
+                    out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+                # else several tokens, in a pool slot: decoded with its batch for one grouped GEMM (caller)
             elif per_expert:
                 w = self.store.decode(self.residency.data(x.bits, h), layer, x.expert, x.bits)
                 y = module.expert_forward(hidden.index_select(0, x.tok), w)

@@ -30,12 +30,17 @@ class PoolWeights:
         self._parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, bits) -> its part views
         self._kviews: dict[tuple[int, int, int], int4_kernel.KernelWeights] = {}  # (layer, bits, slot address) -> views
         self._kpools: dict[tuple[int, int], list] = {}  # (layer, bits) -> the converted pool's kernel views
+        self.kernel: set[tuple[int, int]] = set()  # (layer, bits) whose slots hold the int4 kernel's layout (the engine's)
 
     def for_slots(self, layer: int, bits: int, slots: list[int],
                   rows: list[int]) -> tuple[ExpertStack, list[int], list[int] | None]:
         """Weights of the experts in `slots` (one per group, in the caller's order; `rows[i]` rows in
         group i), stacked for one grouped GEMM: (the stack, the group sizes its GEMM takes, and the
         order of the caller's groups it expects, None for the caller's own)."""
+        if (layer, bits) in self.kernel:  # slots in the int4 kernel's layout: decode that
+            gate_up, down = self.kernel_stack(layer, bits, slots)
+            dtype = self.store.compute_dtype
+            return ExpertStack(int4_kernel.decode(*gate_up, dtype), int4_kernel.decode(*down, dtype)), rows, None
         first, last = min(slots), max(slots)
         if self.in_place(layer, bits, slots):
             stack = self.pool_stack(layer, bits).slice(first, last + 1)  # views: no copy
