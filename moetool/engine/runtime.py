@@ -35,6 +35,7 @@ from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
 from moetool.quant import int4_kernel
+from moetool.quant.int4_kernel import layers_on_kernel  # `int4_kernel` is also an Engine argument
 
 
 class EngineExperts(ProviderExperts):
@@ -80,24 +81,11 @@ class Engine:
         # bits -> layers whose experts at those bits run through torch's packed-int4 kernel (converted
         # once, in their slot, as they load): INT4 and INT2, on a CPU, grouped path, shapes it takes.
         # Of those, `fused_layers`: where a single token's experts run in one kernel call per projection.
-        self.kernel_layers, self.fused_layers = self._kernel_layers() if int4_kernel and self.grouped else ({}, {})
+        self.kernel_layers, self.fused_layers = layers_on_kernel(
+            store, self.layers, self.device, next(lm.model.parameters()).dtype) if int4_kernel and self.grouped else ({}, {})
         self.weights.kernel = {(layer, bits) for bits, layers in self.kernel_layers.items() for layer in layers}
         self._install()
         self.warm_bytes = self._warm()
-
-    def _kernel_layers(self) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
-        dtype = next(self.lm.model.parameters()).dtype
-        on, fused = {}, {}
-        for bits in (4, 2):
-            if bits not in self.store.bits:
-                continue
-            layers = [g for g in self.layers
-                      if int4_kernel.unsupported(self.store.layout(g.index, bits), self.device, dtype) is None]
-            if layers:
-                on[bits] = frozenset(g.index for g in layers)
-                fused[bits] = frozenset(g.index for g in layers
-                                        if int4_kernel.fusable(self.store.layout(g.index, bits), g.num_experts))
-        return on, fused
 
     def on_kernel(self, layer: int, bits: int) -> bool:
         """Whether `layer`'s experts at `bits` run through torch's packed-int4 kernel (their slots hold its layout)."""
