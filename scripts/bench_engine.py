@@ -8,12 +8,14 @@ turns at every step in an order rotated per step, so drift in machine load (larg
 
   p1       plain transformers (its default grouped_mm experts kernel), plain eager loop, and engine
            `resident` with each experts_impl; ratios engine / plain per kernel; same greedy tokens.
-  static   over a quantized bundle's store at budget 100%: `resident`, `static` bits=4, bits=2.
+  static   over a quantized bundle's store at budget 100%: `resident`, `static` bits=8, 4, 2 (those
+           the bundle has); each quantized one again without torch's low-bit kernels where it runs
+           on one (per-channel INT8: the int8 weight-only kernel; INT4 and INT2: the packed-int4 one).
   offload  over the bundle at budget 25%, wall clock: `lru` and `dymoe` 4/2 (high_bits/low_bits).
   host     host (Python) time per MoE layer per decode step of `resident`: `Engine.run_layer` less
            the expert math inside it (`runtime.grouped_mlp`, or `EngineExperts.expert_forward` for
            eager), in a separate pass so the timers never touch the timed comparisons.
-  ppl      perplexity of static INT4 and INT2 through each experts_impl (eager: dequantize, then
+  ppl      perplexity of static INT8, INT4 and INT2 through each experts_impl (eager: dequantize, then
            matmul: the reference) on the first 1,024 tokens of moetool's training text
            (tokenizer-less models: its bytes).
   kernels  one MoE layer's expert math for k experts and one token (CPU): the compute-dtype weights
@@ -24,11 +26,11 @@ turns at every step in an order rotated per step, so drift in machine load (larg
            and the engine's own kernel path: the bundle's INT4 and INT2 blobs converted as in a slot,
            the k experts in one kernel call per projection (`int4_kernel.fused_forward`); in fp32
            and in bf16 (the kernel takes bf16 activations: fp32 ones are rounded).
-  prefill  one forward of a `--prefill-tokens` prompt through static INT4 and INT2, with torch's
-           int4 kernel (several tokens: experts decoded from its layout) and without.
+  prefill  one forward of a `--prefill-tokens` prompt through static INT8, INT4 and INT2, with
+           torch's low-bit kernels (several tokens: experts decoded from their layout) and without.
 
 Without `--bundle` the model is first quantized (HQQ without its optimizer, bits 16/8/4/2, group
-size auto) into a temporary directory. `--model qwen-moe-tiny` builds, in that directory, a random
+size auto, INT8 per channel: `moetool quantize --int8-per-channel`) into a temporary directory. `--model qwen-moe-tiny` builds, in that directory, a random
 Qwen1.5-MoE-A2.7B-shaped model scaled down with tests/tiny.py's save_tiny (seed 0, saved in bf16):
 4 layers, 60 experts, top-4 without top-k renormalisation, hidden 512, expert MLP 352, shared
 expert 1408, 8 attention / 8 KV heads, vocab 8192.
@@ -152,9 +154,9 @@ class Bench:
         if self._bundle is None:
             path = Path(self.args.bundle) if self.args.bundle else self.tmp / "bundle"
             if not self.args.bundle:
-                note(f"quantizing {self.src} (hqq, no optimizer, bits 16/8/4/2) into {path}")
+                note(f"quantizing {self.src} (hqq, no optimizer, bits 16/8/4/2, INT8 per channel) into {path}")
                 quantize(QuantizeConfig(model=self.src, out=path, bits=(16, 8, 4, 2), method="hqq",
-                                        hqq_optimize=False, group_size=0),
+                                        hqq_optimize=False, group_size=0, int8_per_channel=True),
                          lambda p: p.stage == "shard" and note(f"  quantized {p.done}/{p.total} experts"))
             self._bundle = Bundle.open(path, model=model_fingerprint(self.config, self.src))
         return self._bundle
@@ -162,7 +164,7 @@ class Bench:
     def plain(self, **kw):
         return AutoModelForCausalLM.from_pretrained(self.src, dtype=self.dtype, **kw).to(self.device).eval()
 
-    def engine(self, policy: str, impl: str, budget: str = "100%", store: str = "bundle", int4_kernel: bool = True,
+    def engine(self, policy: str, impl: str, budget: str = "100%", store: str = "bundle", kernels: bool = True,
                **settings):
         """A freshly loaded model with its own engine: engines rewire the model, so none share one."""
         note(f"  building {policy} {settings or ''} {budget} {impl}")
@@ -170,7 +172,7 @@ class Bench:
         st = (HostStore.from_experts(lm.experts, self.dtype) if store == "checkpoint"
               else HostStore.from_bundle(self.bundle, self.dtype))
         engine, _ = build_engine(lm, st, policy, settings={k: str(v) for k, v in settings.items()}, budget=budget,
-                                 device=self.device, experts_impl=impl, int4_kernel=int4_kernel)
+                                 device=self.device, experts_impl=impl, kernels=kernels)
         return lm, engine
 
 
@@ -194,26 +196,28 @@ def section_p1(b: Bench) -> dict:
 
 def section_static(b: Bench) -> dict:
     print(f"\n== static precision from the bundle (bits {list(b.bundle.manifest.bits)}), budget 100%")
-    variants = {"resident": ("resident", {}), "static-int4": ("static", {"bits": 4}),
-                "static-int2": ("static", {"bits": 2})}
+    quantized = [q for q in (8, 4, 2) if q in b.bundle.manifest.bits]
+    variants = {"resident": ("resident", {}), **{f"static-int{q}": ("static", {"bits": q}) for q in quantized}}
     models = {}
     for impl in IMPLS:
         for name, (policy, settings) in variants.items():
             lm, engine = b.engine(policy, impl, **settings)
             models[name + ("" if impl == "grouped_mm" else "-eager")] = lm.model
             on_kernel = engine.kernel_layers.get(settings.get("bits", 0), ())
-            if on_kernel:  # the same without torch's int4 kernel
-                print(f"  {name} runs torch's packed-int4 kernel in {len(on_kernel)} layers")
-                models[f"{name}-dequantize"] = b.engine(policy, impl, int4_kernel=False, **settings)[0].model
+            if on_kernel:  # the same without torch's low-bit kernel
+                kind = "int8 weight-only" if settings["bits"] == 8 else "packed-int4"
+                print(f"  {name} runs torch's {kind} kernel in {len(on_kernel)} layers")
+                models[f"{name}-dequantize"] = b.engine(policy, impl, kernels=False, **settings)[0].model
     med, _ = interleaved(models, b.ids, b.args, b.device)
     ms = rows(med)
     ratios = {}
-    for q in ("int4", "int2"):
+    goals = {"int8": "1.0x", "int4": "1.0x", "int2": "1.1x"}  # decoding INT2 unpacks more per byte than INT4
+    for q in (f"int{q}" for q in quantized):
         if f"static-{q}-dequantize" in med:
             ratios[f"static-{q}-dequantize/resident"] = r = med[f"static-{q}-dequantize"] / med["resident"]
-            print(f"ratio static-{q.upper()} without the int4 kernel (dequantize) / resident = {r:.3f}x")
+            print(f"ratio static-{q.upper()} without the low-bit kernel (dequantize) / resident = {r:.3f}x")
     for impl, sfx in zip(IMPLS, ("", "-eager")):
-        for q, goal in (("int4", "1.0x"), ("int2", "1.1x")):  # decoding INT2 unpacks more per byte than INT4
+        for q, goal in ((f"int{q}", goals[f"int{q}"]) for q in quantized):
             ratios[f"static-{q}/resident ({impl})"] = r = med[f"static-{q}{sfx}"] / med["resident" + sfx]
             print(f"ratio static-{q.upper()} / resident ({impl}) = {r:.3f}x (goal <= {goal})")
     return {"median_ms": ms, "ratios": ratios}
@@ -240,20 +244,23 @@ def section_offload(b: Bench) -> dict:
 
 
 def section_prefill(b: Bench) -> dict:
-    """One forward of a `--prefill-tokens` prompt (moetool's training text) through static INT4 and
-    INT2 at budget 100%, with torch's int4 kernel and without (dequantize); the variants alternate,
-    median of `--rounds` after one warm-up each."""
+    """One forward of a `--prefill-tokens` prompt (moetool's training text) through static INT8, INT4
+    and INT2 at budget 100%, with torch's low-bit kernel and without (dequantize), for the precisions
+    that run on one; the variants alternate, median of `--rounds` after one warm-up each."""
     n = b.args.prefill_tokens
-    print(f"\n== prefill: one forward of {n} tokens, static precision, int4 kernel vs dequantize")
+    print(f"\n== prefill: one forward of {n} tokens, static precision, low-bit kernel vs dequantize")
     ids = encode(b.tokenizer, train_text()[:20 * n], b.config.vocab_size)[: n][None].to(b.device)
     if ids.shape[1] < n:
         print(f"  (the text gives {ids.shape[1]} tokens)")
     out = {}
-    for bits in (4, 2):
+    for bits in (8, 4, 2):
         if bits not in b.bundle.manifest.bits:
             continue
-        models = {kernel: b.engine("static", "grouped_mm", int4_kernel=kernel, bits=bits)[0].model
-                  for kernel in (True, False)}
+        lm, engine = b.engine("static", "grouped_mm", bits=bits)
+        if not engine.kernel_layers.get(bits):
+            print(f"  (INT{bits}: no layer on a kernel)")
+            continue
+        models = {True: lm.model, False: b.engine("static", "grouped_mm", kernels=False, bits=bits)[0].model}
         times = {kernel: [] for kernel in models}
         with torch.no_grad():
             for r in range(b.args.rounds + 1):
@@ -268,7 +275,7 @@ def section_prefill(b: Bench) -> dict:
         for name, sec in med.items():
             print(f"  static-int{bits} {name:<11} median prefill {sec * 1e3:9.1f} ms")
         out[f"int{bits}"] = {**{k: v * 1e3 for k, v in med.items()}, "ratio": med["kernel"] / med["dequantize"]}
-        print(f"ratio static-INT{bits} prefill, int4 kernel / dequantize = {med['kernel'] / med['dequantize']:.3f}x")
+        print(f"ratio static-INT{bits} prefill, kernel / dequantize = {med['kernel'] / med['dequantize']:.3f}x")
     return out
 
 
@@ -348,10 +355,11 @@ def section_host(b: Bench) -> dict:
 
 def section_ppl(b: Bench) -> dict:
     ids = encode(b.tokenizer, train_text()[:16 * PPL_TOKENS], b.config.vocab_size)[:PPL_TOKENS]
-    print(f"\n== perplexity, static INT4 and INT2, {len(ids)} tokens of moetool's training text "
-          "(eager: dequantize each expert, then matmul: the reference)")
+    quantized = [q for q in (8, 4, 2) if q in b.bundle.manifest.bits]
+    print(f"\n== perplexity, static {', '.join(f'INT{q}' for q in quantized)}, {len(ids)} tokens of moetool's "
+          "training text (eager: dequantize each expert, then matmul: the reference)")
     out = {}
-    for bits in (4, 2):
+    for bits in quantized:
         for impl in IMPLS:
             lm, _ = b.engine("static", impl, bits=bits)
             with torch.no_grad():

@@ -115,10 +115,10 @@ def test_engine_int4_kernel_matches_the_dequantize_path(kernel_model, dtype, pol
     monkeypatch.setattr(int4_kernel, "decode", lambda *a: decoded.append(a[0].shape[0]) or decode(*a))
     got, engine, plan = _logits(path, bundle, policy, budget, dtype, settings)
     assert decoded  # the prefill's kernel experts went through grouped GEMMs
-    want, plain, _ = _logits(path, bundle, policy, budget, dtype, settings, int4_kernel=False)
+    want, plain, _ = _logits(path, bundle, policy, budget, dtype, settings, kernels=False)
     every = frozenset(g.index for g in engine.layers)
     assert engine.kernel_layers == {4: every, 2: every} and not plain.kernel_layers
-    assert engine.stats.summary()["int4_kernel_layers"] == {"4": len(every), "2": len(every)}
+    assert engine.stats.summary()["kernel_layers"] == {"4": len(every), "2": len(every)}
     _close(got, want)
     ppl = [math.exp(F.cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]), IDS[:, 1:].reshape(-1)).item())
            for x in (got, want)]
@@ -143,7 +143,7 @@ def test_biases_and_a_custom_gate_go_through_the_kernel_path(tmp_path):
     path = save_tiny("gpt_oss", tmp_path / "m", intermediate_size=32)
     quantize(QuantizeConfig(model=str(path), out=tmp_path / "b", bits=(16, 4), group_size=32, dtype="bfloat16"))
     got, engine, _ = _logits(path, tmp_path / "b", "static", "100%")
-    want, _, _ = _logits(path, tmp_path / "b", "static", "100%", int4_kernel=False)
+    want, _, _ = _logits(path, tmp_path / "b", "static", "100%", kernels=False)
     assert engine.kernel_layers[4] == frozenset(g.index for g in engine.layers)
     _close(got, want)
 
@@ -197,7 +197,7 @@ def test_decode_steps_run_each_layers_kernel_experts_in_one_call(kernel_model, m
     for kernel in (True, False):
         lm = load_model(path, dtype=FP32)
         store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), FP32)
-        engine, _ = build_engine(lm, store, "dymoe", budget="100%", clock="sim", int4_kernel=kernel)
+        engine, _ = build_engine(lm, store, "dymoe", budget="100%", clock="sim", kernels=kernel)
         with torch.no_grad():
             out = lm.model.generate(IDS[:1], max_new_tokens=4, do_sample=False, output_logits=True,
                                     return_dict_in_generate=True)

@@ -24,6 +24,9 @@ def quantize(
     method: Annotated[str, typer.Option(help="hqq (calibration-free) or gptq (needs moetool[gptq]).")] = "hqq",
     group_size: Annotated[int, typer.Option(help="Input columns sharing one scale and zero; 0 = 64, or the "
                                             "largest power of two under 64 that divides the expert widths.")] = 0,
+    int8_per_channel: Annotated[bool, typer.Option(help="Store INT8 experts with one scale and zero per output "
+                                                   "row instead of --group-size groups: the layout torch's int8 "
+                                                   "weight-only CPU kernel runs without dequantizing.")] = False,
     save: Annotated[Path, typer.Option("--out", help="Bundle directory to write.")] = Path("bundle"),
     calib_text: Annotated[Path | None, typer.Option(help="UTF-8 text to calibrate GPTQ on (default: shipped training text).")] = None,
     calib_tokens: Annotated[int, typer.Option(help="Calibration tokens in total.")] = 2048,
@@ -52,6 +55,7 @@ def quantize(
     writable(save, "dir")
     wanted = sorted({*((16,) if reference else ()), *parse_numbers(bits, "--bits", int)}, reverse=True)
     cfg = QuantizeConfig(model=model, out=save, bits=tuple(wanted), method=method, group_size=group_size,
+                         int8_per_channel=int8_per_channel,
                          calib_text=calib_text, calib_tokens=calib_tokens, calibrate=calibrate, dtype=dtype,
                          verify=verify, hqq_optimize=hqq_optimize)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

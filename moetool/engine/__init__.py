@@ -58,7 +58,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                  fitted: dict[str, Any] | None = None, budget: str = "100%", clock: str = "wall",
                  hw: str = DEFAULT_HW, device: str | torch.device = "cpu", max_tokens: int = PLAN_TOKENS,
                  batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None,
-                 experts_impl: str = "grouped_mm", int4_kernel: bool = True) -> tuple[Engine, BudgetPlan]:
+                 experts_impl: str = "grouped_mm", kernels: bool = True) -> tuple[Engine, BudgetPlan]:
     """Build the policy and the engine over `store` and install it in `lm`.
 
     `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
@@ -66,10 +66,11 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     `default_host_budget()`) and stages the rest through a ring; off, blobs are copied straight
     from where they lie (the memory-mapped bundle). `experts_impl` picks the compute path:
     "grouped_mm" (grouped GEMMs, bit-exact against transformers' default kernel) or "eager" (one
-    expert at a time, bit-exact against transformers' eager loop). `int4_kernel` lets the grouped
-    path run INT4 and INT2 experts through torch's packed-int4 CPU kernel where it applies (bf16 or
-    fp32 compute on a CPU, groups of 32+; `moetool.quant.int4_kernel`); off, they are dequantized per
-    batch as every other precision.
+    expert at a time, bit-exact against transformers' eager loop). `kernels` lets the grouped path
+    run low-bit experts through torch's CPU kernels where they apply (bf16 or fp32 compute on a CPU;
+    INT4 and INT2 in groups of 32+ through the packed-int4 matmul, per-channel INT8 through the int8
+    weight-only one; `moetool.quant.kernels`); off, they are dequantized per batch as every other
+    precision.
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
@@ -90,9 +91,9 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the run's real peak, not the loading's
-    engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, int4_kernel)
+    engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, kernels)
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
     dtype = str(store.compute_dtype).removeprefix("torch.")
     kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}
-    engine.stats.context = lambda: {"dtype": dtype, "int4_kernel_layers": kernel_layers, **store.host_stats()}
+    engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, **store.host_stats()}
     return engine, plan

@@ -129,8 +129,8 @@ class Combine:
             self.outputs.append((expert, bits, tok, (y * self.weight[tok, slot, None]).to(self.hidden.dtype)))
 
     def add_sum(self, y: torch.Tensor) -> None:
-        """A single token's experts already weighted and summed, [1, H] (the int4 kernel's fused
-        decode): added to the token's sum over its slots (grouped path only)."""
+        """A single token's experts already weighted and summed, [1, H] (a low-bit kernel's fused
+        call, `quant.kernels`): added to the token's sum over its slots (grouped path only)."""
         self.summed = y if self.summed is None else self.summed + y
 
     def result(self) -> torch.Tensor:

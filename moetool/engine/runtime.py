@@ -34,8 +34,8 @@ from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
-from moetool.quant import int4_kernel
-from moetool.quant.int4_kernel import layers_on_kernel  # `int4_kernel` is also an Engine argument
+from moetool.quant.kernels import MODULES as KERNELS
+from moetool.quant.kernels import layers_on_kernel
 
 
 class EngineExperts(ProviderExperts):
@@ -53,7 +53,7 @@ class EngineExperts(ProviderExperts):
 class Engine:
     def __init__(self, lm: LoadedModel, store: HostStore, policy: Policy, residency: Residency,
                  clock: SimClock | WallClock, cost: CostModel, device: torch.device,
-                 experts_impl: str = "grouped_mm", int4_kernel: bool = True):
+                 experts_impl: str = "grouped_mm", kernels: bool = True):
         if experts_impl not in EXPERTS_IMPLS:
             raise MoetoolError(f"--experts-impl must be one of {', '.join(EXPERTS_IMPLS)}, not '{experts_impl}'.")
         # grouped_mm: one grouped GEMM per precision and batch (bit-exact against transformers'
@@ -78,17 +78,18 @@ class Engine:
         self.plan_tokens, self.plan_batch = 0, 1
         self._hooks: list[Any] = []
         self._routers: list[nn.Module] = []  # routers whose forward the engine wraps (`_install`)
-        # bits -> layers whose experts at those bits run through torch's packed-int4 kernel (converted
-        # once, in their slot, as they load): INT4 and INT2, on a CPU, grouped path, shapes it takes.
-        # Of those, `fused_layers`: where a single token's experts run in one kernel call per projection.
+        # bits -> layers whose experts at those bits run through one of torch's low-bit kernels
+        # (converted once, in their slot, as they load; `quant.kernels`): INT4 and INT2 through the
+        # packed-int4 one, per-channel INT8 through the int8 one; on a CPU, grouped path, shapes they
+        # take. Of those, `fused_layers`: where a single token's experts run together (`fused_forward`).
         self.kernel_layers, self.fused_layers = layers_on_kernel(
-            store, self.layers, self.device, next(lm.model.parameters()).dtype) if int4_kernel and self.grouped else ({}, {})
+            store, self.layers, self.device, next(lm.model.parameters()).dtype) if kernels and self.grouped else ({}, {})
         self.weights.kernel = {(layer, bits) for bits, layers in self.kernel_layers.items() for layer in layers}
         self._install()
         self.warm_bytes = self._warm()
 
     def on_kernel(self, layer: int, bits: int) -> bool:
-        """Whether `layer`'s experts at `bits` run through torch's packed-int4 kernel (their slots hold its layout)."""
+        """Whether `layer`'s experts at `bits` run through a low-bit kernel (their slots hold its layout)."""
         return layer in self.kernel_layers.get(bits, ())
 
     def _warm(self) -> int:
@@ -321,7 +322,7 @@ class Engine:
         (`experts_impl="eager"`) one expert at a time, as transformers' eager loop.
         """
         layer = module.layer.index
-        single = hidden.shape[0] == 1  # one token: the int4 kernel's experts run fused in _per_group
+        single = hidden.shape[0] == 1  # one token: low-bit kernels' experts run fused in _per_group
         kernel_here = single and any(layer in layers for layers in self.kernel_layers.values())
         if groups and groups[-1].status == Status.HIT:  # all hits (the schedule puts them first)
             batches = [groups]
@@ -349,8 +350,8 @@ class Engine:
     def _per_group(self, module: EngineExperts, hidden: torch.Tensor, batch: list[Group], staged: list[Group],
                    per_expert: bool, st: LayerStats, out: Combine) -> None:
         """A batch's groups one by one: wait for each copy, account for it, and compute the experts
-        that do not join a grouped GEMM (eager, staged, torch's int4 kernel). For a single token, the
-        int4 kernel's experts in pool slots run together after the loop: one call per projection."""
+        that do not join a grouped GEMM (eager, staged, torch's low-bit kernels). For a single token,
+        a kernel's experts in pool slots run together after the loop (`fused_forward`)."""
         layer = module.layer.index
         fused: dict[int, list[Group]] = {}
         single = hidden.shape[0] == 1
@@ -367,9 +368,9 @@ class Engine:
                 if single and not h.staged and layer in self.fused_layers[x.bits]:
                     fused.setdefault(x.bits, []).append(x)  # run together after the loop
                 elif single or per_expert:
-                    y = int4_kernel.expert_forward(hidden.index_select(0, x.tok),
-                                                   self.weights.kernel_weights(layer, x.bits, self.residency.data(x.bits, h)),
-                                                   module.activation)
+                    y = KERNELS[x.bits].expert_forward(hidden.index_select(0, x.tok),
+                                                       self.weights.kernel_weights(layer, x.bits, self.residency.data(x.bits, h)),
+                                                       module.activation)
                     out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
                 # else several tokens, in a pool slot: decoded with its batch for one grouped GEMM (caller)
             elif per_expert:
@@ -377,10 +378,12 @@ class Engine:
                 y = module.expert_forward(hidden.index_select(0, x.tok), w)
                 out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
         for bits, xs in fused.items():
-            gate_up, down = self.weights.kernel_stack(layer, bits, [x.handle.slot for x in xs])
+            slots = [x.handle.slot for x in xs]
+            gate_up, down = self.weights.int8_stack(layer, slots) if bits == 8 else \
+                self.weights.kernel_stack(layer, bits, slots)
             pos = xs[0].pos if len(xs) == 1 else torch.cat([x.pos for x in xs])
-            out.add_sum(int4_kernel.fused_forward(hidden, gate_up, down, out.flat_weight.index_select(0, pos),
-                                                  module.activation))
+            out.add_sum(KERNELS[bits].fused_forward(hidden, gate_up, down, out.flat_weight.index_select(0, pos),
+                                                    module.activation))
 
     def _await(self, layer: int, x: Group, staged: list[Group], st: LayerStats) -> None:
         """Before a group computes: issue the next staged copy (it loads while this one computes),
@@ -450,7 +453,7 @@ class Engine:
         self.store.release(ring_slot, event)
         if self.on_kernel(want.layer, want.bits):
             self.copier.wait(event)  # a CPU copy: already done
-            int4_kernel.convert_(dst[: src.numel()], self.store.layout(want.layer, want.bits))
+            KERNELS[want.bits].convert_(dst[: src.numel()], self.store.layout(want.layer, want.bits))
         return event, src.numel()
 
     def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool) -> None:

@@ -17,8 +17,9 @@ import torch
 
 from moetool.engine.residency import Residency
 from moetool.engine.store import HostStore
-from moetool.quant import int4_kernel
+from moetool.quant import int4_kernel, int8_kernel
 from moetool.quant.format import ExpertStack, stack_views
+from moetool.quant.kernels import MODULES as KERNELS
 
 VIEW_CACHE = 4096  # converted INT4/INT2 slots whose kernel views are kept before the memo is reset
 
@@ -28,19 +29,24 @@ class PoolWeights:
         self.store, self.residency, self.device = store, residency, device
         self._stacks: dict[tuple[int, int], ExpertStack] = {}  # (layer, bits) -> the whole pool as views
         self._parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (layer, bits) -> its part views
-        self._kviews: dict[tuple[int, int, int], int4_kernel.KernelWeights] = {}  # (layer, bits, slot address) -> views
+        self._kviews: dict[tuple[int, int, int], object] = {}  # (layer, bits, slot address) -> a kernel's views
         self._kpools: dict[tuple[int, int], list] = {}  # (layer, bits) -> the converted pool's kernel views
-        self.kernel: set[tuple[int, int]] = set()  # (layer, bits) whose slots hold the int4 kernel's layout (the engine's)
+        self.kernel: set[tuple[int, int]] = set()  # (layer, bits) whose slots hold a low-bit kernel's layout (the engine's)
 
     def for_slots(self, layer: int, bits: int, slots: list[int],
                   rows: list[int]) -> tuple[ExpertStack, list[int], list[int] | None]:
         """Weights of the experts in `slots` (one per group, in the caller's order; `rows[i]` rows in
         group i), stacked for one grouped GEMM: (the stack, the group sizes its GEMM takes, and the
         order of the caller's groups it expects, None for the caller's own)."""
-        if (layer, bits) in self.kernel:  # slots in the int4 kernel's layout: decode that
-            gate_up, down = self.kernel_stack(layer, bits, slots)
+        if (layer, bits) in self.kernel:  # slots in a kernel's layout: decode that
             dtype = self.store.compute_dtype
-            return ExpertStack(int4_kernel.decode(*gate_up, dtype), int4_kernel.decode(*down, dtype)), rows, None
+            kernel, stacked = (int8_kernel, self.int8_stack(layer, slots)) if bits == 8 else \
+                (int4_kernel, self.kernel_stack(layer, bits, slots))
+            parts, biases = self.pool_parts(layer, bits), {}
+            if "gate_up_bias" in parts:  # biases stay as stored (bf16): only the weights were converted
+                at = torch.tensor(slots, device=parts["gate_up_bias"].device)
+                biases = {n: parts[n].index_select(0, at).to(dtype) for n in ("gate_up_bias", "down_bias")}
+            return ExpertStack(*(kernel.decode(*p, dtype) for p in stacked), **biases), rows, None
         first, last = min(slots), max(slots)
         if self.in_place(layer, bits, slots):
             stack = self.pool_stack(layer, bits).slice(first, last + 1)  # views: no copy
@@ -81,15 +87,15 @@ class PoolWeights:
             parts = self._parts[key] = stack_views(self.residency.pool_bytes(bits), self.store.layout(layer, bits))
         return parts
 
-    def kernel_weights(self, layer: int, bits: int, blob: torch.Tensor) -> int4_kernel.KernelWeights:
-        """Views of a converted INT4 or INT2 slot for torch's int4 kernel; they alias the slot, so each
+    def kernel_weights(self, layer: int, bits: int, blob: torch.Tensor):
+        """Views of a converted slot for its kernel's `expert_forward`; they alias the slot, so each
         slot's are made once."""
         key = (layer, bits, blob.data_ptr())
         w = self._kviews.get(key)
         if w is None:
             if len(self._kviews) >= VIEW_CACHE:
                 self._kviews.clear()
-            w = self._kviews[key] = int4_kernel.kernel_weights(blob, self.store.layout(layer, bits))
+            w = self._kviews[key] = KERNELS[bits].kernel_weights(blob, self.store.layout(layer, bits))
         return w
 
     def kernel_stack(self, layer: int, bits: int, slots: list[int]) -> tuple[tuple, tuple]:
@@ -112,6 +118,18 @@ class PoolWeights:
         for codes, group, sz in pool:
             c = codes.index_select(0, at)
             out.append((int4_kernel.expand(c) if bits == 2 else c, group, sz.index_select(0, at)))
+        return out[0], out[1]
+
+    def int8_stack(self, layer: int, slots: list[int]) -> tuple[tuple, tuple]:
+        """(gate_up, down) of the converted per-channel INT8 experts in `slots` for `int8_kernel.decode`:
+        per projection (int8 codes [n, N, K], scales [n, N], offsets [n, N]), gathered from the pool."""
+        parts = self.pool_parts(layer, 8)  # typed as hqq's layout: the same bytes, reinterpreted below
+        at = torch.tensor(slots, device=self.residency.pool_bytes(8).device)
+        out = []
+        for name in ("gate_up", "down"):
+            out.append((parts[f"{name}.q"].index_select(0, at).view(torch.int8),
+                        parts[f"{name}.scale"].index_select(0, at).view(torch.bfloat16).flatten(1),
+                        parts[f"{name}.zero"].index_select(0, at).flatten(1)))
         return out[0], out[1]
 
     def in_place(self, layer: int, bits: int, slots: list[int]) -> bool:

@@ -183,6 +183,11 @@ class Layout:
     projections: tuple[Projection, ...]
     parts: tuple[Part, ...]
 
+    @property
+    def per_channel(self) -> bool:
+        """An INT8 layout with one scale and zero per output row (see `make_layout`)."""
+        return self.bits == Bits.INT8 and all(len(p.shape) == 2 and p.group_size == p.shape[1] for p in self.projections)
+
     def part(self, name: str) -> Part:
         for p in self.parts:
             if p.name == name:
@@ -207,7 +212,8 @@ class Layout:
                 raise SchemaError(f"projections[{i}].shape", f"is {list(proj.shape)}, not a matrix shape [out, in]")
         has_bias = any(p.name == "gate_up_bias" for p in self.parts)
         try:
-            expected = make_layout(self.bits, gate_up.shape, down.shape, has_bias, gate_up.group_size or 64, gate_up.axis)
+            expected = make_layout(self.bits, gate_up.shape, down.shape, has_bias, gate_up.group_size or 64, gate_up.axis,
+                                   int8_per_channel=self.per_channel)
         except MoetoolError as e:
             raise SchemaError("projections", f"cannot be stored at {self.bits} bits ({str(e).rstrip('.')})") from None
         for i, (mine, theirs) in enumerate(zip(self.projections, expected.projections)):
@@ -231,11 +237,16 @@ def _align(n: int) -> int:
 
 
 def make_layout(bits: Bits | int, gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], has_bias: bool,
-                group_size: int = 64, axis: int = 1) -> Layout:
-    """The layout of an expert with these shapes at `bits`; refuses shapes the grid cannot tile."""
+                group_size: int = 64, axis: int = 1, int8_per_channel: bool = False) -> Layout:
+    """The layout of an expert with these shapes at `bits`; refuses shapes the grid cannot tile.
+
+    `int8_per_channel`: at 8 bits, one scale and zero per output row (each projection's group is its
+    whole input width), the layout torch's int8 weight-only matmul takes (`quant.int8_kernel`)."""
     bits = Bits.parse(bits)
     if axis not in (0, 1):
         raise MoetoolError(f"axis {axis} is not an hqq quantization axis; use 0 or 1.")
+    if int8_per_channel and axis != 1:
+        raise MoetoolError("per-channel INT8 groups each row's input columns (axis 1); drop the axis 0 setting.")
     projections, specs = [], []  # specs: (name, dtype, shape)
     for name, shape in (("gate_up", tuple(gate_up_shape)), ("down", tuple(down_shape))):
         if bits == Bits.BF16:
@@ -243,6 +254,8 @@ def make_layout(bits: Bits | int, gate_up_shape: tuple[int, ...], down_shape: tu
             specs.append((name, REF_DTYPE, shape))
         else:
             packing = PACKINGS[bits]
+            if bits == Bits.INT8 and int8_per_channel:
+                group_size = shape[1]
             if group_size <= 0 or shape[1] % group_size:
                 raise MoetoolError(f"group size {group_size} does not divide the {name} projection's input width "
                                    f"{shape[1]}; pick one that does (e.g. {math.gcd(64, shape[1])}).")

@@ -271,19 +271,3 @@ def decode(codes: torch.Tensor, group: int, sz: torch.Tensor, dtype: torch.dtype
     w = q.reshape(n, rows, cols // group, group).to(dtype)
     sz = sz.to(dtype).permute(0, 2, 1, 3).unsqueeze(3)  # [n, N, K/g, 1, 2]
     return w.sub_(8).mul_(sz[..., 0]).add_(sz[..., 1]).view(n, rows, cols)
-
-
-def layers_on_kernel(store, layers, device: torch.device,
-                     dtype: torch.dtype) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
-    """For a store's INT4 and INT2 experts: bits -> the MoE layers (`layers`, geometry entries) whose
-    layout the kernel takes on `device` in `dtype`, and bits -> those of them whose experts also
-    stack for one token (`fusable`)."""
-    on, fused = {}, {}
-    for bits in (4, 2):
-        if bits not in store.bits:
-            continue
-        ok = [g for g in layers if unsupported(store.layout(g.index, bits), device, dtype) is None]
-        if ok:
-            on[bits] = frozenset(g.index for g in ok)
-            fused[bits] = frozenset(g.index for g in ok if fusable(store.layout(g.index, bits), g.num_experts))
-    return on, fused

@@ -58,6 +58,7 @@ class QuantizeConfig:
     bits: tuple[int, ...] = (16, 8, 4, 2)  # stored precisions; 16 is the bf16 reference
     method: str = "hqq"  # "hqq" (calibration-free) or "gptq" (needs moetool[gptq])
     group_size: int = 0  # input columns sharing one scale and zero; 0: auto (`auto_group_size`)
+    int8_per_channel: bool = False  # INT8 with one scale and zero per output row (torch's int8 kernel's layout)
     axis: int = 1  # hqq's grouping axis; 1 (consecutive input columns) is what GPTQ shares
     calib_text: Path | None = None  # UTF-8 text to calibrate on (default: moetool's shipped training text)
     calib_tokens: int = 2048  # calibration tokens in total
@@ -104,7 +105,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     settings_sha = _sha256_json({"model_type": lm.fingerprint.model_type,
                                  "config_sha256": lm.fingerprint.config_sha256, "settings": settings})
     layouts = {layer.index: {b: make_layout(b, _gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
-                                            layer.has_bias, cfg.group_size, cfg.axis) for b in bits}
+                                            layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
 
     try:
@@ -291,6 +292,13 @@ def _check(cfg: QuantizeConfig) -> tuple[Bits, ...]:
             raise MoetoolError("GPTQ groups consecutive input columns (hqq axis 1); drop the axis 0 setting.")
         if not gptq.available():
             gptq.load_gptqmodel()  # raises the install hint
+    if cfg.int8_per_channel:
+        if Bits.INT8 not in bits:
+            raise MoetoolError("--int8-per-channel changes how INT8 experts are stored; add 8 to --bits or drop it.")
+        if cfg.method != "hqq":
+            raise MoetoolError("per-channel INT8 is quantized by hqq; drop --int8-per-channel or use --method hqq.")
+        if cfg.axis != 1:
+            raise MoetoolError("per-channel INT8 groups each row's input columns (axis 1); drop the axis 0 setting.")
     if cfg.verify not in ("fast", "full"):
         raise MoetoolError(f"verify must be 'fast' or 'full', not '{cfg.verify}'.")
     if cfg.calib_tokens < 1 or cfg.calib_seq_len < 1 or cfg.min_tokens < 0:
@@ -302,6 +310,8 @@ def _settings(cfg: QuantizeConfig, bits: tuple[Bits, ...], inputs: dict[str, str
     settings = {"bits": [int(b) for b in bits], "method": cfg.method, "group_size": cfg.group_size,
                 "axis": cfg.axis, "dtype": cfg.dtype, "device": cfg.device,
                 "hqq": {"version": version("hqq"), "optimize": cfg.hqq_optimize, "round_zero": False}}
+    if cfg.int8_per_channel:  # only when set: older bundles' settings (and their resume hash) stay as they were
+        settings["int8_per_channel"] = True
     if _calibrated(cfg):
         source = "file" if cfg.calib_text else "moetool.datasets.train_text" if has_tokenizer else "random ids"
         settings["calibration"] = {"source": source, "text_sha256": inputs.get("calib_text"),
@@ -327,6 +337,8 @@ def _gate_up_shape(layer: MoeLayer) -> tuple[int, int]:
 def _layout_key(layout: Layout) -> str:
     gu, dn = (p.shape for p in layout.projections)
     group = layout.projections[0].group_size
+    if layout.projections[1].group_size != group:  # per-channel INT8: each projection's own width
+        group = f"{group}-{layout.projections[1].group_size}"
     bias = "-bias" if any(p.name == "gate_up_bias" for p in layout.parts) else ""
     return f"b{layout.bits}-g{group}-a{layout.projections[0].axis}-{gu[0]}x{gu[1]}-{dn[0]}x{dn[1]}{bias}"
 
@@ -386,7 +398,8 @@ def _quantize_expert(ref: ExpertWeights, bits: Bits, layout: Layout, x: torch.Te
 
         return "gptq", gptq.quantize_expert(ref, bits, cfg.group_size, x, act,
                                             lambda name, q: dequantize_qtensor(q, projections[name]))
-    return "hqq", hqq.quantize_expert(ref, bits, cfg.group_size, cfg.axis, cfg.device, cfg.hqq_optimize)
+    return "hqq", {p.name: hqq.quantize_weight(getattr(ref, p.name), bits, p.group_size, cfg.axis, cfg.device,
+                                               cfg.hqq_optimize) for p in layout.projections}
 
 
 # ---- resume journal -----------------------------------------------------------------------------
