@@ -16,14 +16,21 @@ partition of the dense neurons). The gap between `expert` and `neuron` is what t
 experts costs; between `soft` and `expert`, what the routers cost. 4,096 tokens a text take ~40 s a
 mode on 2 cores.
 
+`--partition SHARED,EXPERTS,TOP_K` (repeatable) asks what other geometries would allow: the
+layerwise fit's own neuron layout (`demo_fit.layout`: shared neurons by mean contribution, the
+rest clustered by co-activation) made afresh on the first 8,192 training tokens for each, then the
+`expert` oracle on it, without corrections or routers (~2 min for the layouts, ~1 min a geometry).
+
     .venv/bin/python scripts/demo_routing_oracle.py --modes soft,expert,neuron
     .venv/bin/python scripts/demo_routing_oracle.py --no-adapt --modes all,neuron,expert,hard
+    .venv/bin/python scripts/demo_routing_oracle.py --modes all --partition 768,24,8 --partition 512,32,16
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +38,10 @@ from torch import nn
 
 from moetool import datasets
 from moetool.demo import adapted_ffn, committed_params_path, fetch_dense_gguf, load_dense, load_params
+from moetool.demo_fit import FitSettings, ffn_act, layout, train_ids
 
 MODES = ("soft", "hard", "expert", "neuron", "all")
+WIDTH = 1536  # SmolLM2-135M's FFN neurons per layer
 
 
 class OracleFFN(nn.Module):
@@ -42,6 +51,7 @@ class OracleFFN(nn.Module):
         perm = p.perm[layer]  # shared neurons first, then the experts' groups
         self.wg, self.wu, self.wd = wg[perm], wu[perm], wd[:, perm]
         self.router, self.p, self.mode = p.router[layer].float(), p, "soft"
+        self.dense = mlp  # the dense FFN it stands in for (its weights are read afresh by --partition)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, e, k, m = self.p.shared, self.p.experts, self.p.top_k, self.p.expert_size
@@ -82,7 +92,18 @@ def main() -> None:
     ap.add_argument("--modes", default="soft,hard,expert,neuron,all", help=f"comma list among {','.join(MODES)}")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per text (whole 512-token windows)")
     ap.add_argument("--no-adapt", action="store_true", help="without the conversion's low-rank corrections")
+    ap.add_argument("--partition", action="append", default=[], metavar="SHARED,EXPERTS,TOP_K",
+                    help="also the expert oracle on a fresh layout of this geometry (repeatable)")
     args = ap.parse_args()
+    try:
+        geometries = [tuple(int(v) for v in g.split(",")) for g in args.partition]
+    except ValueError:
+        ap.error("--partition takes three integers, SHARED,EXPERTS,TOP_K")
+    for shared, experts, top_k in (g if len(g) == 3 else ap.error("--partition takes SHARED,EXPERTS,TOP_K")
+                                   for g in geometries):
+        if not (0 <= shared < WIDTH and experts > 0 and (WIDTH - shared) % experts == 0 and 0 < top_k <= experts):
+            ap.error(f"--partition {shared},{experts},{top_k}: the {WIDTH} - SHARED routed neurons must split into "
+                     "EXPERTS equal experts, and 0 < TOP_K <= EXPERTS")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if set(modes) - set(MODES):
         ap.error(f"--modes takes {','.join(MODES)}, not {','.join(sorted(set(modes) - set(MODES)))}")
@@ -103,6 +124,46 @@ def main() -> None:
         ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
         print(f"{mode:<8} {ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
               f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
+    if geometries:
+        for block, f in zip(dense.model.layers, ffns):
+            block.mlp = f.dense
+        print("expert oracle on fresh layouts, no corrections: shared + top-k of experts x width")
+        for g, p in zip(geometries, fresh_layouts(dense, tok, geometries)):
+            for i, block in enumerate(dense.model.layers):
+                block.mlp = OracleFFN(ffns[i].dense, p, i, adapt=False)
+                block.mlp.mode = "expert"
+            ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
+            width = (WIDTH - g[0]) // g[1]
+            label = f"{g[0]} + {g[2]} of {g[1]} x {width} ({g[0] + g[2] * width} active)"
+            print(f"{label:<34} "
+                  f"{ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
+                  f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
+
+
+@torch.no_grad()
+def fresh_layouts(dense, tok, geometries: list[tuple[int, int, int]]) -> list[SimpleNamespace]:
+    """For each (shared, experts, top_k): the layerwise fit's neuron layout of every layer, made on
+    the first 8,192 training tokens, as conversion parameters without routers or corrections."""
+    perms: dict[tuple[int, int, int], list[torch.Tensor]] = {g: [] for g in geometries}
+
+    def hook(mod, inp):
+        x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+        wg, wu, wd = (w.detach().float() for w in (mod.gate_proj.weight, mod.up_proj.weight, mod.down_proj.weight))
+        a = ffn_act(x, wg, wu)
+        for g in geometries:
+            perms[g].append(layout(a, wd, FitSettings(shared=g[0], experts=g[1], top_k=g[2])))
+
+    mlps = [block.mlp for block in dense.model.layers]
+    handles = [m.register_forward_pre_hook(hook) for m in mlps]
+    try:
+        dense(input_ids=train_ids(tok, FitSettings(train_tokens=8192)))
+    finally:
+        for h in handles:
+            h.remove()
+    hidden, width = dense.config.hidden_size, mlps[0].gate_proj.weight.shape[0]
+    return [SimpleNamespace(shared=g[0], experts=g[1], top_k=g[2], expert_size=(width - g[0]) // g[1],
+                            perm=torch.stack(perms[g]), router=torch.zeros(len(mlps), g[1], hidden), lora={})
+            for g in geometries]
 
 
 if __name__ == "__main__":
