@@ -112,7 +112,7 @@ def test_engine_int4_kernel_matches_the_dequantize_path(kernel_model, dtype, pol
     path, bundle = kernel_model
     decoded = []
     decode = int4_kernel.decode
-    monkeypatch.setattr(int4_kernel, "decode", lambda *a: decoded.append(a[0].shape[0]) or decode(*a))
+    monkeypatch.setattr(int4_kernel, "decode", lambda *a, **k: decoded.append(a[0].shape[0]) or decode(*a, **k))
     got, engine, plan = _logits(path, bundle, policy, budget, dtype, settings)
     assert decoded  # the prefill's kernel experts went through grouped GEMMs
     want, plain, _ = _logits(path, bundle, policy, budget, dtype, settings, kernels=False)
@@ -242,8 +242,11 @@ def test_decoding_the_kernel_layout_gives_the_dequantized_weights(bits, blocked,
         n_out, k = proj.shape
         q, sc = layout.part(f"{proj.name}.q"), layout.part(f"{proj.name}.scale")
         codes = pool[:, q.offset:q.offset + q.nbytes].reshape(3, n_out, -1)
-        codes = int4_kernel.expand(codes) if bits == Bits.INT2 else codes
         sz = pool[:, sc.offset:sc.offset + 2 * sc.nbytes].contiguous().view(torch.bfloat16).view(3, k // 32, n_out, 2)
-        got = int4_kernel.decode(codes, 32, sz, FP32)
+        if bits == Bits.INT2:  # from its 2-bit codes as they lie, and expanded first: the same weights
+            got = int4_kernel.decode(codes, 32, sz, FP32, int2=True)
+            assert torch.equal(got, int4_kernel.decode(int4_kernel.expand(codes), 32, sz, FP32))
+        else:
+            got = int4_kernel.decode(codes, 32, sz, FP32)
         for i in range(3):
             _close(got[i], getattr(want[i], proj.name), share=0.01)

@@ -40,13 +40,13 @@ class PoolWeights:
         order of the caller's groups it expects, None for the caller's own)."""
         if (layer, bits) in self.kernel:  # slots in a kernel's layout: decode that
             dtype = self.store.compute_dtype
-            kernel, stacked = (int8_kernel, self.int8_stack(layer, slots)) if bits == 8 else \
-                (int4_kernel, self.kernel_stack(layer, bits, slots))
+            weights = [int8_kernel.decode(*p, dtype) for p in self.int8_stack(layer, slots)] if bits == 8 else \
+                [int4_kernel.decode(*p, dtype, int2=bits == 2) for p in self.kernel_stack(layer, bits, slots, expand=False)]
             parts, biases = self.pool_parts(layer, bits), {}
             if "gate_up_bias" in parts:  # biases stay as stored (bf16): only the weights were converted
                 at = torch.tensor(slots, device=parts["gate_up_bias"].device)
                 biases = {n: parts[n].index_select(0, at).to(dtype) for n in ("gate_up_bias", "down_bias")}
-            return ExpertStack(*(kernel.decode(*p, dtype) for p in stacked), **biases), rows, None
+            return ExpertStack(*weights, **biases), rows, None
         first, last = min(slots), max(slots)
         if self.in_place(layer, bits, slots):
             stack = self.pool_stack(layer, bits).slice(first, last + 1)  # views: no copy
@@ -98,10 +98,11 @@ class PoolWeights:
             w = self._kviews[key] = KERNELS[bits].kernel_weights(blob, self.store.layout(layer, bits))
         return w
 
-    def kernel_stack(self, layer: int, bits: int, slots: list[int]) -> tuple[tuple, tuple]:
+    def kernel_stack(self, layer: int, bits: int, slots: list[int], expand: bool = True) -> tuple[tuple, tuple]:
         """(gate_up, down) of the converted INT4/INT2 experts in `slots` for `int4_kernel.fused_forward`:
-        per projection (codes [n, N, K/2] in the kernel's packing, INT2's expanded; group; scales and
-        zero points [n, K/g, N, 2]), gathered from typed views of the whole pool (made once)."""
+        per projection (codes [n, N, K/2] in the kernel's packing, INT2's expanded unless not `expand`:
+        `int4_kernel.decode` reads its 2-bit codes as they are; group; scales and zero points
+        [n, K/g, N, 2]), gathered from typed views of the whole pool (made once)."""
         key = (layer, bits)
         pool = self._kpools.get(key)
         if pool is None:
@@ -117,7 +118,7 @@ class PoolWeights:
         out = []
         for codes, group, sz in pool:
             c = codes.index_select(0, at)
-            out.append((int4_kernel.expand(c) if bits == 2 else c, group, sz.index_select(0, at)))
+            out.append((int4_kernel.expand(c) if bits == 2 and expand else c, group, sz.index_select(0, at)))
         return out[0], out[1]
 
     def int8_stack(self, layer: int, slots: list[int]) -> tuple[tuple, tuple]:

@@ -249,25 +249,35 @@ def fused_forward(x: torch.Tensor, gate_up: tuple[torch.Tensor, int, torch.Tenso
 # ---- several tokens: the converted experts decoded for a grouped GEMM ---------------------------
 
 
-def decode(codes: torch.Tensor, group: int, sz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def decode(codes: torch.Tensor, group: int, sz: torch.Tensor, dtype: torch.dtype, int2: bool = False) -> torch.Tensor:
     """Weights [n, N, K] in `dtype` from n experts' kernel tensors for one projection (codes
-    [n, N, K/2] in the kernel's packing, INT2's expanded; scales and zero points [n, K/g, N, 2]):
-    w = (q - 8) * s + zp, the kernel's own formula. For several tokens, where one grouped GEMM over
-    decoded weights beats two kernel calls per expert (measured: a 256-token prompt on the demo,
-    1.16x slower per expert for INT4, 1.26x for INT2, in fp32). Unpacks by the block form
-    (`block_rows`) where it holds, else scatters by `_pack_order`."""
-    n, rows, half = codes.shape
-    cols = 2 * half
+    [n, N, K/2] in the kernel's packing, or with `int2` the reordered INT2 bytes [n, N, K/4]; scales
+    and zero points [n, K/g, N, 2]): w = (q - 8) * s + zp, the kernel's own formula. For several
+    tokens, where one grouped GEMM over decoded weights beats two kernel calls per expert (measured:
+    a 256-token prompt on the demo, 1.16x slower per expert for INT4, 1.26x for INT2, in fp32).
+    Unpacks by the block form (`block_rows`) where it holds, INT2 straight from its 2-bit codes,
+    else scatters by `_pack_order` (INT2 expanded first)."""
+    n, rows = codes.shape[:2]
+    cols = codes.shape[2] * (4 if int2 else 2)
     b = block_rows(rows, cols)
-    if b is not None:  # [n, N/B, K, B/2] bytes: low nibbles rows j, high nibbles rows j + B/2 of each block
+    if b is not None and int2:  # [n, N/B, K, B/4] bytes: byte t's codes are rows 2t, B/2 + 2t, 2t + 1, B/2 + 2t + 1
+        packed = codes.reshape(n, rows // b, cols, b // 4)
+        c = [(packed >> shift) & 3 for shift in (0, 2, 4, 6)]
+        low = torch.stack((c[0], c[2]), dim=-1).flatten(-2)  # rows 0..B/2 of each block
+        high = torch.stack((c[1], c[3]), dim=-1).flatten(-2)  # rows B/2..B
+        q = torch.cat((low, high), dim=-1).transpose(-2, -1)  # [n, N/B, B, K], codes without INT2_BASE
+        base = 8 - INT2_BASE
+    elif b is not None:  # [n, N/B, K, B/2] bytes: low nibbles rows j, high nibbles rows j + B/2 of each block
         packed = codes.reshape(n, rows // b, cols, b // 2)
         q = torch.cat((packed & 15, packed >> 4), dim=-1).transpose(-2, -1)  # [n, N/B, B, K]
+        base = 8
     else:  # any other packing: scatter by the order read off the op
+        packed = (expand(codes) if int2 else codes).reshape(n, -1)
         lo, hi = _pack_order(rows, cols)
         q = torch.empty(n, rows * cols, dtype=torch.uint8, device=codes.device)
-        packed = codes.reshape(n, -1)
         q.index_copy_(1, lo, packed & 15)
         q.index_copy_(1, hi, packed >> 4)
+        base = 8
     w = q.reshape(n, rows, cols // group, group).to(dtype)
     sz = sz.to(dtype).permute(0, 2, 1, 3).unsqueeze(3)  # [n, N, K/g, 1, 2]
-    return w.sub_(8).mul_(sz[..., 0]).add_(sz[..., 1]).view(n, rows, cols)
+    return w.sub_(base).mul_(sz[..., 0]).add_(sz[..., 1]).view(n, rows, cols)
