@@ -55,10 +55,11 @@ class PoolWeights:
                 sizes[s - first] = n
             ascending = all(a < b for a, b in zip(slots, slots[1:]))  # a resident pool: slots in expert order
             return stack, sizes, None if ascending else sorted(range(len(slots)), key=slots.__getitem__)
-        if self.store.is_unquantized(layer, bits):
+        if self.device.type == "cpu" and self.store.is_unquantized(layer, bits):
             # The reference precision in another dtype (bf16 blobs under fp32 compute): each expert
             # cast straight into the stack, one pass, where a gather then a cast is two (measured: lru
             # at 25% on qwen-moe-tiny in fp32, the gather and the cast took 4.5 ms of a 22 ms step).
+            # On a GPU the two ops stay: there a call per expert costs more than a second pass.
             dtype = self.store.compute_dtype
             out = {}
             for name, v in self.pool_parts(layer, bits).items():
