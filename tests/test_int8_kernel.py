@@ -8,6 +8,7 @@ the dequantized reference outputs agree within 2% of their largest magnitude (as
 tests/test_int4_kernel.py); perplexity within 0.5%.
 """
 
+import json
 import math
 
 import pytest
@@ -167,3 +168,14 @@ def test_per_channel_int8_refuses_what_it_cannot_do_in_one_sentence(tiny_ckpt, t
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_quantize_command_stores_per_channel_int8(tiny_ckpt, tmp_path):
+    result = CliRunner().invoke(app, ["quantize", str(tiny_ckpt("qwen2_moe")), "--bits", "8,4", "--int8-per-channel",
+                                      "--no-hqq-optimize", "--out", str(tmp_path / "b"), "--json"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(result.stdout)
+    assert manifest["settings"]["int8_per_channel"] is True
+    for layout in manifest["layouts"].values():
+        groups = [(p["group_size"], p["shape"][1]) for p in layout["projections"]]
+        assert all(g == width for g, width in groups) == (layout["bits"] == 8), groups

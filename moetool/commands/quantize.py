@@ -48,6 +48,7 @@ def quantize(
     continue from the finished shards.
 
     Example: `moetool quantize demo --bits 8,4,2 --method hqq --out out/demo-bundle`
+    (`--int8-per-channel`: INT8 in the layout torch's int8 CPU kernel runs; `moetool run` uses it)
     """
     from moetool.quant.quantize import QuantizeConfig
     from moetool.quant.quantize import quantize as quantize_stage
@@ -75,7 +76,8 @@ def quantize(
         return
     sizes = bundle.sizes()
     ref = sizes.get(16) or max(sizes.values())
-    table = Table(title=f"bundle {save} ({bundle.method}, group {bundle.group_size})")
+    per_channel = ", INT8 per channel" if bundle.settings.get("int8_per_channel") else ""
+    table = Table(title=f"bundle {save} ({bundle.method}, group {bundle.group_size}{per_channel})")
     for col in ("bits", "bytes", "vs bf16"):
         table.add_column(col, justify="right")
     for b, n in sizes.items():
