@@ -9,6 +9,7 @@ from moetool.engine import build_engine
 from moetool.engine.budget import decode_workspace, expert_params, kv_margin
 from moetool.engine.stats import LayerStats
 from moetool.engine.store import HostStore
+from moetool.engine.weights import PoolWeights
 from moetool.errors import MoetoolError
 from moetool.model import load_model, load_reference
 from moetool.policies.base import LayerPlan, LayerView, Phase, Step, Where
@@ -170,8 +171,12 @@ def test_bf16_blobs_under_fp32_compute_are_cast_straight_into_the_stack(tiny_ckp
     eager path, which casts each expert into its scratch, within fp32 rounding."""
     out = tmp_path / "b"
     quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16,), dtype="bfloat16"))
-    cast, real = [], HostStore.is_unquantized
-    monkeypatch.setattr(HostStore, "is_unquantized", lambda self, *a: cast.append(r := real(self, *a)) or r)
+    stacks, decoded = [], []  # (bits, stack dtype) of each grouped stack; bits of each decode_stack call
+    for_slots, decode_stack = PoolWeights.for_slots, HostStore.decode_stack
+    monkeypatch.setattr(PoolWeights, "for_slots", lambda self, layer, bits, *a: stacks.append(
+        (bits, (r := for_slots(self, layer, bits, *a))[0].gate_up.dtype)) or r)
+    monkeypatch.setattr(HostStore, "decode_stack", lambda self, parts, layer, bits: decoded.append(bits) or
+                        decode_stack(self, parts, layer, bits))
     logits = {}
     for impl in ("grouped_mm", "eager"):
         ready = prepare(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=out, policy="lru", budget="60%",
@@ -179,7 +184,9 @@ def test_bf16_blobs_under_fp32_compute_are_cast_straight_into_the_stack(tiny_ckp
         assert ready.engine.store.compute_dtype == torch.float32
         with torch.no_grad():
             logits[impl] = ready.lm.model(IDS).logits
-    assert True in cast  # the grouped path took the per-expert cast
+    # The grouped path stacked 16-bit experts in fp32 without the gather-then-decode route.
+    assert [dtype for bits, dtype in stacks if bits == 16] and all(dtype == torch.float32 for _, dtype in stacks)
+    assert 16 not in decoded
     torch.testing.assert_close(logits["grouped_mm"], logits["eager"], rtol=0, atol=1e-5)
 
 

@@ -238,12 +238,6 @@ class HostStore:
 
         return dequantize_parts(parts, self.layout(layer, bits), self.compute_dtype)
 
-    def is_unquantized(self, layer: int, bits: int) -> bool:
-        """Whether `layer`'s experts at `bits` are stored unquantized (a cast at most to compute with)."""
-        from moetool.quant.format import PACKING_BY_NAME
-
-        return all(p.packing not in PACKING_BY_NAME for p in self.layout(layer, bits).projections)
-
     def stack_is_view(self, layer: int, bits: int) -> bool:
         """Whether `decode_stack` at `bits` is a view of the blobs (the compute dtype, unquantized)."""
         from moetool.quant.format import DTYPES, PACKING_BY_NAME

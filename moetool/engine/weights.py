@@ -18,7 +18,7 @@ import torch
 from moetool.engine.residency import Residency
 from moetool.engine.store import HostStore
 from moetool.quant import int4_kernel, int8_kernel
-from moetool.quant.format import ExpertStack, stack_views
+from moetool.quant.format import Bits, ExpertStack, stack_views
 from moetool.quant.kernels import MODULES as KERNELS
 
 VIEW_CACHE = 4096  # converted INT4/INT2 slots whose kernel views are kept before the memo is reset
@@ -55,7 +55,7 @@ class PoolWeights:
                 sizes[s - first] = n
             ascending = all(a < b for a, b in zip(slots, slots[1:]))  # a resident pool: slots in expert order
             return stack, sizes, None if ascending else sorted(range(len(slots)), key=slots.__getitem__)
-        if self.device.type == "cpu" and self.store.is_unquantized(layer, bits):
+        if self.device.type == "cpu" and bits == Bits.BF16:
             # The reference precision in another dtype (bf16 blobs under fp32 compute): each expert
             # cast straight into the stack, one pass, where a gather then a cast is two (measured: lru
             # at 25% on qwen-moe-tiny in fp32, the gather and the cast took 4.5 ms of a 22 ms step).

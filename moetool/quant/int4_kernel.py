@@ -51,14 +51,23 @@ _INNER_K_TILES = 8  # the packing's inner K tiles (what torchao's CPU int4 layou
 INT2_BASE = 6
 
 
-def unsupported(layout: Layout, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the kernel cannot run experts of this INT4 or INT2 layout on `device` in `dtype`, or None."""
+def cpu_kernel_unsupported(device: torch.device, dtype: torch.dtype, op: str, kernel: str) -> str | None:
+    """Why torch's CPU op `op` (the `kernel` one) cannot serve `dtype` compute on `device`, or None:
+    the rules this module and `int8_kernel` share (CPU, bf16 or fp32 compute, the op in this torch)."""
     if device.type != "cpu":
-        return "the packed-int4 kernel here is the CPU one"
+        return f"the {kernel} kernel here is the CPU one"
     if dtype not in DTYPES:
         return f"the kernel serves bf16 and fp32 compute, not {dtype}"
-    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return "this torch has no packed-int4 CPU kernel"
+    if not hasattr(torch.ops.aten, op):
+        return f"this torch has no {kernel} CPU kernel"
+    return None
+
+
+def unsupported(layout: Layout, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot run experts of this INT4 or INT2 layout on `device` in `dtype`, or None."""
+    reason = cpu_kernel_unsupported(device, dtype, "_weight_int4pack_mm_for_cpu", "packed-int4")
+    if reason:
+        return reason
     if sys.byteorder != "little" and layout.bits == 2:
         return "INT2 codes are expanded for a little-endian host"
     for proj in layout.projections:

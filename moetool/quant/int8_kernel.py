@@ -29,18 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from moetool.quant.format import Layout, views
+from moetool.quant.int4_kernel import cpu_kernel_unsupported  # the CPU, dtype and op rules both kernels share
 
-DTYPES = (torch.bfloat16, torch.float32)  # compute dtypes it serves (fp32: activations rounded to bf16)
 
 
 def unsupported(layout: Layout, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot run experts of this INT8 layout on `device` in `dtype`, or None."""
-    if device.type != "cpu":
-        return "the int8 weight-only kernel here is the CPU one"
-    if dtype not in DTYPES:
-        return f"the kernel serves bf16 and fp32 compute, not {dtype}"
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return "this torch has no int8 weight-only CPU kernel"
+    reason = cpu_kernel_unsupported(device, dtype, "_weight_int8pack_mm", "int8 weight-only")
+    if reason:
+        return reason
     if layout.bits != 8:
         return f"the layout is {layout.bits}-bit, not INT8"
     if not layout.per_channel:
