@@ -114,33 +114,55 @@ def _moved(value: Any, tmp: Path, target: Path) -> Any:
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """Which model an artifact belongs to: where it came from and a hash of its config.
+    """Which model an artifact belongs to: where it came from, a hash of its config and, for a local
+    checkpoint, a digest of its weights (`moetool.model.weights_digest`).
 
-    Two checkpoints with the same config hash have the same architecture and shapes; the source
-    is informational (a local copy of a hub model keeps the same config hash).
+    Two checkpoints with the same config hash have the same architecture and shapes; the weights
+    digest tells apart two checkpoints of one architecture (a fine-tune, a rebuilt demo model in the
+    same directory). The source is informational (a local copy of a hub model keeps both hashes).
+    "" for the digest: not known (a hub id, no weight files found, or an artifact written before
+    fingerprints had one).
     """
 
     source: str
     model_type: str
     config_sha256: str
+    weights_sha256: str = ""
 
     @classmethod
-    def of_config(cls, source: str, config_dict: dict[str, Any]) -> "ModelFingerprint":
+    def of_config(cls, source: str, config_dict: dict[str, Any], weights_sha256: str = "") -> "ModelFingerprint":
         # Keys that describe how the config was saved or run, not the model itself.
         volatile = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "_experts_implementation",
                     "_attn_implementation", "architectures", "use_cache", "output_attentions", "output_router_logits"}
         stable = {k: v for k, v in config_dict.items() if k not in volatile}
         blob = json.dumps(stable, sort_keys=True, default=str).encode()
         return cls(source=source, model_type=str(config_dict.get("model_type", "?")),
-                   config_sha256=hashlib.sha256(blob).hexdigest())
+                   config_sha256=hashlib.sha256(blob).hexdigest(), weights_sha256=weights_sha256)
 
-    def same_model(self, other: "ModelFingerprint") -> bool:
+    def same_model(self, other: "ModelFingerprint", *, strict: bool = False) -> bool:
+        """Same architecture, and the same weights where both digests are known. `strict`: the
+        digests must also be equal when one of them is unknown (a stage deciding whether to reuse its
+        own earlier output, where recomputing is safe but a stale reuse is silent)."""
+        if not self.same_architecture(other):
+            return False
+        if strict or (self.weights_sha256 and other.weights_sha256):
+            return self.weights_sha256 == other.weights_sha256
+        return True
+
+    def same_architecture(self, other: "ModelFingerprint") -> bool:
         return self.model_type == other.model_type and self.config_sha256 == other.config_sha256
+
+    def describe(self) -> str:
+        """'source (model_type, config abc123, weights def456)' for one-sentence messages."""
+        weights = f", weights {self.weights_sha256[:12]}" if self.weights_sha256 else ""
+        return f"{self.source} ({self.model_type}, config {self.config_sha256[:12]}{weights})"
 
     def validate(self) -> None:
         """On read: the hash is a sha256, and the names fit in the one-line messages that quote them."""
         if not _SHA256.fullmatch(self.config_sha256):
             raise SchemaError("config_sha256", f"is {_text(self.config_sha256)!r}, not a sha256 (64 hex digits)")
+        if self.weights_sha256 and not _SHA256.fullmatch(self.weights_sha256):
+            raise SchemaError("weights_sha256", f"is {_text(self.weights_sha256)!r}, neither empty nor a sha256")
         for name in ("source", "model_type"):
             if not getattr(self, name).isprintable():
                 raise SchemaError(name, "holds a line break or another unprintable character")
@@ -213,9 +235,7 @@ class Artifact:
         data = read_json(path)
         art = cls.from_json(data, where=str(path))
         if model is not None and not art.model.same_model(model):
-            raise MoetoolError(f"{path} was made for model {art.model.source} ({art.model.model_type}, config "
-                               f"{art.model.config_sha256[:12]}), not for {model.source} "
-                               f"(config {model.config_sha256[:12]}).")
+            raise MoetoolError(f"{path} was made for model {art.model.describe()}, not for {model.describe()}.")
         return art
 
 

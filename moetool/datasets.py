@@ -1,9 +1,11 @@
 """Offline text and multiple-choice data shipped inside the package (extracted by scripts/fetch_data.py).
 
 Text: Shakespeare plays (Project Gutenberg, public domain), Python 3.11 documentation pages (PSF
-licence) and The Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0), split by whole work
-into `train_text()` (router fitting, calibration) and `heldout_text()` (perplexity; never used for
-fitting); `unseen_text()` is a fourth domain, fortune-file quotations (BSD), that no fit ever reads.
+licence), The Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0), the Jargon File (public
+domain) and WordNet's glosses (WordNet licence), split by whole work into `train_text()` (router
+fitting, calibration) and `heldout_text()` (perplexity; never used for fitting), each one domain
+after another in that order; `unseen_text()` is a sixth domain, fortune-file quotations (BSD), that
+no fit ever reads.
 Multiple choice: BIG-bench tasks (Apache-2.0) as MMLU-like records. Sources, versions and licences:
 `manifest()`.
 
@@ -57,13 +59,13 @@ def _read_text(*parts: str) -> str:
 
 @lru_cache(maxsize=None)
 def train_text() -> str:
-    """Text for fitting routers and calibration (about 2.8 MB); disjoint from `heldout_text()`."""
+    """Text for fitting routers and calibration (about 4.9 MB); disjoint from `heldout_text()`."""
     return _read_text("text", "train.txt")
 
 
 @lru_cache(maxsize=None)
 def heldout_text() -> str:
-    """Text for held-out perplexity (about 270 kB); no work in it appears in `train_text()`."""
+    """Text for held-out perplexity (about 590 kB); no work in it appears in `train_text()`."""
     return _read_text("text", "heldout.txt")
 
 

@@ -239,6 +239,12 @@ class Fitted:
     baseline: ConversionParams  # least-squares routers, no compensation
 
 
+def stage_tag(fit, text: str) -> str:
+    """Name of the stages' files in the fit's workdir: its settings and its training text, so that a
+    changed text or setting never resumes from another fit's checkpoint."""
+    return hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode() + text.encode()).hexdigest()[:12]
+
+
 def fit_demo(dense, tok, fit=None, s=None, *, workdir: Path, progress: Progress | None = None,
              report=None) -> Fitted:
     """Both stages of the demo conversion; each stage's result is kept in `workdir` and reused.
@@ -253,7 +259,8 @@ def fit_demo(dense, tok, fit=None, s=None, *, workdir: Path, progress: Progress 
     fit = FitSettings() if fit is None else fit
     s = DistilSettings() if s is None else s
     workdir.mkdir(parents=True, exist_ok=True)
-    tag = hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode()).hexdigest()[:12]
+    text = train_text()
+    tag = stage_tag(fit, text)
     stage1, base = workdir / f"layerwise-{tag}.safetensors", workdir / f"baseline-{tag}.safetensors"
     if stage1.is_file() and base.is_file():
         layerwise, baseline = load_params(stage1), load_params(base)
@@ -267,7 +274,7 @@ def fit_demo(dense, tok, fit=None, s=None, *, workdir: Path, progress: Progress 
         layerwise, baseline = load_params(stage1), load_params(base)
     if progress is not None:
         progress("stage 2: tokenising the training text")
-    ids = torch.tensor(tok(train_text())["input_ids"])
+    ids = torch.tensor(tok(text)["input_ids"])
     params = distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report)
     return Fitted(params, layerwise, baseline)
 

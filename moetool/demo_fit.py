@@ -92,6 +92,16 @@ def train_ids(tok, s: FitSettings) -> torch.Tensor:
     return torch.stack([ids[i:i + s.seq_len] for i in starts.tolist()])
 
 
+def spread_rows(n_tokens: int, want: int, seq_len: int) -> torch.Tensor:
+    """Token rows of `want` tokens' worth of whole windows spread evenly over [n_tokens] rows of windows.
+
+    The training windows come in text order, one domain after another, so their first rows would
+    all be the first domain's."""
+    n_win = n_tokens // seq_len
+    wins = torch.linspace(0, n_win - 1, max(1, min(n_win, want // seq_len))).long()
+    return (wins[:, None] * seq_len + torch.arange(seq_len)).flatten()
+
+
 def ffn_act(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
     return F.silu(x @ wg.T) * (x @ wu.T)  # [T, I]
 
@@ -142,7 +152,8 @@ def layout(a: torch.Tensor, wd: torch.Tensor, s: FitSettings) -> torch.Tensor:
     for tier, n_exp in ((rest[: n_pop * m], n_pop), (rest[n_pop * m:], s.experts - n_pop)):
         if n_exp == 0:
             continue
-        feat = F.normalize(contrib[: s.cluster_tokens, tier].T, dim=1)  # co-activation profile
+        rows = spread_rows(contrib.shape[0], s.cluster_tokens, s.seq_len)
+        feat = F.normalize(contrib[rows][:, tier].T, dim=1)  # co-activation profile
         labels = balanced_kmeans(feat, n_exp, seed=s.seed)
         groups += [tier[labels == e].sort().values for e in range(n_exp)]
     return torch.cat([shared] + groups)
@@ -218,16 +229,16 @@ def fit_router(x: torch.Tensor, ap: torch.Tensor, wdp: torch.Tensor,
 def refit_down(ap_routed: torch.Tensor, y: torch.Tensor, wdp: torch.Tensor,
                s: FitSettings) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Low-rank (b [H,r], a [r,I]) change of the permuted down projection, or None if it hurts."""
-    n = ap_routed.shape[0]
-    split = int(n * 0.9)  # fit on 90%, keep the change only if the last 10% agree
-    f_tr, y_tr = ap_routed[:split], y[:split]
+    # Fit on 9 windows in 10, keep the change only if every 10th window (all domains) agrees.
+    held = (torch.arange(ap_routed.shape[0]) // s.seq_len) % 10 == 9
+    f_tr, y_tr = ap_routed[~held], y[~held]
     gram = f_tr.T @ f_tr
     gram += s.ridge * gram.diagonal().mean() * torch.eye(gram.shape[0])
     w_new = torch.linalg.solve(gram, f_tr.T @ y_tr).T  # [H, I]
     u, sv, vh = torch.linalg.svd(w_new - wdp, full_matrices=False)
     r = s.compensation_rank
     b, a = u[:, :r] * sv[:r], vh[:r]
-    f_va, y_va = ap_routed[split:], y[split:]
+    f_va, y_va = ap_routed[held], y[held]
     before = (f_va @ wdp.T - y_va).pow(2).sum()
     after = (f_va @ (wdp + b @ a).T - y_va).pow(2).sum()
     return (b, a) if after < before else None

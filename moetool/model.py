@@ -13,6 +13,7 @@ to the device: expert weights never reach the device except through an expert pr
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -296,8 +297,37 @@ def inspect_geometry(model: nn.Module) -> MoeGeometry:
                        dense_layers=tuple(i for i in range(n_layers) if i not in moe_idx))
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+DIGEST_SAMPLES = 32  # per weight file
+DIGEST_SAMPLE_BYTES = 1 << 16
+
+
+def weights_digest(source: str) -> str:
+    """sha256 over every weight file of a local checkpoint: its name, size and 32 samples of 64 KiB
+    spread from its first byte to its last ("" for a hub id or a directory with no weight files).
+
+    Not a hash of every byte: a 100 GB checkpoint would take minutes to hash on every command, and
+    what it has to catch is a different checkpoint of the same architecture (a fine-tune, a rebuilt
+    demo model) where almost every tensor differs. It reads ~2 MiB a file."""
+    root = Path(source)
+    if not root.is_dir():
+        return ""
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)  # HF layout: flat
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(root)}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            for i in range(DIGEST_SAMPLES):
+                fh.seek(max(0, size - DIGEST_SAMPLE_BYTES) * i // (DIGEST_SAMPLES - 1))
+                h.update(fh.read(DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
 def model_fingerprint(config: Any, source: str) -> ModelFingerprint:
-    return ModelFingerprint.of_config(source, config.to_dict())
+    return ModelFingerprint.of_config(source, config.to_dict(), weights_digest(source))
 
 
 def resolve_source(source: str | Path) -> str:

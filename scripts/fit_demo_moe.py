@@ -7,6 +7,7 @@ last checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~10 minutes 
 
     .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
     .venv/bin/python scripts/fit_demo_moe.py --steps 20 --out /tmp/c.safetensors   # a quick trial
+    .venv/bin/python scripts/fit_demo_moe.py --evaluate moetool/data/demo_moe/conversion.safetensors
 
 It reports perplexity of the dense model, of the MoE before training (least-squares routers), after
 the layerwise fit and after distillation, on held-out text of the fitting domains and on a domain
@@ -40,11 +41,19 @@ console = Console(stderr=True)
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
+def windows(tok, text: str, max_tokens: int, seq_len: int = 512) -> torch.Tensor:
+    """[n, seq_len] windows spread evenly over `text`: the held-out text is five domains one after
+    another, and its first tokens would all be Shakespeare's."""
+    ids = torch.tensor(tok(text)["input_ids"])
+    n_win = len(ids) // seq_len
+    starts = torch.linspace(0, n_win - 1, max(1, min(n_win, max_tokens // seq_len))).long() * seq_len
+    return torch.stack([ids[o:o + seq_len] for o in starts.tolist()])
+
+
 @torch.no_grad()
 def perplexity(model, tok, text: str, max_tokens: int, seq_len: int = 512, batch: int = 8) -> float:
-    ids = torch.tensor(tok(text)["input_ids"])
-    n = min(len(ids), max_tokens) // seq_len
-    ids = ids[: n * seq_len].view(n, seq_len)
+    ids = windows(tok, text, max_tokens, seq_len)
+    n = ids.shape[0]
     nll, count = 0.0, 0
     for i in range(0, n, batch):
         x = ids[i:i + batch]
@@ -85,6 +94,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=dd.batch, help="distillation windows per step")
     ap.add_argument("--logit-std", type=float, default=dd.logit_std, help="router logit spread after annealing")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
+    ap.add_argument("--evaluate", type=Path, default=None, metavar="FILE",
+                    help="no fit: measure this conversion file (e.g. the committed one) and print the report")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     s = dataclasses.replace(d, shared=args.shared, experts=args.experts, top_k=args.top_k,
@@ -107,26 +118,30 @@ def main() -> None:
 
         dense, tok = load_dense(fetch_dense_gguf(progress=progress))
         t0 = time.perf_counter()
-        fitted = fit_demo(dense, tok, s, ds, workdir=args.workdir, progress=progress, report=step_report)
+        if args.evaluate is not None:
+            params = load_params(args.evaluate)
+            models = {"dense": dense, "moe": convert(dense, params)}
+        else:
+            fitted = fit_demo(dense, tok, s, ds, workdir=args.workdir, progress=progress, report=step_report)
+            console.log(f"fitted in {time.perf_counter() - t0:.0f}s")
+            # Evaluate what gets committed: the fp16 round trip of the parameters.
+            params = fitted.params
+            tmp = args.out.with_name(args.out.name + ".eval")
+            save_params(params, tmp)
+            params = load_params(tmp)
+            tmp.unlink()
+            models = {"dense": dense, "before_training": convert(dense, fitted.baseline),
+                      "layerwise": convert(dense, fitted.layerwise), "moe": convert(dense, params)}
         fit_s = time.perf_counter() - t0
-        console.log(f"fitted in {fit_s:.0f}s")
-        # Evaluate what gets committed: the fp16 round trip of the parameters.
-        params = fitted.params
-        tmp = args.out.with_name(args.out.name + ".eval")
-        save_params(params, tmp)
-        params = load_params(tmp)
-        tmp.unlink()
         texts = {"heldout": datasets.heldout_text(), "unseen": datasets.unseen_text()}
-        models = {"dense": dense, "before_training": convert(dense, fitted.baseline),
-                  "layerwise": convert(dense, fitted.layerwise), "moe": convert(dense, params)}
         ppl = {}
         for name, model in models.items():
             for text_name, text in texts.items():
                 status.update(f"perplexity: {name} on {text_name}")
                 ppl[f"{name}_{text_name}"] = round(perplexity(model, tok, text, args.eval_tokens), 3)
         status.update("router statistics and a sample answer")
-        ids = torch.tensor(tok(texts["heldout"])["input_ids"][: 8 * 512]).view(8, 512)
-        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "moe")}
+        ids = windows(tok, texts["heldout"], 8 * 512)
+        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "moe") if name in models}
         answer_moe, answer_dense = chat(models["moe"], tok, PROMPT), chat(dense, tok, PROMPT)
 
     report = {
@@ -135,18 +150,21 @@ def main() -> None:
         "eval_tokens": args.eval_tokens, "ppl": ppl,
         "ppl_ratio_heldout": round(ppl["moe_heldout"] / ppl["dense_heldout"], 4),
         "ppl_ratio_unseen": round(ppl["moe_unseen"] / ppl["dense_unseen"], 4),
-        "ppl_ratio_layerwise_heldout": round(ppl["layerwise_heldout"] / ppl["dense_heldout"], 4),
-        "ppl_ratio_layerwise_unseen": round(ppl["layerwise_unseen"] / ppl["dense_unseen"], 4),
-        "gates_layerwise": _summary(stats["layerwise"]), "gates": _summary(stats["moe"]),
+        "gates": _summary(stats["moe"]),
         "top25pct_expert_share_per_layer": [round(r["top25_experts"], 4) for r in stats["moe"]],
         "top1_over_next_per_layer": [round(r["top1"] / r["next"], 3) for r in stats["moe"]],
         "fit_seconds": round(fit_s), "total_seconds": round(time.perf_counter() - t_all),
         "prompt": PROMPT, "answer_moe": answer_moe, "answer_dense": answer_dense,
     }
-    params = dataclasses.replace(params, meta=params.meta | {"report": report})
-    save_params(params, args.out)
+    if "layerwise" in models:
+        report |= {"ppl_ratio_layerwise_heldout": round(ppl["layerwise_heldout"] / ppl["dense_heldout"], 4),
+                   "ppl_ratio_layerwise_unseen": round(ppl["layerwise_unseen"] / ppl["dense_unseen"], 4),
+                   "gates_layerwise": _summary(stats["layerwise"])}
+    if args.evaluate is None:
+        params = dataclasses.replace(params, meta=params.meta | {"report": report})
+        save_params(params, args.out)
 
-    table = Table(title=f"demo MoE conversion -> {args.out}")
+    table = Table(title=f"demo MoE conversion {args.evaluate or '-> ' + str(args.out)}")
     table.add_column("quantity")
     table.add_column("value")
     for key, val in report.items():

@@ -33,6 +33,47 @@ def test_fingerprint_ignores_volatile_keys_but_not_shapes():
     assert same.same_model(FP_A) and not FP_B.same_model(FP_A)
 
 
+def test_weights_digest_tells_checkpoints_of_one_architecture_apart_where_known():
+    w1, w2 = "1" * 64, "2" * 64
+    a1, a2 = (ModelFingerprint.of_config("a", {"model_type": "mixtral", "hidden_size": 32}, w) for w in (w1, w2))
+    unknown = FP_A  # a hub id, or an artifact written before fingerprints had a digest
+    assert a1.same_model(a1) and not a1.same_model(a2) and not a2.same_model(a1)
+    assert a1.same_model(unknown) and unknown.same_model(a1)  # lenient: reads older artifacts
+    assert not a1.same_model(unknown, strict=True) and a1.same_model(a1, strict=True)  # reuse needs proof
+    assert not FP_B.same_model(a1, strict=True)
+
+
+def test_artifact_without_a_weights_digest_still_loads(tmp_path):
+    data = _report().to_json()
+    assert data["model"].pop("weights_sha256") == ""
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    assert CheckReport.load(tmp_path / "r.json", model=FP_A) == _report()
+    data["model"]["weights_sha256"] = "not a digest"
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    with pytest.raises(MoetoolError, match="weights_sha256"):
+        CheckReport.load(tmp_path / "r.json")
+
+
+def test_weights_digest_samples_every_weight_file(tmp_path):
+    from moetool.model import weights_digest
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    assert weights_digest(str(src)) == "" and weights_digest("org/name") == ""
+    blob = bytearray(os.urandom(3 << 20))
+    (src / "model-00001.safetensors").write_bytes(blob)
+    first = weights_digest(str(src))
+    assert len(first) == 64
+    (src / "config.json").write_text('{"edited": 1}')  # not a weight file
+    assert weights_digest(str(src)) == first
+    blob[-1] ^= 1  # the last sample ends at the last byte
+    (src / "model-00001.safetensors").write_bytes(blob)
+    assert weights_digest(str(src)) != first
+    (src / "model-00002.safetensors").write_bytes(b"x")
+    assert weights_digest(str(src)) not in ("", first)
+
+
 def test_artifact_of_another_model_is_refused(tmp_path):
     path = _report().save(tmp_path / "r.json")
     with pytest.raises(MoetoolError, match="was made for model a"):

@@ -16,8 +16,10 @@ def _lines(text: str, min_len: int = 40) -> set[str]:
 
 
 # One string per fitting domain, found in no other domain: Shakespeare's stage direction, the Python
-# docs' interpreter prompt, the Debian handbook's example company.
-DOMAIN_MARKERS = {"shakespeare": "Exeunt", "python docs": ">>> ", "debian handbook": "Falcot"}
+# docs' interpreter prompt, the Debian handbook's example company, a Jargon File entry's
+# pronunciation-then-noun, a WordNet gloss's opening.
+DOMAIN_MARKERS = {"shakespeare": "Exeunt", "python docs": ">>> ", "debian handbook": "Falcot",
+                  "jargon file": "/, n.", "wordnet": "any of various"}
 
 
 def test_train_heldout_and_unseen_text_are_nonempty_and_disjoint():

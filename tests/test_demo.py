@@ -211,14 +211,17 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
 @pytest.mark.slow
 @torch.no_grad()
 def test_perplexity_against_the_dense_model(moe, dense, tok):
-    """Held-out text of the fitting domains within 1.5x dense (measured 1.22x on 8,192 tokens). The
-    unseen domain (fortune quotations) is at 1.77x, over the 1.5x goal: bounded here so that it
-    cannot silently get worse."""
+    """Held-out text of the five fitting domains within 1.5x dense (1.48x on 16 windows spread over
+    it, scripts/fit_demo_moe.py). The unseen domain (fortune quotations) is at 1.72x, over the 1.5x
+    goal: bounded here so that it cannot silently get worse. 8 windows spread over each text, as the
+    held-out text is one domain after another."""
     def ppl(model, text):
-        ids = torch.tensor(tok(text)["input_ids"][: 4 * 512]).view(4, 512)
+        ids = torch.tensor(tok(text)["input_ids"])
+        starts = torch.linspace(0, len(ids) // 512 - 1, 8).long() * 512
+        ids = torch.stack([ids[o:o + 512] for o in starts.tolist()])
         logits = model(input_ids=ids).logits[:, :-1]
         return math.exp(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                           ids[:, 1:].reshape(-1)).item())
 
     assert ppl(moe, datasets.heldout_text()) <= 1.5 * ppl(dense, datasets.heldout_text())
-    assert ppl(moe, datasets.unseen_text()) <= 2.0 * ppl(dense, datasets.unseen_text())
+    assert ppl(moe, datasets.unseen_text()) <= 1.9 * ppl(dense, datasets.unseen_text())

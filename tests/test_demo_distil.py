@@ -150,3 +150,27 @@ def test_router_stats_read_peaked_and_flat_routers():
         assert layer["top1"] / layer["next"] > 3.0
         assert layer["top_quarter_weight"] > 1 / K
         assert 0.25 <= layer["top25_experts"] <= 1.0
+
+
+def test_fit_stage_files_depend_on_the_training_text_and_settings():
+    """A refit after the training text changed (e.g. a domain added) must not resume another text's
+    checkpoint: the stages' file tag changes with the text and with the settings."""
+    from moetool.demo_fit import FitSettings
+
+    base = demo.stage_tag(FitSettings(), "some text")
+    assert demo.stage_tag(FitSettings(), "some text") == base
+    assert demo.stage_tag(FitSettings(), "some text, and more") != base
+    assert demo.stage_tag(FitSettings(top_k=4), "some text") != base
+
+
+def test_clustering_and_validation_rows_span_every_part_of_the_training_windows():
+    """Training windows come one domain after another; the rows the clustering reads are whole
+    windows spread from the first to the last, not the first domain's."""
+    from moetool.demo_fit import spread_rows
+
+    rows = spread_rows(64 * 8, 4 * 8, 8)  # 64 windows of 8 tokens, 4 windows' worth wanted
+    assert rows.numel() == 32 and rows.unique().numel() == 32
+    windows = (rows // 8).unique().tolist()
+    assert windows[0] == 0 and windows[-1] == 63 and len(windows) == 4
+    assert all((rows.view(4, 8) % 8 == torch.arange(8)).all(1))  # whole windows, in order
+    assert spread_rows(3 * 8, 100, 8).numel() == 24  # more wanted than there is: every window once

@@ -61,6 +61,23 @@ def test_a_rerun_reuses_every_valid_artifact(piped):
     assert {p: p.stat().st_mtime_ns for p in artifacts} == before
 
 
+def test_other_weights_in_the_same_place_redo_every_stage(piped):
+    """The demo model rebuilt from new parameters keeps its directory and config: a re-run must not
+    reuse the bundle, profile, fit or cells made from the old weights (runs last: it changes the model)."""
+    cfg, paths, _ = piped
+    model = paths["model"]
+    old = Bundle.open(paths["bundle"]).manifest.model
+    runs = list(paths["runs"].glob("*.run.json"))
+    before = {p: p.stat().st_mtime_ns for p in [paths["profile"], paths["fit"], *runs]}
+    save_tiny("qwen2_moe", model, seed=5, max_position_embeddings=1024)  # same config, new weights
+    demo_pipeline(cfg)
+    new = Bundle.open(paths["bundle"]).manifest.model
+    assert new.config_sha256 == old.config_sha256 and new.weights_sha256 not in ("", old.weights_sha256)
+    for p, mtime in before.items():
+        assert p.stat().st_mtime_ns != mtime, f"{p.name} was reused"
+        assert json.loads(p.read_text())["model"]["weights_sha256"] == new.weights_sha256, p.name
+
+
 def test_relative_paths_are_the_callers_not_the_grid_files(tmp_path, monkeypatch):
     """`moetool demo --out out/demo` (make demo's default) must not resolve against moetool/grids/."""
     from pathlib import Path

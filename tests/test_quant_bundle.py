@@ -100,6 +100,22 @@ def test_bundle_of_another_model_is_refused(built, models):
         Bundle.open(out, model=other)
 
 
+def test_bundle_of_other_weights_of_the_same_architecture_is_refused(built, models, tmp_path):
+    """Same config, other weights (a fine-tune, the demo model rebuilt in place): the config hash
+    cannot tell them apart, the weights digest does; a copy of the same checkpoint elsewhere is the
+    same model."""
+    _, out = built
+    copy = tmp_path / "copy"
+    shutil.copytree(models[0], copy)
+    assert load_model(str(copy), dtype=torch.float32).fingerprint.same_model(Bundle.open(out).manifest.model)
+    Bundle.open(out, model=load_model(str(copy), dtype=torch.float32).fingerprint)
+    retrained = tiny_moe(tmp_path / "retrained", seed=7)  # the same config as models[0]
+    fp = load_model(str(retrained), dtype=torch.float32).fingerprint
+    assert fp.config_sha256 == Bundle.open(out).manifest.model.config_sha256
+    with pytest.raises(MoetoolError, match=r"was made for model .*weights [0-9a-f]{12}\), not for .*weights"):
+        Bundle.open(out, model=fp)
+
+
 def test_bad_settings_are_refused(models, tmp_path):
     with pytest.raises(MoetoolError, match="5 is not a stored precision"):
         quantize(config(models[0], tmp_path / "x", bits=(8, 5)))

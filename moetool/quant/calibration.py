@@ -44,7 +44,7 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
         from moetool.datasets import train_text  # lazy: reads the packaged text only when calibrating
 
         text, where = train_text(), "moetool's training text"
-    # Tokenize a generous prefix first: the shipped text is ~2.8 MB and a few thousand tokens suffice.
+    # Tokenize a generous prefix first: the shipped text is ~4.9 MB and a few thousand tokens suffice.
     ids = lm.tokenizer(text[:16 * n_seq * seq_len])["input_ids"]
     if len(ids) < n_seq * seq_len:
         ids = lm.tokenizer(text)["input_ids"]

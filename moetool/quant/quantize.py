@@ -102,8 +102,11 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     report(Progress("load", 0, total))
     inputs = {"calib_text": sha256_file(Path(cfg.calib_text))} if cfg.calib_text else {}
     settings = _settings(cfg, bits, inputs, lm.tokenizer is not None)
+    # The weights' digest too (where known): an interrupted run never resumes on another checkpoint
+    # of the same architecture.
+    weights = {"weights_sha256": lm.fingerprint.weights_sha256} if lm.fingerprint.weights_sha256 else {}
     settings_sha = _sha256_json({"model_type": lm.fingerprint.model_type,
-                                 "config_sha256": lm.fingerprint.config_sha256, "settings": settings})
+                                 "config_sha256": lm.fingerprint.config_sha256, "settings": settings, **weights})
     layouts = {layer.index: {b: make_layout(b, _gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
                                             layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
