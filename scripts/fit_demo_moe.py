@@ -1,8 +1,8 @@
 """Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors (`make fit-demo`).
 
 Run by a maintainer (never by CI, which applies the committed result). Two stages, both resumable:
-the layerwise fit (demo_fit, ~6 minutes on 2 idle cores) and the end-to-end distillation towards
-the dense model (demo_distil, about an hour); rerunning after an interruption picks up where the
+the layerwise fit (demo_fit, ~10 minutes on 2 cores) and the end-to-end distillation towards
+the dense model (demo_distil, about 65 minutes); rerunning after an interruption picks up where the
 last checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~10 minutes of evaluation:
 
     .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
