@@ -85,21 +85,21 @@ def train_ids(tok, s: FitSettings) -> torch.Tensor:
     """[B, seq_len] windows spread evenly over the training text (plays and docs alike)."""
     from moetool.datasets import train_text
 
-    ids = torch.tensor(tok(train_text())["input_ids"])
-    n_win = len(ids) // s.seq_len
-    want = max(1, min(n_win, s.train_tokens // s.seq_len))
-    starts = torch.linspace(0, n_win - 1, want).long() * s.seq_len
-    return torch.stack([ids[i:i + s.seq_len] for i in starts.tolist()])
+    return spread_windows(torch.tensor(tok(train_text())["input_ids"]), s.train_tokens, s.seq_len)
+
+
+def spread_windows(ids: torch.Tensor, tokens: int, seq_len: int) -> torch.Tensor:
+    """[n, seq_len]: `tokens` tokens' worth of whole windows of `ids` [N], spread evenly from the first
+    window to the last (every window once if fewer). The texts hold one domain after another, so
+    their first windows would all be the first domain's."""
+    n_win = len(ids) // seq_len
+    starts = torch.linspace(0, n_win - 1, max(1, min(n_win, tokens // seq_len))).long() * seq_len
+    return torch.stack([ids[o:o + seq_len] for o in starts.tolist()])
 
 
 def spread_rows(n_tokens: int, want: int, seq_len: int) -> torch.Tensor:
-    """Token rows of `want` tokens' worth of whole windows spread evenly over [n_tokens] rows of windows.
-
-    The training windows come in text order, one domain after another, so their first rows would
-    all be the first domain's."""
-    n_win = n_tokens // seq_len
-    wins = torch.linspace(0, n_win - 1, max(1, min(n_win, want // seq_len))).long()
-    return (wins[:, None] * seq_len + torch.arange(seq_len)).flatten()
+    """The row indices of `spread_windows` over [n_tokens] rows that come in windows of `seq_len`."""
+    return spread_windows(torch.arange(n_tokens), want, seq_len).flatten()
 
 
 def ffn_act(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:

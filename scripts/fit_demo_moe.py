@@ -35,19 +35,15 @@ from moetool.demo import (
     cache_root, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense, load_params, save_params,
 )
 from moetool.demo_distil import DistilSettings, router_stats
-from moetool.demo_fit import FitSettings
+from moetool.demo_fit import FitSettings, spread_windows
 
 console = Console(stderr=True)
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def windows(tok, text: str, max_tokens: int, seq_len: int = 512) -> torch.Tensor:
-    """[n, seq_len] windows spread evenly over `text`: the held-out text is five domains one after
-    another, and its first tokens would all be Shakespeare's."""
-    ids = torch.tensor(tok(text)["input_ids"])
-    n_win = len(ids) // seq_len
-    starts = torch.linspace(0, n_win - 1, max(1, min(n_win, max_tokens // seq_len))).long() * seq_len
-    return torch.stack([ids[o:o + seq_len] for o in starts.tolist()])
+    """[n, seq_len] windows spread evenly over `text` (its domains come one after another)."""
+    return spread_windows(torch.tensor(tok(text)["input_ids"]), max_tokens, seq_len)
 
 
 @torch.no_grad()
