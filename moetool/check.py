@@ -13,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 
 from moetool.artifacts import CheckReport, LayerCheck
+from moetool.errors import MoetoolError
 from moetool.model import encode, find_experts_modules, load_model, load_reference, resolve_source
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Mixture-of-Experts models route each token to"
@@ -46,7 +48,14 @@ def check_model(source: str | Path, prompt: str = DEFAULT_PROMPT, tolerance: flo
     hooks += _record({f"{g.path}.experts": ours.model.get_submodule(f"{g.path}.experts")
                       for g in ours.geometry.layers}, our_log)
     try:
-        ref_logits = ref(ids).logits.float()
+        try:
+            ref_logits = ref(ids).logits.float()
+        except Exception as e:  # noqa: BLE001 - transformers' own model, before any moetool code runs
+            # Nothing of moetool's is in this forward: the checkpoint (its config.json) or this
+            # transformers release is at fault, and there is nothing to compare against.
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise MoetoolError(f"plain transformers {transformers.__version__} cannot run {source} "
+                               f"({type(e).__name__}: {cause}); check its config.json") from e
         our_logits = ours.model(ids).logits.float()
     finally:
         for h in hooks:

@@ -43,6 +43,8 @@ from moetool.checkpoint import first_line as _first_line
 from moetool.datasets import read_text_file
 from moetool.errors import MoetoolError, yaml_error
 from moetool.hub import cache_only, hub_reachable
+from moetool.inference import context_length
+from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
 from moetool.spec import EngineRecord, EngineSpec, check_positive
@@ -50,6 +52,7 @@ from moetool.spec import EngineRecord, EngineSpec, check_positive
 PPL = "ppl"
 TASKS_DIR = Path(__file__).with_name("tasks")  # moetool's lm-eval task YAMLs
 LOCAL_GROUPS = ("bigbench-mc", "bigbench-mc-cloze")
+PPL_CONTEXT = 512  # ppl's default window
 MAX_LENGTH = 2048  # longest lm-eval sequence; the budget's KV margin is sized for it
 STEPWISE_TOKENS = 1024  # default --limit for --stepwise perplexity (one forward per token)
 BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of means is closed-form; bootstrapped metrics get 1000 resamples
@@ -106,7 +109,7 @@ class EvalConfig(EngineSpec):
     mmlu_source: str = "auto"  # lm-eval's mmlu tasks: one of MMLU_SOURCES
     data: Path | None = None  # ppl: a UTF-8 text file (default: the packaged held-out text)
     stepwise: bool = False
-    context: int = 512  # ppl window length in tokens
+    context: int | None = None  # ppl window length in tokens (None: PPL_CONTEXT, or the model's context if shorter)
     batch_size: int = 1
 
     def check(self) -> None:
@@ -123,7 +126,7 @@ class EvalConfig(EngineSpec):
         if self.task == PPL:
             if self.data is not None and not Path(self.data).is_file():
                 raise MoetoolError(f"--data {self.data} does not exist.")
-            if self.context < 2:
+            if self.context is not None and self.context < 2:
                 raise MoetoolError(f"--context must be at least 2 tokens, not {self.context}.")
             if self.num_fewshot is not None or self.include_path is not None:
                 raise MoetoolError("--num-fewshot and --include-path are for lm-eval tasks, not ppl.")
@@ -151,14 +154,15 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
 
         text, source = heldout_text(), "moetool/data/text/heldout.txt"
         inputs = {source: sha256_file(TASKS_DIR.parent / "data" / "text" / "heldout.txt")}
-    ready = prepare(cfg, max_tokens=cfg.context, batch=cfg.batch_size)
+    ready = prepare(cfg, max_tokens=lambda lm: ppl_context(cfg.context, lm), batch=cfg.batch_size)
+    context = ppl_context(cfg.context, ready.lm)
     try:
         ids = tokenize(ready.lm, text)  # [N]
         limit = cfg.limit if cfg.limit is not None else STEPWISE_TOKENS if cfg.stepwise else None
         ids = ids[:limit]
         if ids.numel() < 2:
             raise MoetoolError(f"{source} holds fewer than 2 tokens; perplexity needs text to predict.")
-        windows = perplexity_windows(ready.lm.model, ids, cfg.context, cfg.batch_size, cfg.stepwise,
+        windows = perplexity_windows(ready.lm.model, ids, context, cfg.batch_size, cfg.stepwise,
                                      torch.device(cfg.device), progress)
     finally:
         ready.engine.close()
@@ -167,8 +171,20 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     return Eval(model=ready.lm.fingerprint, **engine_record(ready), inputs={**ready.inputs, **inputs}, task=PPL,
                 metrics={"ppl": math.exp(nll / n), "nll": nll / n}, stderr={}, n=n, unit="tokens",
                 subtasks={}, samples={PPL: windows},
-                options={"data": source, "context": cfg.context, "limit": limit, "stepwise": cfg.stepwise,
+                options={"data": source, "context": context, "limit": limit, "stepwise": cfg.stepwise,
                          "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored"})
+
+
+def ppl_context(asked: int | None, lm: LoadedModel) -> int:
+    """The ppl window: --context as given, or PPL_CONTEXT cut to the model's context. Windows longer
+    than the model's positions would be scored, silently, where the model was never trained."""
+    limit = context_length(lm.model)
+    if asked is None:
+        return min(PPL_CONTEXT, limit or PPL_CONTEXT)
+    if limit is not None and asked > limit:
+        raise MoetoolError(f"--context {asked} is longer than {lm.path}'s context of {limit} tokens "
+                           f"(max_position_embeddings in its config.json); give --context {limit} or less.")
+    return asked
 
 
 # -- lm-eval ----------------------------------------------------------------------------------------

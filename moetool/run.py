@@ -24,6 +24,8 @@ import torch
 from moetool.artifacts import Artifact, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetPlan, build_engine, parse_size
 from moetool.engine.store import HostStore
+from moetool.errors import MoetoolError
+from moetool.inference import context_length
 from moetool.model import LoadedModel, encode, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.spec import EngineRecord, EngineSpec, check_positive, resolve_dtype
@@ -156,12 +158,22 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 
+def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
+    """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
+    tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
+    longest = max(_encode(lm, [p])[0].shape[1] for p in prompts)
+    limit = context_length(lm.model)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise MoetoolError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} is "
+                           f"{longest + max_new_tokens} tokens, more than {lm.path}'s context of {limit} "
+                           f"(max_position_embeddings in its config.json).")
+    return longest + max_new_tokens
+
+
 def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Run:
     cfg.check()
     prompts = list(cfg.prompts)
-    # The KV margin follows this run's own lengths: its longest prompt (a batch is left-padded to it)
-    # plus the tokens it generates.
-    ready = prepare(cfg, max_tokens=lambda lm: max(_encode(lm, [p])[0].shape[1] for p in prompts) + cfg.max_new_tokens,
+    ready = prepare(cfg, max_tokens=lambda lm: _sequence_tokens(lm, prompts, cfg.max_new_tokens),
                     batch=min(cfg.batch_size, len(prompts)))
     lm, engine = ready.lm, ready.engine
     tokens: list[list[int]] = []

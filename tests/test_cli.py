@@ -73,6 +73,34 @@ def test_corrupt_safetensors(tiny_ckpt, tmp_path):
     assert "cannot load the weights" in line
 
 
+def test_checkpoint_that_plain_transformers_cannot_run(tmp_path):
+    """The reference forward itself fails (a hybrid whose every layer is linear attention has no
+    sequence length for transformers' masks): one sentence naming transformers, no traceback."""
+    from tiny import save_tiny
+
+    ckpt = save_tiny("qwen3_next", tmp_path / "ckpt", layer_types=["linear_attention"] * 2)
+    line = _one_error_line(runner.invoke(app, ["check", str(ckpt)]))
+    assert "plain transformers" in line and "cannot run" in line and "config.json" in line
+
+
+def test_sequences_past_the_models_context_are_refused(tiny_ckpt, tmp_path):
+    """The tiny checkpoints have 128 positions (max_position_embeddings): a generation, a ppl window
+    or a profile trace longer than that would run where the model has no trained positions. Each is
+    refused in one sentence that names the option; ppl's default window is cut to the context."""
+    ckpt = str(tiny_ckpt("qwen2_moe"))
+    line = _one_error_line(runner.invoke(app, ["run", "--model", ckpt, "--prompt", "hi", "--max-new-tokens", "200"]))
+    assert "--max-new-tokens 200" in line and "context of 128" in line
+    line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--model", ckpt, "--context", "200"]))
+    assert "--context 200" in line and "context of 128" in line
+    out = tmp_path / "p.json"
+    line = _one_error_line(runner.invoke(app, ["profile", "--model", ckpt, "--what", "routing", "--seq-len", "120",
+                                               "--decode-tokens", "9", "--out", str(out)]))
+    assert "--seq-len 120 plus --decode-tokens 9" in line and not out.exists()
+    result = runner.invoke(app, ["eval", "ppl", "--model", ckpt, "--limit", "300", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["options"]["context"] == 128  # 512 by default, cut to the model's
+
+
 def test_directory_without_config(tmp_path):
     assert "no config.json" in _one_error_line(runner.invoke(app, ["check", str(tmp_path)]))
 

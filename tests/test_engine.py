@@ -225,3 +225,45 @@ def test_a_run_plans_its_kv_margin_for_its_own_prompt_and_refuses_a_budget_too_s
     with pytest.raises(MoetoolError, match="below the minimum"):
         run(RunConfig(model=path, policy="lru", budget=f"{fits_short - runs[short].budget['cache_bytes']}B",
                       clock="sim", prompts=(long_,), max_new_tokens=8))
+
+
+def test_dymoe_heavy_hitters_carry_over_layers_without_softmax_attention(tmp_path):
+    """A hybrid (linear attention, softmax attention, linear attention): DyMoE eq. 1's scores come
+    from the softmax layer; the linear layer after it reads them, the one before it has none (eq. 2
+    then counts every token). A decode step through the hybrid cache plans as decode."""
+    from tiny import save_tiny
+
+    path = save_tiny("qwen3_next", tmp_path / "hybrid", num_hidden_layers=3,
+                     layer_types=["linear_attention", "full_attention", "linear_attention"])
+    lm, engine, _ = _engine(path, "dymoe", "50%", high_bits=16, low_bits=0)  # 16/0: the checkpoint suffices
+    seen, view = {}, engine._view
+
+    def spy(g, *args, **kwargs):
+        v = view(g, *args, **kwargs)
+        seen[g.index, v.step.phase] = v.token_importance
+        return v
+
+    engine._view = spy
+    lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False)
+    assert seen[0, Phase.PREFILL] is None
+    assert seen[1, Phase.PREFILL] is not None and seen[1, Phase.PREFILL].numel() == IDS.numel()
+    assert torch.equal(seen[2, Phase.PREFILL], seen[1, Phase.PREFILL])
+    assert (2, Phase.DECODE) in seen  # the second forward was read as a decode step
+
+
+@pytest.mark.parametrize("arch,bias", [("minimax_m2", "e_score_correction_bias"), ("lfm2_moe", "expert_bias")])
+def test_look_ahead_replays_a_router_that_takes_its_blocks_inputs(tiny_ckpt, arch, bias):
+    """Routers that take their block's selection bias besides the hidden states (MiniMax-M2: a
+    required parameter; LFM2-MoE: an optional one, None by default): the engine's cross-layer
+    prediction and the profile's routing pass it, as the block does."""
+    from moetool.profile.trace import route
+
+    lm, engine, _ = _engine(tiny_ckpt(arch), "lru", "50%")
+    g = lm.geometry.layers[-1]
+    block = lm.model.get_submodule(g.path)
+    getattr(block, bias)[1] = 10.0  # expert 1 always chosen, though its score stays a sigmoid < 1
+    h = torch.randn(5, g.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = torch.nn.functional.linear(h, block.get_submodule(g.router).weight)
+    assert torch.equal(engine._predict(g.index, h), want)
+    logits, top_k = route(lm, g.index, h)
+    assert torch.equal(logits, want) and (top_k == 1).any(-1).all()

@@ -71,3 +71,23 @@ def test_a_wrong_expert_is_detected(tiny_ckpt):
 def test_missing_path_is_one_sentence(tmp_path):
     with pytest.raises(MoetoolError, match="does not exist"):
         load_model(tmp_path / "nowhere")
+
+
+def test_past_tokens_reads_a_cache_of_linear_attention_layers_only():
+    """transformers' cache has no sequence length without a softmax-attention layer: the state the
+    linear layers hold (or the positions, where given) says prefill or decode instead."""
+    from transformers import DynamicCache
+
+    from moetool.inference import past_tokens
+    from tiny import tiny_config
+
+    cache = DynamicCache(config=tiny_config("qwen3_next", layer_types=["linear_attention"] * 2))
+    with pytest.raises(ValueError):
+        cache.get_seq_length()  # what past_tokens works around
+    assert past_tokens({"past_key_values": cache}) == 0
+    cache.layers[0].update_conv_state(torch.zeros(1, 4, 3))  # a prefill went through
+    assert past_tokens({"past_key_values": cache}) == 1
+    assert past_tokens({"past_key_values": cache, "position_ids": torch.tensor([[7]])}) == 7
+    mixed = DynamicCache(config=tiny_config("qwen3_next"))
+    mixed.layers[1].update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))
+    assert past_tokens({"cache": mixed}) == 5

@@ -27,6 +27,16 @@ TINY_CONFIGS: dict[str, dict] = {
     "granitemoe": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
                     layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    # Its router takes the block's `e_score_correction_bias` besides the hidden states (sigmoid scores).
+    "minimax_m2": dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+    # A hybrid of short convolutions and attention; the block passes its `expert_bias` to the router
+    # (an optional parameter there), and layer 0 is dense.
+    "lfm2_moe": dict(intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                     num_dense_layers=1, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+    # A hybrid: a linear-attention (gated DeltaNet) layer before a softmax one, each with a MoE block.
+    "qwen3_next": dict(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=32, head_dim=8, layer_types=["linear_attention", "full_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
 }
 
 

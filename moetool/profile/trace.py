@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from moetool.errors import MoetoolError
+from moetool.inference import call_router
 from moetool.model import LoadedModel
 from moetool.policies.dymoe import token_importance
 
@@ -45,11 +47,6 @@ class Trace:
     hidden: list[torch.Tensor] = field(default_factory=list)  # [T, H] output of every decoder layer
 
 
-def router_of(lm: LoadedModel, layer: int) -> nn.Module:
-    g = lm.geometry.layer(layer)
-    return lm.model.get_submodule(f"{g.path}.{g.router}")
-
-
 @torch.no_grad()
 def route(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s own router on `hidden` [T, H]: (logits [T, E], top-k experts [T, k]).
@@ -57,9 +54,10 @@ def route(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> tuple[torch.Tens
     The model's router decides the top-k (its own softmax/sigmoid, groups, biases); a router that
     returns only logits gets a plain top-k over them.
     """
-    router = router_of(lm, layer)
-    param = next(router.parameters())
-    out = router(hidden.to(param.device, param.dtype))
+    out = call_router(lm, layer, hidden)
+    if out is None:
+        raise MoetoolError(f"MoE layer {layer}'s router takes inputs its block does not hold under their names, "
+                           "so it cannot be replayed on other hidden states")
     logits = out[0] if isinstance(out, tuple) else out
     if isinstance(out, tuple) and len(out) >= 3:
         top_k = out[2]

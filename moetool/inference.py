@@ -1,0 +1,78 @@
+"""What moetool reads off a transformers model as it runs, across architectures: a MoE layer's
+router called outside its block, the tokens already in a KV cache, and the model's context length.
+
+    logits = call_router(lm, layer, hidden)[0]          # cross-layer look-ahead
+    past = past_tokens(forward_kwargs)                  # 0: this forward is a prefill
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from moetool.model import LoadedModel
+
+
+def call_router(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> Any:
+    """MoE layer `layer`'s router on `hidden` [T, H] outside its block's forward (cross-layer
+    look-ahead, routing profiles): what the router returns, or None where it cannot run alone.
+
+    A router that takes more than the hidden states gets what its block would pass, by name: each
+    further parameter of its class's forward that names an attribute of the block gets that
+    attribute (MiniMax-M2's `e_score_correction_bias`, LFM2-MoE's `expert_bias`); the others keep
+    their defaults. None when a required one names no attribute."""
+    g = lm.geometry.layer(layer)
+    block = lm.model.get_submodule(g.path)
+    router = block.get_submodule(g.router)
+    params = _router_extra_args(type(router))
+    if params is None or any(required and not hasattr(block, name) for name, required in params):
+        return None
+    param = next(router.parameters(), None)
+    if param is not None:
+        hidden = hidden.to(param.device, param.dtype)
+    return router(hidden, **{name: getattr(block, name) for name, _ in params if hasattr(block, name)})
+
+
+@lru_cache(maxsize=None)
+def _router_extra_args(cls: type) -> tuple[tuple[str, bool], ...] | None:
+    """(name, required) of a router class's forward parameters after the hidden states; None when
+    its signature cannot be read or one of them cannot be passed by name."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[2:]  # after self, hidden_states
+    except (TypeError, ValueError):
+        return None
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(p.kind == p.POSITIONAL_ONLY for p in named):
+        return None
+    return tuple((p.name, p.default is inspect.Parameter.empty) for p in named)
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The longest sequence the model was built for (its config's max_position_embeddings), or None."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def past_tokens(kwargs: dict) -> int:
+    """Tokens already in the KV cache, from a model forward's keyword arguments (0: a prefill)."""
+    # transformers >= 5.24 passes the KV cache as `cache`; earlier releases (and callers that still
+    # pass it by its old name) as `past_key_values`.
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None:
+        try:
+            return int(cache.get_seq_length())
+        except ValueError:  # a cache of linear-attention / SSM layers only has no sequence length
+            pass
+    # No cache under a name we know, or no length in it: the first position says prefill (0) or
+    # decode; without positions, a linear-attention cache that holds a state says decode.
+    pos = kwargs.get("cache_position", kwargs.get("position_ids"))
+    if isinstance(pos, torch.Tensor) and pos.numel():
+        return int(pos.reshape(-1)[0]) if pos.dim() == 1 else int(pos[..., 0].min())
+    layers = getattr(cache, "layers", ())
+    return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers))
