@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from moetool.artifacts import Artifact, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetPlan, build_engine, parse_size
@@ -158,6 +159,24 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 
+class _StepCounter(BaseStreamer):
+    """Progress in generated tokens, all prompts together: generate hands a streamer the prompt, then
+    each step's new tokens (one per sequence of the batch)."""
+
+    def __init__(self, progress: Callable[[int, int], None], done: int, width: int, total: int):
+        self.progress, self.done, self.width, self.total, self.prompt_seen = progress, done, width, total, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call is the prompt itself
+            self.prompt_seen = True
+            return
+        self.done += self.width
+        self.progress(min(self.done, self.total), self.total)
+
+    def end(self) -> None:
+        pass
+
+
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
     """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
     tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
@@ -182,14 +201,14 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start:start + cfg.batch_size]
             ids, mask = _encode(lm, batch)
+            counter = _StepCounter(progress, start * cfg.max_new_tokens, len(batch), len(prompts) * cfg.max_new_tokens)
             out = lm.model.generate(ids.to(cfg.device), attention_mask=mask.to(cfg.device), do_sample=False,
                                     max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens,
-                                    pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer else 0)
+                                    pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer else 0,
+                                    streamer=counter if progress else None)
             for row in out[:, ids.shape[1]:].tolist():
                 tokens.append(row)
                 texts.append(lm.tokenizer.decode(row, skip_special_tokens=True) if lm.tokenizer else "")
-            if progress:
-                progress(min(start + cfg.batch_size, len(prompts)), len(prompts))
     engine.close()
     record = engine_record(ready)
     s = record["summary"]

@@ -227,6 +227,18 @@ def test_a_run_plans_its_kv_margin_for_its_own_prompt_and_refuses_a_budget_too_s
                       clock="sim", prompts=(long_,), max_new_tokens=8))
 
 
+def test_a_run_reports_progress_per_generated_token(tiny_ckpt):
+    """Three prompts in batches of two, five tokens each: progress counts generated tokens (a long
+    generation is not silent until its prompt ends), rising to the total, the prompts' steps summed."""
+    from moetool.run import RunConfig, run
+
+    seen = []
+    result = run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), policy="lru", budget="50%", prompts=("ab", "cde", "f"),
+                           max_new_tokens=5, batch_size=2), progress=lambda done, total: seen.append((done, total)))
+    assert all(len(t) == 5 for t in result.tokens)
+    assert [d for d, _ in seen] == [2, 4, 6, 8, 10, 11, 12, 13, 14, 15] and {t for _, t in seen} == {15}
+
+
 def test_dymoe_heavy_hitters_carry_over_layers_without_softmax_attention(tmp_path):
     """A hybrid (linear attention, softmax attention, linear attention): DyMoE eq. 1's scores come
     from the softmax layer; the linear layer after it reads them, the one before it has none (eq. 2

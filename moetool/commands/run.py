@@ -58,7 +58,7 @@ def run(
                                      experts_impl),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task(f"run {policy}", total=len(cfg.prompts))
+        task = bar.add_task(f"run {policy}", total=len(cfg.prompts) * max_new_tokens)  # generated tokens
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
     if save is not None:
         result.save(save)
