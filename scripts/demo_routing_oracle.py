@@ -13,8 +13,8 @@ in several ways, on held-out text of the fitting domains and on the unseen domai
 
 `--no-adapt` leaves out the conversion's low-rank corrections (the experts are then an exact
 partition of the dense neurons). The gap between `expert` and `neuron` is what the partition into
-experts costs; between `soft` and `expert`, what the routers cost. 4,096 tokens a text take ~40 s a
-mode on 2 cores.
+experts costs; between `soft` and `expert`, what the routers cost. 4,096 tokens a text (8 windows
+spread over it, so every domain counts) take ~40 s a mode on 2 cores.
 
 `--partition SHARED,EXPERTS,TOP_K` (repeatable) asks what other geometries would allow: the
 layerwise fit's own neuron layout (`demo_fit.layout`: shared neurons by mean contribution, the
@@ -38,7 +38,7 @@ from torch import nn
 
 from moetool import datasets
 from moetool.demo import adapted_ffn, committed_params_path, fetch_dense_gguf, load_dense, load_params
-from moetool.demo_fit import FitSettings, ffn_act, layout, train_ids
+from moetool.demo_fit import FitSettings, ffn_act, layout, spread_windows, train_ids
 
 MODES = ("soft", "hard", "expert", "neuron", "all")
 WIDTH = 1536  # SmolLM2-135M's FFN neurons per layer
@@ -77,7 +77,7 @@ class OracleFFN(nn.Module):
 
 @torch.no_grad()
 def perplexity(model, tok, text: str, tokens: int, seq_len: int = 512, batch: int = 4) -> float:
-    ids = torch.tensor(tok(text)["input_ids"][: tokens // seq_len * seq_len]).view(-1, seq_len)
+    ids = spread_windows(torch.tensor(tok(text)["input_ids"]), tokens, seq_len)  # every domain of the text
     nll, count = 0.0, 0
     for i in range(0, ids.shape[0], batch):
         x = ids[i:i + batch]
@@ -90,7 +90,7 @@ def perplexity(model, tok, text: str, tokens: int, seq_len: int = 512, batch: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="soft,hard,expert,neuron,all", help=f"comma list among {','.join(MODES)}")
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens per text (whole 512-token windows)")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per text (whole 512-token windows spread over it)")
     ap.add_argument("--no-adapt", action="store_true", help="without the conversion's low-rank corrections")
     ap.add_argument("--partition", action="append", default=[], metavar="SHARED,EXPERTS,TOP_K",
                     help="also the expert oracle on a fresh layout of this geometry (repeatable)")
