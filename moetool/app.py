@@ -43,6 +43,10 @@ err = Console(stderr=True)
 
 BUG = ("this is a bug in moetool, not a problem with your input: please report it with the traceback above "
        "and the command you ran.")
+# When the failing line is transformers' own, the checkpoint may be one transformers cannot run.
+BUG_IN_TRANSFORMERS = ("the error above was raised inside transformers: if `moetool check` on this model fails "
+                       "too, its checkpoint or config.json is at fault; if not, this is a bug in moetool: please "
+                       "report it with the traceback and the command you ran.")
 
 # torchao (pulled in by the gptq extra) logs kernel-library misses and deprecations on import;
 # on a CLI they would bury the one line moetool prints.
@@ -109,13 +113,19 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
                 raise _fail(str(e)) from None
             except OSError as e:
                 raise _fail(os_sentence(e)) from None
-            except Exception:  # noqa: BLE001 - shown in full, not hidden: a bug to report
+            except Exception as e:  # noqa: BLE001 - shown in full, not hidden: a bug to report
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
-                raise _fail(BUG) from None
+                raise _fail(BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG) from None
 
         return app.command(name=name)(wrapper)
 
     return register(fn) if fn is not None else register
+
+
+def _raised_in_transformers(e: BaseException) -> bool:
+    """Whether the innermost frame of `e`'s traceback is transformers' code."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and f"{os.sep}transformers{os.sep}" in frames[-1].filename
 
 
 def writable(path: Path | None, kind: str = "file", option: str = "--out") -> None:

@@ -81,6 +81,12 @@ def test_checkpoint_that_plain_transformers_cannot_run(tmp_path):
     ckpt = save_tiny("qwen3_next", tmp_path / "ckpt", layer_types=["linear_attention"] * 2)
     line = _one_error_line(runner.invoke(app, ["check", str(ckpt)]))
     assert "plain transformers" in line and "cannot run" in line and "config.json" in line
+    # `run` cannot tell the checkpoint's fault from its own: the traceback, then a line that says
+    # the error is transformers' and points to `moetool check`.
+    result = runner.invoke(app, ["run", "--model", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert result.exit_code == 1 and "Traceback" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "raised inside transformers" in last and "moetool check" in last
 
 
 def test_sequences_past_the_models_context_are_refused(tiny_ckpt, tmp_path):
