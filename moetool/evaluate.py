@@ -391,7 +391,7 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
             self.cache_hook.start(len(requests))
             return super().generate_until(requests, disable_tqdm=True)
 
-    max_length = min(MAX_LENGTH, int(getattr(model.config, "max_position_embeddings", MAX_LENGTH) or MAX_LENGTH))
+    max_length = min(MAX_LENGTH, context_length(model) or MAX_LENGTH)
     # Log-softmax in fp32 whatever the compute dtype, so that bf16 runs of two policies differ by
     # what the policies do, not by rounding in the scoring.
     lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
