@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from moetool import __version__
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_a_file
 from moetool.schema import SchemaError, build, describe
 
 A = TypeVar("A", bound="Artifact")
@@ -44,7 +44,16 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, then rename over `path`."""
+    """Write to a temp file in the same directory, fsync, then rename over `path`.
+
+    A symlink is written through (its target is replaced, the link stays); a path that exists but
+    is not a regular file (a device such as /dev/null, a FIFO, a socket) is refused, since the
+    rename would replace the special file itself.
+    """
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    if path.exists() and not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
+        raise MoetoolError(f"{path} is {what}; give the path of a file to write.")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -231,7 +240,7 @@ class Artifact:
         """Read `path`; with `model`, refuse an artifact made for another model."""
         path = Path(path)
         if not path.is_file():
-            raise MoetoolError(f"{path} does not exist.")
+            raise not_a_file(path)
         data = read_json(path)
         art = cls.from_json(data, where=str(path))
         if model is not None and not art.model.same_model(model):

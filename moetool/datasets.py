@@ -23,7 +23,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_a_file
 
 # BIG-bench tasks on which SmolLM2-135M-Instruct is above chance (see MANIFEST.json, "tasks").
 MC_TASKS: tuple[str, ...] = (
@@ -119,9 +119,11 @@ def read_text_file(path: Path, option: str) -> str:
     binary file read with replacement characters would be profiled, calibrated or scored as garbage."""
     path = Path(path)
     if not path.is_file():
-        raise MoetoolError(f"{option} {path} does not exist." if not path.exists() else f"{option} {path} is not a file.")
+        raise not_a_file(path, option)
     try:
-        return path.read_bytes().decode("utf-8")  # as stored: no newline translation, so its sha256 is the file's
+        # As stored (no newline translation, so its sha256 is the file's), less a UTF-8 byte-order
+        # mark, which editors on Windows add and which is not text to score.
+        return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise MoetoolError(f"{option} {path} is not UTF-8 text (byte {e.start} is not); give a text file.") from None
 
@@ -130,9 +132,9 @@ def read_prompts(path: Path) -> tuple[str, ...]:
     """The prompts of a JSONL file (`parse_prompt_lines`), or one sentence naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise MoetoolError(f"{path} does not exist." if not path.exists() else f"{path} is not a file.")
+        raise not_a_file(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a leading byte-order mark is not JSON
     except UnicodeDecodeError:
         raise MoetoolError(f"{path} is not UTF-8 text (expected JSONL lines such as {{\"prompt\": \"...\"}}).") from None
     prompts = parse_prompt_lines(text, path)

@@ -8,6 +8,28 @@ class MoetoolError(Exception):
     """
 
 
+def size_text(n: float) -> str:
+    """A byte count as a sentence shows it, in the largest unit that keeps it >= 1 (so two small
+    sizes never both read "0.0 MiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def not_a_file(path, what: str = "") -> MoetoolError:
+    """One sentence for a `path` that should be a readable file and is not: missing, a directory,
+    or something else (a device, a FIFO). `what` names the option or role ("--data")."""
+    from pathlib import Path
+
+    p, name = Path(path), f"{what} {path}".strip()
+    if not p.exists():
+        return MoetoolError(f"{name} does not exist.")
+    if p.is_dir():
+        return MoetoolError(f"{name} is a directory; give a file.")
+    return MoetoolError(f"{name} is not a regular file; give a file.")
+
+
 def yaml_error(what: str, e: Exception) -> MoetoolError:
     """One sentence for a YAML file that does not parse: `what` ("task file X"), the line, the problem."""
     mark = getattr(e, "problem_mark", None)

@@ -41,7 +41,7 @@ from moetool import mmlu
 from moetool.artifacts import Artifact, sha256_file
 from moetool.checkpoint import first_line as _first_line
 from moetool.datasets import read_text_file
-from moetool.errors import MoetoolError, yaml_error
+from moetool.errors import MoetoolError, not_a_file, yaml_error
 from moetool.hub import cache_only, hub_reachable
 from moetool.inference import context_length
 from moetool.model import LoadedModel
@@ -125,7 +125,7 @@ class EvalConfig(EngineSpec):
                                f"not '{self.task}'.")
         if self.task == PPL:
             if self.data is not None and not Path(self.data).is_file():
-                raise MoetoolError(f"--data {self.data} does not exist.")
+                raise not_a_file(self.data, "--data")
             if self.context is not None and self.context < 2:
                 raise MoetoolError(f"--context must be at least 2 tokens, not {self.context}.")
             if self.num_fewshot is not None or self.include_path is not None:
@@ -161,7 +161,9 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
         limit = cfg.limit if cfg.limit is not None else STEPWISE_TOKENS if cfg.stepwise else None
         ids = ids[:limit]
         if ids.numel() < 2:
-            raise MoetoolError(f"{source} holds fewer than 2 tokens; perplexity needs text to predict.")
+            why = f"--limit {limit} keeps fewer than 2 of its tokens" if limit is not None and limit < 2 else \
+                "holds fewer than 2 tokens"
+            raise MoetoolError(f"{source} {why}; perplexity needs text to predict.")
         windows = perplexity_windows(ready.lm.model, ids, context, cfg.batch_size, cfg.stepwise,
                                      torch.device(cfg.device), progress)
     finally:
@@ -318,7 +320,7 @@ def _check_task_yaml(path: Path) -> None:
         data = yaml.load(text, Loader=TagTolerant)  # noqa: S506 - a SafeLoader that ignores unknown tags
     except yaml.YAMLError as e:
         raise yaml_error(f"task file {path}", e) from None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not ({"task", "group", "include"} & set(data)):
         raise MoetoolError(f"task file {path} is not an lm-eval task (a YAML mapping with `task:` or `group:`).")
 
 

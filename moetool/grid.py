@@ -97,7 +97,9 @@ def load_grid(source: str | Path) -> dict[str, Any]:
 
     path = grid_path(source)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise MoetoolError(f"{path} is not UTF-8 text (byte {e.start} is not); a grid is a YAML file.") from None
     except yaml.YAMLError as e:
         raise yaml_error(str(path), e) from None
     if not isinstance(data, dict):

@@ -376,6 +376,9 @@ def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, exper
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl)
     except Exception as e:  # noqa: BLE001 - the checkpoint is user input: any failure is one sentence
+        if "ignore_mismatched_sizes" in str(e):  # transformers' own sentence points at a report it logged
+            raise MoetoolError(f"the weights of '{src}' do not fit its config.json: some tensor's shape differs from "
+                               "what the config implies (moetool quantize or run names the tensor).") from None
         raise MoetoolError(f"cannot load the weights of '{src}': {_first_line(e)}") from None
     return model.eval()
 

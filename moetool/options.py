@@ -76,11 +76,14 @@ def parse_seconds(text: str | None, option: str = "--target-tpot") -> float | No
 
 def parse_numbers(text: str, option: str, kind: type = float) -> tuple[Any, ...]:
     """'8,4,2' -> (8, 4, 2), or one sentence naming `option`."""
+    what = "integers" if kind is int else "numbers"
     try:
-        return tuple(kind(v) for v in text.split(",") if v.strip())
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
     except ValueError:
-        what = "integers" if kind is int else "numbers"
         raise MoetoolError(f"{option} takes comma-separated {what}, not '{text}'.") from None
+    if not values:  # `--bits=` would otherwise quietly mean "none of them"
+        raise MoetoolError(f"{option} takes one or more comma-separated {what}, not an empty list.")
+    return values
 
 
 def spec_fields(model: str | None, bundle: Path | None, policy: str, set_: list[str] | None, fit: Path | None,

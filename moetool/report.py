@@ -50,11 +50,12 @@ READERS = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_j
 def _collect(inputs: list[Path]) -> Found:
     """Every artifact under `inputs`. A file found in a directory that is not an artifact report
     draws (other JSON: configs, tokenizers, bundle manifests) is passed over; a file named on the
-    command line must be one."""
-    files: list[tuple[Path, bool]] = []  # (file, named explicitly)
+    command line must be one, and so must a file named like one (`*.run.json`, ...): a damaged run
+    is an error, not a row missing from the tables without a word."""
+    files: list[tuple[Path, bool]] = []  # (file, must be an artifact)
     for p in map(Path, inputs):
         if p.is_dir():
-            files += [(f, False) for f in sorted(p.rglob("*.json"))]
+            files += [(f, f.name.endswith(tuple(f".{s}.json" for s in READERS))) for f in sorted(p.rglob("*.json"))]
         elif p.is_file():
             files.append((p, True))
         else:
@@ -403,14 +404,20 @@ def _report_one(found: Found, out_dir: Path) -> list[Path]:
 
 
 def _is_report(directory: Path, depth: int = 0) -> str | None:
-    """None if `directory` holds only what a report writes (figures, summary.md, per-model
-    sub-reports), else the first name that is not, so replacing it can lose nothing of the user's."""
+    """None if `directory` holds only what a report writes (summary.md, the figures it links,
+    per-model sub-reports), else the first name that is not, so replacing it can lose nothing of
+    the user's (a figure of their own that summary.md does not link included)."""
+    summary = directory / "summary.md"
+    try:
+        linked = summary.read_text(encoding="utf-8") if summary.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        linked = ""
     for p in sorted(directory.iterdir()):
         if p.is_dir() and not p.is_symlink() and depth == 0:
             bad = _is_report(p, depth + 1)
             if bad is not None:
                 return f"{p.name}/{bad}"
-        elif not (p.is_file() and (p.suffix == ".png" or p.name == "summary.md")):
+        elif not (p.is_file() and (p.name == "summary.md" or (p.suffix == ".png" and f"({p.name})" in linked))):
             return p.name
     return None
 

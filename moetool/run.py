@@ -72,6 +72,13 @@ class RunConfig(EngineSpec):
 
     def check(self) -> None:
         check_positive(max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
+        if not self.prompts:
+            raise MoetoolError("there are no prompts to run.")
+        for i, prompt in enumerate(self.prompts, 1):
+            # An empty prompt has no token to start from: the model would fail deep inside a forward.
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise MoetoolError(f"prompt {i} of {len(self.prompts)} is {'empty' if isinstance(prompt, str) else 'not text'}; "
+                                   f"give it some text to continue.")
         super().check()
 
 
@@ -106,6 +113,9 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     enc = tok(prompts, return_tensors="pt", padding=True)
+    empty = (enc.attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
+    if empty:  # text the tokenizer maps to no token at all (RunConfig.check refuses blank prompts)
+        raise MoetoolError(f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens under this model's tokenizer.")
     return enc.input_ids, enc.attention_mask
 
 

@@ -28,6 +28,8 @@ from typing import Any
 # field named like one is checked here once, instead of in a `validate` of every dataclass.
 NEVER_NEGATIVE = re.compile(r"^(n|nbytes|offset|layer|expert|tokens|steps|top_k|hot_k|crc32|num_\w+)$"
                             r"|_bytes$|^bytes_|_s$")
+# Shares (a hit rate, the share of tokens the top experts take, an agreement) lie in [0, 1].
+SHARE = re.compile(r"(^|_)(rate|share|agreement)$")
 CRC32_END = 1 << 32
 
 
@@ -160,7 +162,13 @@ def _dataclass(tp: type, value: Any, path: str) -> Any:
 
 
 def _range(name: str, value: Any, path: str) -> Any:
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and NEVER_NEGATIVE.search(name):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return value
+    if SHARE.search(name) and not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise SchemaError(path, f"is {_short(value)}; a share must lie in [0, 1]")
+    if NEVER_NEGATIVE.search(name):
+        if value != value:  # NaN: a size, count or duration that was never measured is null, not NaN
+            raise SchemaError(path, "is NaN; it must be a number")
         if value < 0:
             raise SchemaError(path, f"is {_short(value)}; it must not be negative")
         if name == "crc32" and value >= CRC32_END:

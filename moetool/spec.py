@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_a_file
 
 from moetool.defaults import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS  # noqa: F401 (re-exported for commands)
 
@@ -63,7 +63,7 @@ class EngineSpec:
         if self.experts_impl not in EXPERTS_IMPLS:
             raise MoetoolError(f"--experts-impl must be {' or '.join(EXPERTS_IMPLS)}, not '{self.experts_impl}'.")
         if self.fit is not None and not Path(self.fit).is_file():
-            raise MoetoolError(f"--fit {self.fit} does not exist.")
+            raise not_a_file(self.fit, "--fit")
 
 
 def check_positive(**values: int) -> None:

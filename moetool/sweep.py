@@ -321,6 +321,9 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
         else:
             cells[cell.name] = entry
             todo.append(cell)
+    for marker, what in (("bundle.json", "a bundle"), ("config.json", "a model")):
+        if (out / marker).is_file():  # cell artifacts written into a bundle or a checkpoint would mix with it
+            raise MoetoolError(f"--out {out} holds {what} ({marker}); give the sweep a directory of its own.")
     out.mkdir(parents=True, exist_ok=True)
     index = write()
     for name, entry in cells.items():

@@ -265,7 +265,7 @@ def test_prompts_that_are_not_text(tiny_ckpt, tmp_path):
     line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--prompts", str(binary)]))
     assert f"{binary} is not UTF-8 text" in line
     line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--prompts", str(tmp_path)]))
-    assert f"{tmp_path} is not a file" in line
+    assert f"{tmp_path} is a directory; give a file" in line
 
 
 def test_a_malformed_task_yaml_is_named_as_such_not_as_needing_the_hub(tiny_ckpt, tmp_path, monkeypatch):

@@ -46,6 +46,12 @@ def fit(
     from moetool.run import RunConfig
 
     writable(save)
+    from moetool.engine.clock import load_hw
+
+    load_hw(hw)  # an unknown preset or a bad profile file is refused even where only --sweep would read it
+    if not sweep and hw != DEFAULT_HW:
+        err.print("[yellow]warning:[/yellow] --hw is used by --sweep's runs only; without --sweep it changes nothing.",
+                  highlight=False)
     grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
     sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget, hw=hw, device=device,
                            dtype=Dtype(dtype).value,

@@ -53,7 +53,7 @@ def run(
     writable(save)
     if prompt is not None and prompts is not None:
         raise MoetoolError("give --prompt or --prompts, not both.")
-    texts = read_prompts(prompts) if prompts is not None else (prompt,) if prompt else RunConfig.prompts
+    texts = read_prompts(prompts) if prompts is not None else (prompt,) if prompt is not None else RunConfig.prompts
     cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
                                      experts_impl),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)

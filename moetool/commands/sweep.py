@@ -95,6 +95,10 @@ def sweep(
     out.print(table)
     tally = ", ".join(f"{n} {k}" for k, n in counts.items())
     err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)
+    refused = [n for n, c in index.cells.items() if c["status"] == "refused"]
+    if refused and len(refused) == len(index.cells):  # some refusals are a grid's normal edges; all is a mistake
+        raise MoetoolError(f"{'its one cell was' if len(refused) == 1 else f'all {len(refused)} cells were'} refused, so nothing ran ({refused[0]}: "
+                           f"{index.cells[refused[0]]['reason'].rstrip('.')}).")
     failed = [n for n, c in index.cells.items() if c["status"] == "failed"]
     if failed:
         raise MoetoolError(f"{len(failed)} of {len(index.cells)} cells failed ({failed[0]}: "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moetool.engine.store import REFERENCE_BITS
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -127,9 +127,9 @@ def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non
         total = int(value)
         cache = total - fixed
         if cache < 0:
-            raise MoetoolError(f"--budget {spec} is below the minimum of {fixed / 2**20:.1f} MiB (non-expert weights "
-                               f"{non_expert_bytes / 2**20:.1f} MiB + KV/activation margin {margin_bytes / 2**20:.1f} "
-                               f"MiB + staging {staging / 2**20:.1f} MiB).")
+            raise MoetoolError(f"--budget {spec} is below the minimum of {size_text(fixed)} (non-expert weights "
+                               f"{size_text(non_expert_bytes)} + KV/activation margin {size_text(margin_bytes)} "
+                               f"+ staging {size_text(staging)}).")
     return BudgetPlan(total_bytes=total, non_expert_bytes=non_expert_bytes, margin_bytes=margin_bytes,
                       staging_bytes=staging, cache_bytes=cache, expert_bytes_reference=ref)
 

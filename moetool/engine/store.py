@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.model import ExpertWeights
 
 if TYPE_CHECKING:
@@ -64,10 +64,6 @@ def unpack_reference(blob: torch.Tensor, parts: tuple[Part, ...]) -> ExpertWeigh
 
 Decoder = Callable[[torch.Tensor, int, int, int], ExpertWeights]
 Key3 = tuple[int, int, int]  # (layer, expert, bits)
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"
 
 
 class StagingRing:
@@ -190,8 +186,8 @@ class HostStore:
         used = tuple(b for b in bits if b in self.bits) or self.bits
         ring_bytes = ring_slots * max(self._slot_bytes[b] for b in used)
         if host_budget < ring_bytes:
-            raise MoetoolError(f"--host-budget {_size(host_budget)} cannot hold one layer's staging ring "
-                               f"({ring_slots} blobs of {max(used)} bits, {_size(ring_bytes)}); raise it.")
+            raise MoetoolError(f"--host-budget {size_text(host_budget)} cannot hold one layer's staging ring "
+                               f"({ring_slots} blobs of {max(used)} bits, {size_text(ring_bytes)}); raise it.")
         self.tiers, self.pin_bits, self.page_lock = True, used, page_lock
         self.pin_capacity = host_budget - ring_bytes
         self.ring = StagingRing(ring_slots, ring_bytes // ring_slots, page_lock)

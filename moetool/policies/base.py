@@ -15,6 +15,7 @@ fit artifact. `policies/README.md` walks through writing one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable, ClassVar, Protocol
@@ -317,10 +318,25 @@ def parse_params(cls: type[Policy], settings: dict[str, str], fitted: dict[str, 
                     continue  # a fit artifact carries knobs for several policies
                 raise MoetoolError(f"policy '{cls.name}' has no knob '{key}' (its knobs: {known}).")
             values[key] = _coerce(cls.name, key, fields[key].type, raw)
+    for key, value in values.items():
+        _check_range(cls, key, value)
     try:
         return cls.Params(**values)
     except (TypeError, ValueError) as e:
-        raise MoetoolError(f"invalid knobs for policy '{cls.name}': {e}") from None
+        raise MoetoolError(f"invalid knobs for policy '{cls.name}': {str(e).rstrip('.')}.") from None
+
+
+def _check_range(cls: type[Policy], key: str, value: Any) -> None:
+    """The rules every policy's knobs share: counts, layers and bits are not negative (unless the
+    knob's default is negative, its documented 'derive it' sentinel, as DynaExq's n_hi = -1), and
+    a real number is finite. Each Params' own __post_init__ checks its paper's ranges."""
+    default = next(f.default for f in dataclasses.fields(cls.Params) if f.name == key)
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and value < 0 and not (isinstance(default, (int, float)) and default < 0):
+        raise MoetoolError(f"knob '{key}' of policy '{cls.name}' cannot be negative (got {value}).")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MoetoolError(f"knob '{key}' of policy '{cls.name}' must be a finite number, not {value}.")
 
 
 def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
@@ -337,7 +353,8 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
         if name == "float":
             return float(raw)
     except ValueError:
-        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes a {name}, not '{raw}'.") from None
+        article = "an" if name[:1] in "aeiou" else "a"
+        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article} {name}, not '{raw}'.") from None
     return raw
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, register
 from moetool.policies.common import all_experts, check_eviction, even_quota
 
@@ -32,7 +32,7 @@ class Resident(Policy):
         need = all_experts(ctx) * ctx.expert_bytes[params.bits]
         if need > ctx.cache_bytes:
             raise MoetoolError(f"policy '{self.name}' keeps all {all_experts(ctx)} experts at {params.bits} bits "
-                               f"({need / 2**20:.1f} MiB) but the budget leaves {ctx.cache_bytes / 2**20:.1f} MiB "
+                               f"({size_text(need)}) but the budget leaves {size_text(ctx.cache_bytes)} "
                                "for experts; raise --budget.")
 
     def pools(self) -> list[Pool]:

@@ -17,14 +17,10 @@ from typing import Any
 
 import torch
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool,
                                    ResidencyView, Step, register)
 from moetool.policies.common import assign_by_expert, check_bits, popularity, routed_experts
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 class HandleState(str, Enum):
@@ -140,8 +136,8 @@ class DynaExq(Policy):
         L, E = len(ctx.moe_layers), ctx.num_experts
         lo_bytes = L * E * ctx.expert_bytes[self.lo]
         if lo_bytes > ctx.cache_bytes:
-            raise MoetoolError(f"policy 'dynaexq' keeps every expert at {self.lo} bits ({_size(lo_bytes)}) but the "
-                               f"budget leaves {_size(ctx.cache_bytes)} for experts; raise --budget.")
+            raise MoetoolError(f"policy 'dynaexq' keeps every expert at {self.lo} bits ({size_text(lo_bytes)}) but the "
+                               f"budget leaves {size_text(ctx.cache_bytes)} for experts; raise --budget.")
         most = budget_n_hi(ctx.cache_bytes, L, E, ctx.expert_bytes[self.lo], ctx.expert_bytes[self.hi])
         if params.n_hi > most:
             raise MoetoolError(f"policy 'dynaexq': n_hi={params.n_hi} does not fit the budget (at most {most}).")

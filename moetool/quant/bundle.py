@@ -218,6 +218,7 @@ class Bundle(Artifact):
             check_model_file(directory, f, full=verify == "full")
         if NON_EXPERT not in {f.name for f in manifest.model_files}:
             raise MoetoolError(f"the bundle in {directory} records no non-expert weights; re-run moetool quantize.")
+        _check_model_type(directory, manifest)
         blobs = {}
         for shard in manifest.shards:
             path = directory / shard.name
@@ -233,6 +234,18 @@ class Bundle(Artifact):
         if verify == "full":
             opened.verify_all()
         return opened
+
+
+def _check_model_type(directory: Path, manifest: "Bundle") -> None:
+    """The manifest's model_type is copied into every run's artifact: it must be config.json's."""
+    cfg = directory / MODEL_DIR / "config.json"
+    try:
+        model_type = json.loads(cfg.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # a missing or unreadable config is refused where the model is built, naming the file
+    if model_type is not None and model_type != manifest.model.model_type:
+        raise MoetoolError(f"{directory / MANIFEST} says the model is a {manifest.model.model_type!r} but its "
+                           f"{MODEL_DIR}/config.json says {model_type!r}; re-run moetool quantize.")
 
 
 class OpenBundle:

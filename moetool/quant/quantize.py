@@ -111,25 +111,38 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
                                             layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
 
+    # The calibration text is read before anything is written: a text the tokenizer cannot use is
+    # refused without a directory left behind.
+    calib = calibration_ids(lm, cfg) if _calibrated(cfg) else None
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
         lock = DirectoryLock(out)
     except OSError as e:
         raise _cannot_write(out, e) from None
-    with lock:
-        check_out_dir(out)  # again, under the lock: another run may have finished here since the first look
-        try:
-            bundle = _write_bundle(lm, cfg, bits, out, inputs, settings, settings_sha, layouts, total, report)
-        except OSError as e:
-            raise _cannot_write(out, e) from None
-        Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
+    try:
+        with lock:
+            check_out_dir(out)  # again, under the lock: another run may have finished here since the first look
+            try:
+                bundle = _write_bundle(lm, cfg, bits, out, inputs, settings, settings_sha, layouts, total, report,
+                                       calib)
+            except OSError as e:
+                raise _cannot_write(out, e) from None
+            Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
+    except MoetoolError:
+        # Refused before a single layer was finished (a checkpoint whose weights do not fit its
+        # config, ...): nothing there is worth resuming, so a directory this run made goes too.
+        if created and not any(out.glob("layer-*.safetensors")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return bundle
 
 
 def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], out: Path, inputs: dict[str, str],
                   settings: dict, settings_sha: str, layouts: dict[int, dict[Bits, Layout]], total: int,
-                  report: Callable[[Progress], None]) -> Bundle:
-    """Quantize the layers the journal lacks, then write the manifest (the caller holds `out`'s lock)."""
+                  report: Callable[[Progress], None], calib: torch.Tensor | None) -> Bundle:
+    """Quantize the layers the journal lacks (GPTQ / calibrated HQQ on `calib` token ids), then write
+    the manifest (the caller holds `out`'s lock)."""
     layers = lm.geometry.layers
     journal = Journal(out, settings_sha)
     model_files = write_model_files(lm, out)
@@ -149,7 +162,7 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
 
     if todo and _calibrated(cfg):
         report(Progress("calibrate", done, total))
-        calibrate_layer_by_layer(lm, calibration_ids(lm, cfg), {g.index for g in todo}, quantize_layer)
+        calibrate_layer_by_layer(lm, calib, {g.index for g in todo}, quantize_layer)
     else:
         for layer in todo:
             quantize_layer(layer, None)

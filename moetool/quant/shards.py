@@ -182,6 +182,9 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
     return crc
 
 
+SMALL_MODEL_FILE = 1 << 20  # bytes: model files at most this size are hashed whenever a bundle opens
+
+
 def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = False) -> None:
     """Refuse, in one sentence naming the file, a model file that is missing, resized or corrupt."""
     path = directory / MODEL_DIR / f.name
@@ -192,7 +195,10 @@ def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = Fals
     if path.stat().st_size != f.nbytes:
         raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is {path.stat().st_size} bytes, not the "
                            f"{f.nbytes} its manifest records; re-run moetool quantize.")
-    if (crc and file_crc32(path) != f.crc32) or (full and sha256_file(path) != f.sha256):
+    # Small files (config.json, the tokenizer's settings) are hashed even on a fast open: a one-byte
+    # change there alters routing or the model's shape silently, and hashing them costs microseconds.
+    small = f.nbytes <= SMALL_MODEL_FILE
+    if (crc and file_crc32(path) != f.crc32) or ((full or small) and sha256_file(path) != f.sha256):
         raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is corrupt (checksum mismatch); "
                            "re-run moetool quantize.")
 
