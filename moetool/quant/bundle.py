@@ -240,10 +240,13 @@ def _check_model_type(directory: Path, manifest: "Bundle") -> None:
     """The manifest's model_type is copied into every run's artifact: it must be config.json's."""
     cfg = directory / MODEL_DIR / "config.json"
     try:
-        model_type = json.loads(cfg.read_text(encoding="utf-8")).get("model_type")
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+        model_type = data.get("model_type")
+        # A multimodal checkpoint loaded as its language model is fingerprinted by its text config.
+        text_type = (data.get("text_config") or {}).get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # a missing or unreadable config is refused where the model is built, naming the file
-    if model_type is not None and model_type != manifest.model.model_type:
+    if model_type is not None and manifest.model.model_type not in (model_type, text_type):
         raise MoetoolError(f"{directory / MANIFEST} says the model is a {manifest.model.model_type!r} but its "
                            f"{MODEL_DIR}/config.json says {model_type!r}; re-run moetool quantize.")
 
