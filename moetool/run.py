@@ -77,8 +77,8 @@ class RunConfig(EngineSpec):
         for i, prompt in enumerate(self.prompts, 1):
             # An empty prompt has no token to start from: the model would fail deep inside a forward.
             if not isinstance(prompt, str) or not prompt.strip():
-                raise MoetoolError(f"prompt {i} of {len(self.prompts)} is {'empty' if isinstance(prompt, str) else 'not text'}; "
-                                   f"give it some text to continue.")
+                what = "empty" if isinstance(prompt, str) else "not text"
+                raise MoetoolError(f"prompt {i} of {len(self.prompts)} is {what}; give it some text to continue.")
         super().check()
 
 

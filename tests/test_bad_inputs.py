@@ -190,7 +190,8 @@ def test_fit_refuses_an_unknown_hardware_preset(tmp_path):
 
     profile = tmp_path / "p.profile.json"
     synthetic_profile().save(profile)
-    line = _one_error_line(runner.invoke(app, ["fit", str(profile), "--hw", "nosuch", "--out", str(tmp_path / "f.json")]))
+    args = ["fit", str(profile), "--hw", "nosuch", "--out", str(tmp_path / "f.json")]
+    line = _one_error_line(runner.invoke(app, args))
     assert "no hardware profile 'nosuch'" in line and not (tmp_path / "f.json").exists()
 
 

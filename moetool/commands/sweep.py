@@ -97,7 +97,8 @@ def sweep(
     err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)
     refused = [n for n, c in index.cells.items() if c["status"] == "refused"]
     if refused and len(refused) == len(index.cells):  # some refusals are a grid's normal edges; all is a mistake
-        raise MoetoolError(f"{'its one cell was' if len(refused) == 1 else f'all {len(refused)} cells were'} refused, so nothing ran ({refused[0]}: "
+        which = "its one cell was" if len(refused) == 1 else f"all {len(refused)} cells were"
+        raise MoetoolError(f"{which} refused, so nothing ran ({refused[0]}: "
                            f"{index.cells[refused[0]]['reason'].rstrip('.')}).")
     failed = [n for n, c in index.cells.items() if c["status"] == "failed"]
     if failed:
