@@ -292,7 +292,7 @@ def test_a_host_budget_below_one_layers_staging_is_refused(bf16_bundles):
 def test_a_host_budget_below_one_layers_staging_is_one_sentence_on_the_cli(bf16_bundles):
     _, bundle = bf16_bundles("qwen2_moe")
     line = _one_error_line(runner.invoke(app, ["run", "--bundle", str(bundle), "--host-budget", "1KiB"]))
-    assert "--host-budget 1024 B cannot hold one layer's staging ring" in line
+    assert "--host-budget 1.0 KiB cannot hold one layer's staging ring" in line
     line = _one_error_line(runner.invoke(app, ["run", "--bundle", str(bundle), "--host-budget", "lots"]))
     assert "--host-budget 'lots' is not a size" in line
 
