@@ -45,6 +45,7 @@ def _read_eval(data: Any, where: str) -> dict[str, Any]:
 
 READERS = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_json, "eval": _read_eval,
            "sweep": Sweep.from_json}  # a sweep index: its cells without artifacts
+ARTIFACT_NAMES = tuple(f".{schema}.json" for schema in READERS)  # what moetool names the files it writes
 
 
 def _collect(inputs: list[Path]) -> Found:
@@ -55,7 +56,7 @@ def _collect(inputs: list[Path]) -> Found:
     files: list[tuple[Path, bool]] = []  # (file, must be an artifact)
     for p in map(Path, inputs):
         if p.is_dir():
-            files += [(f, f.name.endswith(tuple(f".{s}.json" for s in READERS))) for f in sorted(p.rglob("*.json"))]
+            files += [(f, f.name.endswith(ARTIFACT_NAMES)) for f in sorted(p.rglob("*.json"))]
         elif p.is_file():
             files.append((p, True))
         else:

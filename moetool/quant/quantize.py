@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from moetool.artifacts import atomic_write_bytes, sha256_file
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_a_file
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
@@ -90,7 +90,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     out = Path(cfg.out)
     check_out_dir(out)
     if cfg.calib_text is not None and not Path(cfg.calib_text).is_file():
-        raise MoetoolError(f"calibration text {cfg.calib_text} does not exist.")
+        raise not_a_file(cfg.calib_text, "--calib-text")
 
     # The streamed experts keep only the span being quantized (and the calibration forward walks
     # each layer's experts in ascending order, so each span is read once per layer).
