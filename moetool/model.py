@@ -28,6 +28,7 @@ from moetool.artifacts import ModelFingerprint
 from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkpoint
 from moetool.checkpoint import first_line as _first_line
 from moetool.errors import MoetoolError
+from moetool.inference import attention_for_decode
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
 # for an architecture whose experts are not a fused transformers module).
@@ -402,6 +403,7 @@ def load_model(source: str | Path, device: str | torch.device = "cpu", dtype: to
     experts = StreamedExperts(ckpt, geometry, expert_cache_bytes, expert_chunk)
     install_provider(model, geometry, provider or DeviceProvider(experts, device, dtype))
     load_generation_config(model, ckpt.directory)
+    attention_for_decode(device)
     model.to(device)
     return LoadedModel(model=model, tokenizer=load_tokenizer(str(ckpt.directory)), geometry=geometry,
                        experts=experts, fingerprint=model_fingerprint(model.config, src), path=src)

@@ -279,3 +279,22 @@ def test_look_ahead_replays_a_router_that_takes_its_blocks_inputs(tiny_ckpt, arc
     assert torch.equal(engine._predict(g.index, h), want)
     logits, top_k = route(lm, g.index, h)
     assert torch.equal(logits, want) and (top_k == 1).any(-1).all()
+
+
+def test_resident_decodes_without_reading_the_routing_on_the_host(tiny_ckpt, expected, monkeypatch):
+    """A policy that never reads the routing (resident) runs every layer after the prefill as
+    transformers' grouped_mm does, on the device's own routing: tokens bit-exact, no layer view
+    (the host sync on a GPU) after the prefill, and every routed expert still counted."""
+    lm, engine, _ = _engine(tiny_ckpt("qwen2_moe"), "resident", "100%", clock="wall")  # sim charges each expert
+    views = []
+    view = engine._view
+    monkeypatch.setattr(engine, "_view", lambda g, *rest: views.append(g.index) or view(g, *rest))
+    got = lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, expected("qwen2_moe"))
+    assert sorted(views) == [g.index for g in lm.geometry.layers]  # the prefill's, once per layer
+    assert all(stack is not None for stack in engine.device_layers.stacks.values())
+    s = engine.stats.summary()
+    k = lm.geometry.layers[0].top_k
+    assert s["hit_rate"] == 1.0 and s["precision_mix"] == {"16": len(lm.geometry.layers) * IDS.shape[0] * k * (8 + 9)}
+    decode_hits = sum(st.hits[16] for st in engine.stats.layers.values())
+    assert decode_hits >= len(lm.geometry.layers) * 10  # each layer ran >= 1 expert per forward

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, expert_params, kv_margin, parse_size,  # noqa: F401 (API)
-                                   plan_margin, split_budget)
+from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
+                                   parse_size, plan_margin, split_budget)
 from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
 from moetool.engine.runtime import EXPERTS_IMPLS, Engine  # noqa: F401 (API)
@@ -23,15 +23,17 @@ from moetool.model import LoadedModel, available_memory
 from moetool.policies import make_policy
 from moetool.policies.base import EngineContext
 
-def plan_budget(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1) -> BudgetPlan:
-    """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts."""
+def plan_budget(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
+                device: str | torch.device = "cpu") -> BudgetPlan:
+    """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts. On a
+    GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`)."""
     n_experts = sum(layer.num_experts for layer in lm.geometry.layers)
     # Some stored precision decoded rather than read in place: the decode workspace is device memory too.
     decoded = any(not store.stack_is_view(layer.index, b) for layer in lm.geometry.layers for b in store.bits)
     return split_budget(spec, n_experts=n_experts, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
                         non_expert_bytes=lm.non_expert_bytes(),
                         margin_bytes=plan_margin(lm.model.config, lm.geometry.layers, max_tokens, batch,
-                                                 store.compute_dtype, decoded))
+                                                 store.compute_dtype, decoded) + device_workspace(torch.device(device)))
 
 
 def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, dict]:
@@ -75,7 +77,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
     device = torch.device(device)
-    plan = plan_budget(budget, lm, store, max_tokens, batch)
+    plan = plan_budget(budget, lm, store, max_tokens, batch, device)
     cost, _ = cost_model(lm, store, hw)
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
@@ -89,9 +91,16 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     budget_tracker.reserve(plan.non_expert_bytes + plan.margin_bytes, "non-expert weights and the KV margin")
     residency = Residency(store, pol.pools(), budget_tracker, device)
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
+    foreign = 0
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)  # the run's real peak, not the loading's
+        # What the process already holds on the device besides this model's weights (another model,
+        # an earlier engine not yet collected, a caller's tensors) is no part of this run's budget:
+        # it is taken off the allocator's peak so that the peak compares with the plan's total.
+        foreign = max(0, torch.cuda.memory_allocated(device) - lm.non_expert_bytes())
     engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, kernels)
+    engine.stats.foreign_bytes = foreign
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
     dtype = str(store.compute_dtype).removeprefix("torch.")
     kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}

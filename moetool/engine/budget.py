@@ -85,6 +85,38 @@ def plan_margin(config: Any, layers: Any, max_tokens: int, batch: int, dtype: to
     return kv_margin(config, max_tokens, batch, dtype, top_k) + workspace
 
 
+def device_workspace(device: torch.device) -> int:
+    """Device memory a run's GEMMs hold beside any tensor: cuBLAS's and cuBLASLt's workspaces, which
+    torch takes from its caching allocator at a stream's first matmul (tens of MiB on recent GPUs,
+    set by CUBLAS_WORKSPACE_CONFIG). Measured, not assumed: torch's workspaces are dropped, one
+    matmul and one addmm run, and what stays allocated is theirs. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.device(device):
+        a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+        results = (torch.addmm(a, a, a), a @ a)
+        torch.cuda.synchronize(device)
+        del a, results
+    held = max(0, torch.cuda.memory_allocated(device) - before)
+    if clear is not None:
+        clear()  # the run takes them again, inside its own peak
+    return held
+
+
+def check_plan(length: int, batch: int, plan_tokens: int, plan_batch: int) -> None:
+    """The budget's KV/activation margin holds `plan_batch` sequences of `plan_tokens`: a longer or
+    wider forward would use device memory the budget never reserved, so it is refused."""
+    if length > plan_tokens or batch > plan_batch:
+        raise MoetoolError(f"a forward of {batch} sequence(s) of {length} tokens exceeds the KV/activation margin "
+                           f"the budget was planned for ({plan_batch} of {plan_tokens} tokens); plan the engine "
+                           "for the longer sequences (build_engine's max_tokens and batch).")
+
+
 def staging_bytes(expert_bytes: dict[int, int]) -> int:
     """The staging buffers: STAGING_SLOTS of each stored precision's slot."""
     return STAGING_SLOTS * sum(expert_bytes.values())

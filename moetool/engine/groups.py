@@ -18,6 +18,7 @@ from transformers.integrations.moe import _grouped_mm  # the dispatcher transfor
 
 from moetool.engine.residency import Handle
 from moetool.engine.stats import LayerStats
+from moetool.engine.transfer import upload
 from moetool.policies.base import LayerPlan, Where
 from moetool.quant.format import ExpertStack
 
@@ -154,7 +155,7 @@ def grouped_mlp(module: nn.Module, x: torch.Tensor, stack: ExpertStack, offs: to
     h = _grouped_mm(x, stack.gate_up.transpose(-2, -1), offs)  # [n, 2I]
     group_of_row = None
     if stack.gate_up_bias is not None:
-        group_of_row = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(x.device)
+        group_of_row = upload(np.repeat(np.arange(len(counts)), counts), x.device)
         h.add_(stack.gate_up_bias.index_select(0, group_of_row))
     h = module.impl._apply_gate(h) if module.layer.gated else module.impl.act_fn(h)  # [n, I]
     y = _grouped_mm(h, stack.down.transpose(-2, -1), offs)  # [n, H]
@@ -242,5 +243,6 @@ def _rows(tok: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, device: torc
     """Host row indices, and the same on the compute device (one upload for the layer)."""
     if device.type == "cpu":
         return Rows(tok, slot, pos, tok, slot, pos)
-    both = torch.stack((tok, slot, pos)).to(device, non_blocking=True)
+    both = upload(torch.stack((tok, slot, pos)), device)
     return Rows(tok, slot, pos, both[0], both[1], both[2])
+

@@ -1,12 +1,12 @@
 """The engine: per MoE layer, route -> plan -> group -> schedule -> compute (hits, then in flight,
 then misses; one grouped GEMM per precision and batch, or one expert at a time with
 `experts_impl="eager"`) -> combine -> prefetch. The steady state (a routed plan no policy changed,
-every expert resident at its one precision) skips the per-expert steps: `_run_resident`.
+every expert resident at its one precision) skips the per-expert steps: `_run_resident`; a policy
+that never reads the routing (resident, static) skips the host entirely: `device_layers`.
 
-`Engine` owns the host store, the residency (device slots, quotas, eviction orders), the copier,
-the clock, the stats and the policy, and installs an `EngineExperts` module in every MoE block.
-Steps are delimited by hooks on the model's forward, so plain `model.generate` (or lm-eval)
-drives the engine unchanged.
+`Engine` owns the host store, the residency, the copier, the clock, the stats and the policy, and
+installs an `EngineExperts` module in every MoE block. Hooks on the model's forward delimit steps,
+so plain `model.generate` (or lm-eval) drives the engine unchanged.
 
     engine = Engine(lm, store, policy, residency, clock, cost, device=torch.device("cpu"))
     lm.model.generate(ids, max_new_tokens=8, do_sample=False); engine.stats.summary()
@@ -22,12 +22,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from moetool.engine.budget import check_plan
 from moetool.engine.clock import CostModel, SimClock, WallClock
+from moetool.engine.device_layers import DeviceLayers
 from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows
 from moetool.engine.residency import Handle, Residency, State
 from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
-from moetool.engine.transfer import Copier
+from moetool.engine.transfer import Copier, routing_to_host, upload
 from moetool.engine.weights import PoolWeights
 from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
@@ -57,9 +59,7 @@ class Engine:
                  experts_impl: str = "grouped_mm", kernels: bool = True):
         if experts_impl not in EXPERTS_IMPLS:
             raise MoetoolError(f"--experts-impl must be one of {', '.join(EXPERTS_IMPLS)}, not '{experts_impl}'.")
-        # grouped_mm: one grouped GEMM per precision and batch (bit-exact against transformers'
-        # grouped_mm experts); eager: one expert at a time (bit-exact against its eager loop).
-        self.grouped = experts_impl == "grouped_mm"
+        self.grouped = experts_impl == "grouped_mm"  # else eager: one expert at a time, as its loop
         self.lm, self.store, self.policy, self.residency = lm, store, policy, residency
         self.clock, self.cost, self.device = clock, cost, torch.device(device)
         self.simulated = clock.kind == "sim"  # the cost model is read only by the simulated clock
@@ -79,8 +79,7 @@ class Engine:
         self._predicting = False
         # The sequence length and batch the budget's KV margin was planned for (0: not checked).
         self.plan_tokens, self.plan_batch = 0, 1
-        self._hooks: list[Any] = []
-        self._routers: list[nn.Module] = []  # routers whose forward the engine wraps (`_install`)
+        self._hooks, self._routers = [], []  # forward hooks; routers whose forward it wraps (`_install`)
         # bits -> layers whose experts at those bits run through one of torch's low-bit kernels
         # (converted once, in their slot, as they load; `quant.kernels`): INT4 and INT2 through the
         # packed-int4 one, per-channel INT8 through the int8 one; on a CPU, grouped path, shapes they
@@ -88,6 +87,9 @@ class Engine:
         self.kernel_layers, self.fused_layers = layers_on_kernel(
             store, self.layers, self.device, next(lm.model.parameters()).dtype) if kernels and self.grouped else ({}, {})
         self.weights.kernel = {(layer, bits) for bits, layers in self.kernel_layers.items() for layer in layers}
+        # Not under the sim clock (it charges each expert) nor beside CPU low-bit kernels (own path).
+        self.device_layers = DeviceLayers(self.weights, policy.precisions()[0], not policy.host_routing and
+                                          self.grouped and not self.simulated and not self.kernel_layers)
         self._install()
         self.warm_bytes = self._warm()
 
@@ -117,9 +119,8 @@ class Engine:
             block = model.get_submodule(g.path)
             block.experts = EngineExperts(block.experts.impl, g, self)
             router = block.get_submodule(g.router)
-            # The router's forward wrapped as an instance attribute rather than a forward hook: a module
-            # with hooks takes nn.Module's slow call path, ~40 us a layer on the CI machine (1-2% of a
-            # decode step on the demo model, scripts/bench_engine.py p1).
+            # An instance attribute, not a forward hook: a module with hooks takes nn.Module's slow call
+            # path, ~40 us a layer on the CI machine (1-2% of a demo decode step, bench_engine.py p1).
             router.forward = self._router_capture(g.index, router.forward)
             self._routers.append(router)
         if self.policy.needs_token_importance:
@@ -159,16 +160,8 @@ class Engine:
         self._importance = None  # this forward's attention layers set it again
         past = past_tokens(kwargs)
         if ids is not None and self.plan_tokens:
-            self._check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1)
+            check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1, self.plan_tokens, self.plan_batch)
         self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
-
-    def _check_plan(self, length: int, batch: int) -> None:
-        """The budget's KV/activation margin holds `plan_batch` sequences of `plan_tokens`: a longer
-        or wider forward would use device memory the budget never reserved, so it is refused."""
-        if length > self.plan_tokens or batch > self.plan_batch:
-            raise MoetoolError(f"a forward of {batch} sequence(s) of {length} tokens exceeds the KV/activation margin "
-                               f"the budget was planned for ({self.plan_batch} of {self.plan_tokens} tokens); plan "
-                               "the engine for the longer sequences (build_engine's max_tokens and batch).")
 
     def _after_forward(self, module, args, output):
         self.end_step()
@@ -181,6 +174,7 @@ class Engine:
 
     def end_step(self) -> None:
         seconds = self.clock.end_step()
+        self.device_layers.end_step()
         self.stats.steps.append(StepRecord("prefill" if self.step.phase == Phase.PREFILL else "decode",
                                            self.step.num_tokens, seconds))
         for f in self.policy.end_step(self.step, self.residency):  # background migrations: never waited for
@@ -188,13 +182,18 @@ class Engine:
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.residency.budget.peak)
         if self.device.type == "cuda":  # what the allocator really held, beside what the budget reserved
             self.stats.peak_allocated_bytes = max(self.stats.peak_allocated_bytes or 0,
-                                                  torch.cuda.max_memory_allocated(self.device))
+                                                  torch.cuda.max_memory_allocated(self.device) - self.stats.foreign_bytes)
 
     # -- one MoE layer -----------------------------------------------------------------------------
     def run_layer(self, module: EngineExperts, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         g = module.layer
         st = self.stats.layer(g.index)
+        if self.device_layers.stacks:  # a layer whose routing never leaves the device (`device_layers`)
+            out = self.device_layers.run(module, hidden, top_k_index, top_k_weights, st)
+            if out is not None:
+                self._logits.pop(g.index, None)
+                return out
         if self.simulated:
             self.clock.compute(self.cost.t_dense(hidden.shape[0]))
         self._publish_ready()
@@ -215,6 +214,7 @@ class Engine:
             if self.residency.tracks_use():
                 self.residency.used(g.index, [(x.expert, x.bits, x.status != Status.MISS) for x in on_device])
             on_device = [x.expert for x in on_device]
+        self.device_layers.learn(g.index, g.num_experts)
         # Asked after the layer ran, so the policy sees the residency this layer's loads left.
         fetches = self.policy.prefetch(view)
         if fetches:
@@ -227,13 +227,13 @@ class Engine:
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> LayerView:
         """Routing and router logits on the host for the policy (one device-to-host sync)."""
-        logits = self._logits.pop(g.index, None)
-        logits = logits.to("cpu", torch.float32) if logits is not None else torch.empty(0)  # [T, E]
+        index, weights, logits = routing_to_host(top_k_index, top_k_weights, self._logits.pop(g.index, None))
+        logits = logits if logits is not None else torch.empty(0)  # [T, E]
         if logits.numel() and self.residency.wants_scores():
             self.residency.observe(g.index, torch.softmax(logits, -1).mean(0))  # SMoE eq. 3's iteration scores
         return LayerView(
             layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
-            top_k_index=top_k_index.to("cpu", torch.int64), top_k_weights=top_k_weights.to("cpu", torch.float32),
+            top_k_index=index, top_k_weights=weights,
             router_logits=logits, residency=self.residency, predict=lambda later: self._predict(later, hidden),
             token_importance=self._importance)
 
@@ -425,9 +425,9 @@ class Engine:
             tok, pos = rows.tok, rows.pos  # every row of the layer, in their own order: no gather
         else:  # the groups' row ranges, concatenated in the order the stack holds them
             sel = np.concatenate([np.arange(*ranges[i]) for i in (order or range(len(ranges)))])
-            sel = torch.from_numpy(sel).to(rows.tok.device, non_blocking=True)
+            sel = upload(sel, rows.tok.device)
             tok, pos = rows.tok.index_select(0, sel), rows.pos.index_select(0, sel)
-        offs = torch.tensor(list(accumulate(sizes)), dtype=torch.int32).to(hidden.device, non_blocking=True)
+        offs = upload(list(accumulate(sizes)), hidden.device, torch.int32)
         # index_select: a quarter of the cost of `hidden[tok]` (advanced indexing) per call
         out.add(grouped_mlp(module, hidden.index_select(0, tok), stack, offs, sizes), pos)
 

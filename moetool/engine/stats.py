@@ -55,7 +55,10 @@ class Stats:
         self.layers = {layer: LayerStats() for layer in moe_layers}
         self.steps: list[StepRecord] = []
         self.peak_device_bytes = 0  # the budget's reservations (pools, staging, non-expert weights, margin)
-        self.peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated, on CUDA only
+        # torch.cuda.max_memory_allocated less `foreign_bytes` (the process's device memory that is not
+        # the model's when the engine was built): what the budget's plan must cover. CUDA only.
+        self.peak_allocated_bytes: int | None = None
+        self.foreign_bytes = 0
         # What the run was set up with, read when summarised (compute dtype, host memory tiers).
         self.context: Callable[[], dict] = dict
 

@@ -40,3 +40,32 @@ class Copier:
     def done(event: torch.cuda.Event | None) -> bool:
         """Whether a copy has completed; a non-blocking query, used to publish background loads."""
         return event is None or event.query()
+
+
+def routing_to_host(index: torch.Tensor, weights: torch.Tensor,
+                    logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A layer's routing ([T, k] indices and weights) and router logits ([T, E], or None) copied to
+    the host in one float32 transfer, so a layer waits for the device once, not three times
+    (indices below 2**24 are exact in float32). Logits of another shape travel on their own."""
+    if not index.is_cuda:  # on the host already: no transfer to save
+        return index.long(), weights.float(), None if logits is None else logits.float()
+    k = index.shape[-1]
+    parts = [index.reshape(-1, k).float(), weights.reshape(-1, k).float()]
+    packed = logits is not None and logits.dim() == 2 and logits.shape[0] == parts[0].shape[0]
+    if packed:
+        parts.append(logits.float())
+    host = torch.cat(parts, 1).cpu()
+    if not packed and logits is not None:
+        logits = logits.cpu()
+    return (host[:, :k].long().view(index.shape), host[:, k:2 * k].reshape(weights.shape),
+            host[:, 2 * k:] if packed else logits)
+
+
+def upload(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host array (a list, a numpy array or a CPU tensor) on `device`. On a GPU it goes
+    through pinned memory without a host sync: a copy from pageable memory waits for the device
+    (torch.cuda.set_sync_debug_mode flags it); torch keeps the pinned block until the copy is done."""
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

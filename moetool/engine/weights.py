@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from moetool.engine.residency import Residency
+from moetool.engine.residency import Residency, State
 from moetool.engine.store import HostStore
+from moetool.engine.transfer import upload
 from moetool.quant import int4_kernel, int8_kernel
 from moetool.quant.format import Bits, ExpertStack, stack_views
 from moetool.quant.kernels import MODULES as KERNELS
@@ -44,7 +45,7 @@ class PoolWeights:
                 [int4_kernel.decode(*p, dtype, int2=bits == 2) for p in self.kernel_stack(layer, bits, slots, expand=False)]
             parts, biases = self.pool_parts(layer, bits), {}
             if "gate_up_bias" in parts:  # biases stay as stored (bf16): only the weights were converted
-                at = torch.tensor(slots, device=parts["gate_up_bias"].device)
+                at = upload(slots, parts["gate_up_bias"].device)
                 biases = {n: parts[n].index_select(0, at).to(dtype) for n in ("gate_up_bias", "down_bias")}
             return ExpertStack(*weights, **biases), rows, None
         first, last = min(slots), max(slots)
@@ -67,9 +68,21 @@ class PoolWeights:
                 for i, s in enumerate(slots):
                     out[name][i].copy_(v[s])
             return ExpertStack(**out), rows, None
-        at = torch.tensor(slots, device=self.residency.pool_bytes(bits).device)
+        at = upload(slots, self.residency.pool_bytes(bits).device)
         parts = {name: v.index_select(0, at) for name, v in self.pool_parts(layer, bits).items()}
         return self.store.decode_stack(parts, layer, bits), rows, None
+
+    def layer_stack(self, layer: int, bits: int, num_experts: int) -> ExpertStack | None:
+        """All of `layer`'s experts at `bits` as one stack in expert order (views of the pool) where they are
+        all resident at `bits`, in consecutive slots, in the compute dtype: what `device_layers` reads
+        for a policy that never evicts (resident, static). None where that does not hold."""
+        handles = [self.residency.table.get((layer, e, bits)) for e in range(num_experts)]
+        if not all(h is not None and h.state == State.RESIDENT for h in handles):
+            return None
+        slots = [h.slot for h in handles]
+        if slots != list(range(slots[0], slots[0] + num_experts)) or not self.in_place(layer, bits, slots):
+            return None
+        return self.pool_stack(layer, bits).slice(slots[0], slots[-1] + 1)
 
     def pool_stack(self, layer: int, bits: int) -> ExpertStack:
         """The whole `bits` pool as `layer`'s experts ([slots, out, in] per projection; views where the
@@ -126,7 +139,7 @@ class PoolWeights:
         """(gate_up, down) of the converted per-channel INT8 experts in `slots` for `int8_kernel.decode`:
         per projection (int8 codes [n, N, K], scales [n, N], offsets [n, N]), gathered from the pool."""
         parts = self.pool_parts(layer, 8)  # typed as hqq's layout: the same bytes, reinterpreted below
-        at = torch.tensor(slots, device=self.residency.pool_bytes(8).device)
+        at = upload(slots, self.residency.pool_bytes(8).device)
         out = []
         for name in ("gate_up", "down"):
             out.append((parts[f"{name}.q"].index_select(0, at).view(torch.int8),

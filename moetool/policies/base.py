@@ -226,6 +226,10 @@ class Policy:
     Params: ClassVar[type[Params]] = Params
     # Ask the engine for DyMoE's heavy-hitter token scores in prefill (needs eager attention weights).
     needs_token_importance: ClassVar[bool] = False
+    # Whether `plan`/`prefetch` read a layer's routing on the host. A policy whose plan is the
+    # router's own and whose experts are all resident (resident, static) sets it False: the engine
+    # then runs its layers on the device as transformers does, without waiting for the routing.
+    host_routing: ClassVar[bool] = True
     # knob -> the knobs it is derived from: a fitted value of the former is dropped when `--set`
     # gives one of the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
     derived: ClassVar[dict[str, tuple[str, ...]]] = {}

@@ -41,7 +41,7 @@ class ExpertTiming:
     nbytes: int  # one expert's blob
     load_s: float  # host -> compute device copy of the blob (a host memcpy on CPU)
     dequant_s: float  # blob -> weights in the compute dtype
-    compute_s: float  # one token through the expert
+    compute_s: float  # one token through the expert, its share of a layer's top-k in one grouped GEMM
 
 
 @dataclass(frozen=True)
@@ -106,11 +106,14 @@ def layer_timings(lm: LoadedModel, ids: torch.Tensor, steps: int) -> tuple[Layer
         around(block, "moe", g.index)
         around(block.experts, "experts", g.index)
     try:
-        out = lm.model(input_ids=ids.to(device), use_cache=True)
-        for step in range(steps + 1):
-            recording[0] = step > 0  # the first decode step warms caches and allocators
-            nxt = out.logits[:, -1:].argmax(-1)
-            out = lm.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        # The same prefill and steps twice, timed the second time: kernels that plan per shape (cuDNN
+        # graphs, cuBLAS heuristics) meet every sequence length in the first pass, as a long run would.
+        for timed_pass in (False, True):
+            out = lm.model(input_ids=ids.to(device), use_cache=True)
+            for step in range(steps + 1):
+                recording[0] = timed_pass and step > 0  # the first decode step warms caches and allocators
+                nxt = out.logits[:, -1:].argmax(-1)
+                out = lm.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
     finally:
         for h in hooks:
             h.remove()
@@ -143,10 +146,24 @@ def expert_timings(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]]) 
         w = empty_weights(layout, dtype, device)
         load = timed(lambda: dst.copy_(src, non_blocking=True), device)
         deq = timed(lambda: dequantize_into(dst, layout, w), device)
-        comp = timed(lambda: module.expert_forward(x, w), device)
+        comp = grouped_compute(module, w, x, g.top_k, device)
         out.append(ExpertTiming(bits=int(bits), nbytes=int(blob.numel()), load_s=load, dequant_s=deq,
                                 compute_s=comp))
     return tuple(out)
+
+
+def grouped_compute(module: torch.nn.Module, w: Any, x: torch.Tensor, k: int, device: torch.device) -> float:
+    """Seconds per expert of one token through `k` experts in one grouped GEMM per projection, as the
+    engine runs a layer's experts (`engine.groups.grouped_mlp`): timing one expert alone would charge
+    each of them a whole launch and sync."""
+    from moetool.engine.groups import grouped_mlp
+    from moetool.quant.format import ExpertStack
+
+    stack = ExpertStack(*(None if t is None else t.unsqueeze(0).expand(k, *t.shape).contiguous()
+                          for t in (w.gate_up, w.down, w.gate_up_bias, w.down_bias)))
+    rows = x.expand(k, -1).contiguous()  # [k, H]: one row per expert
+    offs = torch.arange(1, k + 1, dtype=torch.int32, device=device)
+    return timed(lambda: grouped_mlp(module, rows, stack, offs, [1] * k), device) / k
 
 
 @torch.no_grad()

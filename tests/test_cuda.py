@@ -1,0 +1,207 @@
+"""The engine on a CUDA device: copies on the copy stream are waited for, lossless policies match
+transformers on the same device, bundle experts dequantized on the device match the host's, pinned
+host tiers are pinned, and the allocator's real peak stays inside the budget.
+
+Every test here needs a CUDA device and is skipped with that reason where there is none (CI).
+Run them on a GPU machine with `pytest -m cuda` (scripts/gpu_check.sh runs them with the benchmarks).
+"""
+
+import gc
+
+import pytest
+import torch
+
+from moetool.engine import build_engine
+from moetool.engine.store import HostStore
+from moetool.engine.transfer import Copier
+from moetool.inference import attention_for_decode
+from moetool.model import ExpertWeights, load_model, load_reference
+from moetool.quant.bundle import Bundle
+from moetool.quant.quantize import QuantizeConfig, quantize
+from moetool.run import RunConfig, prepare, run
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+if torch.cuda.is_available():
+    # The attention kernels load_model picks on CUDA, for the reference models too (same kernels, same logits).
+    attention_for_decode("cuda")
+
+IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
+CUDA = torch.device("cuda")
+# ~10 ms of spinning at H100 clocks: long enough that a kernel not ordered after a copy reads the
+# slot before the copy lands, short enough to keep the suite quick.
+SLEEP_CYCLES = 20_000_000
+
+
+@pytest.fixture
+def slow_copies(monkeypatch):
+    """Every engine copy starts only after the copy stream has spun for a while, so a compute kernel
+    that does not wait for its copy's event reads a stale slot (wrong logits, not a flaky pass)."""
+    copy = Copier.copy
+
+    def slow(self, dst, src):
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        return copy(self, dst, src)
+
+    monkeypatch.setattr(Copier, "copy", slow)
+
+
+def test_copier_orders_copies_after_queued_reads_and_before_waiting_kernels():
+    copier = Copier(CUDA)
+    slot = torch.full((1 << 20,), 1, dtype=torch.uint8, device=CUDA)
+    new = torch.full((1 << 20,), 7, dtype=torch.uint8).pin_memory()
+    # A read of the slot queued on the compute stream behind a long kernel: the copy must not overwrite
+    # the slot before that read has run (an evicted expert's last use).
+    torch.cuda._sleep(SLEEP_CYCLES)
+    before = slot.sum(dtype=torch.int64)
+    event = copier.copy(slot, new)
+    assert isinstance(event, torch.cuda.Event)
+    copier.wait(event)
+    after = slot.sum(dtype=torch.int64)  # queued on the compute stream after the wait: sees the copy
+    torch.cuda.synchronize()
+    assert int(before) == slot.numel() and int(after) == 7 * slot.numel()
+    assert Copier.done(event)
+
+
+def test_copier_reports_a_copy_in_flight_without_waiting_for_it():
+    copier = Copier(CUDA)
+    dst = torch.empty(1 << 20, dtype=torch.uint8, device=CUDA)
+    src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8).pin_memory()
+    with torch.cuda.stream(copier.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    event = copier.copy(dst, src)
+    assert not Copier.done(event)  # non-blocking query while the copy stream is still spinning
+    event.synchronize()
+    assert Copier.done(event) and torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("policy,budget,settings", [
+    ("resident", "100%", {}), ("lod", "10%", {}), ("lru", "10%", {}), ("lru", "50%", {}), ("eap", "25%", {}),
+    ("fate", "30%", {"cache_bits": "16", "low_bits": "16"})])
+def test_lossless_policies_match_transformers_on_cuda(tiny_ckpt, slow_copies, arch, policy, budget, settings, impl):
+    """fp32 on the device: prefill logits and 10 greedy tokens equal transformers' own model on the
+    same device with the same experts kernel, while every copy is slowed down."""
+    path = tiny_ckpt(arch)
+    ref = load_reference(path, experts_impl=impl).to(CUDA)
+    ids, mask = IDS.to(CUDA), torch.ones_like(IDS, device=CUDA)
+    with torch.no_grad():
+        want_logits = ref(ids).logits
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    lm = load_model(path, device=CUDA)
+    engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), policy, settings=settings,
+                                budget=budget, device=CUDA, batch=2, experts_impl=impl)
+    with torch.no_grad():
+        got_logits = lm.model(ids).logits
+    assert torch.equal(got_logits, want_logits), f"max diff {(got_logits - want_logits).abs().max():.3g}"
+    got = lm.model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want)
+    s = engine.stats.summary()
+    assert s["peak_device_bytes"] <= plan.total_bytes
+    if policy in ("lod", "lru") and budget != "100%":
+        assert s["bytes_h2d"] > 0  # the misses really went through the copy stream
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cuda-bundle") / "b"
+    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16, 4, 2), group_size=16,
+                            dtype="float32"))
+    return out
+
+
+class DequantProvider:
+    """Experts replaced by the bundle's weights dequantized on the host at one precision."""
+
+    def __init__(self, opened, bits):
+        self.opened, self.bits = opened, bits
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.opened.dequantize(layer, expert, self.bits, torch.float32)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("bits,budget,policy", [(4, "100%", "static"), (2, "100%", "static"),
+                                                (4, "30%", "lru"), (16, "30%", "lru")])
+def test_bundle_experts_dequantized_on_the_device_match_the_host(tiny_ckpt, bundle, slow_copies, bits, budget, policy,
+                                                                  impl):
+    path = str(tiny_ckpt("qwen2_moe"))
+    ready = prepare(RunConfig(model=path, bundle=bundle, policy=policy, settings={"bits": str(bits)}, budget=budget,
+                              device="cuda", dtype="float32", experts_impl=impl), batch=2)
+    opened = Bundle.open(bundle, model=ready.lm.fingerprint)
+    ref = load_model(path, provider=DequantProvider(opened, bits))  # dequantized on the host, computed there
+    with torch.no_grad():
+        got = ready.lm.model(IDS.to(CUDA)).logits.cpu()
+        want = ref.model(IDS).logits
+    # Same dequantized numbers; the GEMMs are cuBLAS's against the CPU's, so not bit for bit.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    store = ready.engine.store
+    assert store.tiers and store.page_lock and store.pinned_bytes > 0
+    assert all(t.is_pinned() for t in store._pinned.values()) and store.ring.buf.is_pinned()
+
+
+def test_a_host_budget_too_small_to_pin_stages_through_the_pinned_ring(tiny_ckpt, bundle, slow_copies):
+    path = str(tiny_ckpt("qwen2_moe"))
+    runs = {}
+    for host_budget in (None, "4KiB"):  # 4 KiB: the ring (top-k 4-bit blobs) and one pinned blob
+        cfg = RunConfig(model=path, bundle=bundle, policy="lru", settings={"bits": "4"}, budget="30%", device="cuda",
+                        dtype="float32", host_budget=host_budget, prompts=("abcdefgh", "the cat sat"),
+                        max_new_tokens=8)
+        runs[host_budget] = run(cfg)
+    pinned, staged = runs[None], runs["4KiB"]
+    assert staged.summary["host_staged_bytes"] > 0 and staged.summary["host_pinned_bytes"] <= 4 << 10
+    assert pinned.summary["host_staged_bytes"] == 0
+    assert staged.tokens == pinned.tokens
+
+
+@pytest.mark.parametrize("policy,settings,budget", [
+    ("lru", {}, "25%"), ("static", {"bits": "4"}, "50%"),  # every expert at 4 bits: 37.5% of the bf16 bytes ("dymoe", {"high_bits": "4", "low_bits": "0"}, "25%"),
+    ("dymoe", {"high_bits": "4", "low_bits": "2"}, "25%"), ("smoe", {}, "25%"), ("fate", {}, "25%"),
+    ("dynaexq", {}, "50%"),  # it keeps every expert at b_lo = 4 bits
+    ("eap", {}, "25%"), ("lod", {}, "25%"), ("resident", {}, "100%")])
+def test_every_policy_runs_on_cuda_within_the_budget_the_allocator_sees(tiny_ckpt, bundle, policy, settings, budget):
+    """bf16 on the device (the default there): the run completes, and both the ledger and torch's own
+    allocator peak (model, KV, pools, staging, dequant scratch, cuBLAS workspace; less what the
+    process held before the engine) stay inside the budget."""
+    gc.collect()  # earlier tests' engines and models hold device memory until their cycles are collected
+    torch.cuda.empty_cache()
+    out = run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=bundle, policy=policy, settings=settings,
+                        budget=budget, device="cuda", prompts=("abcdefgh", "the quick brown fox"), max_new_tokens=12))
+    assert all(len(t) == 12 for t in out.tokens)
+    assert out.peak_device_bytes <= out.budget_bytes
+    assert 0 < out.summary["peak_allocated_bytes"] <= out.budget_bytes, \
+        f"allocator peak {out.summary['peak_allocated_bytes']} > budget {out.budget_bytes} ({out.budget})"
+
+
+@pytest.mark.parametrize("policy,budget,settings", [("resident", "100%", {}), ("lru", "50%", {}),
+                                                    ("static", "100%", {"bits": "4"}), ("lru", "30%", {"bits": "2"})])
+def test_a_decode_step_waits_for_the_device_once_per_moe_layer(tiny_ckpt, bundle, policy, budget, settings):
+    """The layer's routing and router logits come to the host in one transfer, and index uploads go
+    through pinned memory: torch's sync debug mode sees at most one synchronizing call per MoE layer."""
+    import warnings
+
+    path = str(tiny_ckpt("qwen2_moe"))
+    ready = prepare(RunConfig(model=path, bundle=bundle, policy=policy, settings=settings, budget=budget,
+                              device="cuda"), batch=1)
+    model, layers = ready.lm.model, len(ready.lm.geometry.layers)
+    cache = None
+    nxt = IDS[:1].to(CUDA)
+    with torch.no_grad():
+        for _ in range(3):  # prefill and two decode steps: first-use allocations and loads settle
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(4):
+                    out = model(nxt, past_key_values=cache, use_cache=True)
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    assert len(syncs) <= 4 * layers, f"{len(syncs) / 4:g} syncs a step over {layers} MoE layers, at {sites}"
