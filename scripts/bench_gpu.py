@@ -351,7 +351,7 @@ def main() -> None:
                        "device": results["device"]}
                 try:
                     r = engine_run(lm, store_of, policy, settings, budget, ids, args.tokens,
-                                   profiled=policy in ("resident", "lru", "dymoe"))
+                                   profiled=policy in ("resident", "static", "lru", "dymoe"))
                     row.update(r, tpot_wall_s=r["tpot_s"])
                     if bw:
                         row["roofline_s"] = (r["bytes_per_token"] / (bw["h2d_pinned_gbps"] * 1e9) +

@@ -205,3 +205,18 @@ def test_a_decode_step_waits_for_the_device_once_per_moe_layer(tiny_ckpt, bundle
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
     assert len(syncs) <= 4 * layers, f"{len(syncs) / 4:g} syncs a step over {layers} MoE layers, at {sites}"
+
+
+def test_the_wall_clock_counts_the_time_compute_waits_for_its_copies(tiny_ckpt, slow_copies):
+    """On CUDA the host never blocks on a copy, so a stall is timed on the device: events on each
+    side of the compute stream's wait. Every copy here comes ~10 ms late: load-on-demand stalls,
+    `resident` (nothing to load after its warm-up) does not."""
+    stalls = {}
+    for policy, budget in (("lod", "10%"), ("resident", "100%")):
+        lm = load_model(tiny_ckpt("qwen2_moe"), device=CUDA)
+        engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), policy, budget=budget,
+                                 device=CUDA, clock="wall")
+        lm.model.generate(IDS[:1].to(CUDA), max_new_tokens=4, do_sample=False)
+        stalls[policy] = engine.stats.summary()["stall_s"]
+    assert stalls["resident"] == 0.0
+    assert stalls["lod"] > 0.005, stalls

@@ -70,8 +70,7 @@ class Engine:
         self._max_bits = max(int(b) for b in store.bits)
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
         self.stats = Stats(tuple(g.index for g in self.layers))
-        self.step: Step | None = None
-        self._step_count = 0
+        self.step, self._step_count = None, 0  # the current Step, and how many have begun
         self._logits: dict[int, torch.Tensor] = {}
         # [T] heavy-hitter scores (DyMoE eq. 1) of this prefill's latest softmax-attention layer: a MoE
         # layer after another mixer (Mamba, linear attention) reads the nearest one before it (dymoe.py).
@@ -175,6 +174,7 @@ class Engine:
     def end_step(self) -> None:
         seconds = self.clock.end_step()
         self.device_layers.end_step()
+        self.copier.settle()
         self.stats.steps.append(StepRecord("prefill" if self.step.phase == Phase.PREFILL else "decode",
                                            self.step.num_tokens, seconds))
         for f in self.policy.end_step(self.step, self.residency):  # background migrations: never waited for
@@ -395,7 +395,7 @@ class Engine:
         if h.staged and staged:
             self._copy_staged(layer, staged.pop(0))
         if h.state == State.LOADING:
-            self.copier.wait(h.event)
+            self.copier.wait(h.event, st if self.clock.kind == "wall" else None)  # CUDA: timed on the device
             st.stall_s += self.clock.wait(h.ready_at)
             if not h.staged:
                 self.residency.publish(layer, x.expert, x.bits)

@@ -8,6 +8,8 @@ when it returns); `wait` makes the compute stream wait for that event without a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -16,6 +18,7 @@ class Copier:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._stalls: list[tuple[Any, torch.cuda.Event, torch.cuda.Event]] = []  # (stats, before, after) a wait
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
         """Start copying `src` (host) into `dst` (device); return the event that marks completion."""
@@ -31,10 +34,28 @@ class Copier:
             event.record(self.stream)
         return event
 
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        """Make the compute stream wait for `event` (no host sync)."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+    def wait(self, event: torch.cuda.Event | None, stats: Any = None) -> None:
+        """Make the compute stream wait for `event` (no host sync). With `stats` (a layer's), the time
+        the compute stream stands still there is added to its `stall_s` at the step's end (`settle`):
+        timing events on each side of the wait, so the host never blocks to measure it."""
+        if event is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if stats is None:
+            stream.wait_event(event)
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._stalls.append((stats, before, after))
+
+    def settle(self) -> None:
+        """Add this step's measured device stalls to their layers' stats (after the step's work)."""
+        for stats, before, after in self._stalls:
+            after.synchronize()
+            stats.stall_s += before.elapsed_time(after) / 1e3
+        self._stalls.clear()
 
     @staticmethod
     def done(event: torch.cuda.Event | None) -> bool:
