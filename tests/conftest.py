@@ -22,3 +22,14 @@ def tiny_ckpt(tmp_path_factory):
 
 
 ARCHS = sorted(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def bundle(tiny_ckpt, tmp_path_factory):
+    """A bundle of the tiny qwen2_moe at bits 16, 4 and 2 (group size 16), quantized once per session."""
+    from moetool.quant.quantize import QuantizeConfig, quantize
+
+    out = tmp_path_factory.mktemp("bundle") / "b"
+    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16, 4, 2), group_size=16,
+                            dtype="float32"))
+    return out

@@ -15,10 +15,10 @@ from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier
 from moetool.inference import attention_for_decode
-from moetool.model import ExpertWeights, load_model, load_reference
+from moetool.model import load_model, load_reference
 from moetool.quant.bundle import Bundle
-from moetool.quant.quantize import QuantizeConfig, quantize
 from moetool.run import RunConfig, prepare, run
+from tiny import DequantProvider
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 if torch.cuda.is_available():
@@ -102,24 +102,6 @@ def test_lossless_policies_match_transformers_on_cuda(tiny_ckpt, slow_copies, ar
     assert s["peak_device_bytes"] <= plan.total_bytes
     if policy in ("lod", "lru") and budget != "100%":
         assert s["bytes_h2d"] > 0  # the misses really went through the copy stream
-
-
-@pytest.fixture(scope="module")
-def bundle(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cuda-bundle") / "b"
-    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16, 4, 2), group_size=16,
-                            dtype="float32"))
-    return out
-
-
-class DequantProvider:
-    """Experts replaced by the bundle's weights dequantized on the host at one precision."""
-
-    def __init__(self, opened, bits):
-        self.opened, self.bits = opened, bits
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        return self.opened.dequantize(layer, expert, self.bits, torch.float32)
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager"])

@@ -3,30 +3,12 @@
 import pytest
 import torch
 
-from moetool.model import ExpertWeights, load_model
+from moetool.model import load_model
 from moetool.quant.bundle import Bundle
-from moetool.quant.quantize import QuantizeConfig, quantize
 from moetool.run import RunConfig, prepare, run
+from tiny import DequantProvider
 
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7]])
-
-
-@pytest.fixture(scope="module")
-def bundle(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundle") / "b"
-    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16, 4, 2), group_size=16,
-                            dtype="float32"))
-    return out
-
-
-class DequantProvider:
-    """Experts replaced by the bundle's dequantized weights at one precision."""
-
-    def __init__(self, opened, bits):
-        self.opened, self.bits = opened, bits
-
-    def get(self, layer: int, expert: int) -> ExpertWeights:
-        return self.opened.dequantize(layer, expert, self.bits, torch.float32)
 
 
 @pytest.mark.parametrize("bits,budget,policy", [(4, "100%", "static"), (2, "100%", "static"), (16, "30%", "lru")])

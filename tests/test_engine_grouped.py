@@ -21,14 +21,6 @@ from moetool.spec import EngineSpec
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-@pytest.fixture(scope="module")
-def bundle(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundle") / "b"
-    quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16, 4, 2), group_size=16,
-                            dtype="float32"))
-    return out
-
-
 def _python_groups(plan: LayerPlan, idx: torch.Tensor, slot_major: bool):
     """The grouping written out as loops: {(where, bits, expert): [(token, slot), ...]} in kernel order:
     slot-major for the eager loop; for grouped_mm, the order its own `torch.sort` of the flattened

@@ -92,6 +92,17 @@ def kernel_model(tmp_path_factory):
     return path, tmp / "b"
 
 
+@pytest.fixture(scope="module")
+def wide_kernel_model(tmp_path_factory):
+    """As `kernel_model`, with every projection's rows a multiple of 128 (hidden 128, experts 64 wide):
+    the kernel packs rows in blocks whose size depends on the CPU (64 with AVX-512, smaller on AVX2),
+    and experts fuse only where each projection fills whole blocks (`int4_kernel.fusable`)."""
+    tmp = tmp_path_factory.mktemp("int4w")
+    path = save_tiny("qwen2_moe", tmp / "m", hidden_size=128, moe_intermediate_size=64)
+    quantize(QuantizeConfig(model=str(path), out=tmp / "b", bits=(16, 4, 2), group_size=32, dtype="bfloat16"))
+    return path, tmp / "b"
+
+
 def _logits(path, bundle, policy, budget, dtype=BF16, settings=None, **kw):
     lm = load_model(path, dtype=dtype)
     store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), dtype)
@@ -196,11 +207,11 @@ def test_what_does_not_stack_is_named():
     assert not int4_kernel.fusable(make_layout(Bits.INT4, *shapes, True, group_size=32), 4)  # biases: per expert
 
 
-def test_decode_steps_run_each_layers_kernel_experts_in_one_call(kernel_model, monkeypatch):
+def test_decode_steps_run_each_layers_kernel_experts_in_one_call(wide_kernel_model, monkeypatch):
     """Greedy decode, batch 1 (one token a step): every MoE layer's INT4 and INT2 experts (dymoe 4/2)
     go through fused_forward, and each step's logits match the dequantize path within the stated
     tolerance."""
-    path, bundle = kernel_model
+    path, bundle = wide_kernel_model
     calls = []
     fused = int4_kernel.fused_forward
     monkeypatch.setattr(int4_kernel, "fused_forward", lambda *a: calls.append(a[1][0].shape[0]) or fused(*a))

@@ -61,3 +61,14 @@ def save_tiny(arch: str, out: Path, seed: int = 0, dtype: torch.dtype | None = N
         model.to(dtype)
     model.save_pretrained(out)
     return out
+
+
+class DequantProvider:
+    """Experts replaced by a bundle's weights dequantized on the host at one precision (a reference
+    model for the engine over that bundle: `load_model(path, provider=DequantProvider(opened, 4))`)."""
+
+    def __init__(self, opened, bits: int):
+        self.opened, self.bits = opened, bits
+
+    def get(self, layer: int, expert: int):
+        return self.opened.dequantize(layer, expert, self.bits, torch.float32)

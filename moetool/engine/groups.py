@@ -245,4 +245,3 @@ def _rows(tok: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, device: torc
         return Rows(tok, slot, pos, tok, slot, pos)
     both = upload(torch.stack((tok, slot, pos)), device)
     return Rows(tok, slot, pos, both[0], both[1], both[2])
-

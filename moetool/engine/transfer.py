@@ -1,9 +1,13 @@
-"""Host-to-device copies: a dedicated copy stream and events on CUDA, plain copies on CPU.
+"""Moving data between host and device: expert copies on a dedicated copy stream with events on
+CUDA (plain copies on CPU), a layer's routing to the host in one transfer, index arrays to the
+device through pinned memory.
 
 The same calls run on both: `copy` returns an event on CUDA (None on CPU, where the copy is done
-when it returns); `wait` makes the compute stream wait for that event without a host sync.
+when it returns); `wait` makes the compute stream wait for that event without a host sync (and,
+given a layer's stats, times the wait on the device).
 
     copier = Copier(torch.device("cuda")); ev = copier.copy(slot_view, host_blob); copier.wait(ev)
+    index, weights, logits = routing_to_host(top_k_index, top_k_weights, router_logits)
 """
 
 from __future__ import annotations

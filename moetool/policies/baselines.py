@@ -24,6 +24,7 @@ from moetool.policies.common import all_experts, check_eviction, even_quota
 @register("resident")
 class Resident(Policy):
     host_routing = False  # every expert resident, the router's own plan: nothing to decide per layer
+
     @dataclass(frozen=True)
     class Params(Params):
         bits: int = 16

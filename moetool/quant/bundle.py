@@ -28,6 +28,7 @@ import torch
 
 from moetool.artifacts import Artifact, ModelFingerprint
 from moetool.errors import MoetoolError
+from moetool.inference import attention_for_decode
 from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
 from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, inspect_geometry, install_provider, \
     load_config, load_generation_config, load_tokenizer
@@ -345,6 +346,7 @@ def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu",
     reference = BundleExperts(opened, dtype)
     install_provider(skeleton, geometry, DeviceProvider(reference, device, dtype))
     load_generation_config(skeleton, files)
+    attention_for_decode(device)
     skeleton.to(device)
     return LoadedModel(model=skeleton, tokenizer=load_tokenizer(str(files)), geometry=geometry, experts=reference,
                        fingerprint=opened.manifest.model, path=str(directory), bundle=opened)
