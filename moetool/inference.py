@@ -18,17 +18,6 @@ if TYPE_CHECKING:
     from moetool.model import LoadedModel
 
 
-def attention_for_decode(device: str | torch.device) -> None:
-    """On CUDA, take cuDNN's fused attention out of SDPA's choices, process-wide. It builds and caches
-    a graph for every (query, key) length it has not seen: profiled on an H100 (torch 2.11), a decode
-    step at a new length spent ~2.2 ms of host time per attention call in it, against ~11 us once
-    cached, so every token of a fresh process's generation paid it (a 4-layer model: 42 ms a step,
-    8 ms with the graphs cached). Flash and memory-efficient attention take any length. No effect
-    off CUDA."""
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def call_router(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> Any:
     """MoE layer `layer`'s router on `hidden` [T, H] outside its block's forward (cross-layer
     look-ahead, routing profiles): what the router returns, or None where it cannot run alone.

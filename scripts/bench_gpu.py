@@ -48,8 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from moetool.engine import build_engine
 from moetool.engine.stats import Stats
 from moetool.engine.store import HostStore
-from moetool.inference import attention_for_decode
-from moetool.model import load_model
+from moetool.model import attention_for_decode, load_model
 from moetool.quant.bundle import MANIFEST, Bundle
 from moetool.quant.quantize import QuantizeConfig, quantize
 

@@ -14,8 +14,7 @@ import torch
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier
-from moetool.inference import attention_for_decode
-from moetool.model import load_model, load_reference
+from moetool.model import attention_for_decode, load_model, load_reference
 from moetool.quant.bundle import Bundle
 from moetool.run import RunConfig, prepare, run
 from tiny import DequantProvider

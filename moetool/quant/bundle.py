@@ -28,10 +28,9 @@ import torch
 
 from moetool.artifacts import Artifact, ModelFingerprint
 from moetool.errors import MoetoolError
-from moetool.inference import attention_for_decode
 from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
-from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, inspect_geometry, install_provider, \
-    load_config, load_generation_config, load_tokenizer
+from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, attention_for_decode, inspect_geometry, \
+    install_provider, load_config, load_generation_config, load_tokenizer
 from moetool.quant.format import ALIGN, Bits, Layout, dequantize
 from moetool.quant.shards import (MODEL_DIR, NON_EXPERT, ModelFile, Shard, blob_crc32, check_model_file, check_shard,
                                   map_shard)
