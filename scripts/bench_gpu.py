@@ -127,12 +127,12 @@ def build_checkpoint(path: Path, layers: int, geometry: dict, seed: int = 0) -> 
             layer.mlp.gate.weight.copy_(w)
     model.save_pretrained(path)
     del model
-    release()
+    collect()
     return path
 
 
-def release(*objs) -> None:
-    del objs
+def collect() -> None:
+    """Give the device memory of models and engines the caller has dropped back (`del` them first)."""
     gc.collect()  # engines and models hold cycles: collect them so their device memory goes back
     if DEV.type == "cuda":
         torch.cuda.empty_cache()
@@ -199,12 +199,13 @@ def engine_run(lm, store_of, policy: str, settings: dict, budget: str, ids: torc
                     stall_s=s["stall_s"], budget_bytes=plan.total_bytes, peak_device_bytes=s["peak_device_bytes"],
                     peak_allocated_bytes=s["peak_allocated_bytes"], substitutions=s["substitutions"],
                     skips=s["skips"], cpu_experts=s["cpu_experts"], precision_mix=s["precision_mix"],
-                    expert_read_bytes=expert_read_bytes(s, mix_tokens, dict(engine.store._slot_bytes)),
+                    expert_read_bytes=expert_read_bytes(s, mix_tokens, {b: engine.store.slot_bytes(b) for b in engine.store.bits}),
                     non_expert_bytes=plan.non_expert_bytes, profile=prof)
     finally:
         engine.close()
         lm.model.set_attn_implementation(attn)  # DyMoE switches to eager attention for its scores
-        release(engine)
+        del engine
+        collect()
 
 
 def accelerate_tpot(ckpt: Path, budget_bytes: int, ids: torch.Tensor, tokens: int) -> float:
@@ -225,7 +226,8 @@ def accelerate_tpot(ckpt: Path, budget_bytes: int, ids: torch.Tensor, tokens: in
                 nxt = out.logits[:, -1:].argmax(-1)
         return statistics.median(times[1:])
     finally:
-        release(model)
+        del model
+        collect()
 
 
 def write(out: Path, results: dict) -> None:
@@ -329,15 +331,16 @@ def main() -> None:
         print(f"P1 ratio engine / plain = {results['p1']['ratio']:.3f} "
               f"(plain {med['plain'] * 1e3:.2f} ms, engine {med['engine resident'] * 1e3:.2f} ms)", flush=True)
         engine.close()
-        release(plain, engine, lm)
+        del plain, engine, lm
+        collect()
         write(args.out, results)
 
     lm = load_model(ckpt, device=DEV, dtype=torch.bfloat16)
     if has_bundle:
         lm.bundle = Bundle.open(bundle, model=lm.fingerprint)
-        store_of = lambda: HostStore.from_bundle(lm.bundle, torch.bfloat16)
+        store_of = lambda opened=lm.bundle: HostStore.from_bundle(opened, torch.bfloat16)
     else:  # no bundle (quantize skipped): reference-precision policies only
-        store_of = lambda: HostStore.from_experts(lm.experts, torch.bfloat16)
+        store_of = lambda experts=lm.experts: HostStore.from_experts(experts, torch.bfloat16)
     bw = results.get("bandwidth")
     if part("policies", 20):
         for budget in budgets + ["100%"]:
@@ -383,7 +386,8 @@ def main() -> None:
             except Exception as e:
                 row["sim_error"] = f"{type(e).__name__}: {e}"
             write(args.out, results)
-    release(lm)
+    del lm, store_of
+    collect()
     if DEV.type == "cuda" and part("accelerate", 40):
         for budget in budgets:
             rows = [r for r in results["rows"] if r["budget"] == budget and "budget_bytes" in r]
