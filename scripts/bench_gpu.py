@@ -343,6 +343,11 @@ def main() -> None:
         store_of = lambda experts=lm.experts: HostStore.from_experts(experts, torch.bfloat16)
     bw = results.get("bandwidth")
     if part("policies", 20):
+        # resident 100% also first: against its row (run last) it shows how far the machine drifts
+        # over the policy runs, which bounds what a difference between two rows can mean.
+        first = engine_run(lm, store_of, "resident", {}, "100%", ids, args.tokens, profiled=False)
+        results["resident_first_tpot_s"] = first["tpot_s"]
+        note(f"  resident 100% (first): TPOT {first['tpot_s'] * 1e3:.2f} ms")
         for budget in budgets + ["100%"]:
             for name, policy, settings, only in POLICIES:
                 if (only is None and budget == "100%") or (only is not None and budget not in only):

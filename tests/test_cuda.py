@@ -201,3 +201,50 @@ def test_the_wall_clock_counts_the_time_compute_waits_for_its_copies(tiny_ckpt, 
         stalls[policy] = engine.stats.summary()["stall_s"]
     assert stalls["resident"] == 0.0
     assert stalls["lod"] > 0.005, stalls
+
+
+def test_smoe_cpu_assisted_experts_run_while_the_device_computes(tiny_ckpt, monkeypatch):
+    """SMoE at alpha = 0 (no substitution) runs exactly the routed experts, misses split between
+    loads and the host (Algorithm 2): the same tokens as transformers on the device, with experts
+    really run on the host. Each device expert is slowed by ~10 ms on the compute stream; when a
+    host expert starts in a layer that gave the device experts, that work must still be pending:
+    the rows came to the host in their own copy and the device was given its experts first (not
+    after the host's, nor behind a sync on the device's work)."""
+    from moetool.engine import runtime
+
+    path = tiny_ckpt("qwen2_moe")
+    ref = load_reference(path, experts_impl="grouped_mm").to(CUDA)
+    lm = load_model(path, device=CUDA)
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "smoe",
+                             settings={"alpha": "0"}, budget="10%", device=CUDA)
+    queued, busy = [False], []  # device experts queued in this layer call; at each host expert: still working?
+    grouped, forward = runtime.grouped_mlp, runtime.EngineExperts.expert_forward
+    run_layer, host_blob = engine.run_layer, engine.store.host
+
+    def slow(fn):
+        def call(module, x, *a, **kw):
+            if x.is_cuda:  # a device expert (the host's run on CPU rows)
+                torch.cuda._sleep(SLEEP_CYCLES)
+                queued[0] = True
+            return fn(module, x, *a, **kw)
+        return call
+
+    def layer_call(*a, **kw):
+        queued[0] = False
+        return run_layer(*a, **kw)
+
+    def host(*a, **kw):
+        if queued[0]:
+            busy.append(not torch.cuda.current_stream(CUDA).query())
+        return host_blob(*a, **kw)
+
+    monkeypatch.setattr(runtime, "grouped_mlp", slow(grouped))
+    monkeypatch.setattr(runtime.EngineExperts, "expert_forward", slow(forward))
+    monkeypatch.setattr(engine, "run_layer", layer_call)
+    monkeypatch.setattr(engine.store, "host", host)
+    ids = IDS[:1].to(CUDA)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    got = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    assert engine.stats.summary()["cpu_experts"] > 0 and busy
+    assert all(busy), f"the device was idle at {len(busy) - sum(busy)} of {len(busy)} host experts"

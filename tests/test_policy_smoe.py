@@ -210,3 +210,59 @@ def test_dropped_slots_are_not_run():
     pol = make_policy("smoe", {}, make_ctx())
     plan = pol.plan(make_view([[0, 8, 1]], FakeCache(pol.pools()), logits=SCORES.log()))
     assert plan.where[0, 1] == Where.SKIP and plan.running().tolist() == [[True, False, True]]
+
+
+# -- CPU-assisted experts in the engine --------------------------------------------------------------
+
+
+def test_cpu_assisted_experts_give_the_models_logits_and_start_after_the_device_experts_are_queued(
+        tiny_ckpt, monkeypatch):
+    """alpha = 0 (no substitution): SMoE runs exactly the routed experts, misses split between loads
+    and the host (Algorithm 2). The logits are transformers' bit for bit, some experts did run on
+    the host, and in every layer that has both, every device GEMM was issued before the host's
+    first expert: the host computes while the device does, not before it is given work."""
+    from moetool.engine import build_engine, runtime
+    from moetool.engine.store import HostStore
+    from moetool.model import load_model, load_reference
+
+    path = tiny_ckpt("qwen2_moe")
+    ids = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7]])
+    lm = load_model(path)
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "smoe",
+                             settings={"alpha": "0"}, budget="10%")
+    # What each layer call did, in order: "host" when a CPU-assisted expert reads its host weights
+    # (the next compute is that expert's), "compute" for every expert MLP or grouped GEMM.
+    calls: list[list[str]] = []
+    run_layer, host_blob = engine.run_layer, engine.store.host
+    grouped, forward = runtime.grouped_mlp, runtime.EngineExperts.expert_forward
+
+    def layer_call(*a, **kw):
+        calls.append([])
+        return run_layer(*a, **kw)
+
+    def logged(kind, fn):
+        def call(*a, **kw):
+            calls[-1].append(kind)
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(engine, "run_layer", layer_call)
+    monkeypatch.setattr(engine.store, "host", logged("host", host_blob))
+    monkeypatch.setattr(runtime, "grouped_mlp", logged("compute", grouped))
+    monkeypatch.setattr(runtime.EngineExperts, "expert_forward", logged("compute", forward))
+    gen = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got = lm.model.generate(ids, **gen)
+    want = load_reference(path).generate(ids, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):  # prefill and every decode step
+        assert torch.equal(a, b)
+    assert engine.stats.summary()["cpu_experts"] > 0
+    both = 0
+    for ops in calls:
+        if "host" not in ops:
+            continue
+        first_host = ops.index("host")
+        device = [i for i, op in enumerate(ops) if op == "compute" and (i == 0 or ops[i - 1] != "host")]
+        both += bool(device)
+        assert all(i < first_host for i in device), ops
+    assert both > 0

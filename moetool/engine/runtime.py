@@ -29,7 +29,7 @@ from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_pl
 from moetool.engine.residency import Handle, Residency, State
 from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
-from moetool.engine.transfer import Copier, routing_to_host, upload
+from moetool.engine.transfer import Copier, HostRows, routing_to_host, rows_to_host, upload
 from moetool.engine.weights import PoolWeights
 from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
@@ -207,8 +207,11 @@ class Engine:
             groups = self._group(plan, view.top_k_index, g.num_experts, st, routed)
             on_host = [x for x in groups if x.where == Where.CPU]
             on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU] if on_host else groups)
-            cpu_ready = self._compute_on_host(module, hidden, on_host, st, out)
+            # SMoE's CPU-assisted experts start with the layer; rows to the host before device work is queued
+            cpu_ready = max((self.clock.cpu(self.cost.c_cpu(len(x))) for x in on_host), default=0.0)
+            host_rows = rows_to_host(hidden) if on_host else None
             self._compute_on_device(module, hidden, on_device, staged, st, out)
+            self._compute_on_host(module, host_rows, on_host, st, out)
             st.needed += len(on_device)
             st.stall_s += self.clock.wait(cpu_ready)
             if self.residency.tracks_use():
@@ -233,9 +236,8 @@ class Engine:
             self.residency.observe(g.index, torch.softmax(logits, -1).mean(0))  # SMoE eq. 3's iteration scores
         return LayerView(
             layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
-            top_k_index=index, top_k_weights=weights,
-            router_logits=logits, residency=self.residency, predict=lambda later: self._predict(later, hidden),
-            token_importance=self._importance)
+            top_k_index=index, top_k_weights=weights, router_logits=logits, residency=self.residency,
+            predict=lambda later: self._predict(later, hidden), token_importance=self._importance)
 
     def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats,
                routed: Routed | None = None) -> list[Group]:
@@ -303,18 +305,16 @@ class Engine:
             self._copy_staged(layer, staged.pop(0))
         return groups, staged
 
-    def _compute_on_host(self, module: EngineExperts, hidden: torch.Tensor, groups: list[Group],
-                         st: LayerStats, out: Combine) -> float:
-        """SMoE Algorithm 2's CPU-assisted experts: run on the host, concurrently with the device."""
-        ready = 0.0
+    def _compute_on_host(self, module: EngineExperts, rows: HostRows | None, groups: list[Group],
+                         st: LayerStats, out: Combine) -> None:
+        """SMoE Algorithm 2's CPU-assisted experts on the host `rows` (the device computes meanwhile)."""
+        hidden = rows.wait() if groups else None  # this copy only; results go back pinned, without a sync
         for x in groups:
-            ready = max(ready, self.clock.cpu(self.cost.c_cpu(len(x))))
             w = self.store.decode(self.store.host(module.layer.index, x.expert, x.bits), module.layer.index,
                                   x.expert, x.bits)
-            y = module.expert_forward(hidden[x.tok].to(w.gate_up.device), w).to(hidden.device)  # [n, H]
-            out.add(y, x.pos, x.tok, x.slot, x.expert, x.bits)
+            y = module.expert_forward(hidden.index_select(0, x.tok_host).to(w.gate_up.device), w)  # [n, H]
+            out.add(upload(y, out.hidden.device), x.pos, x.tok, x.slot, x.expert, x.bits)
             st.cpu_experts += 1
-        return ready
 
     def _compute_on_device(self, module: EngineExperts, hidden: torch.Tensor, groups: list[Group],
                            staged: list[Group], st: LayerStats, out: Combine) -> None:

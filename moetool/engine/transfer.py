@@ -1,6 +1,6 @@
 """Moving data between host and device: expert copies on a dedicated copy stream with events on
 CUDA (plain copies on CPU), a layer's routing to the host in one transfer, index arrays to the
-device through pinned memory.
+device through pinned memory, a layer's rows to pinned host memory for the host's experts.
 
 The same calls run on both: `copy` returns an event on CUDA (None on CPU, where the copy is done
 when it returns); `wait` makes the compute stream wait for that event without a host sync (and,
@@ -12,6 +12,7 @@ given a layer's stats, times the wait on the device).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,3 +95,29 @@ def upload(values, device: torch.device, dtype: torch.dtype = torch.int64) -> to
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True, slots=True)
+class HostRows:
+    """A layer's hidden rows [T, H] on the host, and the event that marks their copy done (None on
+    CPU, where they are the layer's own tensor)."""
+
+    hidden: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def wait(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()  # this copy only: device work queued after it runs on
+        return self.hidden
+
+
+def rows_to_host(hidden: torch.Tensor) -> HostRows:
+    """Start copying `hidden` to pinned host memory (queued on the compute stream after the work
+    that produced it); on CPU, the tensor itself."""
+    if not hidden.is_cuda:
+        return HostRows(hidden, None)
+    rows = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+    rows.copy_(hidden, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return HostRows(rows, copied)
