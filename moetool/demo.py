@@ -234,9 +234,10 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
 
 @dataclass(frozen=True)
 class Fitted:
-    params: ConversionParams  # both stages: what gets committed
-    layerwise: ConversionParams  # stage 1 only (hard gating): the "before distillation" model
-    baseline: ConversionParams  # least-squares routers, no compensation
+    params: ConversionParams  # every stage: what gets committed
+    layerwise: ConversionParams | None  # stage 1 only (hard gating); None when stage 2 was reused without it
+    baseline: ConversionParams | None  # least-squares routers, no compensation; None as layerwise
+    distilled: ConversionParams | None = None  # stages 1-2: before the refinement on teacher samples
 
 
 def stage_tag(fit, text: str) -> str:
@@ -245,28 +246,33 @@ def stage_tag(fit, text: str) -> str:
     return hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode() + text.encode()).hexdigest()[:12]
 
 
-def fit_demo(dense, tok, fit=None, s=None, *, workdir: Path, progress: Progress | None = None,
+def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progress: Progress | None = None,
              report=None) -> Fitted:
-    """Both stages of the demo conversion; each stage's result is kept in `workdir` and reused.
+    """The three stages of the demo conversion; each stage's result is kept in `workdir` and reused.
 
-    Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil`, about
-    an hour on 2 cores) checkpoints as it goes, so an interrupted fit resumes where it stopped.
+    Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil` on the
+    fitting text, about an hour on 2 cores) and stage 3 (`distil` with `REFINE` on the fitting text
+    and the teacher's own samples, about half an hour) checkpoint as they go, so an interrupted fit
+    resumes where it stopped. `refine=False` stops after stage 2.
     """
     from moetool.datasets import train_text
-    from moetool.demo_distil import DistilSettings, distil
+    from moetool.demo_distil import REFINE, DistilSettings, distil, teacher_samples
     from moetool.demo_fit import FitSettings, fit_conversion
 
     fit = FitSettings() if fit is None else fit
     s = DistilSettings() if s is None else s
+    refine = REFINE if refine is None else refine
     workdir.mkdir(parents=True, exist_ok=True)
     text = train_text()
     tag = stage_tag(fit, text)
     stage1, base = workdir / f"layerwise-{tag}.safetensors", workdir / f"baseline-{tag}.safetensors"
+    stage2 = workdir / f"distilled-{stage_tag(s, tag)}.safetensors"
+    layerwise = baseline = None
     if stage1.is_file() and base.is_file():
         layerwise, baseline = load_params(stage1), load_params(base)
         if progress is not None:
             progress(f"stage 1 (layerwise fit) reused from {stage1}")
-    else:
+    elif not stage2.is_file():
         outcome = fit_conversion(dense, tok, fit, progress=progress)
         save_params(outcome.baseline, base)
         save_params(outcome.params, stage1)  # last: its presence means stage 1 finished
@@ -275,8 +281,32 @@ def fit_demo(dense, tok, fit=None, s=None, *, workdir: Path, progress: Progress 
     if progress is not None:
         progress("stage 2: tokenising the training text")
     ids = torch.tensor(tok(text)["input_ids"])
-    params = distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report)
-    return Fitted(params, layerwise, baseline)
+    if stage2.is_file():
+        if progress is not None:
+            progress(f"stage 2 (distillation) reused from {stage2}")
+    else:
+        save_params(distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report), stage2)
+    distilled = load_params(stage2)  # fp16, as committed: stage 3 starts from what a resume loads
+    if refine is False:
+        return Fitted(distilled, layerwise, baseline, distilled)
+    samples_file = workdir / f"teacher-{refine.steps * refine.general}x{refine.seq_len}-{refine.seed}.pt"
+    if samples_file.is_file():
+        samples = torch.load(samples_file, weights_only=True)
+    else:
+        def sampled(done: int, total: int) -> None:
+            if progress is not None:
+                progress(f"stage 3: sampling the dense model, {done}/{total} windows")
+        samples = teacher_samples(dense, refine.steps * refine.general, refine.seq_len,
+                                  start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=refine.seed,
+                                  progress=sampled)
+        tmp = samples_file.with_name(samples_file.name + f".tmp{os.getpid()}")
+        torch.save(samples, tmp)
+        os.replace(tmp, samples_file)
+    if progress is not None:
+        progress("stage 3: refining on the fitting text and the teacher's samples")
+    params = distil(dense, ids, distilled, refine, general=samples, checkpoint=workdir / f"refine-{tag}.pt",
+                    report=report)
+    return Fitted(params, layerwise, baseline, distilled)
 
 
 def _marker_ok(out: Path, params_sha: str) -> dict | None:

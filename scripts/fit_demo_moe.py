@@ -1,16 +1,18 @@
 """Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors (`make fit-demo`).
 
-Run by a maintainer (never by CI, which applies the committed result). Two stages, both resumable:
-the layerwise fit (demo_fit, ~10 minutes on 2 cores) and the end-to-end distillation towards
-the dense model (demo_distil, about 65 minutes); rerunning after an interruption picks up where the
-last checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~10 minutes of evaluation:
+Run by a maintainer (never by CI, which applies the committed result). Three stages, all resumable:
+the layerwise fit (demo_fit, ~10 minutes on 2 cores), the end-to-end distillation towards the dense
+model on the fitting text (demo_distil, about 65 minutes), and a refinement on that text mixed with
+text sampled from the dense model (demo_distil.REFINE: ~10-14 minutes of sampling, ~15 of training);
+rerunning after an interruption picks up where the last checkpoint left off (kept in
+~/.cache/moetool/demo-fit/). Then ~10 minutes of evaluation:
 
     .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
     .venv/bin/python scripts/fit_demo_moe.py --steps 20 --out /tmp/c.safetensors   # a quick trial
     .venv/bin/python scripts/fit_demo_moe.py --evaluate moetool/data/demo_moe/conversion.safetensors
 
 It reports perplexity of the dense model, of the MoE before training (least-squares routers), after
-the layerwise fit and after distillation, on held-out text of the fitting domains and on a domain
+the layerwise fit, after distillation and after the refinement, on held-out text of the fitting domains and on a domain
 no fit ever sees (moetool.datasets.unseen_text); the active neuron fraction; how peaked the gates
 are (mean top-1 vs (k+1)-th softmax score, share of the top-k weight on the best k/4 experts); the
 per-layer share of routed tokens taken by the busiest 25% of experts; and a greedy chat answer.
@@ -34,7 +36,7 @@ from moetool import datasets
 from moetool.demo import (
     cache_root, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense, load_params, save_params,
 )
-from moetool.demo_distil import DistilSettings, router_stats
+from moetool.demo_distil import REFINE, DistilSettings, router_stats
 from moetool.demo_fit import FitSettings, spread_windows
 
 console = Console(stderr=True)
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=dd.steps, help="distillation steps (0: layerwise fit only)")
     ap.add_argument("--batch", type=int, default=dd.batch, help="distillation windows per step")
     ap.add_argument("--logit-std", type=float, default=dd.logit_std, help="router logit spread after annealing")
+    ap.add_argument("--refine-steps", type=int, default=REFINE.steps,
+                    help="stage 3 steps on fitting text + teacher samples (0: stop after distillation)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
     ap.add_argument("--evaluate", type=Path, default=None, metavar="FILE",
                     help="no fit: measure this conversion file (e.g. the committed one) and print the report")
@@ -98,6 +102,7 @@ def main() -> None:
                             train_tokens=args.train_tokens, router_steps=args.router_steps,
                             compensation_rank=args.rank)
     ds = dataclasses.replace(dd, steps=args.steps, batch=args.batch, logit_std=args.logit_std)
+    refine = dataclasses.replace(REFINE, steps=args.refine_steps) if args.refine_steps else False
     t_all = time.perf_counter()
     with console.status("loading the dense model") as status:
         def progress(msg: str) -> None:
@@ -118,7 +123,7 @@ def main() -> None:
             params = load_params(args.evaluate)
             models = {"dense": dense, "moe": convert(dense, params)}
         else:
-            fitted = fit_demo(dense, tok, s, ds, workdir=args.workdir, progress=progress, report=step_report)
+            fitted = fit_demo(dense, tok, s, ds, refine, workdir=args.workdir, progress=progress, report=step_report)
             console.log(f"fitted in {time.perf_counter() - t0:.0f}s")
             # Evaluate what gets committed: the fp16 round trip of the parameters.
             params = fitted.params
@@ -126,8 +131,10 @@ def main() -> None:
             save_params(params, tmp)
             params = load_params(tmp)
             tmp.unlink()
-            models = {"dense": dense, "before_training": convert(dense, fitted.baseline),
-                      "layerwise": convert(dense, fitted.layerwise), "moe": convert(dense, params)}
+            stages = {"before_training": fitted.baseline, "layerwise": fitted.layerwise,
+                      "distilled": fitted.distilled if refine else None}
+            models = {"dense": dense} | {k: convert(dense, p) for k, p in stages.items() if p is not None}
+            models["moe"] = convert(dense, params)
         fit_s = time.perf_counter() - t0
         texts = {"heldout": datasets.heldout_text(), "unseen": datasets.unseen_text()}
         ppl = {}
@@ -137,7 +144,7 @@ def main() -> None:
                 ppl[f"{name}_{text_name}"] = round(perplexity(model, tok, text, args.eval_tokens), 3)
         status.update("router statistics and a sample answer")
         ids = windows(tok, texts["heldout"], 8 * 512)
-        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "moe") if name in models}
+        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "distilled", "moe") if name in models}
         answer_moe, answer_dense = chat(models["moe"], tok, PROMPT), chat(dense, tok, PROMPT)
 
     report = {
@@ -152,10 +159,11 @@ def main() -> None:
         "fit_seconds": round(fit_s), "total_seconds": round(time.perf_counter() - t_all),
         "prompt": PROMPT, "answer_moe": answer_moe, "answer_dense": answer_dense,
     }
-    if "layerwise" in models:
-        report |= {"ppl_ratio_layerwise_heldout": round(ppl["layerwise_heldout"] / ppl["dense_heldout"], 4),
-                   "ppl_ratio_layerwise_unseen": round(ppl["layerwise_unseen"] / ppl["dense_unseen"], 4),
-                   "gates_layerwise": _summary(stats["layerwise"])}
+    for stage in ("layerwise", "distilled"):
+        if stage in models:
+            report |= {f"ppl_ratio_{stage}_heldout": round(ppl[f"{stage}_heldout"] / ppl["dense_heldout"], 4),
+                       f"ppl_ratio_{stage}_unseen": round(ppl[f"{stage}_unseen"] / ppl["dense_unseen"], 4),
+                       f"gates_{stage}": _summary(stats[stage])}
     if args.evaluate is None:
         params = dataclasses.replace(params, meta=params.meta | {"report": report})
         save_params(params, args.out)

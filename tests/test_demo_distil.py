@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from moetool import demo
-from moetool.demo_distil import DistilSettings, MoeFFN, _router_inputs, _scale_at, distil, router_stats
+from moetool.demo_distil import (
+    DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, distil, router_stats, teacher_samples,
+)
 from moetool.demo_fit import ConversionParams
 
 H, I, SHARED, E, K = 32, 96, 32, 8, 2  # 8 routed experts of 8 neurons, top-2
@@ -134,6 +136,52 @@ def test_a_checkpoint_of_other_settings_is_not_resumed(tmp_path):
     seen: list[int] = []
     distil(dense, ids, p, other, checkpoint=ckpt, report=lambda done, *_: seen.append(done))
     assert seen == list(range(1, other.steps + 1))
+
+
+def test_refinement_starts_from_the_distilled_conversion_and_trains_on_teacher_samples(tmp_path):
+    """Stage 3: a run without annealing over a distilled conversion starts exactly at that
+    conversion (routers and every correction kept), mixes teacher samples into each step, lowers
+    the KL on those samples, and resumes an interruption to the same parameters."""
+    dense, ids = _dense(), _ids()
+    first = DistilSettings(**{**SMALL.__dict__, "steps": 4})
+    distilled = distil(dense, ids, _params(dense), first)
+    refine = DistilSettings(**{**SMALL.__dict__, "steps": 40, "batch": 1, "general": 2, "lr": 1e-2, "anneal": 0.0})
+    # Sampled from the dense model itself, each row from the document separator.
+    samples = teacher_samples(dense, 8, refine.seq_len, start_id=0, seed=5, batch=3)
+    assert samples.shape == (8, refine.seq_len) and (samples[:, 0] == 0).all()
+    assert torch.equal(samples, teacher_samples(dense, 8, refine.seq_len, start_id=0, seed=5, batch=3))
+    rows = _general_rows(8, refine)
+    assert rows.shape == (40, 2) and sorted(rows.flatten()[:8].tolist()) == list(range(8))  # each once first
+
+    gen = torch.Generator().manual_seed(3)
+    sample = _router_inputs(dense, ids[: refine.seq_len])
+    students = [MoeFFN(blk.mlp, distilled, i, refine, gen, sample[i]) for i, blk in enumerate(dense.model.layers)]
+    with torch.no_grad():
+        exported = [st.export() for st in students]
+    torch.testing.assert_close(torch.stack([r for r, _ in exported]), distilled.router, rtol=0, atol=0)
+    for k in distilled.lora:
+        torch.testing.assert_close(torch.stack([lo[k] for _, lo in exported]), distilled.lora[k], rtol=0, atol=0)
+
+    with pytest.raises(ValueError, match="teacher-sample"):
+        distil(dense, ids, distilled, refine)
+    refined = distil(dense, ids, distilled, refine, general=samples, checkpoint=tmp_path / "r.pt")
+    held = teacher_samples(dense, 4, refine.seq_len, start_id=0, seed=6)
+    assert _kl(dense, demo.convert(dense, refined), held) < 0.95 * _kl(dense, demo.convert(dense, distilled), held)
+    assert refined.meta["refine"]["general"] == 2 and refined.meta["distil"]["general"] == 0
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(done, *_):
+        if done == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        distil(dense, ids, distilled, refine, general=samples, checkpoint=tmp_path / "s.pt", report=stop_at_3)
+    resumed = distil(dense, ids, distilled, refine, general=samples, checkpoint=tmp_path / "s.pt")
+    torch.testing.assert_close(resumed.router, refined.router, rtol=0, atol=0)
+    # Other samples are other training data: their checkpoint is not resumed.
+    assert refine.key(distilled, samples) != refine.key(distilled, samples.flip(0))
 
 
 @torch.no_grad()
