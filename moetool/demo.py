@@ -238,6 +238,7 @@ class Fitted:
     layerwise: ConversionParams | None  # stage 1 only (hard gating); None when stage 2 was reused without it
     baseline: ConversionParams | None  # least-squares routers, no compensation; None as layerwise
     distilled: ConversionParams | None = None  # stages 1-2: before the refinement on teacher samples
+    refined: ConversionParams | None = None  # stages 1-3: before the router temperature (stage 4)
 
 
 def stage_tag(fit, text: str) -> str:
@@ -247,16 +248,18 @@ def stage_tag(fit, text: str) -> str:
 
 
 def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progress: Progress | None = None,
-             report=None) -> Fitted:
+             report=None, min_ratio: float | None = 3.25) -> Fitted:
     """The three stages of the demo conversion; each stage's result is kept in `workdir` and reused.
 
     Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil` on the
     fitting text, about an hour on 2 cores) and stage 3 (`distil` with `REFINE` on the fitting text
     and the teacher's own samples, about half an hour) checkpoint as they go, so an interrupted fit
-    resumes where it stopped. `refine=False` stops after stage 2.
+    resumes where it stopped. `refine=False` stops after stage 2. Stage 4 (`calibrate`, minutes,
+    not kept) scales every router's logits by one temperature chosen on fitting text, keeping the
+    mean top-1 score >= `min_ratio` x the (k+1)-th; `min_ratio=None` skips it.
     """
     from moetool.datasets import train_text
-    from moetool.demo_distil import REFINE, DistilSettings, distil, teacher_samples
+    from moetool.demo_distil import REFINE, DistilSettings, distil
     from moetool.demo_fit import FitSettings, fit_conversion
 
     fit = FitSettings() if fit is None else fit
@@ -287,26 +290,46 @@ def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progre
     else:
         save_params(distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report), stage2)
     distilled = load_params(stage2)  # fp16, as committed: stage 3 starts from what a resume loads
-    if refine is False:
-        return Fitted(distilled, layerwise, baseline, distilled)
-    samples_file = workdir / f"teacher-{refine.steps * refine.general}x{refine.seq_len}-{refine.seed}.pt"
+    refined = distilled if refine is False else _refine(dense, tok, ids, distilled, refine, workdir / f"refine-{tag}.pt",
+                                                        progress, report)
+    params = refined if min_ratio is None else calibrate_routers(dense, tok, refined, min_ratio, progress, ids)
+    return Fitted(params, layerwise, baseline, distilled, refined)
+
+
+def calibrate_routers(dense, tok, refined: ConversionParams, min_ratio: float = 3.25,
+                      progress: Progress | None = None, ids: torch.Tensor | None = None) -> ConversionParams:
+    """Stage 4 (`demo_distil.calibrate`) on 16 windows of 512 spread over the fitting text (all five
+    domains; the evaluation texts stay unread). `ids`: the fitting text's tokens, if already made."""
+    from moetool.datasets import train_text
+    from moetool.demo_distil import calibrate
+    from moetool.demo_fit import spread_windows
+
+    if "calibrate" in refined.meta or min_ratio <= 0:
+        raise MoetoolError("stage 4 takes a conversion without a router temperature and a gate ratio floor > 0 "
+                           f"(this one has temperature {refined.meta.get('calibrate', {}).get('t')}, floor {min_ratio}).")
+    ids = torch.tensor(tok(train_text())["input_ids"]) if ids is None else ids
+    return calibrate(dense, spread_windows(ids, 16 * 512, 512), refined, min_ratio=min_ratio, progress=progress)[0]
+
+
+def _refine(dense, tok, ids: torch.Tensor, distilled: ConversionParams, refine, checkpoint: Path,
+            progress: Progress | None, report) -> ConversionParams:
+    """Stage 3: `distil` with `refine` on the fitting text and the teacher's samples (drawn once, kept)."""
+    from moetool.demo_distil import distil, teacher_samples
+
+    samples_file = checkpoint.parent / f"teacher-{refine.steps * refine.general}x{refine.seq_len}-{refine.seed}.pt"
     if samples_file.is_file():
         samples = torch.load(samples_file, weights_only=True)
     else:
         def sampled(done: int, total: int) -> None:
-            if progress is not None:
-                progress(f"stage 3: sampling the dense model, {done}/{total} windows")
+            _say(progress, f"stage 3: sampling the dense model, {done}/{total} windows")
         samples = teacher_samples(dense, refine.steps * refine.general, refine.seq_len,
                                   start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=refine.seed,
                                   progress=sampled)
         tmp = samples_file.with_name(samples_file.name + f".tmp{os.getpid()}")
         torch.save(samples, tmp)
         os.replace(tmp, samples_file)
-    if progress is not None:
-        progress("stage 3: refining on the fitting text and the teacher's samples")
-    params = distil(dense, ids, distilled, refine, general=samples, checkpoint=workdir / f"refine-{tag}.pt",
-                    report=report)
-    return Fitted(params, layerwise, baseline, distilled)
+    _say(progress, "stage 3: refining on the fitting text and the teacher's samples")
+    return distil(dense, ids, distilled, refine, general=samples, checkpoint=checkpoint, report=report)
 
 
 def _marker_ok(out: Path, params_sha: str) -> dict | None:

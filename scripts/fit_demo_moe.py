@@ -1,18 +1,20 @@
 """Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors (`make fit-demo`).
 
-Run by a maintainer (never by CI, which applies the committed result). Three stages, all resumable:
+Run by a maintainer (never by CI, which applies the committed result). Four stages, the first three resumable:
 the layerwise fit (demo_fit, ~10 minutes on 2 cores), the end-to-end distillation towards the dense
-model on the fitting text (demo_distil, about 65 minutes), and a refinement on that text mixed with
-text sampled from the dense model (demo_distil.REFINE: ~10-14 minutes of sampling, ~15 of training);
+model on the fitting text (demo_distil, about 65 minutes), a refinement on that text mixed with
+text sampled from the dense model (demo_distil.REFINE: ~10-14 minutes of sampling, ~15 of training),
+and one temperature for the routers chosen on the fitting text (demo_distil.calibrate, a few minutes);
 rerunning after an interruption picks up where the last checkpoint left off (kept in
 ~/.cache/moetool/demo-fit/). Then ~10 minutes of evaluation:
 
     .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
     .venv/bin/python scripts/fit_demo_moe.py --steps 20 --out /tmp/c.safetensors   # a quick trial
     .venv/bin/python scripts/fit_demo_moe.py --evaluate moetool/data/demo_moe/conversion.safetensors
+    .venv/bin/python scripts/fit_demo_moe.py --refined stage3.safetensors   # stage 4 only, then evaluate
 
 It reports perplexity of the dense model, of the MoE before training (least-squares routers), after
-the layerwise fit, after distillation and after the refinement, on held-out text of the fitting domains and on a domain
+the layerwise fit, after distillation, after the refinement and after the router temperature (stage 4), on held-out text of the fitting domains and on a domain
 no fit ever sees (moetool.datasets.unseen_text); the active neuron fraction; how peaked the gates
 are (mean top-1 vs (k+1)-th softmax score, share of the top-k weight on the best k/4 experts); the
 per-layer share of routed tokens taken by the busiest 25% of experts; and a greedy chat answer.
@@ -34,7 +36,8 @@ from rich.table import Table
 
 from moetool import datasets
 from moetool.demo import (
-    cache_root, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense, load_params, save_params,
+    Fitted, cache_root, calibrate_routers, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense,
+    load_params, save_params,
 )
 from moetool.demo_distil import REFINE, DistilSettings, router_stats
 from moetool.demo_fit import FitSettings, spread_windows
@@ -93,7 +96,11 @@ def main() -> None:
     ap.add_argument("--logit-std", type=float, default=dd.logit_std, help="router logit spread after annealing")
     ap.add_argument("--refine-steps", type=int, default=REFINE.steps,
                     help="stage 3 steps on fitting text + teacher samples (0: stop after distillation)")
+    ap.add_argument("--min-ratio", type=float, default=3.25,
+                    help="stage 4: flatten the routers while top-1 / (k+1)-th stays >= this on fitting text (0: skip)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
+    ap.add_argument("--refined", type=Path, default=None, metavar="FILE",
+                    help="stage 4 only: FILE is stage 3's result (a conversion before its router temperature)")
     ap.add_argument("--evaluate", type=Path, default=None, metavar="FILE",
                     help="no fit: measure this conversion file (e.g. the committed one) and print the report")
     args = ap.parse_args()
@@ -123,7 +130,13 @@ def main() -> None:
             params = load_params(args.evaluate)
             models = {"dense": dense, "moe": convert(dense, params)}
         else:
-            fitted = fit_demo(dense, tok, s, ds, refine, workdir=args.workdir, progress=progress, report=step_report)
+            if args.refined is not None:
+                refined = load_params(args.refined)
+                fitted = Fitted(calibrate_routers(dense, tok, refined, args.min_ratio, progress), None, None, None,
+                                refined)
+            else:
+                fitted = fit_demo(dense, tok, s, ds, refine, workdir=args.workdir, progress=progress,
+                                  report=step_report, min_ratio=args.min_ratio or None)
             console.log(f"fitted in {time.perf_counter() - t0:.0f}s")
             # Evaluate what gets committed: the fp16 round trip of the parameters.
             params = fitted.params
@@ -132,7 +145,8 @@ def main() -> None:
             params = load_params(tmp)
             tmp.unlink()
             stages = {"before_training": fitted.baseline, "layerwise": fitted.layerwise,
-                      "distilled": fitted.distilled if refine else None}
+                      "distilled": fitted.distilled if refine else None,
+                      "refined": fitted.refined if fitted.refined is not fitted.params else None}
             models = {"dense": dense} | {k: convert(dense, p) for k, p in stages.items() if p is not None}
             models["moe"] = convert(dense, params)
         fit_s = time.perf_counter() - t0
@@ -144,7 +158,8 @@ def main() -> None:
                 ppl[f"{name}_{text_name}"] = round(perplexity(model, tok, text, args.eval_tokens), 3)
         status.update("router statistics and a sample answer")
         ids = windows(tok, texts["heldout"], 8 * 512)
-        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "distilled", "moe") if name in models}
+        stats = {name: router_stats(models[name], ids) for name in ("layerwise", "distilled", "refined", "moe")
+                 if name in models}
         answer_moe, answer_dense = chat(models["moe"], tok, PROMPT), chat(dense, tok, PROMPT)
 
     report = {
@@ -159,7 +174,9 @@ def main() -> None:
         "fit_seconds": round(fit_s), "total_seconds": round(time.perf_counter() - t_all),
         "prompt": PROMPT, "answer_moe": answer_moe, "answer_dense": answer_dense,
     }
-    for stage in ("layerwise", "distilled"):
+    if "calibrate" in params.meta:
+        report["router_temperature"] = params.meta["calibrate"]["t"]
+    for stage in ("layerwise", "distilled", "refined"):
         if stage in models:
             report |= {f"ppl_ratio_{stage}_heldout": round(ppl[f"{stage}_heldout"] / ppl["dense_heldout"], 4),
                        f"ppl_ratio_{stage}_unseen": round(ppl[f"{stage}_unseen"] / ppl["dense_unseen"], 4),

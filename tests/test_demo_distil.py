@@ -11,7 +11,8 @@ import torch
 
 from moetool import demo
 from moetool.demo_distil import (
-    DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, distil, router_stats, teacher_samples,
+    DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, calibrate, distil, gate_ratio, router_stats,
+    teacher_samples,
 )
 from moetool.demo_fit import ConversionParams
 
@@ -222,3 +223,32 @@ def test_clustering_and_validation_rows_span_every_part_of_the_training_windows(
     assert windows[0] == 0 and windows[-1] == 63 and len(windows) == 4
     assert all((rows.view(4, 8) % 8 == torch.arange(8)).all(1))  # whole windows, in order
     assert spread_rows(3 * 8, 100, 8).numel() == 24  # more wanted than there is: every window once
+
+
+@torch.no_grad()
+def test_calibration_flattens_the_routers_only_as_far_as_the_gate_ratio_allows():
+    """Stage 4: t goes down from 1 until the ratio falls under the floor; the kept t is the allowed
+    one with the lowest perplexity on the windows, measured the same way here independently."""
+    dense = _dense()
+    p = _params(dense)
+    peaked = ConversionParams(SHARED, E, K, p.perm, p.router * 3.0, {}, {})
+    windows = _ids(6 * 32).view(6, 32)
+    start = gate_ratio(router_stats(demo.convert(dense, peaked), windows))
+    floor = start * 0.6
+    out, tried = calibrate(dense, windows, peaked, min_ratio=floor, step=0.1, batch=4)
+    assert tried[0]["t"] == 1.0 and math.isclose(tried[0]["ratio"], start, rel_tol=1e-5)
+    assert all(r["ratio"] >= floor for r in tried[:-1]) and tried[-1]["ratio"] < floor
+    assert [r["ratio"] for r in tried] == sorted((r["ratio"] for r in tried), reverse=True)  # flatter each step
+    allowed = [r for r in tried if r["ratio"] >= floor]
+    best = min(allowed, key=lambda r: r["ppl"])
+    assert out.meta["calibrate"]["t"] == best["t"] < 1.0
+    torch.testing.assert_close(out.router, peaked.router * best["t"], rtol=0, atol=0)
+    moe = demo.convert(dense, out)
+    logits = moe(input_ids=windows).logits[:, :-1]
+    ppl = math.exp(torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item())
+    assert math.isclose(ppl, best["ppl"], rel_tol=1e-4)
+    assert gate_ratio(router_stats(moe, windows)) >= floor
+    # A floor that even t = 1 misses leaves the routers as they are.
+    same, tried = calibrate(dense, windows, peaked, min_ratio=start * 2, step=0.1)
+    assert len(tried) == 1 and same.meta["calibrate"]["t"] == 1.0
+    torch.testing.assert_close(same.router, peaked.router, rtol=0, atol=0)
