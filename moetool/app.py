@@ -107,8 +107,8 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
             _quiet_libraries()
             try:
                 return fn(*args, **kwargs)
-            except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-                raise  # typer.Exit is a RuntimeError: not a bug
+            except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+                raise  # an exit code chosen by the command (typer.Exit is not a click Exit since typer 0.2x)
             except MoetoolError as e:
                 raise _fail(str(e)) from None
             except OSError as e:
@@ -146,4 +146,20 @@ def writable(path: Path | None, kind: str = "file", option: str = "--out") -> No
         raise MoetoolError(f"{option} {p} cannot be written: {parent} is not writable (permission denied).")
 
 
-__all__ = ["BUG", "app", "command", "err", "os_sentence", "out", "writable"]
+def not_an_input(save: Path | None, *inputs: Path | str | None, inside: Path | str | None = None,
+                 option: str = "--out") -> None:
+    """Refuse an output that is one of the command's own inputs (its text, profile, fit, prompts), or
+    that lies inside `inside` (a bundle or model directory), before any work: writing it would
+    destroy what the command read."""
+    if save is None:
+        return
+    target = Path(save).resolve()
+    for p in inputs:
+        if p is not None and Path(p).exists() and Path(p).resolve() == target:
+            raise MoetoolError(f"{option} {save} is also an input of this command; write the result elsewhere.")
+    if inside is not None and Path(inside).is_dir() and target.is_relative_to(Path(inside).resolve()):
+        raise MoetoolError(f"{option} {save} lies inside {inside}, which this command reads; write the result "
+                           "outside it.")
+
+
+__all__ = ["BUG", "app", "command", "err", "not_an_input", "os_sentence", "out", "writable"]

@@ -55,17 +55,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         what = "a directory" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
         raise MoetoolError(f"{path} is {what}; give the path of a file to write.")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{_short(path.name)}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are ordinary readable files
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is not None and Path(e.filename).parent == path.parent:
+            e.filename = str(path)  # the message names the file asked for, not our temp file beside it
         raise
+
+
+def _short(name: str, limit: int = 200) -> str:
+    """`name` cut to `limit` UTF-8 bytes: a temp name adds ~15 to it, and a name may be 255 long."""
+    return name.encode()[:limit].decode(errors="ignore")
 
 
 def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
@@ -76,7 +85,7 @@ def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
     target = Path(target)
     made = [a for a in (target.parent, *target.parent.parents) if not a.exists()]  # deepest first
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{_short(target.name)}.", suffix=".tmp", dir=target.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary readable directory
         result = fill(tmp)
@@ -98,7 +107,7 @@ def _swap(new: Path, target: Path) -> None:
     if not target.exists():
         os.replace(new, target)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", suffix=".tmp", dir=target.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{_short(target.name)}.old.", suffix=".tmp", dir=target.parent))
     try:
         os.replace(target, old)  # onto the empty temp directory: a POSIX rename replaces an empty one
     except BaseException:
@@ -124,29 +133,34 @@ def _moved(value: Any, tmp: Path, target: Path) -> Any:
 @dataclass(frozen=True)
 class ModelFingerprint:
     """Which model an artifact belongs to: where it came from, a hash of its config and, for a local
-    checkpoint, a digest of its weights (`moetool.model.weights_digest`).
+    checkpoint, a digest of its weights (`moetool.digest.weights_digest`).
 
     Two checkpoints with the same config hash have the same architecture and shapes; the weights
     digest tells apart two checkpoints of one architecture (a fine-tune, a rebuilt demo model in the
     same directory). The source is informational (a local copy of a hub model keeps both hashes).
     "" for the digest: not known (a hub id, no weight files found, or an artifact written before
-    fingerprints had one).
+    fingerprints had one). `digest_version` says how the digest was taken (1: samples of each file,
+    which missed a change to small tensors such as the routers; 2: samples of each tensor): digests
+    of two versions are not compared, as if one were unknown.
     """
 
     source: str
     model_type: str
     config_sha256: str
     weights_sha256: str = ""
+    digest_version: int = 1  # what artifacts written before the field existed used
 
     @classmethod
-    def of_config(cls, source: str, config_dict: dict[str, Any], weights_sha256: str = "") -> "ModelFingerprint":
+    def of_config(cls, source: str, config_dict: dict[str, Any], weights_sha256: str = "",
+                  digest_version: int = 1) -> "ModelFingerprint":
         # Keys that describe how the config was saved or run, not the model itself.
         volatile = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "_experts_implementation",
                     "_attn_implementation", "architectures", "use_cache", "output_attentions", "output_router_logits"}
         stable = {k: v for k, v in config_dict.items() if k not in volatile}
         blob = json.dumps(stable, sort_keys=True, default=str).encode()
         return cls(source=source, model_type=str(config_dict.get("model_type", "?")),
-                   config_sha256=hashlib.sha256(blob).hexdigest(), weights_sha256=weights_sha256)
+                   config_sha256=hashlib.sha256(blob).hexdigest(), weights_sha256=weights_sha256,
+                   digest_version=digest_version)
 
     def same_model(self, other: "ModelFingerprint", *, strict: bool = False) -> bool:
         """Same architecture, and the same weights where both digests are known. `strict`: the
@@ -154,7 +168,10 @@ class ModelFingerprint:
         own earlier output, where recomputing is safe but a stale reuse is silent)."""
         if not self.same_architecture(other):
             return False
-        if strict or (self.weights_sha256 and other.weights_sha256):
+        comparable = self.digest_version == other.digest_version
+        if strict:
+            return comparable and self.weights_sha256 == other.weights_sha256
+        if comparable and self.weights_sha256 and other.weights_sha256:
             return self.weights_sha256 == other.weights_sha256
         return True
 
@@ -222,7 +239,9 @@ class Artifact:
         if not isinstance(schema, str):
             raise MoetoolError(f"{where} names no schema, so it is not the '{cls.SCHEMA}' artifact this command needs.")
         if schema != cls.SCHEMA:
-            raise MoetoolError(f"{where} is a '{_text(schema)}' artifact, not the '{cls.SCHEMA}' this command needs.")
+            kind = _text(schema)
+            article = "an" if kind[:1] in "aeiou" else "a"
+            raise MoetoolError(f"{where} is {article} '{kind}' artifact, not the '{cls.SCHEMA}' this command needs.")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise MoetoolError(f"{where} has no valid schema_version (it is {describe(version)}); it is not a "
                                f"{cls.SCHEMA} artifact moetool wrote.")
@@ -257,6 +276,8 @@ def read_json(path: Path) -> Any:
         raise MoetoolError(f"{path} is not valid JSON ({e.__class__.__name__} at {at}).") from None
     except RecursionError:  # arrays nested thousands deep: not anything moetool wrote
         raise MoetoolError(f"{path} is not valid JSON (nested too deeply).") from None
+    except ValueError:  # an integer of over 4,300 digits (Python's limit): not anything moetool wrote
+        raise MoetoolError(f"{path} is not valid JSON (a number too long to read).") from None
 
 
 def _text(value: str) -> str:

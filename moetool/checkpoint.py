@@ -67,7 +67,7 @@ def weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError):
             raise MoetoolError(f"{index} is not a valid safetensors index (no weight_map).") from None
         files = [directory / n for n in names]
         missing = [f.name for f in files if not f.is_file()]

@@ -105,7 +105,7 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
             continue
         try:
             item = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a 5,000-digit number, nested thousands deep
             raise MoetoolError(f"{where} line {n} is not JSON (expected {{\"prompt\": \"...\"}}).") from None
         value = item.get("prompt", item.get("question")) if isinstance(item, dict) else item
         if not isinstance(value, str):
@@ -123,9 +123,12 @@ def read_text_file(path: Path, option: str) -> str:
     try:
         # As stored (no newline translation, so its sha256 is the file's), less a UTF-8 byte-order
         # mark, which editors on Windows add and which is not text to score.
-        return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise MoetoolError(f"{option} {path} is not UTF-8 text (byte {e.start} is not); give a text file.") from None
+    if not text.strip():  # an editor's empty save, a failed extraction: nothing to score, profile or calibrate on
+        raise MoetoolError(f"{option} {path} holds no text (it is empty or only whitespace); give a text file.")
+    return text
 
 
 def read_prompts(path: Path) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ from moetool.inference import context_length
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
+from moetool.schema import SchemaError
 from moetool.spec import EngineRecord, EngineSpec, check_positive
 
 PPL = "ppl"
@@ -86,6 +87,20 @@ class Eval(EngineRecord, Artifact):
     subtasks: dict[str, dict[str, float]]  # leaf task -> metric (and metric_stderr) -> value
     samples: dict[str, list[dict[str, Any]]]  # leaf task (or "ppl") -> per-example records
     options: dict[str, Any]  # num_fewshot, limit, batch_size, context, stepwise, data, lm_eval version
+
+    def validate(self) -> None:
+        super().validate()
+        Eval.check_metrics(self.metrics)
+
+    @staticmethod
+    def check_metrics(metrics: dict[str, Any]) -> None:
+        """On read: every metric is a finite number, and a perplexity or NLL one it can be (`fit`
+        divides by the perplexity at p = 0)."""
+        for key, v in metrics.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise SchemaError(f"metrics['{key}']", f"is {v!r}, not a finite number")
+            if (key == "ppl" and v < 1.0) or (key == "nll" and v < 0.0):
+                raise SchemaError(f"metrics['{key}']", f"is {v}, which no {key} can be")
 
     @classmethod
     def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:

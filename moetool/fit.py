@@ -231,7 +231,7 @@ def _schema(path: Path) -> str | None:
     """The schema an artifact file names (None when unreadable: `Run.load` then says why in one sentence)."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # ValueError: undecodable, not JSON, a 5,000-digit number
         return None
     return data.get("schema") if isinstance(data, dict) else None
 

@@ -59,6 +59,13 @@ def context_length(model: nn.Module) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
+def with_cache(model: nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword that hands `model` its KV cache: `cache` from transformers 5.24 (which warns on the
+    old name, and will drop it), `past_key_values` before."""
+    forward = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in forward else "past_key_values": cache}
+
+
 def past_tokens(kwargs: dict) -> int:
     """Tokens already in the KV cache, from a model forward's keyword arguments (0: a prefill)."""
     # transformers >= 5.24 passes the KV cache as `cache`; earlier releases (and callers that still

@@ -13,7 +13,6 @@ to the device: expert weights never reach the device except through an expert pr
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,11 +26,15 @@ from torch import nn
 from moetool.artifacts import ModelFingerprint
 from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkpoint
 from moetool.checkpoint import first_line as _first_line
+from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
 # for an architecture whose experts are not a fused transformers module).
 _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_config")
+# Config keys that give the experts each token is routed to, where the router and block keep no `top_k`
+# (Gemma 4's router reads `config.top_k_experts` at call time).
+_TOP_K_CONFIG_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
 
@@ -257,18 +260,32 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
     return torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
 
 
+def _has_fused_experts_class(model: nn.Module) -> bool:
+    """Whether the model's modeling file defines a fused experts module (a class it decorates with
+    transformers' `use_experts_implementation`), even where this config instantiates none."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and getattr(module, "use_experts_implementation", None) is not None
+
+
 def inspect_geometry(model: nn.Module) -> MoeGeometry:
     """Describe every MoE block of `model`; refuse dense models and unfused MoE architectures."""
     cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # composite (VL) configs nest it
     model_type = getattr(cfg, "model_type", type(model).__name__)
     experts = find_experts_modules(model)
     if not experts:
+        if _has_fused_experts_class(model):
+            raise MoetoolError(f"this '{model_type}' config builds no Mixture-of-Experts layer (every layer is dense "
+                               "under its mlp_layer_types / first_k_dense_replace / enable_moe_block / num_experts); "
+                               "moetool needs at least one MoE layer.")
         if any(getattr(cfg, k, None) for k in _MOE_CONFIG_KEYS):
             raise MoetoolError(f"moetool does not support the '{model_type}' architecture: its experts are not a "
                                "fused transformers experts module (supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
                                "deepseek_v2/v3, phimoe, granitemoe, gpt_oss and other fused-experts models).")
         raise MoetoolError(f"'{model_type}' is a dense model with no Mixture-of-Experts layers; moetool needs a MoE model.")
-    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    n_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     layers = []
     for path, m in experts.items():
         block_path = path.rsplit(".", 1)[0]
@@ -283,8 +300,17 @@ def inspect_geometry(model: nn.Module) -> MoeGeometry:
         else:
             proj, hidden = w.shape[1], w.shape[2]
         router = next((n for n, c in block.named_children() if n in ("gate", "router")), "")
-        top_k = getattr(getattr(block, router, None), "top_k", None) or getattr(block, "top_k", None) \
-            or getattr(cfg, "num_experts_per_tok", None)
+        # The first that is set, an explicit 0 included (refused below, not replaced by the next).
+        found = (getattr(getattr(block, router, None), "top_k", None), getattr(block, "top_k", None),
+                 *(getattr(text, k, None) for k in _TOP_K_CONFIG_KEYS))
+        top_k = next((v for v in found if v is not None), None)
+        if top_k is None:
+            raise MoetoolError(f"cannot tell how many experts each token uses in '{model_type}' (no top_k on its "
+                               f"router or block, none of {', '.join(_TOP_K_CONFIG_KEYS)} in its config).")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= int(num_experts):
+            raise MoetoolError(f"'{model_type}' routes each token to {top_k!r} experts (its config's top-k, e.g. "
+                               f"num_experts_per_tok), but a layer of {int(num_experts)} experts needs 1 to "
+                               f"{int(num_experts)}.")
         layers.append(MoeLayer(
             index=int(match.group(1)), path=block_path, num_experts=int(num_experts), top_k=int(top_k),
             hidden_size=int(hidden), intermediate_size=int(proj // 2 if m.has_gate else proj),
@@ -297,37 +323,8 @@ def inspect_geometry(model: nn.Module) -> MoeGeometry:
                        dense_layers=tuple(i for i in range(n_layers) if i not in moe_idx))
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-DIGEST_SAMPLES = 32  # per weight file
-DIGEST_SAMPLE_BYTES = 1 << 16
-
-
-def weights_digest(source: str) -> str:
-    """sha256 over every weight file of a local checkpoint: its name, size and 32 samples of 64 KiB
-    spread from its first byte to its last ("" for a hub id or a directory with no weight files).
-
-    Not a hash of every byte: a 100 GB checkpoint would take minutes to hash on every command, and
-    what it has to catch is a different checkpoint of the same architecture (a fine-tune, a rebuilt
-    demo model) where almost every tensor differs. It reads ~2 MiB a file."""
-    root = Path(source)
-    if not root.is_dir():
-        return ""
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)  # HF layout: flat
-    if not files:
-        return ""
-    h = hashlib.sha256()
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.relative_to(root)}\0{size}\0".encode())
-        with f.open("rb") as fh:
-            for i in range(DIGEST_SAMPLES):
-                fh.seek(max(0, size - DIGEST_SAMPLE_BYTES) * i // (DIGEST_SAMPLES - 1))
-                h.update(fh.read(DIGEST_SAMPLE_BYTES))
-    return h.hexdigest()
-
-
 def model_fingerprint(config: Any, source: str) -> ModelFingerprint:
-    return ModelFingerprint.of_config(source, config.to_dict(), weights_digest(source))
+    return ModelFingerprint.of_config(source, config.to_dict(), weights_digest(source), DIGEST_VERSION)
 
 
 def resolve_source(source: str | Path) -> str:
@@ -352,12 +349,16 @@ def resolve_source(source: str | Path) -> str:
 
 
 def load_config(source: str) -> Any:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+    except (OSError, ValueError, TypeError, StrictDataclassError) as e:
+        # transformers 5 validates configs as huggingface_hub strict dataclasses: their errors say what
+        # is wrong (a field's type, layer_types against num_hidden_layers) in the exception they wrap.
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else e.__class__.__name__
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetool.inference import with_cache
 from moetool.model import encode
 
 ProgressFn = Callable[[int, int], None]
@@ -64,7 +65,7 @@ def stepwise_logits(model: torch.nn.Module, rows: torch.Tensor,
     """Logits [B, C-1, V] for tokens 1..C-1 of `rows` [B, C], fed one token at a time through a KV cache."""
     past, steps = None, []
     for t in range(rows.shape[1] - 1):  # the last token predicts nothing that is scored
-        out = model(input_ids=rows[:, t:t + 1], past_key_values=past, use_cache=True)
+        out = model(input_ids=rows[:, t:t + 1], use_cache=True, **with_cache(model, past))
         past = out.past_key_values
         steps.append(out.logits[:, -1])  # [B, V]
         if tick:

@@ -37,7 +37,9 @@ def _read_eval(data: Any, where: str) -> dict[str, Any]:
     the fields present are checked against Eval's types, and `model` is required."""
     Eval.check_header(data, where)
     try:
-        build_fields(Eval, data, required=("model",))
+        fields = build_fields(Eval, data, required=("model",))
+        Eval.check_metrics(fields.get("metrics", {}))
+        Eval.check_params(fields.get("policy"), fields.get("params"))
     except SchemaError as e:
         raise MoetoolError(f"{where} is not a valid eval artifact: {e.sentence()}.") from None
     return data

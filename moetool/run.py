@@ -14,6 +14,7 @@ at the reference precision (small models; quantize a bundle for large ones).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from moetool.errors import MoetoolError
 from moetool.inference import context_length
 from moetool.model import LoadedModel, encode, load_model
 from moetool.quant.bundle import load_bundle_model
+from moetool.schema import SchemaError
 from moetool.spec import EngineRecord, EngineSpec, check_positive, resolve_dtype
 
 
@@ -60,6 +62,17 @@ class Run(EngineRecord, Artifact):
     prompts: list[str]
     tokens: list[list[int]]  # generated token ids per prompt
     texts: list[str]
+
+    def validate(self) -> None:
+        """On read: the TPOT statistics `fit` and `report` use are all there, finite and not negative."""
+        super().validate()
+        for key in ("mean", "p50", "p99", "n") if self.tpot_s is not None else ():
+            v = self.tpot_s.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SchemaError(f"tpot_s['{key}']", "is missing" if v is None else f"is {v!r}, not a number",
+                                  missing=v is None)
+            if not math.isfinite(v) or v < 0:
+                raise SchemaError(f"tpot_s['{key}']", f"is {v}; a time or count is finite and not negative")
 
 
 @dataclass(frozen=True, kw_only=True)

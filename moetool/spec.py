@@ -101,7 +101,10 @@ def check_device(device: str) -> None:
     """A device torch knows, and CUDA only on a machine that has it."""
     import torch
 
-    if parse_device(device).type == "cuda" and not torch.cuda.is_available():
+    kind = parse_device(device).type
+    if kind not in ("cpu", "cuda"):  # torch knows meta, mps, xpu, ...: the engine runs on a CPU or a CUDA GPU
+        raise MoetoolError(f"--device must be cpu or cuda (cuda:N), not '{device}'.")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise MoetoolError(f"--device {device} asks for CUDA, but this machine has no usable CUDA device.")
 
 
@@ -136,6 +139,23 @@ class EngineRecord:
     peak_device_bytes: int
     summary: dict[str, Any]  # every engine counter (hit rate, substitutions, skips, CPU experts, precision mix, ...)
     layers: dict[str, dict[str, Any]]  # per MoE layer
+
+    def validate(self) -> None:
+        EngineRecord.check_params(self.policy, self.params)
+
+    @staticmethod
+    def check_params(policy: Any, params: Any) -> None:
+        """On read: `params` are knobs `policy` accepts (types and the paper's ranges), so `fit` and
+        `report` can use them as numbers; a policy this version does not know is left as it is."""
+        from moetool.policies import POLICIES
+        from moetool.policies.base import parse_params
+        from moetool.schema import SchemaError
+
+        if isinstance(policy, str) and policy in POLICIES and isinstance(params, dict):
+            try:
+                parse_params(POLICIES[policy], {}, params)
+            except MoetoolError as e:
+                raise SchemaError("params", f"holds a knob the policy refuses: {str(e).rstrip('.')}") from None
 
 
 __all__ = ["CLOCKS", "DEFAULT_BUDGET", "DEFAULT_HW", "DTYPES", "EngineRecord", "EngineSpec", "check_budget",

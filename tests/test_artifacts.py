@@ -5,6 +5,7 @@ import os
 from dataclasses import FrozenInstanceError
 
 import pytest
+import torch
 
 from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint, atomic_write_bytes
 from moetool.errors import MoetoolError
@@ -55,7 +56,7 @@ def test_artifact_without_a_weights_digest_still_loads(tmp_path):
 
 
 def test_weights_digest_samples_every_weight_file(tmp_path):
-    from moetool.model import weights_digest
+    from moetool.digest import weights_digest
 
     src = tmp_path / "ckpt"
     src.mkdir()
@@ -185,3 +186,30 @@ def test_replace_dir_swaps_a_whole_directory_or_leaves_the_old_one(tmp_path, mon
 
 def listdir(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_weights_digest_sees_a_change_to_small_tensors_alone(tmp_path):
+    """Routers rescaled and nothing else (how a demo conversion's stage 4 changes a checkpoint): the
+    digest differs, though the router sits between samples a per-file sampling would take."""
+    from safetensors.torch import save_file
+
+    from moetool.digest import weights_digest
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a.experts": torch.randn(2 << 20, generator=gen), "m.gate.weight": torch.randn(8, 128, generator=gen),
+               "z.experts": torch.randn(2 << 20, generator=gen)}  # 8 MiB, 4 KiB, 8 MiB
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    save_file(tensors, src / "model.safetensors")
+    first = weights_digest(str(src))
+    save_file({**tensors, "m.gate.weight": tensors["m.gate.weight"] * 0.8}, src / "model.safetensors")
+    assert weights_digest(str(src)) not in ("", first)
+    save_file(tensors, src / "model.safetensors")
+    assert weights_digest(str(src)) == first  # the same bytes again: the same digest
+
+
+def test_digests_taken_two_ways_are_not_compared():
+    w = "1" * 64
+    old, new = (ModelFingerprint.of_config("a", {"model_type": "mixtral", "hidden_size": 32}, w, v) for v in (1, 2))
+    assert old.same_model(new) and new.same_model(old)  # lenient reads: as if one digest were unknown
+    assert not new.same_model(old, strict=True) and new.same_model(new, strict=True)  # reuse: recompute

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -250,3 +251,167 @@ def test_a_manifest_naming_another_model_type_than_its_config_is_refused(tiny_bu
     rewrite(copy, doc)
     with pytest.raises(MoetoolError, match="says the model is a 'mixtral' but its model/config.json says 'qwen2_moe'"):
         Bundle.open(copy)
+
+
+# ---- a second fuzzing pass --------------------------------------------------------------------------
+# Each of these failed on the code before it: a traceback, exit code 0 with a wrong result, an input
+# overwritten, or a sentence naming the wrong cause.
+
+def test_a_failed_check_is_its_verdict_and_exit_code_1_not_a_bug_report(tiny_ckpt, monkeypatch):
+    import dataclasses
+
+    import moetool.check
+
+    real = moetool.check.check_model
+    monkeypatch.setattr(moetool.check, "check_model", lambda *a: dataclasses.replace(real(*a), passed=False))
+    result = runner.invoke(app, ["check", str(tiny_ckpt("qwen2_moe"))])
+    assert result.exit_code == 1 and "FAIL" in result.output
+    assert "Traceback" not in result.output and "bug in moetool" not in result.output
+
+
+@pytest.mark.parametrize("knob,value,says", [
+    ("L", 1.5, "takes an int, not 1.5"), ("L", True, "takes an int, not true"), ("L", None, "takes an int, not null"),
+    ("L", [1], "takes an int, not [1]"), ("p", None, "takes a float, not null"), ("cache_bits", 4.0, "takes an int"),
+    ("eviction", 3, "takes a str, not 3"),
+])
+def test_a_fit_artifacts_knob_of_the_wrong_type_is_one_sentence(knob, value, says):
+    with pytest.raises(MoetoolError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        parse_params(POLICIES["fate"], {}, {knob: value})
+    assert parse_params(POLICIES["fate"], {}, {"p": 1}).p == 1.0  # JSON's 1 for a float knob is fine
+
+
+def test_a_run_with_a_fit_whose_knob_is_the_wrong_type_is_one_sentence(tiny_bundle, tmp_path):
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]  # a fit made for this model
+    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"fate": {"L": 1.5}}})
+    line = _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--policy", "fate", "--fit", str(fit))))
+    assert "knob 'L' of policy 'fate' takes an int, not 1.5" in line
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: d["tpot_s"].pop("mean"), "tpot_s['mean']"),
+    (lambda d: d["tpot_s"].update(mean=float("inf")), "tpot_s['mean']"),
+    (lambda d: d["tpot_s"].update(p99=-1.0), "tpot_s['p99']"),
+    (lambda d: d.update(policy="smoe", params={"alpha": 5}), "alpha must be in [0, 1)"),
+    (lambda d: d.update(policy="smoe", params={"alpha": "abc"}), "takes a float"),
+])
+def test_a_run_artifact_fit_and_report_cannot_use_is_refused_on_read(edit, says, tmp_path):
+    from test_fit import synthetic_profile
+
+    doc = json.loads(json.dumps(VALID["run"]))
+    edit(doc)
+    run = write(tmp_path / "x.run.json", doc)
+    profile = tmp_path / "p.profile.json"
+    synthetic_profile().save(profile)
+    for args in (["report", str(run), "--out", str(tmp_path / "rep")],
+                 ["fit", str(profile), str(run), "--target-tpot", "1ms", "--out", str(tmp_path / "f.fit.json")]):
+        assert says in _one_error_line(runner.invoke(app, args))
+    assert not (tmp_path / "f.fit.json").exists()
+
+
+@pytest.mark.parametrize("metrics", [{"ppl": 0.0}, {"ppl": float("nan")}, {"nll": -1.0}, {"acc": None}])
+def test_an_eval_artifact_with_a_metric_no_evaluation_gives_is_refused(metrics, tmp_path):
+    path = write(tmp_path / "x.eval.json", {**VALID["eval"], "metrics": metrics})
+    line = _one_error_line(runner.invoke(app, ["report", str(path), "--out", str(tmp_path / "rep")]))
+    assert f"metrics['{next(iter(metrics))}']" in line
+
+
+def test_a_number_too_long_for_python_is_one_sentence_in_every_json_reader(tiny_bundle, tmp_path):
+    huge = "9" * 5000
+    run = tmp_path / "x.run.json"
+    run.write_text(json.dumps(VALID["run"]).replace('"bytes_h2d": 1', f'"bytes_h2d": {huge}'))
+    assert "number too long" in _one_error_line(runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r")]))
+    hw = tmp_path / "x.hw.json"
+    hw.write_text('{"name": ' + huge + "}")
+    assert "hardware profile" in _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--hw", str(hw))))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "n": ' + huge + "}\n")
+    assert "line 1 is not JSON" in _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--prompts", str(prompts))))
+
+
+def test_a_device_the_engine_cannot_run_on_is_refused_before_any_work(tiny_bundle, tmp_path):
+    line = _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--device", "meta")))
+    assert "--device must be cpu or cuda" in line
+    line = _one_error_line(runner.invoke(app, ["profile", "--bundle", str(tiny_bundle), "--what", "routing",
+                                               "--device", "xpu", "--out", str(tmp_path / "p.profile.json")]))
+    assert "--device must be cpu or cuda" in line and not (tmp_path / "p.profile.json").exists()
+
+
+def test_a_config_transformers_rejects_is_named_as_the_inputs_fault(tmp_path):
+    model = tiny_moe(tmp_path / "m")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_size": "32"}))
+    line = _one_error_line(runner.invoke(app, ["check", str(model)]))
+    assert "cannot read the config" in line and "hidden_size" in line
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_top_k_no_layer_can_route_is_one_sentence(top_k, tmp_path):
+    model = tiny_moe(tmp_path / "m")  # 4 experts a layer
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": top_k}))
+    for args in (["check", str(model)], ["run", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1"]):
+        assert f"routes each token to {top_k} experts" in _one_error_line(runner.invoke(app, args))
+
+
+def test_an_output_that_is_one_of_the_commands_inputs_is_refused_and_the_input_kept(tiny_bundle, tmp_path):
+    from test_fit import synthetic_profile
+
+    manifest = tiny_bundle / "bundle.json"
+    before = manifest.read_bytes()
+    line = _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--out", str(manifest))))
+    assert "lies inside" in line and manifest.read_bytes() == before
+    data = tmp_path / "mine.txt"
+    data.write_text("Some text of my own, to score.")
+    line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--bundle", str(tiny_bundle), "--data", str(data),
+                                               "--out", str(data)]))
+    assert "is also an input" in line and data.read_text() == "Some text of my own, to score."
+    profile = tmp_path / "p.profile.json"
+    synthetic_profile().save(profile)
+    kept = profile.read_bytes()
+    assert "is also an input" in _one_error_line(runner.invoke(app, ["fit", str(profile), "--out", str(profile)]))
+    assert profile.read_bytes() == kept
+
+
+def test_profile_refuses_its_hardware_output_over_its_profile_and_an_unknown_base_before_measuring(tiny_bundle, tmp_path):
+    out = tmp_path / "p.profile.json"
+    base = ["profile", "--bundle", str(tiny_bundle), "--what", "timing", "--seqs", "1", "--seq-len", "8", "--out", str(out)]
+    assert "same file as --out" in _one_error_line(runner.invoke(app, [*base, "--hw-out", str(out)]))
+    assert "no hardware profile 'nosuch'" in _one_error_line(runner.invoke(app, [*base, "--hw-base", "nosuch"]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_whitespace_only_text_is_refused_like_an_empty_file(tiny_bundle, tmp_path):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("   \n\n\t  \n")
+    line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--bundle", str(tiny_bundle), "--data", str(blank)]))
+    assert "holds no text" in line
+
+
+def test_decoding_through_a_kv_cache_uses_the_keyword_transformers_does_not_warn_about(tiny_ckpt):
+    import warnings
+
+    from moetool.model import load_reference
+    from moetool.perplexity import stepwise_logits
+
+    model = load_reference(tiny_ckpt("qwen2_moe"))
+    rows = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers 5.24 deprecates `past_key_values`
+        steps = stepwise_logits(model, rows)
+    torch.testing.assert_close(steps, model(input_ids=rows).logits[:, :-1], rtol=1e-4, atol=1e-4)
+
+
+def test_an_output_name_as_long_as_the_filesystem_allows_is_written(tmp_path):
+    path = tmp_path / ("a" * 250 + ".json")  # 255 bytes: the longest name; the temp name beside it is longer
+    atomic_write_bytes(path, b"{}")
+    assert path.read_bytes() == b"{}" and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_negative_group_size_and_an_artifact_of_the_wrong_kind_read_as_sentences(tmp_path):
+    model = tiny_moe(tmp_path / "m")
+    line = _one_error_line(runner.invoke(app, ["quantize", str(model), "--bits", "4", "--group-size", "-1",
+                                               "--out", str(tmp_path / "b")]))
+    assert "--group-size must be a positive number" in line and not (tmp_path / "b").exists()
+    path = write(tmp_path / "x.json", VALID["eval"])
+    line = _one_error_line(runner.invoke(app, ["fit", str(path), "--out", str(tmp_path / "f.json")]))
+    assert "is an 'eval' artifact, not the 'profile' this command needs" in line

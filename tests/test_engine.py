@@ -308,3 +308,22 @@ def test_resident_decodes_without_reading_the_routing_on_the_host(tiny_ckpt, exp
     assert s["hit_rate"] == 1.0 and s["precision_mix"] == {"16": len(lm.geometry.layers) * IDS.shape[0] * k * (8 + 9)}
     decode_hits = sum(st.hits[16] for st in engine.stats.layers.values())
     assert decode_hits >= len(lm.geometry.layers) * 10  # each layer ran >= 1 expert per forward
+
+
+def test_mixed_head_sizes_plan_their_kv_per_layer_and_decode_as_transformers(tmp_path):
+    """Gemma 4 (sliding layers of head_dim 8, full-attention ones of 16; the config refuses a global
+    head_dim): the KV margin adds the layers up, and an offloading run gives transformers' tokens."""
+    from moetool.engine.budget import ACTIVATION_MARGIN, kv_margin
+    from tiny import save_tiny, tiny_config
+
+    path = save_tiny("gemma4_text", tmp_path / "g4")
+    cfg = tiny_config("gemma4_text")
+    per_token = (kv_margin(cfg, 10, 1, torch.float32) - ACTIVATION_MARGIN) // 10
+    heads = [view.num_key_value_heads for view in cfg.per_layer_config]
+    uniform = {d: 2 * sum(heads) * d * 4 for d in (8, 16)}  # every layer at one head size, fp32 K and V
+    assert uniform[8] < per_token < uniform[16]
+    ref = load_reference(path).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10, do_sample=False)
+    lm, engine, plan = _engine(path, "lru", "50%")
+    got = lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, ref)
+    assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes

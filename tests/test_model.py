@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import ARCHS
+from tiny import MORE_CONFIGS, save_tiny
 from moetool.check import check_model
 from moetool.errors import MoetoolError
 from moetool.model import find_experts_modules, load_model, load_reference
@@ -91,3 +92,23 @@ def test_past_tokens_reads_a_cache_of_linear_attention_layers_only():
     mixed = DynamicCache(config=tiny_config("qwen3_next"))
     mixed.layers[1].update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))
     assert past_tokens({"cache": mixed}) == 5
+
+
+@pytest.mark.parametrize("arch", sorted(MORE_CONFIGS))
+def test_check_is_exact_on_the_other_fused_experts_architectures(tmp_path, arch):
+    """Every other fused-experts causal LM transformers ships: found, its top-k read (from the router,
+    the block or the config's own key), and its experts replaced bit for bit."""
+    report = check_model(save_tiny(arch, tmp_path / arch))
+    assert report.passed, report
+    assert report.max_abs_diff <= 1e-5
+    assert report.layers and all(lc.routing_agreement == 1.0 for lc in report.layers)
+    cfg = MORE_CONFIGS[arch]
+    top_k = next(cfg[k] for k in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
+                 if k in cfg)
+    assert {layer.top_k for layer in load_model(tmp_path / arch).geometry.layers} == {top_k}
+
+
+def test_a_fused_experts_architecture_configured_without_a_moe_layer_says_so(tmp_path):
+    # beam's default mlp_layer_types make its first three layers dense: two layers build no MoE block.
+    with pytest.raises(MoetoolError, match="builds no Mixture-of-Experts layer"):
+        load_model(save_tiny("beam", tmp_path / "beam", mlp_layer_types=None))

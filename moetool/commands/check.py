@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, not_an_input, out, writable
 from moetool.options import JsonOpt, ModelArg
 
 
@@ -31,6 +31,7 @@ def check(
     from moetool.check import DEFAULT_PROMPT, check_model
 
     writable(save)
+    not_an_input(save, inside=model)
     with err.status(f"checking {model} ..."):
         report = check_model(model, prompt or DEFAULT_PROMPT)
     if save is not None:

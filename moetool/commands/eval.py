@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, not_an_input, out, writable
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
 from moetool.spec import DEFAULT_HW
@@ -74,6 +74,7 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     from moetool.evaluate import PPL, EvalConfig, evaluate
 
     writable(save)
+    not_an_input(save, fit, data, inside=bundle or model)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     cfg = EvalConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
                                      experts_impl),

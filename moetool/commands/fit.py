@@ -10,7 +10,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, not_an_input, out, writable
 from moetool.options import BundleOpt, DeviceOpt, Dtype, DtypeOpt, HwOpt, JsonOpt, parse_numbers, parse_seconds
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
@@ -46,6 +46,7 @@ def fit(
     from moetool.run import RunConfig
 
     writable(save)
+    not_an_input(save, profile, hw, *(runs or []), *(more or []), inside=bundle)
     from moetool.engine.clock import load_hw
 
     load_hw(hw)  # an unknown preset or a bad profile file is refused even where only --sweep would read it

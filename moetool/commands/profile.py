@@ -10,7 +10,8 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, not_an_input, out, writable
+from moetool.errors import MoetoolError
 from moetool.options import DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, parse_numbers
 from moetool.spec import DEFAULT_HW
 
@@ -52,6 +53,14 @@ def profile(
 
     writable(save)
     writable(hw_out, option="--hw-out")
+    files = [Path(d) for d in _split(data)]
+    not_an_input(save, *files, inside=bundle or model)
+    not_an_input(hw_out, *files, inside=bundle or model, option="--hw-out")
+    if hw_out is not None and Path(hw_out).resolve() == Path(save).resolve():
+        raise MoetoolError(f"--hw-out {hw_out} is the same file as --out; give the hardware profile another path.")
+    from moetool.engine.clock import load_hw
+
+    load_hw(hw_base)  # an unknown preset is refused before the measuring, not after it
     sens_bits = parse_numbers(bits, "--bits", int)
     cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,
                         what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
@@ -71,13 +80,13 @@ def profile(
         result = profile_stage(cfg, progress=progress)
     finally:
         bar.stop()
-    result.save(save)
-    if result.hw is not None:
+    if result.hw is not None:  # first: a hardware file that cannot be written leaves no profile without it
         hw_path = hw_out or save.with_name(save.name.removesuffix(".json").removesuffix(".profile") + ".hw.json")
         from moetool.artifacts import atomic_write_bytes
 
         atomic_write_bytes(hw_path, (json.dumps(result.hw, indent=1) + "\n").encode())
         err.print(f"hardware profile for `run --clock sim --hw {hw_path}` written", highlight=False)
+    result.save(save)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return

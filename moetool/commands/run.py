@@ -10,7 +10,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, not_an_input, out, writable
 from moetool.errors import MoetoolError
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
@@ -51,6 +51,7 @@ def run(
     from moetool.run import run as run_stage
 
     writable(save)
+    not_an_input(save, fit, prompts, hw, inside=bundle or model)
     if prompt is not None and prompts is not None:
         raise MoetoolError("give --prompt or --prompts, not both.")
     texts = read_prompts(prompts) if prompts is not None else (prompt,) if prompt is not None else RunConfig.prompts

@@ -56,11 +56,29 @@ def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype, top_
     for a prefill of `max_tokens` until they are summed in expert order (T * top_k rows of H).
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     item = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * cfg.num_hidden_layers * heads * head_dim * item + top_k * cfg.hidden_size * item
+    kv = sum(2 * _kv_heads(c) * _head_dim(c) for c in _layer_configs(cfg))  # K and V values per token
+    per_token = kv * item + top_k * cfg.hidden_size * item
     return per_token * max_tokens * batch + ACTIVATION_MARGIN
+
+
+def _layer_configs(cfg: Any) -> list[Any]:
+    """Each decoder layer's config: the per-layer views of a heterogeneous config (Gemma 4's sliding
+    and full-attention layers differ in head_dim, and its global `head_dim` raises rather than pick
+    one), else the config itself once per layer."""
+    try:
+        views = list(cfg.per_layer_config)
+    except (AttributeError, TypeError):
+        views = []
+    return views or [cfg] * cfg.num_hidden_layers
+
+
+def _kv_heads(c: Any) -> int:
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+def _head_dim(c: Any) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def decode_workspace(expert_params: int, dtype: torch.dtype, experts: int) -> int:

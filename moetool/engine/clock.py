@@ -62,7 +62,7 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
                            "or give a path to a profile JSON).")
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: undecodable, not JSON, a 5,000-digit number
         raise MoetoolError(f"{path} is not a readable hardware profile JSON ({e.__class__.__name__}).") from None
     if not isinstance(data, dict):
         raise MoetoolError(f"{path} is not a hardware profile (its top level is not an object).")

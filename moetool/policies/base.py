@@ -15,6 +15,7 @@ fit artifact. `policies/README.md` walks through writing one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -343,10 +344,20 @@ def _check_range(cls: type[Policy], key: str, value: Any) -> None:
         raise MoetoolError(f"knob '{key}' of policy '{cls.name}' must be a finite number, not {value}.")
 
 
+# What a typed value (a fit artifact's JSON, a Python caller's) may be for each knob type: a bool is
+# an int to Python, and JSON's 4 for a float knob is an int, so both are spelled out.
+_TYPED = {"bool": lambda v: isinstance(v, bool), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "str": lambda v: isinstance(v, str)}
+
+
 def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
-    if not isinstance(raw, str):
-        return raw
     name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
+    if not isinstance(raw, str):
+        if name in _TYPED and not _TYPED[name](raw):
+            article = "an" if name[:1] in "aeiou" else "a"
+            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article} {name}, not {json.dumps(raw, default=repr)} "
+                               "(a value in a fit artifact).")
+        return float(raw) if name == "float" else raw
     try:
         if name == "bool":
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):

@@ -36,6 +36,7 @@ from moetool.profile.timing import TimingProfile, measure_timing
 from moetool.profile.trace import Tracer, route
 from moetool.quant.format import Bits
 from moetool.run import resolve_dtype
+from moetool.spec import check_device
 
 WHAT = ("routing", "sensitivity", "similarity", "prefetch", "timing")
 Progress = Callable[[str, int, int], None]  # (part, done, total)
@@ -181,6 +182,7 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
 
 
 def _check(cfg: ProfileConfig) -> None:
+    check_device(cfg.device)  # before the model loads: a device this machine lacks is one sentence
     resolve_dtype(cfg.dtype, cfg.device)  # refuses an unknown dtype in one sentence
     if cfg.seqs_per_data < 1 or cfg.seq_len < 2 or cfg.decode_tokens < 0 or cfg.ppl_tokens < 2:
         raise MoetoolError("sequence counts and lengths must be positive.")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from moetool.engine.clock import load_hw
+from moetool.inference import with_cache
 from moetool.model import LoadedModel
 
 REPEATS = 15
@@ -113,7 +114,7 @@ def layer_timings(lm: LoadedModel, ids: torch.Tensor, steps: int) -> tuple[Layer
             for step in range(steps + 1):
                 recording[0] = timed_pass and step > 0  # the first decode step warms caches and allocators
                 nxt = out.logits[:, -1:].argmax(-1)
-                out = lm.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+                out = lm.model(input_ids=nxt, use_cache=True, **with_cache(lm.model, out.past_key_values))
     finally:
         for h in hooks:
             h.remove()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.inference import call_router
+from moetool.inference import call_router, with_cache
 from moetool.model import LoadedModel
 from moetool.policies.dymoe import token_importance
 
@@ -179,7 +179,7 @@ class Tracer:
         cache = out.past_key_values
         nxt = out.logits[:, -1:].argmax(-1)  # [1, 1]
         for _ in range(decode_tokens):
-            trace, out = self._forward("decode", input_ids=nxt, past_key_values=cache)
+            trace, out = self._forward("decode", input_ids=nxt, **with_cache(self.lm.model, cache))
             yield trace
             cache = out.past_key_values
             nxt = out.logits[:, -1:].argmax(-1)

@@ -301,6 +301,9 @@ def _check(cfg: QuantizeConfig) -> tuple[Bits, ...]:
         raise MoetoolError("no precisions to store; give bits such as 16,8,4,2.")
     if cfg.method not in METHODS:
         raise MoetoolError(f"unknown quantization method '{cfg.method}'; choose one of {', '.join(METHODS)}.")
+    if isinstance(cfg.group_size, bool) or not isinstance(cfg.group_size, int) or cfg.group_size < 0:
+        raise MoetoolError(f"--group-size must be a positive number of input columns (or 0: auto), "
+                           f"not {cfg.group_size}.")
     if cfg.dtype not in DTYPES or cfg.dtype == "uint8":
         raise MoetoolError(f"dtype '{cfg.dtype}' is not a float dtype moetool loads models in.")
     if cfg.method == "gptq":
