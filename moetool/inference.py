@@ -25,7 +25,10 @@ def call_router(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> Any:
     A router that takes more than the hidden states gets what its block would pass, by name: each
     further parameter of its class's forward that names an attribute of the block gets that
     attribute (MiniMax-M2's `e_score_correction_bias`, LFM2-MoE's `expert_bias`); the others keep
-    their defaults. None when a required one names no attribute."""
+    their defaults (ZAYA's `router_states`, carried from the layer before, is then left out: the
+    prediction is the router's own without it). None when a required one names no attribute. A
+    router that reads the hidden states as [B, T, H] (ZAYA's) gets them so: each router class is
+    tried flat first, once, and the form that worked is kept; one that fails both ways gives None."""
     g = lm.geometry.layer(layer)
     block = lm.model.get_submodule(g.path)
     router = block.get_submodule(g.router)
@@ -35,7 +38,30 @@ def call_router(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> Any:
     param = next(router.parameters(), None)
     if param is not None:
         hidden = hidden.to(param.device, param.dtype)
-    return router(hidden, **{name: getattr(block, name) for name, _ in params if hasattr(block, name)})
+    extra = {name: getattr(block, name) for name, _ in params if hasattr(block, name)}
+    form = _ROUTER_FORM.get(type(router))
+    if form is not None:
+        return router(hidden[None] if form == "batched" else hidden, **extra) if form != "none" else None
+    for form, x in (("flat", hidden), ("batched", hidden[None])):
+        try:
+            out = router(x, **extra)
+        except (RuntimeError, IndexError, ValueError):  # a shape this router does not take
+            continue
+        _ROUTER_FORM[type(router)] = form
+        return out
+    _ROUTER_FORM[type(router)] = "none"
+    return None
+
+
+_ROUTER_FORM: dict[type, str] = {}  # router class -> "flat" [T, H], "batched" [1, T, H] or "none"
+
+
+def router_logits(output: Any, num_experts: int) -> torch.Tensor:
+    """The expert logits [T, E] in a router's output (its first element when a tuple). A router may
+    score classes that are not experts (ZAYA's skip expert, after the E real ones): only the
+    experts' columns are kept, so every policy reads one score per expert."""
+    logits = output[0] if isinstance(output, tuple) else output
+    return logits.reshape(-1, logits.shape[-1])[:, :num_experts]
 
 
 @lru_cache(maxsize=None)

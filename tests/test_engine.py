@@ -327,3 +327,26 @@ def test_mixed_head_sizes_plan_their_kv_per_layer_and_decode_as_transformers(tmp
     got = lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=10, do_sample=False)
     assert torch.equal(got, ref)
     assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
+
+
+def test_a_router_with_a_skip_class_that_reads_batched_states_serves_every_look_ahead_policy(tmp_path):
+    """ZAYA's router scores E + 1 classes (a skip expert after the real ones), reads [B, T, H] and
+    takes a state from the layer before: policies read E scores, and the look-ahead calls it batched."""
+    from moetool.inference import call_router, router_logits
+    from tiny import save_tiny
+
+    path = save_tiny("zaya", tmp_path / "zaya")
+    lm = load_model(path)
+    g = lm.geometry.layers[-1]
+    out = call_router(lm, g.index, torch.randn(5, lm.model.config.hidden_size))
+    assert out is not None and out[0].shape[-1] == g.num_experts + 1
+    assert router_logits(out, g.num_experts).shape == (5, g.num_experts)
+    # The host store holds 16-bit experts only: each paper's mechanism at that precision.
+    for policy, settings in (("fate", {"cache_bits": 16, "low_bits": 16}), ("dymoe", {"config": "16/0"}),
+                             ("smoe", {"alpha": "0.3"})):
+        lm, engine, plan = _engine(path, policy, "25%", **settings)
+        lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=4, do_sample=False)
+        s = engine.stats.summary()
+        assert s["peak_device_bytes"] <= plan.total_bytes
+        later = engine._predict(g.index, torch.randn(3, lm.model.config.hidden_size))  # the look-ahead
+        assert later is not None and later.shape == (3, g.num_experts)

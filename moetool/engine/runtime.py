@@ -33,7 +33,7 @@ from moetool.engine.transfer import Copier, HostRows, routing_to_host, rows_to_h
 from moetool.engine.weights import PoolWeights
 from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
-from moetool.inference import call_router, past_tokens
+from moetool.inference import call_router, past_tokens, router_logits
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.policies.dymoe import token_importance
@@ -65,8 +65,7 @@ class Engine:
         self.simulated = clock.kind == "sim"  # the cost model is read only by the simulated clock
         self.weights = PoolWeights(store, residency, self.device)  # what grouped GEMMs read from the pools
         self.decode_chunk = max(g.top_k for g in lm.geometry.layers)  # experts decoded at once (budget.decode_workspace)
-        self.copier = Copier(self.device)
-        self.layers = lm.geometry.layers
+        self.copier, self.layers = Copier(self.device), lm.geometry.layers
         self._max_bits = max(int(b) for b in store.bits)
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
         self.stats = Stats(tuple(g.index for g in self.layers))
@@ -137,10 +136,12 @@ class Engine:
         self._hooks.append(model.register_forward_hook(self._after_forward))
 
     def _router_capture(self, layer: int, forward):
+        experts = self.lm.geometry.layer(layer).num_experts
+
         def capture(*args, **kwargs):
             output = forward(*args, **kwargs)
             if not self._predicting:
-                self._logits[layer] = output[0] if isinstance(output, tuple) else output  # [T, E]
+                self._logits[layer] = router_logits(output, experts)  # [T, E]
             return output
         return capture
 
@@ -227,8 +228,7 @@ class Engine:
                     self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
         return out.result()
 
-    def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
-              top_k_weights: torch.Tensor) -> LayerView:
+    def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> LayerView:
         """Routing and router logits on the host for the policy (one device-to-host sync)."""
         index, weights, logits = routing_to_host(top_k_index, top_k_weights, self._logits.pop(g.index, None))
         logits = logits if logits is not None else torch.empty(0)  # [T, E]
@@ -476,20 +476,20 @@ class Engine:
             if self.copier.done(h.event) and self.clock.ready(h.ready_at):
                 self.residency.publish(*key)
 
+    @torch.no_grad()
     def _predict(self, later: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """A later MoE layer's router logits on this layer's gate input (cross-layer look-ahead)."""
         if later not in self.moe_index:
             return None
         self._predicting = True
         try:
-            with torch.no_grad():
-                out = call_router(self.lm, later, hidden)
+            out = call_router(self.lm, later, hidden)
         finally:
             self._predicting = False
-        if out is None:
+        if out is None:  # a router that cannot run alone: no look-ahead for this layer
             return None
         self.clock.compute(self.cost.hw.kernel_s)
-        return (out[0] if isinstance(out, tuple) else out).to("cpu", torch.float32)
+        return router_logits(out, self.lm.geometry.layer(later).num_experts).to("cpu", torch.float32)
 
     def close(self) -> None:
         for h in self._hooks:

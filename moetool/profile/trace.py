@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.inference import call_router, with_cache
+from moetool.inference import call_router, router_logits, with_cache
 from moetool.model import LoadedModel
 from moetool.policies.dymoe import token_importance
 
@@ -58,7 +58,7 @@ def route(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> tuple[torch.Tens
     if out is None:
         raise MoetoolError(f"MoE layer {layer}'s router takes inputs its block does not hold under their names, "
                            "so it cannot be replayed on other hidden states")
-    logits = out[0] if isinstance(out, tuple) else out
+    logits = router_logits(out, lm.geometry.layer(layer).num_experts)
     if isinstance(out, tuple) and len(out) >= 3:
         top_k = out[2]
     else:
@@ -132,10 +132,11 @@ class Tracer:
         return hook
 
     def _keep_logits(self, layer: int):
+        experts = self.lm.geometry.layer(layer).num_experts
+
         def hook(module, args, output):
             if self.recording:
-                logits = output[0] if isinstance(output, tuple) else output
-                self._put("logits", layer, logits.reshape(-1, logits.shape[-1]))  # [T, E]
+                self._put("logits", layer, router_logits(output, experts))  # [T, E]
         return hook
 
     def _keep_routing(self, layer: int):
