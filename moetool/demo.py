@@ -308,7 +308,8 @@ def calibrate_routers(dense, tok, refined: ConversionParams, min_ratio: float = 
         raise MoetoolError("stage 4 takes a conversion without a router temperature and a gate ratio floor > 0 "
                            f"(this one has temperature {refined.meta.get('calibrate', {}).get('t')}, floor {min_ratio}).")
     ids = torch.tensor(tok(train_text())["input_ids"]) if ids is None else ids
-    return calibrate(dense, spread_windows(ids, 16 * 512, 512), refined, min_ratio=min_ratio, progress=progress)[0]
+    return calibrate(dense, spread_windows(ids, 16 * 512, 512), refined, convert, min_ratio=min_ratio,
+                     progress=progress)[0]
 
 
 def _refine(dense, tok, ids: torch.Tensor, distilled: ConversionParams, refine, checkpoint: Path,

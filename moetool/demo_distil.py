@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -361,8 +362,8 @@ def gate_ratio(stats: list[dict[str, float]]) -> float:
 
 
 @torch.no_grad()
-def calibrate(dense, windows: torch.Tensor, params: ConversionParams, *, min_ratio: float = 3.25,
-              step: float = 0.05, batch: int = 4,
+def calibrate(dense, windows: torch.Tensor, params: ConversionParams, build: Callable[[Any, ConversionParams], Any],
+              *, min_ratio: float = 3.25, step: float = 0.05, batch: int = 4,
               progress: Callable[[str], None] | None = None) -> tuple[ConversionParams, list[dict[str, float]]]:
     """Stage 4: one temperature t for every router's logits, chosen on fitting-text `windows` [n, T].
 
@@ -373,14 +374,13 @@ def calibrate(dense, windows: torch.Tensor, params: ConversionParams, *, min_rat
     stays >= `min_ratio` x the (k+1)-th on these windows (the issue asks >= 3; 3.25 leaves a
     margin for other text), and the t with the lowest perplexity there is kept. A scale leaves each
     router's ranking of experts for a given input as it was; only the weights move (and, through
-    them, later layers' inputs). Returns the scaled conversion and every t tried.
+    them, later layers' inputs). `build(dense, params)` makes the Qwen2-MoE model (`demo.convert`).
+    Returns the scaled conversion and every t tried.
     """
-    from moetool.demo import convert  # demo imports this module
-
     tried: list[dict[str, float]] = []
     t = 1.0
     while t > 0:
-        model = convert(dense, replace(params, router=params.router * t))
+        model = build(dense, replace(params, router=params.router * t))
         nll, count, stats = 0.0, 0, []  # stats: (windows, per-layer gate statistics) per batch
         for i in range(0, windows.shape[0], batch):
             x = windows[i:i + batch]

@@ -1,10 +1,14 @@
 """The weights digest of a local checkpoint: what tells two checkpoints of one architecture apart
-(`ModelFingerprint.weights_sha256`) without reading every byte of a 100 GB model."""
+(`ModelFingerprint.weights_sha256`) without reading every byte of a 100 GB model; and the
+safetensors header reader it shares with the bundle's shards (a leaf module: imports no moetool)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from pathlib import Path
+from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DIGEST_SAMPLES = 32  # per weight file that is not safetensors
@@ -24,8 +28,6 @@ def weights_digest(source: str) -> str:
     demo model) where most of some tensor differs. Sampling per file missed a change to the small
     tensors alone (routers rescaled: every artifact of the old model was reused for the new one);
     per tensor, each router and norm is read whole. About 1 KiB per large tensor."""
-    from moetool.quant.shards import read_header
-
     root = Path(source)
     if not root.is_dir():
         return ""
@@ -73,3 +75,16 @@ def _tensor_spans(start: int, header: dict, size: int) -> list[tuple] | None:
         small = b - a <= DIGEST_WHOLE_TENSOR
         spans.append((label, start + a, start + b, 1 if small else 4, DIGEST_WHOLE_TENSOR if small else 256))
     return spans
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(data start, header dict) of a safetensors file; ValueError if it is not one."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("too short")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 1 << 24:
+            raise ValueError("header length out of range")
+        text = f.read(n)
+    return 8 + n, json.loads(text)

@@ -235,7 +235,7 @@ def test_calibration_flattens_the_routers_only_as_far_as_the_gate_ratio_allows()
     windows = _ids(6 * 32).view(6, 32)
     start = gate_ratio(router_stats(demo.convert(dense, peaked), windows))
     floor = start * 0.6
-    out, tried = calibrate(dense, windows, peaked, min_ratio=floor, step=0.1, batch=4)
+    out, tried = calibrate(dense, windows, peaked, demo.convert, min_ratio=floor, step=0.1, batch=4)
     assert tried[0]["t"] == 1.0 and math.isclose(tried[0]["ratio"], start, rel_tol=1e-5)
     assert all(r["ratio"] >= floor for r in tried[:-1]) and tried[-1]["ratio"] < floor
     assert [r["ratio"] for r in tried] == sorted((r["ratio"] for r in tried), reverse=True)  # flatter each step
@@ -249,6 +249,6 @@ def test_calibration_flattens_the_routers_only_as_far_as_the_gate_ratio_allows()
     assert math.isclose(ppl, best["ppl"], rel_tol=1e-4)
     assert gate_ratio(router_stats(moe, windows)) >= floor
     # A floor that even t = 1 misses leaves the routers as they are.
-    same, tried = calibrate(dense, windows, peaked, min_ratio=start * 2, step=0.1)
+    same, tried = calibrate(dense, windows, peaked, demo.convert, min_ratio=start * 2, step=0.1)
     assert len(tried) == 1 and same.meta["calibrate"]["t"] == 1.0
     torch.testing.assert_close(same.router, peaked.router, rtol=0, atol=0)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from moetool.artifacts import sha256_file
+from moetool.digest import read_header
 from moetool.errors import MoetoolError
 from moetool.quant.format import ALIGN
 
@@ -128,19 +129,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def read_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(data start, header dict) of a safetensors file; ValueError if it is not one."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("too short")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 1 << 24:
-            raise ValueError("header length out of range")
-        text = f.read(n)
-    return 8 + n, json.loads(text)
 
 
 def check_shard(path: Path, shard: Shard, settings_sha256: str, full: bool) -> None:
