@@ -415,3 +415,30 @@ def test_a_negative_group_size_and_an_artifact_of_the_wrong_kind_read_as_sentenc
     path = write(tmp_path / "x.json", VALID["eval"])
     line = _one_error_line(runner.invoke(app, ["fit", str(path), "--out", str(tmp_path / "f.json")]))
     assert "is an 'eval' artifact, not the 'profile' this command needs" in line
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_full_disk_during_quantize_says_what_is_kept(fail_at, tmp_path, monkeypatch):
+    """Before any layer is finished the directory is removed, and the sentence no longer promises
+    finished layers; after one, they are kept for a re-run, as it says."""
+    import errno
+    import importlib
+
+    q = importlib.import_module("moetool.quant.quantize")  # the module, not the function moetool.quant exports
+
+    real, calls = q._quantize_layer, []
+
+    def fill_the_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(q, "_quantize_layer", fill_the_disk)
+    model, out = tiny_moe(tmp_path / "m"), tmp_path / "b"
+    line = _one_error_line(runner.invoke(app, ["quantize", str(model), "--bits", "4", "--group-size", "16",
+                                               "--no-calibrate", "--out", str(out)]))
+    if fail_at == 0:
+        assert "no layer was finished, so nothing is kept" in line and not out.exists()
+    else:
+        assert "finished layers are kept" in line and list(out.glob("layer-*.safetensors"))

@@ -119,7 +119,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
         out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
         lock = DirectoryLock(out)
     except OSError as e:
-        raise _cannot_write(out, e) from None
+        raise _cannot_write(out, e, finished=False) from None
     try:
         with lock:
             check_out_dir(out)  # again, under the lock: another run may have finished here since the first look
@@ -127,7 +127,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
                 bundle = _write_bundle(lm, cfg, bits, out, inputs, settings, settings_sha, layouts, total, report,
                                        calib)
             except OSError as e:
-                raise _cannot_write(out, e) from None
+                raise _cannot_write(out, e, finished=any(out.glob("layer-*.safetensors"))) from None
             Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
     except MoetoolError:
         # Refused before a single layer was finished (a checkpoint whose weights do not fit its
@@ -178,11 +178,13 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
     return bundle
 
 
-def _cannot_write(out: Path, e: OSError) -> MoetoolError:
-    # A full disk, a read-only or vanished directory: what was finished stays journaled for a re-run.
+def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
+    # A full disk, a read-only or vanished directory: what was finished stays journaled for a re-run;
+    # with nothing finished, a directory this run made is removed (`quantize`), so none is promised.
     where = e.filename or out
-    return MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); finished layers are kept, "
-                        "re-run the same command to continue.")
+    then = "finished layers are kept, re-run the same command to continue" if finished else \
+        "no layer was finished, so nothing is kept"
+    return MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); {then}.")
 
 
 # ---- the output directory -----------------------------------------------------------------------
