@@ -88,8 +88,12 @@ def context_length(model: nn.Module) -> int | None:
 def with_cache(model: nn.Module, cache: Any) -> dict[str, Any]:
     """The keyword that hands `model` its KV cache: `cache` from transformers 5.24 (which warns on the
     old name, and will drop it), `past_key_values` before."""
-    forward = inspect.signature(type(model).forward).parameters
-    return {"cache" if "cache" in forward else "past_key_values": cache}
+    return {_cache_keyword(type(model)): cache}
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:  # read once per model class, not at every decode step
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def past_tokens(kwargs: dict) -> int:
