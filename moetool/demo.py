@@ -249,7 +249,7 @@ def stage_tag(fit, text: str) -> str:
 
 def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progress: Progress | None = None,
              report=None, min_ratio: float | None = 3.25) -> Fitted:
-    """The three stages of the demo conversion; each stage's result is kept in `workdir` and reused.
+    """The four stages of the demo conversion; the first three keep their results in `workdir` for reuse.
 
     Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil` on the
     fitting text, about an hour on 2 cores) and stage 3 (`distil` with `REFINE` on the fitting text
