@@ -183,7 +183,7 @@ def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
     # with nothing finished, a directory this run made is removed (`quantize`), so none is promised.
     where = e.filename or out
     then = "finished layers are kept, re-run the same command to continue" if finished else \
-        "no layer was finished, so nothing is kept"
+        "no layer was finished, so nothing is kept; re-run the same command to start again"
     return MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); {then}.")
 
 
