@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from moetool import __version__
-from moetool.errors import MoetoolError, not_a_file
+from moetool.errors import MoetoolError, article, not_a_file
 from moetool.schema import SchemaError, build, describe
 
 A = TypeVar("A", bound="Artifact")
@@ -240,8 +240,7 @@ class Artifact:
             raise MoetoolError(f"{where} names no schema, so it is not the '{cls.SCHEMA}' artifact this command needs.")
         if schema != cls.SCHEMA:
             kind = _text(schema)
-            article = "an" if kind[:1] in "aeiou" else "a"
-            raise MoetoolError(f"{where} is {article} '{kind}' artifact, not the '{cls.SCHEMA}' this command needs.")
+            raise MoetoolError(f"{where} is {article(kind)} '{kind}' artifact, not the '{cls.SCHEMA}' this command needs.")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise MoetoolError(f"{where} has no valid schema_version (it is {describe(version)}); it is not a "
                                f"{cls.SCHEMA} artifact moetool wrote.")

@@ -8,6 +8,11 @@ class MoetoolError(Exception):
     """
 
 
+def article(word: str) -> str:
+    """'an' before 'eval' or 'int', 'a' before 'run': for one-sentence messages that name a kind."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def size_text(n: float) -> str:
     """A byte count as a sentence shows it, in the largest unit that keeps it >= 1 (so two small
     sizes never both read "0.0 MiB")."""

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import numpy as np
 import torch
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, article
 
 Key = tuple[int, int]  # (decoder layer index, expert)
 
@@ -354,8 +354,7 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
     name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     if not isinstance(raw, str):
         if name in _TYPED and not _TYPED[name](raw):
-            article = "an" if name[:1] in "aeiou" else "a"
-            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article} {name}, not {json.dumps(raw, default=repr)} "
+            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {json.dumps(raw, default=repr)} "
                                "(a value in a fit artifact).")
         return float(raw) if name == "float" else raw
     try:
@@ -368,8 +367,7 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
         if name == "float":
             return float(raw)
     except ValueError:
-        article = "an" if name[:1] in "aeiou" else "a"
-        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article} {name}, not '{raw}'.") from None
+        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not '{raw}'.") from None
     return raw
 
 
