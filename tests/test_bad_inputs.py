@@ -180,6 +180,20 @@ def test_a_knob_out_of_range_is_refused_naming_it(policy, key, value, says):
     assert f"'{key}'" in str(info.value)
 
 
+@pytest.mark.parametrize("policy,key,value,most", [("fate", "L", "7", 6), ("fate", "n", "9", 8), ("eap", "k", "100", 8)])
+def test_a_count_knob_beyond_the_model_is_refused_not_clamped(policy, key, value, most):
+    from policy_fakes import make_ctx
+
+    from moetool.policies import make_policy
+
+    ctx = make_ctx(layers=range(6), E=8, cache_bytes=6000)
+    with pytest.raises(MoetoolError, match=f"knob '{key}' of policy '{policy}' is {value}, but the model has {most}"):
+        make_policy(policy, {key: value}, ctx)
+    make_policy(policy, {key: str(most)}, ctx)  # the largest meaningful value runs
+    # The paper's default (Fate's L = 3) still runs on a model with fewer layers: it caches them all.
+    assert make_policy("fate", {}, make_ctx(layers=(0, 1), cache_bytes=100_000)).quota == {0: 8, 1: 8}
+
+
 def test_a_negative_sentinel_knob_stays_allowed():
     assert parse_params(POLICIES["dynaexq"], {"n_hi": "-1"}).n_hi == -1  # -1: "the most the budget holds"
     with pytest.raises(MoetoolError, match="cannot be negative"):

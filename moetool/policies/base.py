@@ -296,6 +296,17 @@ def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
                                f"{list(ctx.available_bits)} bits.")
 
 
+def check_at_most(policy: Policy, key: str, most: int, unit: str) -> None:
+    """One sentence when a count knob asked for exceeds what the model has (e.g. Fate's L over its
+    MoE layers): clamping it silently would run, and record, a setting other than the one asked
+    for. The knob's default is the paper's value for its model and is clamped (Fate's L = 3 on a
+    two-layer model caches both layers whole)."""
+    value = getattr(policy.params, key)
+    default = next(f.default for f in dataclasses.fields(policy.Params) if f.name == key)
+    if value > most and value != default:
+        raise MoetoolError(f"knob '{key}' of policy '{policy.name}' is {value}, but the model has {most} {unit}.")
+
+
 POLICIES: dict[str, type[Policy]] = {}
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moetool.errors import MoetoolError, size_text
-from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, register
+from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, check_at_most, register
 from moetool.policies.common import all_experts, check_eviction, even_quota
 
 
@@ -100,6 +100,7 @@ class ActivationPathPrefetch(LRUCache):
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
+        check_at_most(self, "k", ctx.num_experts, "experts per layer")
         E, n = ctx.num_experts, len(ctx.moe_layers)
         self.counts = torch.zeros(n, E, E)  # [L, E, E]
         self.prev: torch.Tensor | None = None  # [T, E] experts of the previous MoE layer in this forward

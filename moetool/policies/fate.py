@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
-                                   ResidencyView, register)
+                                   ResidencyView, check_at_most, register)
 from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, hw_seconds, popularity,
                                      predicted_scores, routed_experts)
 
@@ -182,6 +182,8 @@ class Fate(Policy):
         super().__init__(params, ctx)
         check_eviction(self.name, params.eviction)
         check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if params.p > 0 else ()))
+        check_at_most(self, "L", len(ctx.moe_layers), "MoE layers")
+        check_at_most(self, "n", ctx.num_experts, "experts per layer")
         self.low_slots, self.quota = pool_split(ctx, params.L, params.p, params.cache_bits, params.low_bits)
         self.prefetcher = CrossLayerPrefetch(ctx, params.cache_bits, params.low_bits, params.p, params.n,
                                              params.percentile) if params.prefetcher == "fate" else None
