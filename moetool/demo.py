@@ -27,7 +27,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -248,23 +248,25 @@ def stage_tag(fit, text: str) -> str:
 
 
 def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progress: Progress | None = None,
-             report=None, min_ratio: float | None = 3.25) -> Fitted:
+             report=None, min_ratio: float | None = 3.25, rounds: int | None = None) -> Fitted:
     """The four stages of the demo conversion; the first three keep their results in `workdir` for reuse.
 
     Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil` on the
-    fitting text, about an hour on 2 cores) and stage 3 (`distil` with `REFINE` on the fitting text
-    and the teacher's own samples, about half an hour) checkpoint as they go, so an interrupted fit
-    resumes where it stopped. `refine=False` stops after stage 2. Stage 4 (`calibrate`, minutes,
+    fitting text, half an hour to an hour on 2 cores) and stage 3 (`rounds` runs of `distil` with
+    `REFINE` on the fitting text and the teacher's own samples, each from the last one's result,
+    about 22 minutes a round) checkpoint as they go and keep each round's result, so an interrupted
+    fit resumes where it stopped. `refine=False` stops after stage 2. Stage 4 (`calibrate`, minutes,
     not kept) scales every router's logits by one temperature chosen on fitting text, keeping the
     mean top-1 score >= `min_ratio` x the (k+1)-th; `min_ratio=None` skips it.
     """
     from moetool.datasets import train_text
-    from moetool.demo_distil import REFINE, DistilSettings, distil
+    from moetool.demo_distil import REFINE, REFINE_ROUNDS, DistilSettings, distil
     from moetool.demo_fit import FitSettings, fit_conversion
 
     fit = FitSettings() if fit is None else fit
     s = DistilSettings() if s is None else s
     refine = REFINE if refine is None else refine
+    rounds = REFINE_ROUNDS if rounds is None else rounds
     workdir.mkdir(parents=True, exist_ok=True)
     text = train_text()
     tag = stage_tag(fit, text)
@@ -289,9 +291,9 @@ def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progre
             progress(f"stage 2 (distillation) reused from {stage2}")
     else:
         save_params(distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report), stage2)
-    distilled = load_params(stage2)  # fp16, as committed: stage 3 starts from what a resume loads
-    refined = distilled if refine is False else _refine(dense, tok, ids, distilled, refine, workdir / f"refine-{tag}.pt",
-                                                        progress, report)
+    distilled = refined = load_params(stage2)  # fp16, as committed: stage 3 starts from what a resume loads
+    for r in range(rounds if refine is not False else 0):
+        refined = _refine(dense, tok, ids, refined, refine, r, rounds, workdir, stage_tag(s, tag), progress, report)
     params = refined if min_ratio is None else calibrate_routers(dense, tok, refined, min_ratio, progress, ids)
     return Fitted(params, layerwise, baseline, distilled, refined)
 
@@ -312,25 +314,35 @@ def calibrate_routers(dense, tok, refined: ConversionParams, min_ratio: float = 
                      progress=progress)[0]
 
 
-def _refine(dense, tok, ids: torch.Tensor, distilled: ConversionParams, refine, checkpoint: Path,
-            progress: Progress | None, report) -> ConversionParams:
-    """Stage 3: `distil` with `refine` on the fitting text and the teacher's samples (drawn once, kept)."""
+def _refine(dense, tok, ids: torch.Tensor, start: ConversionParams, refine, r: int, rounds: int, workdir: Path,
+            tag: str, progress: Progress | None, report) -> ConversionParams:
+    """Stage 3, round r (from 0): `distil` with `refine` at seed `refine.seed + r` from `start` (the
+    distilled conversion, or the last round's result) on the fitting text and that seed's teacher
+    samples (drawn once, kept). Each round's result is kept in `workdir` and reused."""
     from moetool.demo_distil import distil, teacher_samples
 
-    samples_file = checkpoint.parent / f"teacher-{refine.steps * refine.general}x{refine.seq_len}-{refine.seed}.pt"
+    settings = replace(refine, seed=refine.seed + r)
+    result = workdir / f"refined{r + 1}-{stage_tag(settings, tag)}.safetensors"
+    head = f"stage 3, round {r + 1}/{rounds}"
+    if result.is_file():
+        _say(progress, f"{head} (refinement) reused from {result}")
+        return load_params(result)
+    samples_file = workdir / f"teacher-{settings.steps * settings.general}x{settings.seq_len}-{settings.seed}.pt"
     if samples_file.is_file():
         samples = torch.load(samples_file, weights_only=True)
     else:
         def sampled(done: int, total: int) -> None:
-            _say(progress, f"stage 3: sampling the dense model, {done}/{total} windows")
-        samples = teacher_samples(dense, refine.steps * refine.general, refine.seq_len,
-                                  start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=refine.seed,
+            _say(progress, f"{head}: sampling the dense model, {done}/{total} windows")
+        samples = teacher_samples(dense, settings.steps * settings.general, settings.seq_len,
+                                  start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=settings.seed,
                                   progress=sampled)
         tmp = samples_file.with_name(samples_file.name + f".tmp{os.getpid()}")
         torch.save(samples, tmp)
         os.replace(tmp, samples_file)
-    _say(progress, "stage 3: refining on the fitting text and the teacher's samples")
-    return distil(dense, ids, distilled, refine, general=samples, checkpoint=checkpoint, report=report)
+    _say(progress, f"{head}: refining on the fitting text and the teacher's samples")
+    checkpoint = workdir / f"refine{r + 1}-{tag}.pt"
+    save_params(distil(dense, ids, start, settings, general=samples, checkpoint=checkpoint, report=report), result)
+    return load_params(result)  # fp16, as committed: the next round starts from what a resume loads
 
 
 def _marker_ok(out: Path, params_sha: str) -> dict | None:

@@ -1,12 +1,13 @@
 """Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors (`make fit-demo`).
 
-Run by a maintainer (never by CI, which applies the committed result). Four stages, the first three resumable:
-the layerwise fit (demo_fit, ~10 minutes on 2 cores), the end-to-end distillation towards the dense
-model on the fitting text (demo_distil, about 65 minutes), a refinement on that text mixed with
-text sampled from the dense model (demo_distil.REFINE: ~10-14 minutes of sampling, ~15 of training),
-and one temperature for the routers chosen on the fitting text (demo_distil.calibrate, a few minutes);
-rerunning after an interruption picks up where the last checkpoint left off (kept in
-~/.cache/moetool/demo-fit/). Then ~10 minutes of evaluation:
+Run by a maintainer (never by CI, which applies the committed result). Four stages, the first three
+resumable, about 2 hours on this 2-core machine with nothing else running: the layerwise fit
+(demo_fit, ~10 minutes), the end-to-end distillation towards the dense model on the fitting text
+(demo_distil, ~33 minutes), three rounds of refinement on that text mixed with text sampled from
+the dense model, each on new samples (demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling
+and ~12 of training a round), and one temperature for the routers chosen on the fitting text
+(demo_distil.calibrate, ~2 minutes); rerunning after an interruption picks up where the last
+checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~5 minutes of evaluation:
 
     .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
     .venv/bin/python scripts/fit_demo_moe.py --steps 20 --out /tmp/c.safetensors   # a quick trial
@@ -39,7 +40,7 @@ from moetool.demo import (
     Fitted, cache_root, calibrate_routers, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense,
     load_params, save_params,
 )
-from moetool.demo_distil import REFINE, DistilSettings, router_stats
+from moetool.demo_distil import REFINE, REFINE_ROUNDS, DistilSettings, router_stats
 from moetool.demo_fit import FitSettings, spread_windows
 
 console = Console(stderr=True)
@@ -95,7 +96,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=dd.batch, help="distillation windows per step")
     ap.add_argument("--logit-std", type=float, default=dd.logit_std, help="router logit spread after annealing")
     ap.add_argument("--refine-steps", type=int, default=REFINE.steps,
-                    help="stage 3 steps on fitting text + teacher samples (0: stop after distillation)")
+                    help="stage 3 steps a round on fitting text + teacher samples (0: stop after distillation)")
+    ap.add_argument("--refine-rounds", type=int, default=REFINE_ROUNDS,
+                    help="stage 3 rounds, each on new teacher samples from the last round's result")
     ap.add_argument("--min-ratio", type=float, default=3.25,
                     help="stage 4: flatten the routers while top-1 / (k+1)-th stays >= this on fitting text (0: skip)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
@@ -119,7 +122,7 @@ def main() -> None:
 
         def step_report(done: int, total: int, kl: float, gap: float, sec: float) -> None:
             left = (total - done) * sec / 60
-            status.update(f"stage 2: distillation step {done}/{total}, KL {kl:.4f}, log-gap {gap:.2f}, "
+            status.update(f"training step {done}/{total}, KL {kl:.4f}, log-gap {gap:.2f}, "
                           f"{sec:.1f}s/step, ~{left:.0f} min left")
             if done % 10 == 0 or done == total:
                 console.log(f"distil step {done}/{total}: KL {kl:.4f}, top-1/(k+1)-th log-gap {gap:.2f} ({sec:.1f}s/step)")
@@ -136,7 +139,7 @@ def main() -> None:
                                 refined)
             else:
                 fitted = fit_demo(dense, tok, s, ds, refine, workdir=args.workdir, progress=progress,
-                                  report=step_report, min_ratio=args.min_ratio or None)
+                                  report=step_report, min_ratio=args.min_ratio or None, rounds=args.refine_rounds)
             console.log(f"fitted in {time.perf_counter() - t0:.0f}s")
             # Evaluate what gets committed: the fp16 round trip of the parameters.
             params = fitted.params

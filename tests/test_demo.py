@@ -211,10 +211,10 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
 @pytest.mark.slow
 @torch.no_grad()
 def test_perplexity_against_the_dense_model(moe, dense, tok):
-    """Held-out text of the five fitting domains within 1.5x dense (1.43x on 16 windows spread over
-    it, scripts/fit_demo_moe.py). The unseen domain (fortune quotations) is at 1.63x, over the 1.5x
-    goal: bounded here so that it cannot silently get worse. 8 windows spread over each text, as the
-    held-out text is one domain after another."""
+    """Held-out text of the five fitting domains within 1.5x dense (1.39x on 16 windows spread over
+    it, scripts/fit_demo_moe.py; 1.31x on these 8). The unseen domain (fortune quotations) is at
+    1.58x on both measures, over the 1.5x goal: bounded here so that it cannot silently get worse.
+    8 windows spread over each text, as the held-out text is one domain after another."""
     def ppl(model, text):
         ids = torch.tensor(tok(text)["input_ids"])
         starts = torch.linspace(0, len(ids) // 512 - 1, 8).long() * 512
@@ -224,4 +224,4 @@ def test_perplexity_against_the_dense_model(moe, dense, tok):
                                                           ids[:, 1:].reshape(-1)).item())
 
     assert ppl(moe, datasets.heldout_text()) <= 1.5 * ppl(dense, datasets.heldout_text())
-    assert ppl(moe, datasets.unseen_text()) <= 1.72 * ppl(dense, datasets.unseen_text())
+    assert ppl(moe, datasets.unseen_text()) <= 1.66 * ppl(dense, datasets.unseen_text())

@@ -185,6 +185,44 @@ def test_refinement_starts_from_the_distilled_conversion_and_trains_on_teacher_s
     assert refine.key(distilled, samples) != refine.key(distilled, samples.flip(0))
 
 
+def test_each_refinement_round_starts_from_the_last_on_new_samples_and_is_kept(tmp_path, monkeypatch):
+    """Stage 3 in rounds (`demo._refine`): round r trains at seed REFINE.seed + r on that seed's
+    teacher samples, from the fp16 result of the round before, and keeps its result, which a rerun
+    reuses without training."""
+    from dataclasses import replace
+
+    import moetool.demo_distil as demo_distil
+
+    dense, ids = _dense(), _ids()
+    distilled = distil(dense, ids, _params(dense), DistilSettings(**{**SMALL.__dict__, "steps": 4}))
+    refine = DistilSettings(**{**SMALL.__dict__, "steps": 4, "batch": 1, "general": 1, "anneal": 0.0, "seed": 1})
+
+    class Tok:  # the document separator is token 0 in this vocabulary
+        @staticmethod
+        def convert_tokens_to_ids(token):
+            return 0
+
+    r1 = demo._refine(dense, Tok(), ids, distilled, refine, 0, 2, tmp_path, "t", None, None)
+    r2 = demo._refine(dense, Tok(), ids, r1, refine, 1, 2, tmp_path, "t", None, None)
+    s1, s2 = (torch.load(tmp_path / f"teacher-4x32-{seed}.pt", weights_only=True) for seed in (1, 2))
+    assert not torch.equal(s1, s2)
+    assert torch.equal(s2, teacher_samples(dense, 4, 32, start_id=0, seed=2))
+    expect = distil(dense, ids, r1, replace(refine, seed=2), general=s2)
+    demo.save_params(expect, tmp_path / "expect.safetensors")
+    expect = demo.load_params(tmp_path / "expect.safetensors")
+    torch.testing.assert_close(r2.router, expect.router, rtol=0, atol=0)
+    for k in expect.lora:
+        torch.testing.assert_close(r2.lora[k], expect.lora[k], rtol=0, atol=0)
+    assert r2.meta["refine"]["seed"] == 2 and not torch.equal(r2.router, r1.router)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a kept round was trained again")
+
+    monkeypatch.setattr(demo_distil, "distil", no_training)
+    again = demo._refine(dense, Tok(), ids, r1, refine, 1, 2, tmp_path, "t", None, None)
+    torch.testing.assert_close(again.router, r2.router, rtol=0, atol=0)
+
+
 @torch.no_grad()
 def test_router_stats_read_peaked_and_flat_routers():
     dense = _dense()
