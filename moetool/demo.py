@@ -254,7 +254,7 @@ def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progre
     Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil` on the
     fitting text, half an hour to an hour on 2 cores) and stage 3 (`rounds` runs of `distil` with
     `REFINE` on the fitting text and the teacher's own samples, each from the last one's result,
-    about 22 minutes a round) checkpoint as they go and keep each round's result, so an interrupted
+    about 23 minutes a round) checkpoint as they go and keep each round's result, so an interrupted
     fit resumes where it stopped. `refine=False` stops after stage 2. Stage 4 (`calibrate`, minutes,
     not kept) scales every router's logits by one temperature chosen on fitting text, keeping the
     mean top-1 score >= `min_ratio` x the (k+1)-th; `min_ratio=None` skips it.
