@@ -23,6 +23,7 @@ rest clustered by co-activation) made afresh on the first 8,192 training tokens 
 
     .venv/bin/python scripts/demo_routing_oracle.py --modes soft,expert,neuron
     .venv/bin/python scripts/demo_routing_oracle.py --no-adapt --modes all,neuron,expert,hard
+    .venv/bin/python scripts/demo_routing_oracle.py --params refined.safetensors --modes soft,expert
     .venv/bin/python scripts/demo_routing_oracle.py --modes all --partition 768,24,8 --partition 512,32,16
 """
 
@@ -91,6 +92,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="soft,hard,expert,neuron,all", help=f"comma list among {','.join(MODES)}")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per text (whole 512-token windows spread over it)")
+    ap.add_argument("--params", default=None, metavar="FILE",
+                    help="a conversion (.safetensors) to read instead of the committed one")
     ap.add_argument("--no-adapt", action="store_true", help="without the conversion's low-rank corrections")
     ap.add_argument("--partition", action="append", default=[], metavar="SHARED,EXPERTS,TOP_K",
                     help="also the expert oracle on a fresh layout of this geometry (repeatable)")
@@ -110,7 +113,7 @@ def main() -> None:
     dense, tok = load_dense(fetch_dense_gguf())
     texts = {"heldout": datasets.heldout_text(), "unseen": datasets.unseen_text()}
     base = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
-    p = load_params(committed_params_path())
+    p = load_params(args.params or committed_params_path())
     ffns = []
     for i, block in enumerate(dense.model.layers):
         block.mlp = OracleFFN(block.mlp, p, i, adapt=not args.no_adapt)

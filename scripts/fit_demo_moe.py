@@ -99,6 +99,8 @@ def main() -> None:
                     help="stage 3 steps a round on fitting text + teacher samples (0: stop after distillation)")
     ap.add_argument("--refine-rounds", type=int, default=REFINE_ROUNDS,
                     help="stage 3 rounds, each on new teacher samples from the last round's result")
+    ap.add_argument("--align", type=float, default=REFINE.align,
+                    help="stage 3: weight of the router-alignment loss (measured, not adopted: README)")
     ap.add_argument("--min-ratio", type=float, default=3.25,
                     help="stage 4: flatten the routers while top-1 / (k+1)-th stays >= this on fitting text (0: skip)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
@@ -107,12 +109,14 @@ def main() -> None:
     ap.add_argument("--evaluate", type=Path, default=None, metavar="FILE",
                     help="no fit: measure this conversion file (e.g. the committed one) and print the report")
     args = ap.parse_args()
+    if not (math.isfinite(args.align) and args.align >= 0):
+        ap.error(f"--align is a loss weight, 0 or more, not {args.align:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     s = dataclasses.replace(d, shared=args.shared, experts=args.experts, top_k=args.top_k,
                             train_tokens=args.train_tokens, router_steps=args.router_steps,
                             compensation_rank=args.rank)
     ds = dataclasses.replace(dd, steps=args.steps, batch=args.batch, logit_std=args.logit_std)
-    refine = dataclasses.replace(REFINE, steps=args.refine_steps) if args.refine_steps else False
+    refine = dataclasses.replace(REFINE, steps=args.refine_steps, align=args.align) if args.refine_steps else False
     t_all = time.perf_counter()
     with console.status("loading the dense model") as status:
         def progress(msg: str) -> None:

@@ -61,6 +61,23 @@ def test_a_rerun_reuses_every_valid_artifact(piped):
     assert {p: p.stat().st_mtime_ns for p in artifacts} == before
 
 
+def test_a_profile_of_other_settings_is_redone_and_the_fit_after_it(piped):
+    """The profile's sensitivity is scored on the demo's perplexity tokens: a rerun asking for another
+    count must not reuse the old profile, nor the fit made from it."""
+    from dataclasses import replace
+
+    cfg, paths, _ = piped
+    before = {p: p.stat().st_mtime_ns for p in (paths["profile"], paths["fit"])}
+    demo_pipeline(replace(cfg, ppl_tokens=cfg.ppl_tokens * 2))
+    for p, mtime in before.items():
+        assert p.stat().st_mtime_ns != mtime, f"{p.name} was reused"
+    prof = json.loads(paths["profile"].read_text())
+    assert prof["settings"]["ppl_tokens"] == cfg.ppl_tokens * 2
+    assert prof["sensitivity"]["tokens"] > cfg.ppl_tokens  # scored on the new count, not the old one
+    from moetool.artifacts import sha256_file
+    assert json.loads(paths["fit"].read_text())["inputs"][str(paths["profile"])] == sha256_file(paths["profile"])
+
+
 def test_other_weights_in_the_same_place_redo_every_stage(piped):
     """The demo model rebuilt from new parameters keeps its directory and config: a re-run must not
     reuse the bundle, profile, fit or cells made from the old weights (runs last: it changes the model)."""

@@ -63,6 +63,10 @@ class ProfileConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU (recorded resolved in `info.dtype`)
     seed: int = 0
 
+    def recorded(self) -> dict[str, Any]:
+        """These settings as `Profile.settings` holds them: tuples as lists, paths as strings, as JSON reads back."""
+        return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -246,9 +250,8 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
         parts["hw"] = hw_profile(parts["timing"], cfg.hw_base,
                                  name=f"{lm.fingerprint.model_type}-{parts['timing'].device}-measured")
         tick("timing", 1, 1)
-    settings = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # tuples -> lists, as JSON reads back
     return Profile(model=lm.fingerprint, inputs=inputs, what=what, data={k: len(v) for k, v in data.items()},
-                   settings=settings, info=_info(lm, bundle, dtype, str(dtype).removeprefix("torch.")), **parts)
+                   settings=cfg.recorded(), info=_info(lm, bundle, dtype, str(dtype).removeprefix("torch.")), **parts)
 
 
 def _trace_parts(lm: LoadedModel, cfg: ProfileConfig, what: tuple[str, ...], data: dict[str, list[torch.Tensor]],
