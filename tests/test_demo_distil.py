@@ -223,6 +223,13 @@ def test_each_refinement_round_starts_from_the_last_on_new_samples_and_is_kept(t
     torch.testing.assert_close(again.router, r2.router, rtol=0, atol=0)
 
 
+def _activations(st: MoeFFN, x: torch.Tensor) -> torch.Tensor:
+    """Every neuron's activation [T, I] in the block's permuted order, corrections included."""
+    g = x @ st.wg.T + (x @ st.gate_a.T) @ st.gate_b.T
+    u = x @ st.wu.T + (x @ st.up_a.T) @ st.up_b.T
+    return torch.nn.functional.silu(g) * u
+
+
 @torch.no_grad()
 def test_oracle_target_is_the_k_largest_expert_outputs_weighted_by_their_norms():
     """The alignment target, against each expert's output computed alone through the block's own
@@ -232,10 +239,7 @@ def test_oracle_target_is_the_k_largest_expert_outputs_weighted_by_their_norms()
     st = MoeFFN(dense.model.layers[0].mlp, _params(dense), 0, SMALL, gen, torch.randn(16, H))
     for name, q in st.named_parameters():
         q.copy_(torch.randn(q.shape, generator=gen) * 0.05)
-    x = torch.randn(10, H, generator=gen)
-    g = x @ st.wg.T + (x @ st.gate_a.T) @ st.gate_b.T
-    u = x @ st.wu.T + (x @ st.up_a.T) @ st.up_b.T
-    a = torch.nn.functional.silu(g) * u
+    a = _activations(st, torch.randn(10, H, generator=gen))
     norms = torch.zeros(10, E)
     for e in range(E):
         only = torch.zeros_like(a)
@@ -257,11 +261,8 @@ def _agreement(dense, p: ConversionParams, held: torch.Tensor) -> float:
     with torch.no_grad():
         for i, blk in enumerate(dense.model.layers):
             st = MoeFFN(blk.mlp, p, i, s, torch.Generator().manual_seed(0), inputs[i])
-            x = inputs[i]
-            g = x @ st.wg.T + (x @ st.gate_a.T) @ st.gate_b.T
-            u = x @ st.wu.T + (x @ st.up_a.T) @ st.up_b.T
-            oracle = st.oracle_target((torch.nn.functional.silu(g) * u)[:, SHARED:]) > 0
-            chosen = (x @ st.router.T).topk(K, dim=-1).indices
+            oracle = st.oracle_target(_activations(st, inputs[i])[:, SHARED:]) > 0
+            chosen = (inputs[i] @ st.router.T).topk(K, dim=-1).indices
             got.append(oracle.gather(-1, chosen).float().mean())
     return torch.stack(got).mean().item()
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from moetool.artifacts import sha256_file
 from moetool.pipeline import EVALS_GRID, RUNS_GRID, DemoConfig, demo_pipeline
 from moetool.quant.bundle import Bundle
 from moetool.grid import load_grid
@@ -74,7 +75,6 @@ def test_a_profile_of_other_settings_is_redone_and_the_fit_after_it(piped):
     prof = json.loads(paths["profile"].read_text())
     assert prof["settings"]["ppl_tokens"] == cfg.ppl_tokens * 2
     assert prof["sensitivity"]["tokens"] > cfg.ppl_tokens  # scored on the new count, not the old one
-    from moetool.artifacts import sha256_file
     assert json.loads(paths["fit"].read_text())["inputs"][str(paths["profile"])] == sha256_file(paths["profile"])
 
 
