@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from moetool import datasets
 from moetool.demo import committed_params_path, fetch_dense_gguf, load_dense, load_params
+from moetool.model import encode
+from moetool.profile.data import spread_chunks
 from moetool.quant.format import Bits, dequantize_qtensor, make_layout
 from moetool.quant.hqq import quantize_weight
 
@@ -32,12 +34,6 @@ GROUP = 32  # what `auto_group_size` gives the demo: gcd(64, hidden 576, expert 
 def perplexity(model, windows: torch.Tensor) -> float:
     logits = model(input_ids=windows).logits[:, :-1].float()
     return math.exp(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)).item())
-
-
-def spread(ids: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
-    """`n` windows of `seq_len` spread evenly over `ids`, as the profile's sensitivity takes them."""
-    last = len(ids) - seq_len
-    return torch.stack([ids[round(i * last / max(1, n - 1)):][:seq_len] for i in range(n)])
 
 
 def int2_in_place(mlp, neurons: torch.Tensor, width: int) -> None:
@@ -71,7 +67,9 @@ def main() -> None:
         ap.error("--layers takes a comma list of integers")
     if any(not 0 <= i < n_layers for i in layers) or args.tokens < 512:
         ap.error(f"--layers must lie in 0..{n_layers - 1} and --tokens be at least 512")
-    windows = spread(torch.tensor(tok(datasets.heldout_text())["input_ids"]), args.tokens // 256, 256)
+    # The windows `moetool profile` scores sensitivity on: --ppl-tokens / 256 of them, spread over the text.
+    windows = torch.cat(spread_chunks(encode(tok, datasets.heldout_text(), dense.config.vocab_size),
+                                      args.tokens // 256, 256))
     base = perplexity(dense, windows)
     print(f"dense SmolLM2, {windows[:, 1:].numel()} held-out tokens: perplexity {base:.2f}; "
           f"INT2 on the {args.neurons} neurons of one layer at a time")

@@ -29,7 +29,7 @@ def _ids(lm: LoadedModel, text: str) -> torch.Tensor:
     return encode(lm.tokenizer, text, lm.model.config.vocab_size)  # [T]
 
 
-def _chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:
+def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:
     """`n` windows of `seq_len` tokens spread evenly over `ids` (so a mixed text contributes all its parts)."""
     if len(ids) < 2:
         return []
@@ -47,7 +47,7 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
     """(`n` sequences [1, T] of `name`, sha256 of the data they come from)."""
     if name in TEXTS:
         text = TEXTS[name]()
-        return _chunks(_ids(lm, text), n, seq_len), hashlib.sha256(text.encode()).hexdigest()
+        return spread_chunks(_ids(lm, text), n, seq_len), hashlib.sha256(text.encode()).hexdigest()
     if name in datasets.MC_TASKS:
         items = datasets.mc_task(name)
         prompts = [f"Question: {q.question}\nAnswer:" for q in items]
@@ -61,7 +61,7 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
         prompts = datasets.parse_prompt_lines(text, path)
         seqs = _prompts(lm, prompts, n)
     else:
-        seqs = _chunks(_ids(lm, text), n, seq_len)
+        seqs = spread_chunks(_ids(lm, text), n, seq_len)
     if not seqs:
         raise MoetoolError(f"{path} holds no text to profile on.")
     return seqs, sha
