@@ -2,8 +2,8 @@
 
 For each layer in turn, the dense model's FFN neurons that the conversion routes (or every FFN
 neuron, `--neurons all`) go to INT2 the way a demo bundle stores them: HQQ, 32-neuron experts
-(gate and up rows together, then down columns), group size 32, the rest of the model in its own
-precision. Perplexity on 8 windows of 256 tokens spread over the held-out text, as `moetool
+(gate and up rows together, then down columns), the group size `moetool quantize` picks (32),
+the rest of the model in its own precision. Perplexity on 8 windows of 256 tokens spread over the held-out text, as `moetool
 profile --what sensitivity --ppl-tokens 2048` measures the MoE. So the demo's per-layer figures
 (`make demo`'s report) can be read against the model they were converted from: if the teacher's
 last layers are as sensitive as its first, no conversion of it will show DyMoE's slope honestly.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,14 @@ from moetool import datasets
 from moetool.demo import committed_params_path, fetch_dense_gguf, load_dense, load_params
 from moetool.model import encode
 from moetool.profile.data import spread_chunks
-from moetool.quant.format import Bits, dequantize_qtensor, make_layout
+from moetool.quant.format import Bits, auto_group_size, dequantize_qtensor, make_layout
 from moetool.quant.hqq import quantize_weight
 
-GROUP = 32  # what `auto_group_size` gives the demo: gcd(64, hidden 576, expert width 32)
+
+
+def group_size(hidden: int, width: int) -> int:
+    """What `moetool quantize` picks for experts of this shape (32 for the demo: hidden 576, width 32)."""
+    return auto_group_size([SimpleNamespace(hidden_size=hidden, intermediate_size=width)])
 
 
 @torch.no_grad()
@@ -39,15 +44,16 @@ def perplexity(model, windows: torch.Tensor) -> float:
 def int2_in_place(mlp, neurons: torch.Tensor, width: int) -> None:
     """The FFN's `neurons` at INT2, `width` at a time as one expert each (HQQ, as a bundle holds them)."""
     hidden = mlp.gate_proj.weight.shape[1]
-    gate_up, down = make_layout(Bits.INT2, (2 * width, hidden), (hidden, width), False, group_size=GROUP).projections
+    group = group_size(hidden, width)
+    gate_up, down = make_layout(Bits.INT2, (2 * width, hidden), (hidden, width), False, group_size=group).projections
     wg, wu, wd = (w.data for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
     for e in range(len(neurons) // width):
         rows = neurons[e * width:(e + 1) * width]
         gu = torch.cat([wg[rows], wu[rows]]).float()
-        gu = dequantize_qtensor(quantize_weight(gu, Bits.INT2, GROUP, gate_up.axis), gate_up)
+        gu = dequantize_qtensor(quantize_weight(gu, Bits.INT2, group, gate_up.axis), gate_up)
         wg[rows], wu[rows] = gu[:width].to(wg.dtype), gu[width:].to(wu.dtype)
         d = wd[:, rows].float().contiguous()
-        wd[:, rows] = dequantize_qtensor(quantize_weight(d, Bits.INT2, GROUP, down.axis), down).to(wd.dtype)
+        wd[:, rows] = dequantize_qtensor(quantize_weight(d, Bits.INT2, group, down.axis), down).to(wd.dtype)
 
 
 def main() -> None:

@@ -42,13 +42,14 @@ def test_int2_depth_quantizes_neurons_as_a_bundle_stores_its_experts():
     neurons = torch.randperm(inter)[32:]  # four 32-neuron experts; the first 32 of the order stay (the shared)
     with torch.no_grad():
         depth.int2_in_place(mlp, neurons, width)
-    assert depth.GROUP == auto_group_size([SimpleNamespace(hidden_size=576, intermediate_size=32)])  # the demo's
-    layout = make_layout(Bits.INT2, (2 * width, hidden), (hidden, width), False, group_size=depth.GROUP)
+    group = auto_group_size([SimpleNamespace(hidden_size=hidden, intermediate_size=width)])  # as `quantize` picks
+    assert depth.group_size(576, 32) == 32  # the demo's experts
+    layout = make_layout(Bits.INT2, (2 * width, hidden), (hidden, width), False, group_size=group)
     wg, wu, wd = before
     for e in range(4):
         rows = neurons[e * width:(e + 1) * width]
         ref = ExpertWeights(gate_up=torch.cat([wg[rows], wu[rows]]), down=wd[:, rows].contiguous())
-        stored = dequantize(encode(layout, ref, quantize_expert(ref, Bits.INT2, depth.GROUP)), layout)
+        stored = dequantize(encode(layout, ref, quantize_expert(ref, Bits.INT2, group)), layout)
         assert torch.equal(mlp.gate_proj.weight[rows], stored.gate_up[:width])
         assert torch.equal(mlp.up_proj.weight[rows], stored.gate_up[width:])
         assert torch.equal(mlp.down_proj.weight[:, rows], stored.down)
@@ -56,4 +57,5 @@ def test_int2_depth_quantizes_neurons_as_a_bundle_stores_its_experts():
     untouched = torch.ones(inter, dtype=torch.bool)
     untouched[neurons] = False
     assert torch.equal(mlp.gate_proj.weight[untouched], wg[untouched])
+    assert torch.equal(mlp.up_proj.weight[untouched], wu[untouched])
     assert torch.equal(mlp.down_proj.weight[:, untouched], wd[:, untouched])
