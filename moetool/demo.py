@@ -6,7 +6,8 @@ layer's 1536 FFN neurons are split into an always-on shared expert and fine-grai
 and fitted low-rank corrections are added to the FFN weights (the routers and corrections are
 distilled end to end towards the dense model so that the gates are peaked, as a trained MoE's
 are: see moetool.demo_distil). Attention, norms, embeddings
-and RoPE are copied unchanged. The fitted conversion parameters are committed in
+and RoPE are copied unchanged (unless a conversion carries attention corrections, `attn_*` in its
+`lora`: an option of the fit the committed one does not use). The fitted conversion parameters are committed in
 `moetool/data/demo_moe/conversion.safetensors` (made by scripts/fit_demo_moe.py), so a build is a
 download, a load and a save:
 
@@ -206,6 +207,10 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
     sd = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
     s, e, m, k = p.shared, p.experts, p.expert_size, p.top_k
     for layer, block in enumerate(dense.model.layers):
+        for name in ("q", "k", "v", "o"):  # attention corrections (`demo_distil.AttnCorrections`), if any
+            if adapt and f"attn_{name}_b" in p.lora:
+                key = f"model.layers.{layer}.self_attn.{name}_proj.weight"
+                sd[key] = sd[key].float() + p.lora[f"attn_{name}_b"][layer] @ p.lora[f"attn_{name}_a"][layer]
         wg, wu, wd = adapted_ffn(block.mlp, p, layer, adapt=adapt)
         perm = p.perm[layer]
         wg, wu, wd = wg[perm], wu[perm], wd[:, perm]
@@ -300,10 +305,10 @@ def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progre
 
 def calibrate_routers(dense, tok, refined: ConversionParams, min_ratio: float = 3.25,
                       progress: Progress | None = None, ids: torch.Tensor | None = None) -> ConversionParams:
-    """Stage 4 (`demo_distil.calibrate`) on 16 windows of 512 spread over the fitting text (all five
+    """Stage 4 (`demo_gates.calibrate`) on 16 windows of 512 spread over the fitting text (all five
     domains; the evaluation texts stay unread). `ids`: the fitting text's tokens, if already made."""
     from moetool.datasets import train_text
-    from moetool.demo_distil import calibrate
+    from moetool.demo_gates import calibrate
     from moetool.demo_fit import spread_windows
 
     if "calibrate" in refined.meta or min_ratio <= 0:

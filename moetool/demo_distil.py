@@ -10,6 +10,9 @@ trained MoE's spread, so that the experts and the shared expert adapt to soft, p
 - Trainable: each layer's router [E, H] and rank-r corrections of the FFN's gate, up and down
   projections (the conversion's `lora`, in dense neuron order). Attention, norms and embeddings
   stay the dense weights, so the checkpoint still differs from SmolLM2 only in its FFNs.
+  `attn_rank` > 0 also trains low-rank corrections of the attention projections
+  (`AttnCorrections`, lora keys `attn_*`); measured as stage 3's last round, they did not move
+  either text, so the recipe leaves them off (README, "The demo model").
 - Peaked gates: the routers start at logit std `logit_std` and a multiplier on the logits rises
   geometrically from `start_std / logit_std` to 1 over the first `anneal` share of the steps
   (temperature annealing), so the model moves from the layerwise fit's hard gating to soft
@@ -47,7 +50,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,10 @@ class DistilSettings:
     # Weight of the router-alignment loss (`MoeFFN._align_loss`): each router's softmax pulled towards the
     # k experts whose outputs are largest for the token. 0: KL (and the hinge) alone.
     align: float = 0.0
+    # Rank of low-rank corrections to every attention projection (q, k, v, o; `AttnCorrections`).
+    # 0: attention stays the dense model's (corrections a starting conversion has are kept, frozen).
+    attn_rank: int = 0
+    attn_lr: float = 0.0  # their Adam learning rate (0: `lr`)
 
     def key(self, params: ConversionParams, general: torch.Tensor | None = None) -> str:
         """What a checkpoint must match to be resumed: these settings, the starting conversion and
@@ -205,6 +211,62 @@ class MoeFFN(nn.Module):
         return (self.router * self.scale).detach().clone(), {k: v.detach().clone() for k, v in lora.items()}
 
 
+ATTN_PROJ = ("q", "k", "v", "o")
+
+
+class AttnCorrections(nn.Module):
+    """Low-rank corrections of one decoder layer's attention projections, added by forward hooks.
+
+    The MoE's FFNs drop a third of the dense neurons for every token; the layers around them can
+    learn to compensate, as a pruned model's remaining weights are retrained (our choice: the issue
+    names the experts and the shared expert; attention is the rest of the block). Corrections are
+    factors B [out, r] A [r, in] on q_proj ... o_proj, B starting at zero (or at the starting
+    conversion's `attn_*` factors), so step 0 is the conversion as given. `teacher=True` switches
+    them off for the dense pass.
+    """
+
+    def __init__(self, attn: nn.Module, p: ConversionParams, layer: int, rank: int, gen: torch.Generator,
+                 trainable: bool):
+        super().__init__()
+        self.teacher = False
+        self._attn, self._hooks = (attn,), []  # held outside the module tree, like MoeFFN's dense MLP
+        for name in ATTN_PROJ:
+            lin = getattr(attn, f"{name}_proj")
+            a = torch.randn(rank, lin.in_features, generator=gen) / math.sqrt(lin.in_features)
+            b = torch.zeros(lin.out_features, rank)
+            if f"attn_{name}_b" in p.lora:
+                b0, a0 = p.lora[f"attn_{name}_b"][layer].float(), p.lora[f"attn_{name}_a"][layer].float()
+                n = min(rank, b0.shape[1])
+                b[:, :n], a[:n] = b0[:, :n], a0[:n]
+            setattr(self, f"{name}_a", nn.Parameter(a, requires_grad=trainable))
+            setattr(self, f"{name}_b", nn.Parameter(b, requires_grad=trainable))
+
+    def attach(self) -> None:
+        self._hooks = [getattr(self._attn[0], f"{n}_proj").register_forward_hook(self._hook(n)) for n in ATTN_PROJ]
+
+    def _hook(self, name: str):
+        def add(module, inputs, out):
+            if self.teacher:
+                return None
+            return out + (inputs[0] @ getattr(self, f"{name}_a").T) @ getattr(self, f"{name}_b").T
+        return add
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @torch.no_grad()
+    def export(self) -> dict[str, torch.Tensor]:
+        return {f"attn_{n}_{f}": getattr(self, f"{n}_{f}").detach().clone() for n in ATTN_PROJ for f in "ab"}
+
+
+def _attn_rank(params: ConversionParams, s: DistilSettings) -> int:
+    """The rank of the attention corrections a run carries: its own, or the starting conversion's if
+    larger (a smaller rank would cut corrections already fitted)."""
+    return max(s.attn_rank, params.lora["attn_q_b"].shape[-1] if "attn_q_b" in params.lora else 0)
+
+
 def _windows(ids: torch.Tensor, s: DistilSettings) -> torch.Tensor:
     """Start offsets of every step's windows [steps, batch], fixed by the seed (resumes see the same data)."""
     gen = torch.Generator().manual_seed(s.seed)
@@ -279,16 +341,23 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     gen = torch.Generator().manual_seed(s.seed)
     samples = _router_inputs(dense, ids[: s.seq_len])
     students = [MoeFFN(mlp, params, i, s, gen, samples[i]) for i, mlp in enumerate(originals)]
-    opt = torch.optim.Adam([
+    rank = _attn_rank(params, s)
+    attns = [AttnCorrections(blk.self_attn, params, i, rank, gen, s.attn_rank > 0) for i, blk in enumerate(layers)
+             ] if rank else []
+    groups = [
         {"params": [st.router for st in students], "lr": s.router_lr, "base": s.router_lr},
         {"params": [q for st in students for n, q in st.named_parameters() if n != "router"], "lr": s.lr,
          "base": s.lr},
-    ])
+    ]
+    if s.attn_rank:
+        lr = s.attn_lr or s.lr
+        groups.append({"params": [q for at in attns for q in at.parameters()], "lr": lr, "base": lr})
+    opt = torch.optim.Adam(groups)
     key, start = s.key(params, general), 0
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
         if state.get("key") == key:
-            for st, sd in zip(students, state["students"]):
+            for st, sd in zip(students + attns, state["students"]):
                 st.load_state_dict(sd)
             opt.load_state_dict(state["opt"])
             start = state["step"]
@@ -297,12 +366,14 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     try:
         for blk, st in zip(layers, students):
             blk.mlp = st
+        for at in attns:
+            at.attach()
         for step in range(start, s.steps):
             t0 = time.perf_counter()
             x = torch.stack([ids[o:o + s.seq_len] for o in starts[step].tolist()])
             if picks is not None:
                 x = torch.cat([x, general[picks[step]]])
-            kl = _step(dense, students, x, _scale_at(step, s))
+            kl = _step(dense, students, x, _scale_at(step, s), attns)
             gaps = torch.stack([st.gap for st in students])
             held = step >= s.anneal * s.steps  # during annealing the schedule sets the spread
             loss = kl + s.gap_weight * F.relu(s.min_gap - gaps).pow(2).mean() if held else kl
@@ -316,15 +387,18 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
             done = step + 1
             if checkpoint is not None and (done % s.checkpoint_every == 0 or done == s.steps):
                 _save(checkpoint, {"key": key, "step": done, "opt": opt.state_dict(),
-                                   "students": [st.state_dict() for st in students]})
+                                   "students": [st.state_dict() for st in students + attns]})
             if report is not None:
                 report(done, s.steps, kl.item(), gaps.mean().item(), time.perf_counter() - t0)
         for st in students:
             st.scale = _scale_at(s.steps, s)
         exported = [st.export() for st in students]
+        exported = [(r, lo | (attns[i].export() if attns else {})) for i, (r, lo) in enumerate(exported)]
     finally:
         for blk, mlp in zip(layers, originals):
             blk.mlp = mlp
+        for at in attns:
+            at.remove()
     router = torch.stack([r for r, _ in exported])
     lora = {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}
     # A refinement (no annealing) keeps the record of the distillation it started from.
@@ -332,14 +406,17 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     return replace(params, router=router, lora=lora, meta=meta)
 
 
-def _step(dense, students: list[MoeFFN], x: torch.Tensor, scale: float) -> torch.Tensor:
+def _step(dense, students: list[MoeFFN], x: torch.Tensor, scale: float,
+          attns: list[AttnCorrections] = ()) -> torch.Tensor:
     """KL(dense || MoE) per token, averaged, on windows x [B, T]."""
     with torch.no_grad():
-        for st in students:
+        for st in [*students, *attns]:
             st.teacher = True
         target = F.log_softmax(dense(input_ids=x).logits.float(), dim=-1)
         for st in students:
             st.teacher, st.scale = False, scale
+        for at in attns:
+            at.teacher = False
     logp = F.log_softmax(dense(input_ids=x).logits.float(), dim=-1)
     return F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
 
@@ -356,91 +433,3 @@ def _router_inputs(dense, ids: torch.Tensor) -> list[torch.Tensor]:
         for h in hooks:
             h.remove()
     return [got[i] for i in range(len(dense.model.layers))]
-
-
-@torch.no_grad()
-def _gated_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """(logits [B, T, V], each MoE layer's router logits [B*T, E]) of a Qwen2-MoE-style `model`."""
-    got: dict[int, torch.Tensor] = {}
-    gates = [blk.mlp.gate for blk in model.model.layers]
-    hooks = [g.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(l, o[0].float()))
-             for l, g in enumerate(gates)]
-    try:
-        logits = model(input_ids=ids).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return logits, {l: v.reshape(-1, v.shape[-1]) for l, v in got.items()}
-
-
-@torch.no_grad()
-def router_stats(model, ids: torch.Tensor) -> list[dict[str, float]]:
-    """Per MoE layer of a Qwen2-MoE-style `model` on `ids` [B, T]: how peaked and how skewed routing is.
-
-    top1 / next: mean softmax score of the best expert and of the (k+1)-th (the best unselected);
-    top_quarter_weight: share of the renormalised top-k weight carried by the best k/4 experts;
-    top25_experts: share of routed (token, slot) pairs taken by the busiest 25% of experts.
-    """
-    return _gate_stats(model, _gated_forward(model, ids)[1])
-
-
-def _gate_stats(model, got: dict[int, torch.Tensor]) -> list[dict[str, float]]:
-    out = []
-    for layer in sorted(got):
-        probs = torch.softmax(got[layer], dim=-1)
-        e, k = probs.shape[1], model.model.layers[layer].mlp.gate.top_k
-        top = probs.sort(dim=-1, descending=True).values
-        w = top[:, :k] / top[:, :k].sum(-1, keepdim=True)
-        counts = torch.bincount(probs.topk(k, dim=-1).indices.flatten(), minlength=e).float().sort(descending=True).values
-        out.append({"top1": top[:, 0].mean().item(), "next": top[:, k].mean().item(),
-                    "top_quarter_weight": w[:, : max(1, k // 4)].sum(-1).mean().item(),
-                    "top25_experts": (counts[: max(1, e // 4)].sum() / counts.sum()).item()})
-    return out
-
-
-def gate_ratio(stats: list[dict[str, float]]) -> float:
-    """Mean top-1 score over mean (k+1)-th score, both averaged over layers (the issue's peakedness)."""
-    return sum(r["top1"] for r in stats) / sum(r["next"] for r in stats)
-
-
-@torch.no_grad()
-def calibrate(dense, windows: torch.Tensor, params: ConversionParams, build: Callable[[Any, ConversionParams], Any],
-              *, min_ratio: float = 3.25, step: float = 0.05, batch: int = 4,
-              progress: Callable[[str], None] | None = None) -> tuple[ConversionParams, list[dict[str, float]]]:
-    """Stage 4: one temperature t for every router's logits, chosen on fitting-text `windows` [n, T].
-
-    Distillation keeps each layer's best-to-(k+1)-th log-gap at ln 4 or more (the hinge), and
-    perplexity would rather have flatter weights than that: on the refined conversion, logits
-    x 0.8 lowered held-out and unseen perplexity alike (routers' top-8 weighted equally was
-    better still, see the README). So t is lowered from 1 in `step`s while the mean top-1 score
-    stays >= `min_ratio` x the (k+1)-th on these windows (the issue asks >= 3; 3.25 leaves a
-    margin for other text), and the t with the lowest perplexity there is kept. A scale leaves each
-    router's ranking of experts for a given input as it was; only the weights move (and, through
-    them, later layers' inputs). `build(dense, params)` makes the Qwen2-MoE model (`demo.convert`).
-    Returns the scaled conversion and every t tried.
-    """
-    tried: list[dict[str, float]] = []
-    t = 1.0
-    while t > 0:
-        model = build(dense, replace(params, router=params.router * t))
-        nll, count, stats = 0.0, 0, []  # stats: (windows, per-layer gate statistics) per batch
-        for i in range(0, windows.shape[0], batch):
-            x = windows[i:i + batch]
-            logits, got = _gated_forward(model, x)
-            nll += F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum").item()
-            count += x[:, 1:].numel()
-            stats.append((x.shape[0], _gate_stats(model, got)))
-        n = windows.shape[0]  # each batch's means weighted by its windows: the means over all of them
-        per_layer = [{k: sum(b * st[l][k] for b, st in stats) / n for k in ("top1", "next")}
-                     for l in range(len(stats[0][1]))]
-        tried.append({"t": t, "ppl": math.exp(nll / count), "ratio": gate_ratio(per_layer)})
-        if progress is not None:
-            progress(f"stage 4: router temperature {t:.2f}: fitting-text perplexity {tried[-1]['ppl']:.3f}, "
-                     f"top-1 / (k+1)-th {tried[-1]['ratio']:.2f}")
-        if tried[-1]["ratio"] < min_ratio:
-            break
-        t = round(t - step, 6)
-    allowed = [r for r in tried if r["ratio"] >= min_ratio] or tried[:1]  # t = 1 when even it falls short
-    best = min(allowed, key=lambda r: r["ppl"])
-    meta = params.meta | {"calibrate": {"t": best["t"], "min_ratio": min_ratio, "tried": tried}}
-    return replace(params, router=params.router * best["t"], meta=meta), tried

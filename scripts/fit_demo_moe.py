@@ -6,7 +6,7 @@ resumable, about 2 hours on this 2-core machine with nothing else running: the l
 (demo_distil, ~33 minutes), three rounds of refinement on that text mixed with text sampled from
 the dense model, each on new samples (demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling
 and ~12 of training a round), and one temperature for the routers chosen on the fitting text
-(demo_distil.calibrate, ~2 minutes); rerunning after an interruption picks up where the last
+(demo_gates.calibrate, ~2 minutes); rerunning after an interruption picks up where the last
 checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~5 minutes of evaluation:
 
     .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
@@ -40,7 +40,8 @@ from moetool.demo import (
     Fitted, cache_root, calibrate_routers, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense,
     load_params, save_params,
 )
-from moetool.demo_distil import REFINE, REFINE_ROUNDS, DistilSettings, router_stats
+from moetool.demo_distil import REFINE, REFINE_ROUNDS, DistilSettings
+from moetool.demo_gates import router_stats
 from moetool.demo_fit import FitSettings, spread_windows
 
 console = Console(stderr=True)
@@ -101,6 +102,10 @@ def main() -> None:
                     help="stage 3 rounds, each on new teacher samples from the last round's result")
     ap.add_argument("--align", type=float, default=REFINE.align,
                     help="stage 3: weight of the router-alignment loss (measured, not adopted: README)")
+    ap.add_argument("--attn-rank", type=int, default=REFINE.attn_rank,
+                    help="stage 3: rank of corrections to the attention projections (0: none; measured, not adopted)")
+    ap.add_argument("--attn-lr", type=float, default=REFINE.attn_lr,
+                    help="stage 3: learning rate of the attention corrections (0: the corrections' own)")
     ap.add_argument("--min-ratio", type=float, default=3.25,
                     help="stage 4: flatten the routers while top-1 / (k+1)-th stays >= this on fitting text (0: skip)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
@@ -111,12 +116,15 @@ def main() -> None:
     args = ap.parse_args()
     if not (math.isfinite(args.align) and args.align >= 0):
         ap.error(f"--align is a loss weight, 0 or more, not {args.align:g}")
+    if args.attn_rank < 0 or not (math.isfinite(args.attn_lr) and args.attn_lr >= 0):
+        ap.error(f"--attn-rank and --attn-lr take 0 or more, not {args.attn_rank} and {args.attn_lr:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     s = dataclasses.replace(d, shared=args.shared, experts=args.experts, top_k=args.top_k,
                             train_tokens=args.train_tokens, router_steps=args.router_steps,
                             compensation_rank=args.rank)
     ds = dataclasses.replace(dd, steps=args.steps, batch=args.batch, logit_std=args.logit_std)
-    refine = dataclasses.replace(REFINE, steps=args.refine_steps, align=args.align) if args.refine_steps else False
+    refine = dataclasses.replace(REFINE, steps=args.refine_steps, align=args.align, attn_rank=args.attn_rank,
+                                 attn_lr=args.attn_lr) if args.refine_steps else False
     t_all = time.perf_counter()
     with console.status("loading the dense model") as status:
         def progress(msg: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moetool import datasets, demo
-from moetool.demo_distil import router_stats
+from moetool.demo_gates import router_stats
 from moetool.errors import MoetoolError
 
 

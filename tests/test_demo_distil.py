@@ -11,9 +11,9 @@ import torch
 
 from moetool import demo
 from moetool.demo_distil import (
-    DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, calibrate, distil, gate_ratio, router_stats,
-    teacher_samples,
+    AttnCorrections, DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, distil, teacher_samples,
 )
+from moetool.demo_gates import calibrate, gate_ratio, router_stats
 from moetool.demo_fit import ConversionParams
 
 H, I, SHARED, E, K = 32, 96, 32, 8, 2  # 8 routed experts of 8 neurons, top-2
@@ -68,6 +68,64 @@ def test_training_form_equals_the_converted_qwen2_moe_block():
                                {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}, {})
     got = demo.convert(dense, trained)(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_attention_corrections_in_training_form_equal_the_converted_checkpoint():
+    """With non-zero attention corrections hooked in, the training form gives the logits of
+    demo.convert applying the exported factors to q/k/v/o; switched to teacher, the dense model's."""
+    dense, x = _dense(), _ids(40)[None]
+    p = _params(dense)
+    dense_logits = dense(input_ids=x).logits
+    gen = torch.Generator().manual_seed(4)
+    sample = torch.randn(16, H)
+    students = [MoeFFN(blk.mlp, p, i, SMALL, gen, sample) for i, blk in enumerate(dense.model.layers)]
+    attns = [AttnCorrections(blk.self_attn, p, i, 3, gen, True) for i, blk in enumerate(dense.model.layers)]
+    for at in attns:
+        at.attach()
+    for mod in students + attns:
+        for name, q in mod.named_parameters():
+            q.copy_(torch.randn(q.shape, generator=gen) * (0.3 if name == "router" else 0.05))
+    originals = [blk.mlp for blk in dense.model.layers]
+    try:
+        for blk, st in zip(dense.model.layers, students):
+            blk.mlp = st
+        want = dense(input_ids=x).logits
+        for at in attns:
+            at.teacher = True
+        for blk, mlp in zip(dense.model.layers, originals):
+            blk.mlp = mlp
+        torch.testing.assert_close(dense(input_ids=x).logits, dense_logits, rtol=0, atol=0)
+    finally:
+        for blk, mlp in zip(dense.model.layers, originals):
+            blk.mlp = mlp
+        for at in attns:
+            at.remove()
+    exported = [(r, lo | at.export()) for (r, lo), at in zip((st.export() for st in students), attns)]
+    trained = ConversionParams(SHARED, E, K, p.perm, torch.stack([r for r, _ in exported]),
+                               {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}, {})
+    assert trained.lora["attn_k_b"].shape == (2, dense.model.layers[0].self_attn.k_proj.out_features, 3)
+    torch.testing.assert_close(demo.convert(dense, trained)(input_ids=x).logits, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dense(input_ids=x).logits, dense_logits, rtol=0, atol=0)  # hooks removed
+
+
+def test_attention_corrections_train_then_carry_over_frozen():
+    """attn_rank > 0 trains them (the dense model's own weights untouched); a later run without
+    attn_rank starts from them and keeps them as they were."""
+    dense, ids = _dense(), _ids()
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    p = _params(dense)
+    s = DistilSettings(**{**SMALL.__dict__, "attn_rank": 2})
+    trained = distil(dense, ids, p, s)
+    assert trained.lora["attn_q_b"].shape == (2, H, 2) and trained.lora["attn_q_b"].abs().sum() > 0
+    for k, v in dense.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not dense.model.layers[0].self_attn.q_proj._forward_hooks
+    again = distil(dense, ids, trained, SMALL)
+    for n in ("q", "k", "v", "o"):
+        for f in "ab":
+            torch.testing.assert_close(again.lora[f"attn_{n}_{f}"], trained.lora[f"attn_{n}_{f}"], rtol=0, atol=0)
+    assert not torch.equal(again.lora["gate_b"], trained.lora["gate_b"])
 
 
 def test_logit_multiplier_anneals_from_hard_gating_to_the_target_spread():
