@@ -5,9 +5,9 @@ layer's 1536 FFN neurons are split into an always-on shared expert and fine-grai
 (a permutation of the neurons, so the split is a true partition), a fitted router is installed,
 and fitted low-rank corrections are added to the FFN weights (the routers and corrections are
 distilled end to end towards the dense model so that the gates are peaked, as a trained MoE's
-are: see moetool.demo_distil). Attention, norms, embeddings
-and RoPE are copied unchanged (unless a conversion carries attention corrections, `attn_*` in its
-`lora`: an option of the fit the committed one does not use). The fitted conversion parameters are committed in
+are: see moetool.demo_distil). Attention, norms, embeddings and RoPE are copied unchanged
+(unless a conversion carries attention corrections, `attn_*` in its `lora`: an option of the fit
+that the committed one does not use). The fitted conversion parameters are committed in
 `moetool/data/demo_moe/conversion.safetensors` (made by scripts/fit_demo_moe.py), so a build is a
 download, a load and a save:
 
