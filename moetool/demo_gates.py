@@ -22,9 +22,9 @@ from moetool.demo_fit import ConversionParams
 def _gated_forward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """(logits [B, T, V], each MoE layer's router logits [B*T, E]) of a Qwen2-MoE-style `model`."""
     got: dict[int, torch.Tensor] = {}
-    gates = [blk.mlp.gate for blk in model.model.layers]
+    gates = {l: blk.mlp.gate for l, blk in enumerate(model.model.layers) if hasattr(blk.mlp, "gate")}  # MoE layers
     hooks = [g.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(l, o[0].float()))
-             for l, g in enumerate(gates)]
+             for l, g in gates.items()]
     try:
         logits = model(input_ids=ids).logits
     finally:

@@ -130,9 +130,11 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
     step("quantize (16/8/4/2, HQQ)")
     if (bundle / MANIFEST).is_file():
         theirs = Bundle.open(bundle).manifest.model  # refuses a corrupt bundle in one sentence
-        if theirs.same_architecture(fp) and not theirs.same_model(fp, strict=True):
-            # The pipeline's own bundle, of other weights of this architecture (the demo model rebuilt
-            # from new parameters): quantized again, and every later stage with it.
+        earlier = theirs.source == fp.source or theirs.same_architecture(fp)
+        if earlier and not theirs.same_model(fp, strict=True):
+            # The pipeline's own bundle of an earlier version of this model: other weights of this
+            # architecture, or whatever now lies at the same place (the demo model rebuilt from new
+            # parameters, in another geometry too). Quantized again, and every later stage with it.
             shutil.rmtree(bundle)
         else:
             Bundle.open(bundle, model=fp)  # refuses a bundle of another model in one sentence

@@ -82,6 +82,9 @@ def main() -> None:
     print(f"{'layer':>5} {'ppl':>9} {'delta':>8}")
     deltas = {}
     for i in layers:
+        if args.neurons == "routed" and i in p.dense_layers:
+            print(f"{i:>5} {'-':>9} {'-':>8}  dense in the conversion: it routes no neurons there")
+            continue
         mlp = dense.model.layers[i].mlp
         saved = [w.data.clone() for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]
         int2_in_place(mlp, p.perm[i][p.shared if args.neurons == "routed" else 0:], p.expert_size)

@@ -9,12 +9,17 @@ in several ways, on held-out text of the fitting domains and on the unseen domai
   expert   oracle: the shared expert plus the k experts whose output has the largest norm, weights 1
   neuron   oracle: the same number of neurons (shared + k experts' worth), the largest |a_i| * ||w_down_i||
            per token, ignoring the expert partition
-  all      every neuron (a dense FFN)
+  all      every neuron (a dense FFN, corrections included)
+  dense    the dense model's own FFN (no corrections): what a dense layer of the conversion runs
 
 `--no-adapt` leaves out the conversion's low-rank corrections (the experts are then an exact
 partition of the dense neurons). The gap between `expert` and `neuron` is what the partition into
 experts costs; between `soft` and `expert`, what the routers cost. 4,096 tokens a text (8 windows
 spread over it, so every domain counts) take ~40 s a mode on 2 cores.
+
+`--per-layer MODE` asks where the gap sits: MODE in one layer at a time (`--layers`, default all),
+every other layer `soft`, one row a layer (~25 s a layer). `--per-layer dense` is how the demo's
+dense first layer was chosen (README, "The demo model").
 
 `--partition SHARED,EXPERTS,TOP_K` (repeatable) asks what other geometries would allow: the
 layerwise fit's own neuron layout (`demo_fit.layout`: shared neurons by mean contribution, the
@@ -25,6 +30,8 @@ rest clustered by co-activation) made afresh on the first 8,192 training tokens 
     .venv/bin/python scripts/demo_routing_oracle.py --no-adapt --modes all,neuron,expert,hard
     .venv/bin/python scripts/demo_routing_oracle.py --params refined.safetensors --modes soft,expert
     .venv/bin/python scripts/demo_routing_oracle.py --modes all --partition 768,24,8 --partition 512,32,16
+    .venv/bin/python scripts/demo_routing_oracle.py --modes soft --per-layer dense
+    .venv/bin/python scripts/demo_routing_oracle.py --modes '' --per-layer expert --layers 0,1
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from moetool import datasets
 from moetool.demo import adapted_ffn, committed_params_path, fetch_dense_gguf, load_dense, load_params
 from moetool.demo_fit import FitSettings, ffn_act, layout, spread_windows, train_ids
 
-MODES = ("soft", "hard", "expert", "neuron", "all")
+MODES = ("soft", "hard", "expert", "neuron", "all", "dense")
 WIDTH = 1536  # SmolLM2-135M's FFN neurons per layer
 
 
@@ -51,10 +58,12 @@ class OracleFFN(nn.Module):
         wg, wu, wd = adapted_ffn(mlp, p, layer, adapt=adapt)
         perm = p.perm[layer]  # shared neurons first, then the experts' groups
         self.wg, self.wu, self.wd = wg[perm], wu[perm], wd[:, perm]
-        self.router, self.p, self.mode = p.router[layer].float(), p, "soft"
+        self.router, self.p, self.mode, self.layer = p.router[layer].float(), p, "soft", layer
         self.dense = mlp  # the dense FFN it stands in for (its weights are read afresh by --partition)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "dense" or self.layer in self.p.dense_layers:  # a dense layer of the conversion
+            return self.dense(x)
         s, e, k, m = self.p.shared, self.p.experts, self.p.top_k, self.p.expert_size
         a = F.silu(x @ self.wg.T) * (x @ self.wu.T)  # [..., I]
         if self.mode == "all":
@@ -95,6 +104,9 @@ def main() -> None:
     ap.add_argument("--params", default=None, metavar="FILE",
                     help="a conversion (.safetensors) to read instead of the committed one")
     ap.add_argument("--no-adapt", action="store_true", help="without the conversion's low-rank corrections")
+    ap.add_argument("--per-layer", default=None, choices=MODES, metavar="MODE",
+                    help="MODE in one layer at a time, the others soft (one row a layer)")
+    ap.add_argument("--layers", default=None, help="comma list of layers for --per-layer (default: all)")
     ap.add_argument("--partition", action="append", default=[], metavar="SHARED,EXPERTS,TOP_K",
                     help="also the expert oracle on a fresh layout of this geometry (repeatable)")
     args = ap.parse_args()
@@ -120,13 +132,28 @@ def main() -> None:
         ffns.append(block.mlp)
     print(f"{args.tokens} tokens a text; corrections {'off' if args.no_adapt else 'on'}; dense: "
           + ", ".join(f"{n} {v:.2f}" for n, v in base.items()))
-    print(f"{'mode':<8} {'heldout':>9} {'x dense':>8} {'unseen':>9} {'x dense':>8}")
+    print(f"{'mode':<12} {'heldout':>9} {'x dense':>8} {'unseen':>9} {'x dense':>8}")
     for mode in modes:
         for f in ffns:
             f.mode = mode
         ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
-        print(f"{mode:<8} {ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
+        print(f"{mode:<12} {ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
               f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
+    if args.per_layer:
+        try:
+            layers = range(len(ffns)) if args.layers is None else [int(v) for v in args.layers.split(",")]
+        except ValueError:
+            ap.error("--layers takes a comma list of integers")
+        if any(not 0 <= i < len(ffns) for i in layers):
+            ap.error(f"--layers must lie in 0..{len(ffns) - 1}")
+        for f in ffns:
+            f.mode = "soft"
+        for i in layers:
+            ffns[i].mode = args.per_layer
+            ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
+            ffns[i].mode = "soft"
+            print(f"{args.per_layer + ' in ' + str(i):<12} {ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
+                  f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
     if geometries:
         for block, f in zip(dense.model.layers, ffns):
             block.mlp = f.dense

@@ -4,8 +4,9 @@ Run by a maintainer (never by CI, which applies the committed result). Four stag
 resumable, about 2 hours on this 2-core machine with nothing else running: the layerwise fit
 (demo_fit, ~10 minutes), the end-to-end distillation towards the dense model on the fitting text
 (demo_distil, ~33 minutes), three rounds of refinement on that text mixed with text sampled from
-the dense model, each on new samples (demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling
-and ~12 of training a round), and one temperature for the routers chosen on the fitting text
+the dense model, each on new samples, the first moving the conversion to the demo's geometry
+(layer 0 dense, top-7; demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling and ~13 of
+training a round), and one temperature for the routers chosen on the fitting text
 (demo_gates.calibrate, ~2 minutes); rerunning after an interruption picks up where the last
 checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~5 minutes of evaluation:
 
@@ -100,6 +101,10 @@ def main() -> None:
                     help="stage 3 steps a round on fitting text + teacher samples (0: stop after distillation)")
     ap.add_argument("--refine-rounds", type=int, default=REFINE_ROUNDS,
                     help="stage 3 rounds, each on new teacher samples from the last round's result")
+    ap.add_argument("--refine-top-k", type=int, default=REFINE.top_k,
+                    help="stage 3: the top-k its rounds train and the demo keeps (0: stage 1's --top-k)")
+    ap.add_argument("--dense-layers", default=",".join(map(str, REFINE.dense_layers)), metavar="LIST",
+                    help="stage 3: comma list of layers whose FFN stays dense ('' for none)")
     ap.add_argument("--align", type=float, default=REFINE.align,
                     help="stage 3: weight of the router-alignment loss (measured, not adopted: README)")
     ap.add_argument("--attn-rank", type=int, default=REFINE.attn_rank,
@@ -118,13 +123,20 @@ def main() -> None:
         ap.error(f"--align is a loss weight, 0 or more, not {args.align:g}")
     if args.attn_rank < 0 or not (math.isfinite(args.attn_lr) and args.attn_lr >= 0):
         ap.error(f"--attn-rank and --attn-lr take 0 or more, not {args.attn_rank} and {args.attn_lr:g}")
+    try:
+        dense_layers = tuple(sorted({int(v) for v in args.dense_layers.split(",") if v.strip()}))
+    except ValueError:
+        ap.error(f"--dense-layers takes a comma list of layer numbers, not {args.dense_layers!r}")
+    if args.refine_top_k < 0:
+        ap.error(f"--refine-top-k takes 0 (stage 1's) or more, not {args.refine_top_k}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     s = dataclasses.replace(d, shared=args.shared, experts=args.experts, top_k=args.top_k,
                             train_tokens=args.train_tokens, router_steps=args.router_steps,
                             compensation_rank=args.rank)
     ds = dataclasses.replace(dd, steps=args.steps, batch=args.batch, logit_std=args.logit_std)
     refine = dataclasses.replace(REFINE, steps=args.refine_steps, align=args.align, attn_rank=args.attn_rank,
-                                 attn_lr=args.attn_lr) if args.refine_steps else False
+                                 attn_lr=args.attn_lr, top_k=args.refine_top_k,
+                                 dense_layers=dense_layers) if args.refine_steps else False
     t_all = time.perf_counter()
     with console.status("loading the dense model") as status:
         def progress(msg: str) -> None:
@@ -179,7 +191,8 @@ def main() -> None:
 
     report = {
         "experts": params.experts, "top_k": params.top_k, "shared": params.shared,
-        "expert_size": params.expert_size, "active_fraction": round(params.active_fraction, 4),
+        "expert_size": params.expert_size, "dense_layers": list(params.dense_layers),
+        "active_fraction": round(params.active_fraction, 4),
         "eval_tokens": args.eval_tokens, "ppl": ppl,
         "ppl_ratio_heldout": round(ppl["moe_heldout"] / ppl["dense_heldout"], 4),
         "ppl_ratio_unseen": round(ppl["moe_unseen"] / ppl["dense_unseen"], 4),

@@ -56,9 +56,11 @@ def test_checkpoint_is_qwen2_moe_with_the_committed_geometry(built, moe, params)
     assert type(moe).__name__ == "Qwen2MoeForCausalLM"
     cfg = moe.config
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (params.experts, params.top_k)
+    assert cfg.mlp_only_layers == list(params.dense_layers)
     assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (params.expert_size, params.shared)
     assert (built.num_experts, built.top_k, built.shared_size) == (params.experts, params.top_k, params.shared)
     assert built.active_fraction <= 2 / 3 + 1e-9
+    assert built.active_fraction == pytest.approx(params.active_fraction) and built.dense_layers == params.dense_layers
     assert (built.path / demo.MARKER).is_file()
 
 
@@ -80,7 +82,9 @@ def test_each_permutation_is_a_partition_of_the_ffn_neurons(params):
 
 def _all_experts(model, params):
     """Make every expert run with weight 1: top_k = E, uniform router, down_proj rescaled by E/k."""
-    for blk in model.model.layers:
+    for layer, blk in enumerate(model.model.layers):
+        if layer in params.dense_layers:
+            continue
         blk.mlp.gate.top_k = params.experts
         blk.mlp.gate.weight.data.zero_()  # softmax of zeros: 1/E each
         blk.mlp.experts.down_proj.data.mul_(params.experts / params.top_k)
@@ -122,7 +126,9 @@ def test_saved_experts_partition_the_compensated_ffn(built, dense, params, ffn_i
 
     variant = _all_experts(AutoModelForCausalLM.from_pretrained(built.path).eval(), params)
     for layer, x in ffn_inputs.items():
-        wg, wu, wd = demo.adapted_ffn(dense.model.layers[layer].mlp, params, layer)
+        # A dense layer is the dense FFN itself, without corrections.
+        wg, wu, wd = demo.adapted_ffn(dense.model.layers[layer].mlp, params, layer,
+                                      adapt=layer not in params.dense_layers)
         want = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
         _assert_fp32_equal(variant.model.layers[layer].mlp(x[None])[0], want)
 
@@ -211,9 +217,9 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
 @pytest.mark.slow
 @torch.no_grad()
 def test_perplexity_against_the_dense_model(moe, dense, tok):
-    """Held-out text of the five fitting domains within 1.5x dense (1.39x on 16 windows spread over
-    it, scripts/fit_demo_moe.py; 1.31x on these 8). The unseen domain (fortune quotations) is at
-    1.58x on both measures, over the 1.5x goal: bounded here so that it cannot silently get worse.
+    """Held-out text of the five fitting domains within 1.5x dense (1.36x on 16 windows spread over
+    it, scripts/fit_demo_moe.py; 1.28x on these 8). The unseen domain (fortune quotations) is at
+    1.52x on both measures, over the 1.5x goal: bounded here so that it cannot silently get worse.
     8 windows spread over each text, as the held-out text is one domain after another."""
     def ppl(model, text):
         ids = torch.tensor(tok(text)["input_ids"])
@@ -224,4 +230,4 @@ def test_perplexity_against_the_dense_model(moe, dense, tok):
                                                           ids[:, 1:].reshape(-1)).item())
 
     assert ppl(moe, datasets.heldout_text()) <= 1.5 * ppl(dense, datasets.heldout_text())
-    assert ppl(moe, datasets.unseen_text()) <= 1.66 * ppl(dense, datasets.unseen_text())
+    assert ppl(moe, datasets.unseen_text()) <= 1.58 * ppl(dense, datasets.unseen_text())

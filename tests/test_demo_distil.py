@@ -5,6 +5,7 @@ to the same parameters as an uninterrupted one."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,6 +127,55 @@ def test_attention_corrections_train_then_carry_over_frozen():
         for f in "ab":
             torch.testing.assert_close(again.lora[f"attn_{n}_{f}"], trained.lora[f"attn_{n}_{f}"], rtol=0, atol=0)
     assert not torch.equal(again.lora["gate_b"], trained.lora["gate_b"])
+
+
+def test_a_run_can_make_layers_dense_and_change_top_k():
+    """`dense_layers` and `top_k` in the settings set the geometry a run trains: the dense layer keeps
+    the dense FFN exactly (its router and corrections carried, untouched), the other layers train at
+    the new k, and the converted checkpoint is a Qwen2-MoE with that layer in `mlp_only_layers`."""
+    dense, ids = _dense(), _ids()
+    first = distil(dense, ids, _params(dense), SMALL)
+    s = DistilSettings(**{**SMALL.__dict__, "anneal": 0.0, "top_k": K + 1, "dense_layers": (0,)})
+    again = distil(dense, ids, first, s)
+    assert (again.top_k, again.dense_layers) == (K + 1, (0,))
+    for bad in ({"top_k": E + 1}, {"dense_layers": (0, 1)}, {"dense_layers": (2,)}):
+        with pytest.raises(ValueError, match="not a geometry"):
+            distil(dense, ids, first, replace(s, **bad))
+    torch.testing.assert_close(again.router[0], first.router[0], rtol=0, atol=0)
+    for k, v in first.lora.items():
+        torch.testing.assert_close(again.lora[k][0], v[0], rtol=0, atol=0)
+    assert not torch.equal(again.router[1], first.router[1]) and not torch.equal(again.lora["gate_b"][1], first.lora["gate_b"][1])
+    m = (I - SHARED) // E
+    assert again.active_fraction == pytest.approx((1 + (SHARED + (K + 1) * m) / I) / 2)
+    moe = demo.convert(dense, again)
+    assert moe.config.mlp_only_layers == [0] and moe.config.num_experts_per_tok == K + 1
+    x = _ids(40, seed=5)[None]
+    with torch.no_grad():
+        h = torch.randn(1, 7, H, generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(moe.model.layers[0].mlp(h), dense.model.layers[0].mlp(h), rtol=0, atol=0)
+        # The training form of the other layer, swapped into the dense model, gives the same logits.
+        st = MoeFFN(dense.model.layers[1].mlp, again, 1, replace(s, dense_layers=()), torch.Generator(), h[0])
+        original = dense.model.layers[1].mlp
+        dense.model.layers[1].mlp = st
+        try:
+            want = dense(input_ids=x).logits
+        finally:
+            dense.model.layers[1].mlp = original
+        torch.testing.assert_close(moe(input_ids=x).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_layers_survive_the_parameter_file(tmp_path):
+    dense = _dense()
+    p = replace(_params(dense), dense_layers=(1,))
+    demo.save_params(p, tmp_path / "c.safetensors")
+    back = demo.load_params(tmp_path / "c.safetensors")
+    assert back.dense_layers == (1,) and "dense_layers" not in back.meta
+    assert demo.load_params(_saved(tmp_path, _params(dense))).dense_layers == ()
+
+
+def _saved(tmp_path, p):
+    demo.save_params(p, tmp_path / "plain.safetensors")
+    return tmp_path / "plain.safetensors"
 
 
 def test_logit_multiplier_anneals_from_hard_gating_to_the_target_spread():

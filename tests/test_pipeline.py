@@ -94,6 +94,17 @@ def test_other_weights_in_the_same_place_redo_every_stage(piped):
         assert p.stat().st_mtime_ns != mtime, f"{p.name} was reused"
         assert json.loads(p.read_text())["model"]["weights_sha256"] == new.weights_sha256, p.name
 
+    # Another geometry in the same place (the demo rebuilt with a dense layer and another top-k):
+    # the bundle is the pipeline's own, of an earlier version of this model, so it is made again.
+    before = {p: p.stat().st_mtime_ns for p in [paths["profile"], paths["fit"]]}
+    save_tiny("qwen2_moe", model, seed=5, max_position_embeddings=1024, num_experts_per_tok=1)
+    demo_pipeline(cfg)
+    third = Bundle.open(paths["bundle"]).manifest.model
+    assert third.config_sha256 != new.config_sha256 and third.source == new.source
+    for p, mtime in before.items():
+        assert p.stat().st_mtime_ns != mtime, f"{p.name} was reused"
+        assert json.loads(p.read_text())["model"]["config_sha256"] == third.config_sha256, p.name
+
 
 def test_relative_paths_are_the_callers_not_the_grid_files(tmp_path, monkeypatch):
     """`moetool demo --out out/demo` (make demo's default) must not resolve against moetool/grids/."""
