@@ -448,8 +448,11 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
     else:
         params = load_params(committed)
     layers = dense.config.num_hidden_layers
-    if params.perm.shape[0] != layers or not set(params.dense_layers) < set(range(layers)):
+    if params.perm.shape[0] != layers:
         raise MoetoolError("the demo conversion parameters do not match the dense model's layer count")
+    if not set(params.dense_layers) < set(range(layers)):
+        raise MoetoolError(f"the demo conversion's dense layers {list(params.dense_layers)} are not some of the "
+                           f"dense model's layers 0..{layers - 1}")
 
     dense_note = f", dense FFN in layers {list(params.dense_layers)}" if params.dense_layers else ""
     _say(progress, f"converting to Qwen2-MoE: {params.experts} experts, top-{params.top_k}, "

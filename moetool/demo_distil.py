@@ -433,8 +433,8 @@ def _carried(params: ConversionParams, layer: int, like: MoeFFN) -> tuple[torch.
     for k, v in lora.items():
         if k in params.lora:  # a factor of another rank: the overlapping part
             old = params.lora[k][layer].float()
-            v[tuple(slice(0, min(n, o)) for n, o in zip(v.shape, old.shape))] = old[tuple(
-                slice(0, min(n, o)) for n, o in zip(v.shape, old.shape))]
+            part = tuple(slice(0, min(n, o)) for n, o in zip(v.shape, old.shape))
+            v[part] = old[part]
     return params.router[layer].float().clone(), lora
 
 
