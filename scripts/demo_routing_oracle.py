@@ -18,8 +18,18 @@ experts costs; between `soft` and `expert`, what the routers cost. 4,096 tokens 
 spread over it, so every domain counts) take ~40 s a mode on 2 cores.
 
 `--per-layer MODE` asks where the gap sits: MODE in one layer at a time (`--layers`, default all),
-every other layer `soft`, one row a layer (~25 s a layer). `--per-layer dense` is how the demo's
-dense first layer was chosen (README, "The demo model").
+every other layer `soft`, one row a layer (~25 s a layer and text). `--top-k K` and `--dense-layers
+LIST` read the conversion in another geometry (its routers' top-K; those layers dense). `--texts`
+picks the texts: `heldout`, `unseen`, and `samples`, text sampled from the dense model itself
+(stage 3's teacher samples of seed `--samples-seed`, kept in the fit's workdir or drawn once,
+~10 minutes), which reads no evaluation text at all. The demo's dense layers were chosen so: layer 0
+with `--per-layer dense` on held-out and unseen text, layers 1 and 25 as the two best single
+layers on the samples of seed 4, which no round of stage 3 trains on, read on the conversion of
+the commit before (layer 0 dense, top-7; README, "The demo model"):
+
+    git show 797db0a:moetool/data/demo_moe/conversion.safetensors > /tmp/prev.safetensors
+    .venv/bin/python scripts/demo_routing_oracle.py --params /tmp/prev.safetensors --modes soft \
+        --top-k 6 --dense-layers 0 --texts samples --per-layer dense
 
 `--partition SHARED,EXPERTS,TOP_K` (repeatable) asks what other geometries would allow: the
 layerwise fit's own neuron layout (`demo_fit.layout`: shared neurons by mean contribution, the
@@ -37,6 +47,7 @@ rest clustered by co-activation) made afresh on the first 8,192 training tokens 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -45,10 +56,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool import datasets
-from moetool.demo import adapted_ffn, committed_params_path, fetch_dense_gguf, load_dense, load_params
+from moetool.demo import (
+    adapted_ffn, cache_root, committed_params_path, fetch_dense_gguf, load_dense, load_params, stored_teacher_samples,
+)
 from moetool.demo_fit import FitSettings, ffn_act, layout, spread_windows, train_ids
 
 MODES = ("soft", "hard", "expert", "neuron", "all", "dense")
+TEXTS = ("heldout", "unseen", "samples")
 WIDTH = 1536  # SmolLM2-135M's FFN neurons per layer
 
 
@@ -85,9 +99,24 @@ class OracleFFN(nn.Module):
         return torch.cat([a[..., :s], (routed * gate[..., None]).flatten(-2)], dim=-1) @ self.wd.T
 
 
+def text_windows(dense, tok, names: list[str], tokens: int, seed: int, seq_len: int = 512) -> dict[str, torch.Tensor]:
+    """[n, seq_len] token windows per text: spread over the text (every domain counts), or every
+    (120 / n)-th of the 120 teacher samples of `seed` (stage 3's size of a round)."""
+    out = {}
+    for name in names:
+        if name == "samples":
+            rows = stored_teacher_samples(dense, tok, 120, seq_len, seed, cache_root() / "demo-fit",
+                                          progress=lambda msg: print(msg, end="\r", flush=True))
+            n = max(1, min(len(rows), tokens // seq_len))
+            out[name] = rows[::len(rows) // n][:n]
+        else:
+            text = datasets.heldout_text() if name == "heldout" else datasets.unseen_text()
+            out[name] = spread_windows(torch.tensor(tok(text)["input_ids"]), tokens, seq_len)
+    return out
+
+
 @torch.no_grad()
-def perplexity(model, tok, text: str, tokens: int, seq_len: int = 512, batch: int = 4) -> float:
-    ids = spread_windows(torch.tensor(tok(text)["input_ids"]), tokens, seq_len)  # every domain of the text
+def perplexity(model, ids: torch.Tensor, batch: int = 4) -> float:
     nll, count = 0.0, 0
     for i in range(0, ids.shape[0], batch):
         x = ids[i:i + batch]
@@ -101,8 +130,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="soft,hard,expert,neuron,all", help=f"comma list among {','.join(MODES)}")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per text (whole 512-token windows spread over it)")
+    ap.add_argument("--texts", default="heldout,unseen", help=f"comma list among {','.join(TEXTS)}")
+    ap.add_argument("--samples-seed", type=int, default=4, metavar="SEED",
+                    help="the teacher samples `--texts samples` reads (stage 3 trains on seeds 1-3)")
     ap.add_argument("--params", default=None, metavar="FILE",
                     help="a conversion (.safetensors) to read instead of the committed one")
+    ap.add_argument("--top-k", type=int, default=0, help="route this many experts (0: the conversion's top-k)")
+    ap.add_argument("--dense-layers", default=None, metavar="LIST",
+                    help="comma list of the layers kept dense ('' for none; default: the conversion's)")
     ap.add_argument("--no-adapt", action="store_true", help="without the conversion's low-rank corrections")
     ap.add_argument("--per-layer", default=None, choices=MODES, metavar="MODE",
                     help="MODE in one layer at a time, the others soft (one row a layer)")
@@ -112,8 +147,12 @@ def main() -> None:
     args = ap.parse_args()
     try:
         geometries = [tuple(int(v) for v in g.split(",")) for g in args.partition]
+        layers = None if args.layers is None else [int(v) for v in args.layers.split(",")]
+        dense_layers = None if args.dense_layers is None else tuple(
+            sorted({int(v) for v in args.dense_layers.split(",") if v.strip()}))
     except ValueError:
-        ap.error("--partition takes three integers, SHARED,EXPERTS,TOP_K")
+        ap.error("--partition takes three integers, SHARED,EXPERTS,TOP_K; --layers and --dense-layers comma lists "
+                 "of integers")
     for shared, experts, top_k in (g if len(g) == 3 else ap.error("--partition takes SHARED,EXPERTS,TOP_K")
                                    for g in geometries):
         if not (0 <= shared < WIDTH and experts > 0 and (WIDTH - shared) % experts == 0 and 0 < top_k <= experts):
@@ -122,52 +161,53 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if set(modes) - set(MODES):
         ap.error(f"--modes takes {','.join(MODES)}, not {','.join(sorted(set(modes) - set(MODES)))}")
-    dense, tok = load_dense(fetch_dense_gguf())
-    texts = {"heldout": datasets.heldout_text(), "unseen": datasets.unseen_text()}
-    base = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
+    names = [t.strip() for t in args.texts.split(",") if t.strip()]
+    if not names or set(names) - set(TEXTS):
+        ap.error(f"--texts takes a comma list among {','.join(TEXTS)}, not {args.texts!r}")
     p = load_params(args.params or committed_params_path())
+    p = dataclasses.replace(p, top_k=args.top_k or p.top_k,
+                            dense_layers=p.dense_layers if dense_layers is None else dense_layers)
+    n_layers = p.perm.shape[0]
+    if not 0 < p.top_k <= p.experts:
+        ap.error(f"--top-k must lie in 1..{p.experts}, the conversion's experts")
+    if any(not 0 <= i < n_layers for i in (*(layers or ()), *p.dense_layers)):
+        ap.error(f"--layers and --dense-layers must lie in 0..{n_layers - 1}")
+    dense, tok = load_dense(fetch_dense_gguf())
+    texts = text_windows(dense, tok, names, args.tokens, args.samples_seed)
+    base = {name: perplexity(dense, ids) for name, ids in texts.items()}
     ffns = []
     for i, block in enumerate(dense.model.layers):
         block.mlp = OracleFFN(block.mlp, p, i, adapt=not args.no_adapt)
         ffns.append(block.mlp)
-    print(f"{args.tokens} tokens a text; corrections {'off' if args.no_adapt else 'on'}; dense: "
-          + ", ".join(f"{n} {v:.2f}" for n, v in base.items()))
-    print(f"{'mode':<12} {'heldout':>9} {'x dense':>8} {'unseen':>9} {'x dense':>8}")
+
+    def row(label: str, width: int = 12) -> None:
+        ppl = {name: perplexity(dense, ids) for name, ids in texts.items()}
+        print(f"{label:<{width}} " + " ".join(f"{ppl[n]:9.2f} {ppl[n] / base[n]:8.3f}" for n in texts), flush=True)
+
+    print(f"{args.tokens} tokens a text; top-{p.top_k} of {p.experts}, dense layers {list(p.dense_layers)}; "
+          f"corrections {'off' if args.no_adapt else 'on'}; dense: " + ", ".join(f"{n} {v:.2f}" for n, v in base.items()))
+    print(f"{'mode':<12} " + " ".join(f"{n:>9} {'x dense':>8}" for n in texts))
     for mode in modes:
         for f in ffns:
             f.mode = mode
-        ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
-        print(f"{mode:<12} {ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
-              f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
+        row(mode)
     if args.per_layer:
-        try:
-            layers = range(len(ffns)) if args.layers is None else [int(v) for v in args.layers.split(",")]
-        except ValueError:
-            ap.error("--layers takes a comma list of integers")
-        if any(not 0 <= i < len(ffns) for i in layers):
-            ap.error(f"--layers must lie in 0..{len(ffns) - 1}")
         for f in ffns:
             f.mode = "soft"
-        for i in layers:
+        for i in range(n_layers) if layers is None else layers:
             ffns[i].mode = args.per_layer
-            ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
+            row(f"{args.per_layer} in {i}")
             ffns[i].mode = "soft"
-            print(f"{args.per_layer + ' in ' + str(i):<12} {ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
-                  f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
     if geometries:
         for block, f in zip(dense.model.layers, ffns):
             block.mlp = f.dense
         print("expert oracle on fresh layouts, no corrections: shared + top-k of experts x width")
-        for g, p in zip(geometries, fresh_layouts(dense, tok, geometries)):
+        for g, q in zip(geometries, fresh_layouts(dense, tok, geometries)):
             for i, block in enumerate(dense.model.layers):
-                block.mlp = OracleFFN(ffns[i].dense, p, i, adapt=False)
+                block.mlp = OracleFFN(ffns[i].dense, q, i, adapt=False)
                 block.mlp.mode = "expert"
-            ppl = {name: perplexity(dense, tok, text, args.tokens) for name, text in texts.items()}
             width = (WIDTH - g[0]) // g[1]
-            label = f"{g[0]} + {g[2]} of {g[1]} x {width} ({g[0] + g[2] * width} active)"
-            print(f"{label:<34} "
-                  f"{ppl['heldout']:9.2f} {ppl['heldout'] / base['heldout']:8.3f} "
-                  f"{ppl['unseen']:9.2f} {ppl['unseen'] / base['unseen']:8.3f}", flush=True)
+            row(f"{g[0]} + {g[2]} of {g[1]} x {width} ({g[0] + g[2] * width} active)", 34)
 
 
 @torch.no_grad()
@@ -192,7 +232,8 @@ def fresh_layouts(dense, tok, geometries: list[tuple[int, int, int]]) -> list[Si
             h.remove()
     hidden, width = dense.config.hidden_size, mlps[0].gate_proj.weight.shape[0]
     return [SimpleNamespace(shared=g[0], experts=g[1], top_k=g[2], expert_size=(width - g[0]) // g[1],
-                            perm=torch.stack(perms[g]), router=torch.zeros(len(mlps), g[1], hidden), lora={})
+                            perm=torch.stack(perms[g]), router=torch.zeros(len(mlps), g[1], hidden), lora={},
+                            dense_layers=())
             for g in geometries]
 
 

@@ -5,7 +5,7 @@ resumable, about 2 hours on this 2-core machine with nothing else running: the l
 (demo_fit, ~10 minutes), the end-to-end distillation towards the dense model on the fitting text
 (demo_distil, ~33 minutes), three rounds of refinement on that text mixed with text sampled from
 the dense model, each on new samples, the first moving the conversion to the demo's geometry
-(layer 0 dense, top-7; demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling and ~13 of
+(layers 0, 1 and 25 dense, top-6; demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling and ~12 of
 training a round), and one temperature for the routers chosen on the fitting text
 (demo_gates.calibrate, ~2 minutes); rerunning after an interruption picks up where the last
 checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~5 minutes of evaluation:

@@ -217,9 +217,9 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
 @pytest.mark.slow
 @torch.no_grad()
 def test_perplexity_against_the_dense_model(moe, dense, tok):
-    """Held-out text of the five fitting domains within 1.5x dense (1.36x on 16 windows spread over
-    it, scripts/fit_demo_moe.py; 1.28x on these 8). The unseen domain (fortune quotations) is at
-    1.52x on both measures, over the 1.5x goal: bounded here so that it cannot silently get worse.
+    """The issue's goal, 1.5x dense, on held-out text of the five fitting domains (1.35x on 16
+    windows spread over it, scripts/fit_demo_moe.py; 1.27x on these 8) and on the unseen domain,
+    fortune quotations that no stage of the fit reads (1.48x on 16 windows, 1.49x on these 8).
     8 windows spread over each text, as the held-out text is one domain after another."""
     def ppl(model, text):
         ids = torch.tensor(tok(text)["input_ids"])
@@ -230,4 +230,4 @@ def test_perplexity_against_the_dense_model(moe, dense, tok):
                                                           ids[:, 1:].reshape(-1)).item())
 
     assert ppl(moe, datasets.heldout_text()) <= 1.5 * ppl(dense, datasets.heldout_text())
-    assert ppl(moe, datasets.unseen_text()) <= 1.58 * ppl(dense, datasets.unseen_text())
+    assert ppl(moe, datasets.unseen_text()) <= 1.5 * ppl(dense, datasets.unseen_text())
