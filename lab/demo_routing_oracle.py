@@ -1,7 +1,7 @@
 """How far the demo MoE's perplexity is from what its expert partition allows: routers vs oracles.
 
 Runs the dense SmolLM2 with each FFN replaced by the committed conversion in training form
-(`demo_distil`-style: every neuron computed, then masked) and chooses the active neurons per token
+(`lab.distil`-style: every neuron computed, then masked) and chooses the active neurons per token
 in several ways, on held-out text of the fitting domains and on the unseen domain:
 
   soft     the conversion as committed: its routers, softmax top-k renormalised (what `demo-model` builds)
@@ -25,23 +25,23 @@ picks the texts: `heldout`, `unseen`, and `samples`, text sampled from the dense
 ~10 minutes), which reads no evaluation text at all. The demo's dense layers were chosen so: layer 0
 with `--per-layer dense` on held-out and unseen text, layers 1 and 25 as the two best single
 layers on the samples of seed 4, which no round of stage 3 trains on, read on the conversion of
-the commit before (layer 0 dense, top-7; README, "The demo model"):
+the commit before (layer 0 dense, top-7; lab/LOG.md, 2026-11-27):
 
     git show 797db0a:moetool/data/demo_moe/conversion.safetensors > /tmp/prev.safetensors
-    .venv/bin/python scripts/demo_routing_oracle.py --params /tmp/prev.safetensors --modes soft \
+    .venv/bin/python -m lab.demo_routing_oracle --params /tmp/prev.safetensors --modes soft \
         --top-k 6 --dense-layers 0 --texts samples --per-layer dense
 
 `--partition SHARED,EXPERTS,TOP_K` (repeatable) asks what other geometries would allow: the
-layerwise fit's own neuron layout (`demo_fit.layout`: shared neurons by mean contribution, the
+layerwise fit's own neuron layout (`lab.layerwise.layout`: shared neurons by mean contribution, the
 rest clustered by co-activation) made afresh on the first 8,192 training tokens for each, then the
 `expert` oracle on it, without corrections or routers (~2 min for the layouts, ~1 min a geometry).
 
-    .venv/bin/python scripts/demo_routing_oracle.py --modes soft,expert,neuron
-    .venv/bin/python scripts/demo_routing_oracle.py --no-adapt --modes all,neuron,expert,hard
-    .venv/bin/python scripts/demo_routing_oracle.py --params refined.safetensors --modes soft,expert
-    .venv/bin/python scripts/demo_routing_oracle.py --modes all --partition 768,24,8 --partition 512,32,16
-    .venv/bin/python scripts/demo_routing_oracle.py --modes soft --per-layer dense
-    .venv/bin/python scripts/demo_routing_oracle.py --modes '' --per-layer expert --layers 0,1
+    .venv/bin/python -m lab.demo_routing_oracle --modes soft,expert,neuron
+    .venv/bin/python -m lab.demo_routing_oracle --no-adapt --modes all,neuron,expert,hard
+    .venv/bin/python -m lab.demo_routing_oracle --params refined.safetensors --modes soft,expert
+    .venv/bin/python -m lab.demo_routing_oracle --modes all --partition 768,24,8 --partition 512,32,16
+    .venv/bin/python -m lab.demo_routing_oracle --modes soft --per-layer dense
+    .venv/bin/python -m lab.demo_routing_oracle --modes '' --per-layer expert --layers 0,1
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab.layerwise import FitSettings, ffn_act, layout, spread_windows, train_ids
+from lab.stages import stored_teacher_samples
 from moetool import datasets
-from moetool.demo import (
-    adapted_ffn, cache_root, committed_params_path, fetch_dense_gguf, load_dense, load_params, stored_teacher_samples,
-)
-from moetool.demo_fit import FitSettings, ffn_act, layout, spread_windows, train_ids
+from moetool.demo import adapted_ffn, cache_root, committed_params_path, fetch_dense_gguf, load_dense, load_params
 
 MODES = ("soft", "hard", "expert", "neuron", "all", "dense")
 TEXTS = ("heldout", "unseen", "samples")

@@ -1,29 +1,19 @@
-"""The demo analysis scripts measure what they say they measure.
+"""The lab's analysis scripts measure what they say they measure.
 
-scripts/demo_int2_depth.py puts a dense FFN's neurons to INT2 "the way a demo bundle stores them";
+lab/demo_int2_depth.py puts a dense FFN's neurons to INT2 "the way a demo bundle stores them";
 here that is checked against the bundle's own path (`make_layout`, HQQ, `encode`, `dequantize`) on
 a small FFN, expert by expert, and the neurons it was not asked to touch must stay as they were.
 """
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+from lab import demo_int2_depth as depth
 from moetool.model import ExpertWeights
 from moetool.quant.format import Bits, auto_group_size, dequantize, encode, make_layout
 from moetool.quant.hqq import quantize_expert
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _FFN(nn.Module):  # the projections a Llama-style MLP has, all the script touches
@@ -34,7 +24,6 @@ class _FFN(nn.Module):  # the projections a Llama-style MLP has, all the script 
 
 
 def test_int2_depth_quantizes_neurons_as_a_bundle_stores_its_experts():
-    depth = _script("demo_int2_depth")
     torch.manual_seed(0)
     hidden, inter, width = 64, 160, 32
     mlp = _FFN(hidden, inter)

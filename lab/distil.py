@@ -1,6 +1,6 @@
-"""Second stage of the demo conversion: distil the MoE towards the dense model, end to end.
+"""Stages 2 and 3 of the demo conversion: distil the MoE towards the dense model, end to end.
 
-The layerwise fit (`demo_fit`) only chooses experts: its routers have logits of std 0.01, so the
+The layerwise fit (`lab.layerwise`) only chooses experts: its routers have logits of std 0.01, so the
 renormalised top-k weights are all about 1/k. A trained MoE weights its experts, and a few carry
 most of each token's weight, which is what SMoE and DyMoE read as importance. Here the converted
 model is trained to predict the dense SmolLM2's next-token distribution (KL on the logits,
@@ -10,20 +10,18 @@ trained MoE's spread, so that the experts and the shared expert adapt to soft, p
 - Trainable: each layer's router [E, H] and rank-r corrections of the FFN's gate, up and down
   projections (the conversion's `lora`, in dense neuron order). Attention, norms and embeddings
   stay the dense weights, so the checkpoint still differs from SmolLM2 only in its FFNs.
-  `attn_rank` > 0 also trains low-rank corrections of the attention projections
-  (`AttnCorrections`, lora keys `attn_*`); measured as stage 3's last round, they did not move
-  either text, so the recipe leaves them off (README, "The demo model").
+  (Attention corrections and a router-alignment loss were measured and dropped: lab/LOG.md.)
 - Peaked gates: the routers start at logit std `logit_std` and a multiplier on the logits rises
   geometrically from `start_std / logit_std` to 1 over the first `anneal` share of the steps
   (temperature annealing), so the model moves from the layerwise fit's hard gating to soft
   weights without a loss spike. After that the routers are free: nothing holds their scale.
-  The target spread (std 1.5) is our choice: the papers name no value.
+  The target spread (std 1, `logit_std`) is our choice: the papers name no value.
 - No load-balancing loss: skewed expert popularity is part of what the papers exploit.
 - The MoE block is computed densely for training (every neuron, unselected experts weighted 0):
   the same function as Qwen2-MoE's block built by `demo.convert`, in three matmuls per layer.
 - Resumable: a checkpoint (parameters, optimiser, step) is written atomically every
   `checkpoint_every` steps and picked up when the same settings run again.
-- Refinement on the teacher's own text (`REFINE`, stage 3 of `demo.fit_demo`): the fitting
+- Refinement on the teacher's own text (`REFINE`, stage 3 of `lab.stages.fit_demo`): the fitting
   domains (plays, technical manuals, glossaries) are narrow, and 6M trainable parameters fitted to
   them lower held-out perplexity of those domains much more than of a domain no fit sees. So
   `REFINE_ROUNDS` short runs, each from the last (the first from the distilled conversion;
@@ -41,13 +39,10 @@ trained MoE's spread, so that the experts and the shared expert adapt to soft, p
   neurons per token left most of that); trained MoEs keep their first layers dense for this
   (DeepSeek-V3 three, DeepSeek-V2 one, Qwen2-MoE's `mlp_only_layers` for any). Layer 0 was chosen
   on held-out and unseen text, layers 1 and 25 as the two best single layers on teacher samples
-  that no round trains on (`scripts/demo_routing_oracle.py --texts samples --per-layer dense`),
-  so no evaluation text chose them (README, "The demo model"). Our choice.
-- Router alignment (`align`, 0 in the recipe): a cross-entropy pulling each router's softmax
-  towards the k experts with the largest outputs. Measured as a fourth round of stage 3, it did
-  not move the unseen domain (README, "The demo model"), so the recipe leaves it off.
+  that no round trains on (`lab/demo_routing_oracle.py --texts samples --per-layer dense`),
+  so no evaluation text chose them (lab/LOG.md, 2026-11-27). Our choice.
 
-    >>> params = distil(dense, tok, fitted_params, DistilSettings(steps=20), checkpoint=Path("/tmp/d.pt"))
+    >>> params = distil(dense, ids, fitted_params, DistilSettings(steps=20), checkpoint=Path("/tmp/d.pt"))
 """
 
 from __future__ import annotations
@@ -65,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetool.demo_fit import ConversionParams
+from moetool.demo import ConversionParams
 
 # (step, total steps, KL, mean best-to-(k+1)-th log-gap over layers, seconds per step), after every step.
 StepReport = Callable[[int, int, float, float, float], None]
@@ -91,13 +86,6 @@ class DistilSettings:
     checkpoint_every: int = 10
     seed: int = 0
     general: int = 0  # windows per step drawn from `teacher_samples` (on top of `batch`)
-    # Weight of the router-alignment loss (`MoeFFN._align_loss`): each router's softmax pulled towards the
-    # k experts whose outputs are largest for the token. 0: KL (and the hinge) alone.
-    align: float = 0.0
-    # Rank of low-rank corrections to every attention projection (q, k, v, o; `AttnCorrections`).
-    # 0: attention stays the dense model's (corrections a starting conversion has are kept, frozen).
-    attn_rank: int = 0
-    attn_lr: float = 0.0  # their Adam learning rate (0: `lr`)
     # The geometry this run trains, when it differs from the starting conversion's: top_k (0: the
     # conversion's) and layers made dense (kept as the dense FFN, added to the conversion's own).
     top_k: int = 0
@@ -121,7 +109,7 @@ REFINE = DistilSettings(steps=120, batch=1, general=1, lr=1e-3, router_lr=2.5e-4
 # Stage 3 runs REFINE this many times, each round from the last one's result on 120 new teacher
 # samples and fitting windows (seed REFINE.seed + round). New samples are what helped: a second
 # round moved the unseen domain from 1.635x to 1.597x, while 60 more steps on the same samples, or
-# each sample twice, moved it little (README, "The demo model").
+# each sample twice, moved it little (lab/LOG.md, 2026-11-26).
 REFINE_ROUNDS = 3
 
 
@@ -137,8 +125,7 @@ class MoeFFN(nn.Module):
         super().__init__()
         # The dense MLP is held outside the module tree: its weights are neither trained nor checkpointed.
         self._dense = (mlp,)
-        self.teacher, self.scale, self.gap, self.align = False, 1.0, torch.zeros(()), torch.zeros(())
-        self.aligning = s.align > 0
+        self.teacher, self.scale, self.gap = False, 1.0, torch.zeros(())
         self.shared, self.experts, self.top_k, self.m = p.shared, p.experts, p.top_k, p.expert_size
         perm = p.perm[layer]
         wg, wu, wd = (w.detach().float() for w in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
@@ -180,43 +167,16 @@ class MoeFFN(nn.Module):
         g = x @ self.wg.T + (x @ self.gate_a.T) @ self.gate_b.T
         u = x @ self.wu.T + (x @ self.up_a.T) @ self.up_b.T
         a = F.silu(g) * u  # [..., I]
-        # Qwen2-MoE's routing (demo_fit.route): softmax, top-k, renormalised to sum to k (down is
+        # Qwen2-MoE's routing (lab.layerwise.route): softmax, top-k, renormalised to sum to k (down is
         # k-scaled). One top-(k+1) also gives the gap between the best and the best unselected score.
         top = torch.softmax((x @ self.router.T * self.scale).float(), dim=-1).topk(self.top_k + 1, dim=-1)
         idx, w = top.indices[..., : self.top_k], top.values[..., : self.top_k]
         w = w / w.sum(-1, keepdim=True) * self.top_k
         self.gap = (top.values[..., 0].log() - top.values[..., self.top_k].log()).mean()
-        if self.aligning:
-            self.align = self._align_loss(x, a[..., self.shared:])
         gate = torch.zeros(*x.shape[:-1], self.experts, dtype=a.dtype).scatter(-1, idx, w.to(a.dtype))
         routed = a[..., self.shared:].unflatten(-1, (self.experts, self.m)) * gate[..., None]
         a = torch.cat([a[..., : self.shared], routed.flatten(-2)], dim=-1)
         return a @ self.wd.T + (a @ self.down_a.T) @ self.down_b.T
-
-    def _align_loss(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the router's softmax against `oracle_target` for each token.
-
-        Top-k routing passes KL's gradient only to the k experts chosen, so a router never learns
-        that an unchosen expert would have served better; on text unlike the fitting text that
-        costs most (README, "The demo model": on the committed conversion the k experts with the
-        largest outputs read 1.44x dense on the unseen domain where its routers read 1.58x). Our
-        choice: the papers train no routers.
-        """
-        target = self.oracle_target(routed)
-        logp = torch.log_softmax((x @ self.router.T * self.scale).float(), dim=-1)
-        return -(target * logp).sum(-1).mean()
-
-    @torch.no_grad()
-    def oracle_target(self, routed: torch.Tensor) -> torch.Tensor:
-        """[..., E] from the routed neurons' activations [..., E * m]: the k experts with the largest
-        output norms (corrections included), weighted by those norms and summing to 1. The larger
-        an expert's contribution, the more of the gate it should get."""
-        down = self.wd + self.down_b @ self.down_a  # [H, I]: the down correction is linear in a
-        down = down[:, self.shared:].unflatten(1, (self.experts, self.m))  # [H, E, m]
-        norms = torch.einsum("...em,hem->...eh", routed.unflatten(-1, (self.experts, self.m)), down).norm(dim=-1)
-        best = norms.topk(self.top_k, dim=-1)
-        target = torch.zeros_like(norms).scatter(-1, best.indices, best.values)
-        return target / target.sum(-1, keepdim=True).clamp_min(1e-12)
 
     @torch.no_grad()
     def export(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -225,62 +185,6 @@ class MoeFFN(nn.Module):
         lora = {"gate_b": self.gate_b[inv], "gate_a": self.gate_a, "up_b": self.up_b[inv], "up_a": self.up_a,
                 "down_b": self.down_b, "down_a": self.down_a[:, inv]}
         return (self.router * self.scale).detach().clone(), {k: v.detach().clone() for k, v in lora.items()}
-
-
-ATTN_PROJ = ("q", "k", "v", "o")
-
-
-class AttnCorrections(nn.Module):
-    """Low-rank corrections of one decoder layer's attention projections, added by forward hooks.
-
-    The MoE's FFNs drop a third of the dense neurons for every token; the layers around them can
-    learn to compensate, as a pruned model's remaining weights are retrained (our choice: the issue
-    names the experts and the shared expert; attention is the rest of the block). Corrections are
-    factors B [out, r] A [r, in] on q_proj ... o_proj, B starting at zero (or at the starting
-    conversion's `attn_*` factors), so step 0 is the conversion as given. `teacher=True` switches
-    them off for the dense pass.
-    """
-
-    def __init__(self, attn: nn.Module, p: ConversionParams, layer: int, rank: int, gen: torch.Generator,
-                 trainable: bool):
-        super().__init__()
-        self.teacher = False
-        self._attn, self._hooks = (attn,), []  # held outside the module tree, like MoeFFN's dense MLP
-        for name in ATTN_PROJ:
-            lin = getattr(attn, f"{name}_proj")
-            a = torch.randn(rank, lin.in_features, generator=gen) / math.sqrt(lin.in_features)
-            b = torch.zeros(lin.out_features, rank)
-            if f"attn_{name}_b" in p.lora:
-                b0, a0 = p.lora[f"attn_{name}_b"][layer].float(), p.lora[f"attn_{name}_a"][layer].float()
-                n = min(rank, b0.shape[1])
-                b[:, :n], a[:n] = b0[:, :n], a0[:n]
-            setattr(self, f"{name}_a", nn.Parameter(a, requires_grad=trainable))
-            setattr(self, f"{name}_b", nn.Parameter(b, requires_grad=trainable))
-
-    def attach(self) -> None:
-        self._hooks = [getattr(self._attn[0], f"{n}_proj").register_forward_hook(self._hook(n)) for n in ATTN_PROJ]
-
-    def _hook(self, name: str):
-        def add(module, inputs, out):
-            if self.teacher:
-                return None
-            return out + (inputs[0] @ getattr(self, f"{name}_a").T) @ getattr(self, f"{name}_b").T
-        return add
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    @torch.no_grad()
-    def export(self) -> dict[str, torch.Tensor]:
-        return {f"attn_{n}_{f}": getattr(self, f"{n}_{f}").detach().clone() for n in ATTN_PROJ for f in "ab"}
-
-
-def _attn_rank(params: ConversionParams, s: DistilSettings) -> int:
-    """The rank of the attention corrections a run carries: its own, or the starting conversion's if
-    larger (a smaller rank would cut corrections already fitted)."""
-    return max(s.attn_rank, params.lora["attn_q_b"].shape[-1] if "attn_q_b" in params.lora else 0)
 
 
 def _windows(ids: torch.Tensor, s: DistilSettings) -> torch.Tensor:
@@ -363,23 +267,16 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     samples = _router_inputs(dense, ids[: s.seq_len])
     moe = [i for i in range(len(layers)) if i not in params.dense_layers]  # dense layers stay the teacher's FFN
     students = [MoeFFN(originals[i], params, i, s, gen, samples[i]) for i in moe]
-    rank = _attn_rank(params, s)
-    attns = [AttnCorrections(blk.self_attn, params, i, rank, gen, s.attn_rank > 0) for i, blk in enumerate(layers)
-             ] if rank else []
-    groups = [
+    opt = torch.optim.Adam([
         {"params": [st.router for st in students], "lr": s.router_lr, "base": s.router_lr},
         {"params": [q for st in students for n, q in st.named_parameters() if n != "router"], "lr": s.lr,
          "base": s.lr},
-    ]
-    if s.attn_rank:
-        lr = s.attn_lr or s.lr
-        groups.append({"params": [q for at in attns for q in at.parameters()], "lr": lr, "base": lr})
-    opt = torch.optim.Adam(groups)
+    ])
     key, start = s.key(params, general), 0
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
         if state.get("key") == key:
-            for st, sd in zip(students + attns, state["students"]):
+            for st, sd in zip(students, state["students"]):
                 st.load_state_dict(sd)
             opt.load_state_dict(state["opt"])
             start = state["step"]
@@ -388,19 +285,15 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
     try:
         for i, st in zip(moe, students):
             layers[i].mlp = st
-        for at in attns:
-            at.attach()
         for step in range(start, s.steps):
             t0 = time.perf_counter()
             x = torch.stack([ids[o:o + s.seq_len] for o in starts[step].tolist()])
             if picks is not None:
                 x = torch.cat([x, general[picks[step]]])
-            kl = _step(dense, students, x, _scale_at(step, s), attns)
+            kl = _step(dense, students, x, _scale_at(step, s))
             gaps = torch.stack([st.gap for st in students])
             held = step >= s.anneal * s.steps  # during annealing the schedule sets the spread
             loss = kl + s.gap_weight * F.relu(s.min_gap - gaps).pow(2).mean() if held else kl
-            if s.align > 0:
-                loss = loss + s.align * torch.stack([st.align for st in students]).mean()
             for g in opt.param_groups:
                 g["lr"] = g["base"] * _lr_at(step, s)
             opt.zero_grad(set_to_none=True)
@@ -409,19 +302,16 @@ def distil(dense, ids: torch.Tensor, params: ConversionParams, s: DistilSettings
             done = step + 1
             if checkpoint is not None and (done % s.checkpoint_every == 0 or done == s.steps):
                 _save(checkpoint, {"key": key, "step": done, "opt": opt.state_dict(),
-                                   "students": [st.state_dict() for st in students + attns]})
+                                   "students": [st.state_dict() for st in students]})
             if report is not None:
                 report(done, s.steps, kl.item(), gaps.mean().item(), time.perf_counter() - t0)
         for st in students:
             st.scale = _scale_at(s.steps, s)
         trained = dict(zip(moe, (st.export() for st in students)))
         exported = [trained.get(i) or _carried(params, i, students[0]) for i in range(len(layers))]
-        exported = [(r, lo | (attns[i].export() if attns else {})) for i, (r, lo) in enumerate(exported)]
     finally:
         for blk, mlp in zip(layers, originals):
             blk.mlp = mlp
-        for at in attns:
-            at.remove()
     router = torch.stack([r for r, _ in exported])
     lora = {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}
     # A refinement (no annealing) keeps the record of the distillation it started from.
@@ -442,17 +332,14 @@ def _carried(params: ConversionParams, layer: int, like: MoeFFN) -> tuple[torch.
     return params.router[layer].float().clone(), lora
 
 
-def _step(dense, students: list[MoeFFN], x: torch.Tensor, scale: float,
-          attns: list[AttnCorrections] = ()) -> torch.Tensor:
+def _step(dense, students: list[MoeFFN], x: torch.Tensor, scale: float) -> torch.Tensor:
     """KL(dense || MoE) per token, averaged, on windows x [B, T]."""
     with torch.no_grad():
-        for st in [*students, *attns]:
+        for st in students:
             st.teacher = True
         target = F.log_softmax(dense(input_ids=x).logits.float(), dim=-1)
         for st in students:
             st.teacher, st.scale = False, scale
-        for at in attns:
-            at.teacher = False
     logp = F.log_softmax(dense(input_ids=x).logits.float(), dim=-1)
     return F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
 

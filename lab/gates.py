@@ -2,7 +2,7 @@
 
 `router_stats` measures how peaked a Qwen2-MoE-style model's gates are and how skewed its expert
 popularity is (the issue's two router goals); `calibrate` picks one temperature for every router's
-logits on fitting text, the last step of `demo.fit_demo`.
+logits on fitting text, the last step of `lab.stages.fit_demo`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moetool.demo_fit import ConversionParams
+from moetool.demo import ConversionParams
 
 
 @torch.no_grad()
@@ -72,7 +72,7 @@ def calibrate(dense, windows: torch.Tensor, params: ConversionParams, build: Cal
     Distillation keeps each layer's best-to-(k+1)-th log-gap at ln 4 or more (the hinge), and
     perplexity would rather have flatter weights than that: on the refined conversion, logits
     x 0.8 lowered held-out and unseen perplexity alike (routers' top-8 weighted equally was
-    better still, see the README). So t is lowered from 1 in `step`s while the mean top-1 score
+    better still, see lab/LOG.md). So t is lowered from 1 in `step`s while the mean top-1 score
     stays >= `min_ratio` x the (k+1)-th on these windows (the issue asks >= 3; 3.25 leaves a
     margin for other text), and the t with the lowest perplexity there is kept. A scale leaves each
     router's ranking of experts for a given input as it was; only the weights move (and, through

@@ -1,4 +1,4 @@
-"""Fit the demo conversion (dense SmolLM2 FFNs -> shared expert + routed experts + routers).
+"""Stage 1 of the demo conversion: the layerwise fit of shared expert, routed experts and routers.
 
 One forward pass over training text fits the layers in order, each on inputs produced by the
 already-converted layers below it (so later layers see the errors they will see at run time):
@@ -14,7 +14,7 @@ already-converted layers below it (so later layers see the errors they will see 
    change is stored as a low-rank factor pair so the committed file stays small.
 
     >>> from moetool.demo import fetch_dense_gguf, load_dense
-    >>> from moetool.demo_fit import FitSettings, fit_conversion
+    >>> from lab.layerwise import FitSettings, fit_conversion
     >>> dense, tok = load_dense(fetch_dense_gguf())
     >>> params = fit_conversion(dense, tok, FitSettings(train_tokens=8192))
 """
@@ -30,40 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetool.demo import ConversionParams
+
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ConversionParams:
-    """The fitted part of the conversion; one tensor per kind, stacked over layers.
-
-    perm [L, I] int: neuron order, first `shared` neurons form the shared expert, then `experts`
-    consecutive groups of `expert_size`. router [L, E, H]. lora: name -> [L, ...] low-rank factor
-    pairs added to the dense FFN weights in dense neuron order (W += b @ a); the fit writes
-    down_a [r, I] and down_b [H, r]; gate_/up_ pairs are applied the same way when present.
-    dense_layers: layers kept as the dense model's FFN, unchanged (Qwen2-MoE's `mlp_only_layers`);
-    their rows of perm, router and lora are carried but not used.
-    """
-
-    shared: int
-    experts: int
-    top_k: int
-    perm: torch.Tensor
-    router: torch.Tensor
-    lora: dict[str, torch.Tensor]
-    meta: dict
-    dense_layers: tuple[int, ...] = ()
-
-    @property
-    def expert_size(self) -> int:
-        return (self.perm.shape[1] - self.shared) // self.experts
-
-    @property
-    def active_fraction(self) -> float:
-        """FFN neurons used per token over the dense model's, over all layers (a dense layer uses all)."""
-        layers, width = self.perm.shape
-        moe = (self.shared + self.top_k * self.expert_size) / width
-        return (len(self.dense_layers) + (layers - len(self.dense_layers)) * moe) / layers
 
 
 @dataclass(frozen=True)
@@ -71,7 +40,7 @@ class FitSettings:
     # 768 shared + 8 of 24 experts x 32 neurons = 1024 of 1536 neurons active (2/3). 32-neuron
     # experts (not 16) so that every projection's input width is a legal group size (>= 32) for
     # torch's packed-INT4 kernel, and k/E = 1/3 as before. The previous 48 x 16, top-16 layout
-    # had a least-squares ratio of 1.43; the soft weights are trained end to end (demo_distil).
+    # had a least-squares ratio of 1.43; the soft weights are trained end to end (lab/distil.py).
     shared: int = 768  # neurons in the always-on shared expert
     experts: int = 24
     top_k: int = 8

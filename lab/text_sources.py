@@ -1,4 +1,4 @@
-"""Plain text out of the sources scripts/fetch_data.py downloads: reStructuredText, handbook HTML,
+"""Plain text out of the sources lab/fetch_data.py downloads: reStructuredText, handbook HTML,
 fortune files, Gutenberg plays, the Jargon File and WordNet's dictd file. Each function is pure
 (bytes or str in, text out), so the extraction is deterministic.
 """

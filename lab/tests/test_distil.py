@@ -1,6 +1,6 @@
-"""The demo conversion's distillation stage on a tiny dense llama: the training form of the MoE block
-is the Qwen2-MoE block `demo.convert` builds, training lowers the KL, and an interrupted run resumes
-to the same parameters as an uninterrupted one."""
+"""The demo conversion's stages on a tiny dense llama: the training form of the MoE block is the
+Qwen2-MoE block `moetool.demo.convert` builds, training lowers the KL, an interrupted run resumes to
+the same parameters as an uninterrupted one, and the router temperature keeps the gate ratio."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lab import stages
+from lab.distil import DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, distil, teacher_samples
+from lab.gates import calibrate, gate_ratio, router_stats
+from lab.layerwise import FitSettings, spread_rows
 from moetool import demo
-from moetool.demo_distil import (
-    AttnCorrections, DistilSettings, MoeFFN, _general_rows, _router_inputs, _scale_at, distil, teacher_samples,
-)
-from moetool.demo_gates import calibrate, gate_ratio, router_stats
-from moetool.demo_fit import ConversionParams
+from moetool.demo import ConversionParams
 
 H, I, SHARED, E, K = 32, 96, 32, 8, 2  # 8 routed experts of 8 neurons, top-2
 
@@ -69,64 +69,6 @@ def test_training_form_equals_the_converted_qwen2_moe_block():
                                {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}, {})
     got = demo.convert(dense, trained)(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-@torch.no_grad()
-def test_attention_corrections_in_training_form_equal_the_converted_checkpoint():
-    """With non-zero attention corrections hooked in, the training form gives the logits of
-    demo.convert applying the exported factors to q/k/v/o; switched to teacher, the dense model's."""
-    dense, x = _dense(), _ids(40)[None]
-    p = _params(dense)
-    dense_logits = dense(input_ids=x).logits
-    gen = torch.Generator().manual_seed(4)
-    sample = torch.randn(16, H)
-    students = [MoeFFN(blk.mlp, p, i, SMALL, gen, sample) for i, blk in enumerate(dense.model.layers)]
-    attns = [AttnCorrections(blk.self_attn, p, i, 3, gen, True) for i, blk in enumerate(dense.model.layers)]
-    for at in attns:
-        at.attach()
-    for mod in students + attns:
-        for name, q in mod.named_parameters():
-            q.copy_(torch.randn(q.shape, generator=gen) * (0.3 if name == "router" else 0.05))
-    originals = [blk.mlp for blk in dense.model.layers]
-    try:
-        for blk, st in zip(dense.model.layers, students):
-            blk.mlp = st
-        want = dense(input_ids=x).logits
-        for at in attns:
-            at.teacher = True
-        for blk, mlp in zip(dense.model.layers, originals):
-            blk.mlp = mlp
-        torch.testing.assert_close(dense(input_ids=x).logits, dense_logits, rtol=0, atol=0)
-    finally:
-        for blk, mlp in zip(dense.model.layers, originals):
-            blk.mlp = mlp
-        for at in attns:
-            at.remove()
-    exported = [(r, lo | at.export()) for (r, lo), at in zip((st.export() for st in students), attns)]
-    trained = ConversionParams(SHARED, E, K, p.perm, torch.stack([r for r, _ in exported]),
-                               {k: torch.stack([lo[k] for _, lo in exported]) for k in exported[0][1]}, {})
-    assert trained.lora["attn_k_b"].shape == (2, dense.model.layers[0].self_attn.k_proj.out_features, 3)
-    torch.testing.assert_close(demo.convert(dense, trained)(input_ids=x).logits, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(dense(input_ids=x).logits, dense_logits, rtol=0, atol=0)  # hooks removed
-
-
-def test_attention_corrections_train_then_carry_over_frozen():
-    """attn_rank > 0 trains them (the dense model's own weights untouched); a later run without
-    attn_rank starts from them and keeps them as they were."""
-    dense, ids = _dense(), _ids()
-    before = {k: v.clone() for k, v in dense.state_dict().items()}
-    p = _params(dense)
-    s = DistilSettings(**{**SMALL.__dict__, "attn_rank": 2})
-    trained = distil(dense, ids, p, s)
-    assert trained.lora["attn_q_b"].shape == (2, H, 2) and trained.lora["attn_q_b"].abs().sum() > 0
-    for k, v in dense.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert not dense.model.layers[0].self_attn.q_proj._forward_hooks
-    again = distil(dense, ids, trained, SMALL)
-    for n in ("q", "k", "v", "o"):
-        for f in "ab":
-            torch.testing.assert_close(again.lora[f"attn_{n}_{f}"], trained.lora[f"attn_{n}_{f}"], rtol=0, atol=0)
-    assert not torch.equal(again.lora["gate_b"], trained.lora["gate_b"])
 
 
 def test_a_run_can_make_layers_dense_and_change_top_k():
@@ -294,13 +236,9 @@ def test_refinement_starts_from_the_distilled_conversion_and_trains_on_teacher_s
 
 
 def test_each_refinement_round_starts_from_the_last_on_new_samples_and_is_kept(tmp_path, monkeypatch):
-    """Stage 3 in rounds (`demo._refine`): round r trains at seed REFINE.seed + r on that seed's
+    """Stage 3 in rounds (`lab.stages._refine`): round r trains at seed REFINE.seed + r on that seed's
     teacher samples, from the fp16 result of the round before, and keeps its result, which a rerun
     reuses without training."""
-    from dataclasses import replace
-
-    import moetool.demo_distil as demo_distil
-
     dense, ids = _dense(), _ids()
     distilled = distil(dense, ids, _params(dense), DistilSettings(**{**SMALL.__dict__, "steps": 4}))
     refine = DistilSettings(**{**SMALL.__dict__, "steps": 4, "batch": 1, "general": 1, "anneal": 0.0, "seed": 1})
@@ -310,8 +248,8 @@ def test_each_refinement_round_starts_from_the_last_on_new_samples_and_is_kept(t
         def convert_tokens_to_ids(token):
             return 0
 
-    r1 = demo._refine(dense, Tok(), ids, distilled, refine, 0, 2, tmp_path, "t", None, None)
-    r2 = demo._refine(dense, Tok(), ids, r1, refine, 1, 2, tmp_path, "t", None, None)
+    r1 = stages._refine(dense, Tok(), ids, distilled, refine, 0, 2, tmp_path, "t", None, None)
+    r2 = stages._refine(dense, Tok(), ids, r1, refine, 1, 2, tmp_path, "t", None, None)
     s1, s2 = (torch.load(tmp_path / f"teacher-4x32-{seed}.pt", weights_only=True) for seed in (1, 2))
     assert not torch.equal(s1, s2)
     assert torch.equal(s2, teacher_samples(dense, 4, 32, start_id=0, seed=2))
@@ -326,66 +264,9 @@ def test_each_refinement_round_starts_from_the_last_on_new_samples_and_is_kept(t
     def no_training(*args, **kwargs):
         raise AssertionError("a kept round was trained again")
 
-    monkeypatch.setattr(demo_distil, "distil", no_training)
-    again = demo._refine(dense, Tok(), ids, r1, refine, 1, 2, tmp_path, "t", None, None)
+    monkeypatch.setattr(stages, "distil", no_training)
+    again = stages._refine(dense, Tok(), ids, r1, refine, 1, 2, tmp_path, "t", None, None)
     torch.testing.assert_close(again.router, r2.router, rtol=0, atol=0)
-
-
-def _activations(st: MoeFFN, x: torch.Tensor) -> torch.Tensor:
-    """Every neuron's activation [T, I] in the block's permuted order, corrections included."""
-    g = x @ st.wg.T + (x @ st.gate_a.T) @ st.gate_b.T
-    u = x @ st.wu.T + (x @ st.up_a.T) @ st.up_b.T
-    return torch.nn.functional.silu(g) * u
-
-
-@torch.no_grad()
-def test_oracle_target_is_the_k_largest_expert_outputs_weighted_by_their_norms():
-    """The alignment target, against each expert's output computed alone through the block's own
-    down projection (corrections included)."""
-    dense = _dense()
-    gen = torch.Generator().manual_seed(4)
-    st = MoeFFN(dense.model.layers[0].mlp, _params(dense), 0, SMALL, gen, torch.randn(16, H))
-    for name, q in st.named_parameters():
-        q.copy_(torch.randn(q.shape, generator=gen) * 0.05)
-    a = _activations(st, torch.randn(10, H, generator=gen))
-    norms = torch.zeros(10, E)
-    for e in range(E):
-        only = torch.zeros_like(a)
-        cols = slice(SHARED + e * (I - SHARED) // E, SHARED + (e + 1) * (I - SHARED) // E)
-        only[:, cols] = a[:, cols]
-        norms[:, e] = (only @ st.wd.T + (only @ st.down_a.T) @ st.down_b.T).norm(dim=-1)
-    target = st.oracle_target(a[:, SHARED:])
-    for t in range(10):
-        best = norms[t].topk(K)
-        assert set(target[t].nonzero().flatten().tolist()) == set(best.indices.tolist())
-        torch.testing.assert_close(target[t, best.indices], best.values / best.values.sum())
-
-
-def _agreement(dense, p: ConversionParams, held: torch.Tensor) -> float:
-    """Share of each token's router top-k that is in the oracle's top-k, over layers and tokens."""
-    s = DistilSettings(**{**SMALL.__dict__, "anneal": 0.0})
-    inputs = _router_inputs(dense, held)
-    got = []
-    with torch.no_grad():
-        for i, blk in enumerate(dense.model.layers):
-            st = MoeFFN(blk.mlp, p, i, s, torch.Generator().manual_seed(0), inputs[i])
-            oracle = st.oracle_target(_activations(st, inputs[i])[:, SHARED:]) > 0
-            chosen = (inputs[i] @ st.router.T).topk(K, dim=-1).indices
-            got.append(oracle.gather(-1, chosen).float().mean())
-    return torch.stack(got).mean().item()
-
-
-def test_router_alignment_moves_the_routers_choice_towards_the_oracle():
-    """With `align`, the routers pick more of the experts whose outputs are largest on held-out
-    text than the same training without it, and than before training."""
-    dense, ids = _dense(), _ids()
-    start = distil(dense, ids, _params(dense), DistilSettings(**{**SMALL.__dict__, "steps": 4}))
-    plain = DistilSettings(**{**SMALL.__dict__, "steps": 30, "anneal": 0.0, "router_lr": 3e-2})
-    aligned = DistilSettings(**{**plain.__dict__, "align": 1.0})
-    held = _ids(64, seed=9)
-    before = _agreement(dense, start, held)
-    without, with_ = (_agreement(dense, distil(dense, ids, start, s), held) for s in (plain, aligned))
-    assert with_ > max(before, without) + 0.1, (before, without, with_)  # measured 0.33, 0.33, 0.48
 
 
 @torch.no_grad()
@@ -407,19 +288,15 @@ def test_router_stats_read_peaked_and_flat_routers():
 def test_fit_stage_files_depend_on_the_training_text_and_settings():
     """A refit after the training text changed (e.g. a domain added) must not resume another text's
     checkpoint: the stages' file tag changes with the text and with the settings."""
-    from moetool.demo_fit import FitSettings
-
-    base = demo.stage_tag(FitSettings(), "some text")
-    assert demo.stage_tag(FitSettings(), "some text") == base
-    assert demo.stage_tag(FitSettings(), "some text, and more") != base
-    assert demo.stage_tag(FitSettings(top_k=4), "some text") != base
+    base = stages.stage_tag(FitSettings(), "some text")
+    assert stages.stage_tag(FitSettings(), "some text") == base
+    assert stages.stage_tag(FitSettings(), "some text, and more") != base
+    assert stages.stage_tag(FitSettings(top_k=4), "some text") != base
 
 
 def test_clustering_and_validation_rows_span_every_part_of_the_training_windows():
     """Training windows come one domain after another; the rows the clustering reads are whole
     windows spread from the first to the last, not the first domain's."""
-    from moetool.demo_fit import spread_rows
-
     rows = spread_rows(64 * 8, 4 * 8, 8)  # 64 windows of 8 tokens, 4 windows' worth wanted
     assert rows.numel() == 32 and rows.unique().numel() == 32
     windows = (rows // 8).unique().tolist()

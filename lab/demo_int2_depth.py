@@ -8,8 +8,8 @@ profile --what sensitivity --ppl-tokens 2048` measures the MoE. So the demo's pe
 (`make demo`'s report) can be read against the model they were converted from: if the teacher's
 last layers are as sensitive as its first, no conversion of it will show DyMoE's slope honestly.
 
-    .venv/bin/python scripts/demo_int2_depth.py                      # routed neurons, every layer (~6 min)
-    .venv/bin/python scripts/demo_int2_depth.py --neurons all --layers 0,11,29
+    .venv/bin/python -m lab.demo_int2_depth                      # routed neurons, every layer (~6 min)
+    .venv/bin/python -m lab.demo_int2_depth --neurons all --layers 0,11,29
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from moetool.model import encode
 from moetool.profile.data import spread_chunks
 from moetool.quant.format import Bits, auto_group_size, dequantize_qtensor, make_layout
 from moetool.quant.hqq import quantize_weight
-
 
 
 def group_size(hidden: int, width: int) -> int:

@@ -1,19 +1,21 @@
 """Fit the demo MoE conversion and write moetool/data/demo_moe/conversion.safetensors (`make fit-demo`).
 
-Run by a maintainer (never by CI, which applies the committed result). Four stages, the first three
-resumable, about 2 hours on this 2-core machine with nothing else running: the layerwise fit
-(demo_fit, ~10 minutes), the end-to-end distillation towards the dense model on the fitting text
-(demo_distil, ~33 minutes), three rounds of refinement on that text mixed with text sampled from
-the dense model, each on new samples, the first moving the conversion to the demo's geometry
-(layers 0, 1 and 25 dense, top-6; demo_distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling and ~12 of
-training a round), and one temperature for the routers chosen on the fitting text
-(demo_gates.calibrate, ~2 minutes); rerunning after an interruption picks up where the last
-checkpoint left off (kept in ~/.cache/moetool/demo-fit/). Then ~5 minutes of evaluation:
+Run by a maintainer (never by CI, which applies the committed result), from the repository root.
+Four stages (lab/stages.py), the first three resumable, about 2 hours on a 2-core machine with
+nothing else running: the layerwise fit (lab/layerwise.py, ~10 minutes), the end-to-end
+distillation towards the dense model on the fitting text (lab/distil.py, ~33 minutes), three
+rounds of refinement on that text mixed with text sampled from the dense model, each on new
+samples, the first moving the conversion to the demo's geometry (layers 0, 1 and 25 dense, top-6;
+lab.distil.REFINE, REFINE_ROUNDS: ~9.5 minutes of sampling and ~12 of training a round), and one
+temperature for the routers chosen on the fitting text (lab/gates.py, ~2 minutes); rerunning after
+an interruption picks up where the last checkpoint left off (kept in ~/.cache/moetool/demo-fit/).
+Then ~5 minutes of evaluation:
 
-    .venv/bin/python scripts/fit_demo_moe.py                      # fit, distil, evaluate, write the file
-    .venv/bin/python scripts/fit_demo_moe.py --steps 20 --out /tmp/c.safetensors   # a quick trial
-    .venv/bin/python scripts/fit_demo_moe.py --evaluate moetool/data/demo_moe/conversion.safetensors
-    .venv/bin/python scripts/fit_demo_moe.py --refined stage3.safetensors   # stage 4 only, then evaluate
+    .venv/bin/python -m lab.fit_demo_moe                      # fit, distil, evaluate, write the file
+    .venv/bin/python -m lab.fit_demo_moe --steps 20 --out /tmp/c.safetensors   # a quick trial
+    .venv/bin/python -m lab.fit_demo_moe --evaluate moetool/data/demo_moe/conversion.safetensors
+    .venv/bin/python -m lab.fit_demo_moe --refined stage3.safetensors   # stage 4 only, then evaluate
+    .venv/bin/moetool demo-model --conversion /tmp/c.safetensors --out /tmp/trial   # a model of a trial
 
 It reports perplexity of the dense model, of the MoE before training (least-squares routers), after
 the layerwise fit, after distillation, after the refinement and after the router temperature (stage 4), on held-out text of the fitting domains and on a domain
@@ -36,14 +38,14 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from lab.distil import REFINE, REFINE_ROUNDS, DistilSettings
+from lab.gates import router_stats
+from lab.layerwise import FitSettings, spread_windows
+from lab.stages import Fitted, calibrate_routers, fit_demo
 from moetool import datasets
 from moetool.demo import (
-    Fitted, cache_root, calibrate_routers, committed_params_path, convert, fetch_dense_gguf, fit_demo, load_dense,
-    load_params, save_params,
+    cache_root, committed_params_path, convert, fetch_dense_gguf, load_dense, load_params, save_params,
 )
-from moetool.demo_distil import REFINE, REFINE_ROUNDS, DistilSettings
-from moetool.demo_gates import router_stats
-from moetool.demo_fit import FitSettings, spread_windows
 
 console = Console(stderr=True)
 PROMPT = "What is the capital of France? Answer in one sentence."
@@ -105,12 +107,6 @@ def main() -> None:
                     help="stage 3: the top-k its rounds train and the demo keeps (0: stage 1's --top-k)")
     ap.add_argument("--dense-layers", default=",".join(map(str, REFINE.dense_layers)), metavar="LIST",
                     help="stage 3: comma list of layers whose FFN stays dense ('' for none)")
-    ap.add_argument("--align", type=float, default=REFINE.align,
-                    help="stage 3: weight of the router-alignment loss (measured, not adopted: README)")
-    ap.add_argument("--attn-rank", type=int, default=REFINE.attn_rank,
-                    help="stage 3: rank of corrections to the attention projections (0: none; measured, not adopted)")
-    ap.add_argument("--attn-lr", type=float, default=REFINE.attn_lr,
-                    help="stage 3: learning rate of the attention corrections (0: the corrections' own)")
     ap.add_argument("--min-ratio", type=float, default=3.25,
                     help="stage 4: flatten the routers while top-1 / (k+1)-th stays >= this on fitting text (0: skip)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="tokens per text for perplexity")
@@ -119,10 +115,6 @@ def main() -> None:
     ap.add_argument("--evaluate", type=Path, default=None, metavar="FILE",
                     help="no fit: measure this conversion file (e.g. the committed one) and print the report")
     args = ap.parse_args()
-    if not (math.isfinite(args.align) and args.align >= 0):
-        ap.error(f"--align is a loss weight, 0 or more, not {args.align:g}")
-    if args.attn_rank < 0 or not (math.isfinite(args.attn_lr) and args.attn_lr >= 0):
-        ap.error(f"--attn-rank and --attn-lr take 0 or more, not {args.attn_rank} and {args.attn_lr:g}")
     try:
         dense_layers = tuple(sorted({int(v) for v in args.dense_layers.split(",") if v.strip()}))
     except ValueError:
@@ -134,8 +126,7 @@ def main() -> None:
                             train_tokens=args.train_tokens, router_steps=args.router_steps,
                             compensation_rank=args.rank)
     ds = dataclasses.replace(dd, steps=args.steps, batch=args.batch, logit_std=args.logit_std)
-    refine = dataclasses.replace(REFINE, steps=args.refine_steps, align=args.align, attn_rank=args.attn_rank,
-                                 attn_lr=args.attn_lr, top_k=args.refine_top_k,
+    refine = dataclasses.replace(REFINE, steps=args.refine_steps, top_k=args.refine_top_k,
                                  dense_layers=dense_layers) if args.refine_steps else False
     t_all = time.perf_counter()
     with console.status("loading the dense model") as status:
