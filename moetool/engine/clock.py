@@ -22,7 +22,8 @@ import torch
 
 from moetool.errors import MoetoolError
 
-HW_DIR = Path(__file__).parents[1] / "hw_presets"  # profiles/hw in the repo (a link), shipped in the wheel
+HW_DIR = Path(__file__).parents[1] / "hw_presets"  # the presets shipped in the package
+USER_HW_DIR = Path("profiles") / "hw"  # a user's own profiles, relative to where moetool runs
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,15 @@ class HwProfile:
 
 
 def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
-    """A shipped preset by name (profiles/hw/NAME.json) or a profile JSON path."""
+    """A profile JSON path, else a shipped preset by name (moetool/hw_presets/NAME.json), else one of
+    the user's own (profiles/hw/NAME.json under the working directory)."""
     path = Path(name_or_path)
-    if not path.is_file():
-        path = HW_DIR / f"{name_or_path}.json"
-    if not path.is_file():
+    for path in (path, HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json"):
+        if path.is_file():
+            break
+    else:
         raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(packaged_hw_names()) or 'none'}; "
-                           "or give a path to a profile JSON).")
+                           f"or put it in {USER_HW_DIR}/{name_or_path}.json, or give a path to a profile JSON).")
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:  # ValueError: undecodable, not JSON, a 5,000-digit number
@@ -200,6 +203,6 @@ class WallClock:
 
 
 def packaged_hw_names() -> list[str]:
-    """The presets shipped in profiles/hw (what `--hw NAME` accepts)."""
+    """The presets shipped in moetool/hw_presets (what `--hw NAME` accepts besides profiles/hw/NAME.json)."""
     return sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []
 
