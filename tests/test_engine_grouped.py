@@ -106,9 +106,16 @@ def test_a_policy_that_touches_a_routed_plan_gets_its_own_arrays():
     assert torch.equal(view.top_k_weights, weight) and plan.routing_weight()[0, 0] == 0
     assert plan.uniform_bits() == 4  # weights do not change the grouping: the shortcut stays
     assert plan.bits.tolist() == [[4] * 3] * 2 and plan.where.tolist() == [[0, 0, 0], [0, 0, 2]]  # id 4 = E: dropped
-    assert plan.uniform_bits() is None  # read arrays may have been changed in place: the shortcut is off
+    assert plan.uniform_bits() == 4  # read, not changed: the shortcut stays (Fate reads `running()` every step)
     plan.expert[1, 0] = 3
     assert view.top_k_index[1, 0] == 1  # a changed expert is the policy's copy
+    assert plan.uniform_bits() is None  # changed in place: the general path runs it
+    again = LayerPlan.routed(view, 4)
+    again.where[0, 1] = 2  # a skip written in place
+    assert again.uniform_bits() is None
+    assigned = LayerPlan.routed(view, 4)
+    assigned.expert = idx.clone()  # assigned without reading, but the router's own experts
+    assert assigned.uniform_bits() == 4
 
 
 def test_static_low_bits_equal_grouped_mm_on_the_dequantized_weights_bit_for_bit(tiny_ckpt, bundle):

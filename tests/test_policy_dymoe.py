@@ -175,7 +175,7 @@ def test_knobs_and_description():
     d = pol.describe()
     assert d["retention"][0] == 1.0 and math.isclose(sum(d["retention"]) / 4, 0.9)
     json.dumps(d)
-    assert type(pol).needs_token_importance
+    assert "token_importance" in type(pol).signals
     with pytest.raises(MoetoolError, match="config"):
         make_policy("dymoe", {"config": "4-2"}, make_ctx())
     with pytest.raises(MoetoolError, match="high bits"):

@@ -13,6 +13,7 @@ import torch
 
 from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
                                    parse_size, plan_margin, split_budget)
+from moetool.engine.captured import captured_workspace
 from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
 from moetool.engine.runtime import EXPERTS_IMPLS, Engine  # noqa: F401 (API)
@@ -24,16 +25,19 @@ from moetool.policies import make_policy
 from moetool.policies.base import EngineContext
 
 def plan_budget(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
-                device: str | torch.device = "cpu") -> BudgetPlan:
+                device: str | torch.device = "cpu", captured: bool = False) -> BudgetPlan:
     """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts. On a
-    GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`)."""
+    GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`); for the captured
+    decode step, its gather workspace (`captured_workspace`)."""
     n_experts = sum(layer.num_experts for layer in lm.geometry.layers)
     # Some stored precision decoded rather than read in place: the decode workspace is device memory too.
     decoded = any(not store.stack_is_view(layer.index, b) for layer in lm.geometry.layers for b in store.bits)
+    margin = plan_margin(lm.model.config, lm.geometry.layers, max_tokens, batch, store.compute_dtype, decoded)
+    if captured:
+        margin += captured_workspace(lm.geometry.layers, store)
     return split_budget(spec, n_experts=n_experts, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
                         non_expert_bytes=lm.non_expert_bytes(),
-                        margin_bytes=plan_margin(lm.model.config, lm.geometry.layers, max_tokens, batch,
-                                                 store.compute_dtype, decoded) + device_workspace(torch.device(device)))
+                        margin_bytes=margin + device_workspace(torch.device(device)))
 
 
 def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, dict]:
@@ -60,7 +64,8 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                  fitted: dict[str, Any] | None = None, budget: str = "100%", clock: str = "wall",
                  hw: str = DEFAULT_HW, device: str | torch.device = "cpu", max_tokens: int = PLAN_TOKENS,
                  batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None,
-                 experts_impl: str = "grouped_mm", kernels: bool = True) -> tuple[Engine, BudgetPlan]:
+                 experts_impl: str = "grouped_mm", kernels: bool = True,
+                 captured: bool = False) -> tuple[Engine, BudgetPlan]:
     """Build the policy and the engine over `store` and install it in `lm`.
 
     `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
@@ -72,12 +77,16 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     run low-bit experts through torch's CPU kernels where they apply (bf16 or fp32 compute on a CPU;
     INT4 and INT2 in groups of 32+ through the packed-int4 matmul, per-channel INT8 through the int8
     weight-only one; `moetool.quant.kernels`); off, they are dequantized per batch as every other
-    precision.
+    precision. `captured` plans the engine for the captured decode step (`engine/decode.py`): its
+    workspace in the budget, slots in the bundle's own layout (no CPU kernels), and on CUDA the host
+    mirrors as the pinned tier (the store's own tiers off).
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
     device = torch.device(device)
-    plan = plan_budget(budget, lm, store, max_tokens, batch, device)
+    if captured:
+        kernels, host_tiers = False, False
+    plan = plan_budget(budget, lm, store, max_tokens, batch, device, captured)
     cost, _ = cost_model(lm, store, hw)
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
@@ -102,6 +111,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, kernels)
     engine.stats.foreign_bytes = foreign
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
+    engine.planned_captured = captured  # the budget holds the captured step's workspace
     dtype = str(store.compute_dtype).removeprefix("torch.")
     kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}
     engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, **store.host_stats()}

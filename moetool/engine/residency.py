@@ -99,6 +99,9 @@ class Residency:
         # admission stood for the first reference (otherwise ARC would put every prefetched expert in
         # its frequency list T2 on first use).
         self._fresh: set[tuple[int, int, int]] = set()
+        # (layer, expert, bits, slot or -1) as copies become usable or leave, for a device-side copy of
+        # the table (`engine/captured.py`'s slot table); None: nobody keeps one.
+        self.changes: list[tuple[int, int, int, int]] | None = None
 
     # -- CacheView (what policies read) -------------------------------------------------------
     def resident_bits(self, layer: int, expert: int) -> tuple[int, ...]:
@@ -234,8 +237,11 @@ class Residency:
         return self.staging[bits][i]
 
     def publish(self, layer: int, expert: int, bits: int) -> None:
-        self.table[layer, expert, bits].state = State.RESIDENT
+        handle = self.table[layer, expert, bits]
+        handle.state = State.RESIDENT
         self._in_flight.discard((layer, expert, bits))
+        if self.changes is not None:
+            self.changes.append((layer, expert, bits, handle.slot))
 
     def loading(self) -> list[tuple[tuple[int, int, int], Handle]]:
         """The copies still in flight (a few per layer, not the whole table)."""
@@ -247,6 +253,8 @@ class Residency:
         handle = self.table.pop((layer, expert, bits), None)
         if handle is None:
             return
+        if self.changes is not None:
+            self.changes.append((layer, expert, bits, -1))
         pool = self.pools[bits]
         del pool.holders[layer, expert]
         pool.free.append(handle.slot)

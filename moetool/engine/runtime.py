@@ -27,6 +27,7 @@ from moetool.engine.clock import CostModel, SimClock, WallClock
 from moetool.engine.device_layers import DeviceLayers
 from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows
 from moetool.engine.residency import Handle, Residency, State
+from moetool.engine.signals import mean_scores, token_importance
 from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier, HostRows, routing_to_host, rows_to_host, upload
@@ -36,7 +37,6 @@ from moetool.errors import MoetoolError
 from moetool.inference import call_router, past_tokens, router_logits
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
-from moetool.policies.dymoe import token_importance
 from moetool.quant.kernels import MODULES as KERNELS
 from moetool.quant.kernels import layers_on_kernel
 
@@ -50,6 +50,8 @@ class EngineExperts(ProviderExperts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.engine.capturing:  # inside the captured decode step (`engine/decode.py`)
+            return self.engine.captured.run(self, hidden_states, top_k_index, top_k_weights)
         return self.engine.run_layer(self, hidden_states, top_k_index, top_k_weights)
 
 
@@ -75,6 +77,11 @@ class Engine:
         # layer after another mixer (Mamba, linear attention) reads the nearest one before it (dymoe.py).
         self._importance: torch.Tensor | None = None
         self._predicting = False
+        # The captured decode step's layers (`engine/captured.py`), and whether a forward now is one of
+        # its steps: then the hooks below stand aside (a step is the program's, not the host's).
+        self.captured: Any = None
+        self.capturing = False
+        self.planned_captured = False  # whether the budget holds the captured step's workspace (build_engine)
         # The sequence length and batch the budget's KV margin was planned for (0: not checked).
         self.plan_tokens, self.plan_batch = 0, 1
         self._hooks, self._routers = [], []  # forward hooks; routers whose forward it wraps (`_install`)
@@ -121,7 +128,7 @@ class Engine:
             # path, ~40 us a layer on the CI machine (1-2% of a demo decode step, bench_engine.py p1).
             router.forward = self._router_capture(g.index, router.forward)
             self._routers.append(router)
-        if self.policy.needs_token_importance:
+        if "token_importance" in self.policy.signals:
             # DyMoE eq. 1 needs attention probabilities, which only the eager kernel returns. A model
             # without softmax attention layers (or an eager kernel) gets none: eq. 2 then counts every token.
             try:
@@ -140,13 +147,17 @@ class Engine:
 
         def capture(*args, **kwargs):
             output = forward(*args, **kwargs)
-            if not self._predicting:
+            if self.capturing:
+                self.captured.router_output(layer, output)
+            elif not self._predicting:
                 self._logits[layer] = router_logits(output, experts)  # [T, E]
             return output
         return capture
 
     def _attention_hook(self):
         def hook(module, args, output):
+            if self.capturing:
+                return
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Tq, Tk]
             if isinstance(weights, torch.Tensor) and weights.dim() == 4 and self.step is not None \
                     and self.step.phase == Phase.PREFILL:
@@ -154,6 +165,8 @@ class Engine:
         return hook
 
     def _before_forward(self, module, args, kwargs):
+        if self.capturing:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None and kwargs.get("inputs_embeds") is not None:  # [B, T, H]: its tokens count the same
             ids = kwargs["inputs_embeds"][..., 0]
@@ -164,7 +177,8 @@ class Engine:
         self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
 
     def _after_forward(self, module, args, output):
-        self.end_step()
+        if not self.capturing:
+            self.end_step()
 
     # -- steps -----------------------------------------------------------------------------------
     def begin_step(self, phase: Phase, num_tokens: int) -> None:
@@ -233,7 +247,7 @@ class Engine:
         index, weights, logits = routing_to_host(top_k_index, top_k_weights, self._logits.pop(g.index, None))
         logits = logits if logits is not None else torch.empty(0)  # [T, E]
         if logits.numel() and self.residency.wants_scores():
-            self.residency.observe(g.index, torch.softmax(logits, -1).mean(0))  # SMoE eq. 3's iteration scores
+            self.residency.observe(g.index, mean_scores(logits))  # a score window's iteration (SMoE eq. 3)
         return LayerView(
             layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
             top_k_index=index, top_k_weights=weights, router_logits=logits, residency=self.residency,

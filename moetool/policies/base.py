@@ -19,14 +19,18 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from moetool.errors import MoetoolError, article
 
+if TYPE_CHECKING:
+    from moetool.policies.device import DevicePlan, DeviceView
+
 Key = tuple[int, int]  # (decoder layer index, expert)
+SIGNALS = ("token_importance", "router_logits")  # what `Policy.signals` may name
 
 
 class Phase(IntEnum):
@@ -120,25 +124,39 @@ def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 class _Made:
     """A `LayerPlan` array made from the router's view on first access (`make(view, plan)`), then the
-    plan's own: a policy may change it in place or assign another."""
+    plan's own: a policy may change it in place or assign another. What it was made as is kept
+    (`LayerPlan._made`), so the engine can tell a plan a policy changed from one it only read."""
 
     def __init__(self, make: Callable[["LayerView", "LayerPlan"], np.ndarray]):
         self.make = make
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = "_" + name
+        self.name, self.slot = name, "_" + name
 
     def __get__(self, plan: "LayerPlan | None", owner: type | None = None):
         if plan is None:
             return self
         value = getattr(plan, self.slot)
         if value is None:
-            value = torch.from_numpy(self.make(plan._view, plan))
+            made = self.make(plan._view, plan)
+            value = torch.from_numpy(made.copy())
             setattr(plan, self.slot, value)
+            if plan._view is not None:
+                plan._made[self.name] = made
         return value
 
     def __set__(self, plan: "LayerPlan", value: torch.Tensor) -> None:
         setattr(plan, self.slot, value)
+
+    def changed(self, plan: "LayerPlan") -> bool:
+        """Whether the plan's array differs from what the router's view makes (never made: unchanged)."""
+        value = getattr(plan, self.slot)
+        if value is None:
+            return False
+        made = plan._made.get(self.name)
+        if made is None:  # assigned without being read: compare with what it would have been made as
+            made = plan._made[self.name] = self.make(plan._view, plan)
+        return not np.array_equal(value.numpy(), made)
 
 
 def _valid_or_skip(view: "LayerView", plan: "LayerPlan") -> np.ndarray:
@@ -154,11 +172,12 @@ class LayerPlan:
 
     `routed` makes its arrays on first access: a policy that reads or changes one gets its own
     copy, and one that never touches them (every lossless policy, static precision) costs the hot
-    path nothing, and tells the engine so (`uniform_bits`): every routed slot runs as routed, on
-    the device, at one precision.
+    path nothing. Either way the engine asks `uniform_bits` whether the plan is still the router's
+    at one precision: what a policy *changed* decides it, not what it read (Fate reads `running()`
+    every decode step and changes nothing).
     """
 
-    __slots__ = ("_expert", "_bits", "_where", "_weight", "_view", "_uniform")
+    __slots__ = ("_expert", "_bits", "_where", "_weight", "_view", "_uniform", "_made")
 
     # numpy on the host arrays: a torch call on a [1, k] tensor costs more than the numpy work.
     expert = _Made(lambda view, plan: view.top_k_index.numpy().copy())
@@ -170,13 +189,14 @@ class LayerPlan:
         self._expert, self._bits, self._where, self._weight = expert, bits, where, weight
         self._view: LayerView | None = None
         self._uniform: int | None = None
+        self._made: dict[str, np.ndarray] = {}
 
     @classmethod
     def routed(cls, view: LayerView, bits: int) -> "LayerPlan":
         """Run every selected expert as routed, on the device, at `bits`; dropped slots are skipped."""
         plan = cls.__new__(cls)
         plan._expert = plan._bits = plan._where = plan._weight = None
-        plan._view, plan._uniform = view, bits
+        plan._view, plan._uniform, plan._made = view, bits, {}
         return plan
 
     def running(self) -> torch.Tensor:
@@ -186,9 +206,12 @@ class LayerPlan:
     # -- what the engine reads (without making copies) --------------------------------------------
     def uniform_bits(self) -> int | None:
         """The one precision every routed slot runs at, on the device, as routed, if no policy
-        touched the routed plan's experts, bits or placement; else None. (A slot the router
-        marked dropped is still skipped: the engine checks the experts' range.)"""
-        if self._uniform is None or self._expert is not None or self._bits is not None or self._where is not None:
+        changed the routed plan's experts, bits or placement (reading them changes nothing); else
+        None. (A slot the router marked dropped is still skipped: the engine checks the experts' range.)"""
+        if self._uniform is None:
+            return None
+        cls = type(self)
+        if any(getattr(cls, name).changed(self) for name in ("expert", "bits", "where")):
             return None
         return self._uniform
 
@@ -225,8 +248,10 @@ class Policy:
 
     name: ClassVar[str] = "base"
     Params: ClassVar[type[Params]] = Params
-    # Ask the engine for DyMoE's heavy-hitter token scores in prefill (needs eager attention weights).
-    needs_token_importance: ClassVar[bool] = False
+    # Signals the policy reads, by name, that the engine computes only when asked (`SIGNALS`):
+    # "token_importance" (heavy-hitter scores s_i of prefill tokens; needs eager attention weights),
+    # "router_logits" (a layer's full router logits inside the captured step).
+    signals: ClassVar[frozenset[str]] = frozenset()
     # Whether `plan`/`prefetch` read a layer's routing on the host. A policy whose plan is the
     # router's own and whose experts are all resident (resident, static) sets it False: the engine
     # then runs its layers on the device as transformers does, without waiting for the routing.
@@ -282,6 +307,34 @@ class Policy:
     def end_step(self, step: Step, residency: ResidencyView) -> list[Fetch]:
         """Background migrations to start now (e.g. DynaExq promotions); the forward never waits on them."""
         return []
+
+    # -- the captured decode step (`policies/device.py`) -------------------------------------------
+    def plan_step(self, view: "DeviceView") -> "DevicePlan":
+        """The in-step plan: `plan`'s decision for a decode token, in tensor operations on the device
+        (no host read, no routing-dependent shape, no Python branch on a tensor). The default is the
+        default `plan`'s: every routed expert at `precisions()[0]`."""
+        from moetool.policies.device import DevicePlan
+
+        return DevicePlan.of_router(view, self.precisions()[0])
+
+    def log_layer(self, view: LayerView) -> list[Fetch]:
+        """The host half of a captured step, one step behind, per MoE layer: the layer's routing as it
+        ran (`view`, rebuilt from the step's log: no look-ahead) for bookkeeping `plan` does on the
+        host path (DynaExq's hotness counters); returns fetches to start (EAP's co-activation prefetch)."""
+        return []
+
+    def captured_unsupported(self) -> str | None:
+        """Why this policy cannot run in the captured step (its decision has no in-step form), or None.
+        A policy that overrides `plan` but not `plan_step` has none: its rule exists only on the host."""
+        cls = type(self)
+        if cls.plan is not Policy.plan and cls.plan_step is Policy.plan_step:
+            return f"policy '{self.name}' has no in-step plan (plan_step)"
+        return None
+
+    def device_misses(self, bits: int) -> bool:
+        """Whether an expert this policy runs at `bits` in the captured step can lack a device copy (then
+        the step reads it from host memory). False where the plan picks `bits` only for resident copies."""
+        return True
 
     def describe(self) -> dict[str, Any]:
         high, low = self.precisions()

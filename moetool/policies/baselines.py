@@ -105,6 +105,11 @@ class ActivationPathPrefetch(LRUCache):
         self.counts = torch.zeros(n, E, E)  # [L, E, E]
         self.prev: torch.Tensor | None = None  # [T, E] experts of the previous MoE layer in this forward
 
+    def log_layer(self, view: LayerView) -> list[Fetch]:
+        """The captured step: the counts and the prediction read only the routing, so they run on the
+        host one step behind; the next layer's experts are fetched for the next token."""
+        return self.prefetch(view)
+
     def prefetch(self, view: LayerView) -> list[Fetch]:
         i = view.moe_pos
         if i == 0:

@@ -1,12 +1,17 @@
 """DyMoE (Huang et al., 2026): importance-driven mixed precision with a depth schedule and look-ahead prefetch.
 
-- importance: prefill, the heavy-hitter token load of each expert (eq. 1-2); decode, the gate score
-  (eq. 3);
+- importance: prefill, the heavy-hitter token load of each expert (eq. 1-2; s_i is the engine's
+  "token_importance" signal, `engine/signals.py`); decode, the gate score (eq. 3);
 - depth-aware scheduling: retention r(l) on a cosine schedule (eq. 4), t_l = ceil(r(l) * M) critical
   experts per layer (eq. 5), critical at `high_bits`, the rest at `low_bits` (0 = skipped);
 - look-ahead prefetch: the next layer's router on this layer's hidden state (eq. 6), token-frequency
   top-t in prefill (eq. 7), direct top-t in decode (eq. 8);
 - a mixed-precision cache with three rules: no duplication, precision promotion, conservative reuse.
+
+In the captured decode step (`plan_step`) the decode rules run on the device as written; the cache's
+admissions (rules 1 and 2) and the look-ahead's copies happen one step behind, from the step's log:
+an expert eq. 8 predicts for layer l+1 is fetched for the next token, not for this one (measured
+against the host path in README "The captured decode step").
 
     policy = make_policy("dymoe", {"config": "4/0", "r": "0.9"}, ctx)
 """
@@ -22,8 +27,9 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, Where, register)
-from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, even_quota, popularity,
-                                     predicted_scores, routed_experts, valid_slots)
+from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, even_quota, next_moe_layer,
+                                     popularity, predicted_scores, routed_experts, valid_slots)
+from moetool.policies.device import DevicePlan, DeviceView, lookup, rank_in_token, valid
 from moetool.policies.fate import CrossLayerPrefetch
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
@@ -61,15 +67,6 @@ def solve_lambda(r: float, L: int) -> float:
 
 
 # -- phase-adaptive importance (§4.2) --------------------------------------------------------------
-
-
-def token_importance(attn_weights: torch.Tensor) -> torch.Tensor:
-    """DyMoE eq. 1: s_i, the attention token i receives, averaged over heads [B*Tk] from [B, heads, Tq, Tk].
-
-    The paper's "attention score of t_i" is read as H2O's accumulated score: summed over the query
-    positions that see it. The engine (for `plan`) and `profile` (for the routing profile) both call this.
-    """
-    return attn_weights.float().mean(1).sum(1).reshape(-1)
 
 
 def prefill_importance(idx: torch.Tensor, s: torch.Tensor | None, num_experts: int,
@@ -148,8 +145,20 @@ class LookAhead:
             key = g_hat.sum(0)  # eq. 8: TopK_t(g_hat) (one token; summed when a step decodes several)
             M = len(set(torch.topk(g_hat, k, dim=-1).indices.flatten().tolist()))
         t = critical_count(r_next, M)
-        top = torch.topk(key, t).indices.tolist() if t > 0 else []
+        top = torch.sort(key, descending=True, stable=True).indices[:t].tolist()  # ties: the lower id
         return [Fetch(nxt, e, self.bits) for e in top if self.bits not in view.residency.resident_bits(nxt, e)]
+
+    def on_device(self, view: DeviceView) -> tuple[torch.Tensor | None, int]:
+        """Eq. 6 and 8 inside the captured step (one decode token: M = k, so t is known when traced):
+        the next layer's t critical experts by predicted score, those not resident at `bits` (-1)."""
+        nxt = next_moe_layer(self.ctx, view.moe_pos)
+        logits = view.predict(nxt) if nxt is not None else None
+        if logits is None:
+            return None, self.bits
+        g_hat = torch.softmax(logits.float(), dim=-1)  # [T, E] eq. 6
+        t = critical_count(self.schedule[view.moe_pos + 1], min(self.ctx.top_k, g_hat.shape[1]))
+        top = torch.sort(g_hat.sum(0), descending=True, stable=True).indices[:t]  # [t] eq. 8
+        return torch.where(lookup(view.resident(nxt, self.bits), top), -1, top), self.bits
 
 
 # -- mixed-precision cache (§4.4.2) ----------------------------------------------------------------
@@ -171,7 +180,7 @@ class DyMoE(Policy):
     """Critical experts (eq. 2/3, 4, 5) at `high_bits`, the others at `low_bits` or skipped; look-ahead
     prefetch (eq. 6-8); a mixed-precision per-layer cache (§4.4.2)."""
 
-    needs_token_importance = True
+    signals = frozenset({"token_importance"})  # eq. 1's s_i in prefill (the engine's "token_importance")
     derived = {"lam": ("r",)}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
 
     @dataclass(frozen=True)
@@ -264,6 +273,25 @@ class DyMoE(Policy):
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
         return self.prefetcher(view) if self.prefetcher is not None else []
+
+    def plan_step(self, view: DeviceView) -> DevicePlan:
+        """`plan` for one decode token inside the captured step: the t_l critical experts (eq. 3 and
+        5: the token's top weights, ties to the lower id) at high bits; the others at high bits where
+        a high copy is resident (rule 3), else at low bits or skipped (4/0)."""
+        idx, w = view.top_k_index, view.top_k_weights  # [T, k]
+        if idx.shape[0] != 1:
+            raise NotImplementedError("DyMoE's in-step plan decides for one decode token (batch 1)")
+        run = valid(idx, view.num_experts)
+        M = run.sum(1, keepdim=True)  # [1, 1] experts selected (k unless the router dropped a slot)
+        r_l, k = self.schedule[view.moe_pos], idx.shape[1]
+        t_of = torch.tensor([critical_count(r_l, m) for m in range(k + 1)], device=idx.device)  # eq. 5, per M
+        critical = run & (rank_in_token(w, idx, run) < t_of[M])
+        high = critical | lookup(view.resident(view.layer, self.high), idx)
+        bits = torch.where(run, torch.where(high, self.high, self.low), 0)  # [T, k]; 0: skipped (4/0)
+        plan = DevicePlan(expert=idx, bits=bits, weight=torch.where(bits > 0, w, torch.zeros_like(w)))
+        if self.prefetcher is not None:
+            plan.prefetch, plan.prefetch_bits = self.prefetcher.on_device(view)
+        return plan
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "lam_used": self.lam,

@@ -5,6 +5,8 @@ Every expert is resident at `b_lo` (a pool sized to all of them); each MoE layer
 hysteresis. Promotions are background migrations (`end_step`), admitted by the budget
 (`admit`), published by the engine only when their copy has completed; the forward always
 runs the version that is resident now (§3.2's invariant), so it never waits for a promotion.
+In the captured decode step the counters and promotions run one step behind, from the step's log:
+the paper's promotions are asynchronous already, so only the counters' timing moves (by one token).
 
     policy = make_policy("dynaexq", {"config": "4/2"}, ctx)
 """
@@ -21,6 +23,7 @@ from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool,
                                    ResidencyView, Step, register)
 from moetool.policies.common import assign_by_expert, check_bits, popularity, routed_experts
+from moetool.policies.device import DevicePlan, DeviceView, lookup
 
 
 class HandleState(str, Enum):
@@ -187,6 +190,22 @@ class DynaExq(Policy):
         assign_by_expert(plan.bits, plan.expert, valid, {e: self.hi for e in routed_experts(plan.expert, valid)
                                                          if self.hi in view.residency.resident_bits(view.layer, e)})
         return plan
+
+    def plan_step(self, view: DeviceView) -> DevicePlan:
+        """`plan` inside the captured step: b_hi where a high copy is resident on the device, else b_lo
+        (always resident). The hotness counters are fed one step behind (`log_layer`)."""
+        plan = DevicePlan.of_router(view, self.lo)
+        high = lookup(view.resident(view.layer, self.hi), view.top_k_index)  # [T, k]
+        plan.bits = torch.where((plan.bits > 0) & high, self.hi, plan.bits)
+        plan.routed = False
+        return plan
+
+    def log_layer(self, view: LayerView) -> list[Fetch]:
+        self.hotness.observe(view.moe_pos, view.top_k_index)  # §3.5's counters, as `plan` keeps them
+        return []
+
+    def device_misses(self, bits: int) -> bool:
+        return False  # b_hi only where resident; every expert resident at b_lo
 
     def end_step(self, step: Step, cache: ResidencyView) -> list[Fetch]:
         """At an interval's end, new targets H_l; every step, the promotions still outstanding."""

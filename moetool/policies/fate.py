@@ -23,8 +23,10 @@ import torch
 
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, check_at_most, register)
-from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, hw_seconds, popularity,
-                                     predicted_scores, routed_experts)
+from moetool.policies import device
+from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, hw_seconds, next_moe_layer,
+                                     popularity, predicted_scores, routed_experts)
+from moetool.policies.device import DevicePlan, DeviceView
 
 # -- Fate's mechanisms -----------------------------------------------------------------------------
 
@@ -147,6 +149,17 @@ class CrossLayerPrefetch:
             out.append(Fetch(nxt, e, bits))
         return out
 
+    def on_device(self, view: DeviceView) -> tuple[torch.Tensor | None, int]:
+        """The decode rule inside the captured step: the next layer's experts above the percentile
+        that are not resident at `bits`, best first, at most n (-1 padding)."""
+        nxt = next_moe_layer(self.ctx, view.moe_pos)
+        logits = view.predict(nxt) if nxt is not None else None
+        if logits is None:
+            return None, self.bits
+        chosen, best = device.above_percentile(torch.softmax(logits.float(), dim=-1), self.percentile)  # [E]
+        chosen = chosen & ~view.resident(nxt, self.bits)
+        return device.best_first(best, chosen, min(self.n, chosen.shape[0])), self.bits
+
 
 @register("fate")
 class Fate(Policy):
@@ -239,6 +252,17 @@ class Fate(Policy):
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
         return self.prefetcher(view) if self.prefetcher is not None else []
+
+    def plan_step(self, view: DeviceView) -> DevicePlan:
+        """A decode token inside the captured step: every routed expert at `cache_bits` (§4.5), and the
+        cross-layer prefetch (§4.3). Its copies start one step behind, from the step's log: an expert
+        predicted for layer i+1 arrives for the next token, not this one (the paper's overlap within
+        a token is what a host-driven step does; measured against it in README "The captured
+        decode step")."""
+        plan = DevicePlan.of_router(view, self.params.cache_bits)
+        if self.prefetcher is not None:
+            plan.prefetch, plan.prefetch_bits = self.prefetcher.on_device(view)
+        return plan
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "quota": self.quota,

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from moetool.policies.base import EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool, Where, register
-from moetool.policies.common import all_experts, check_eviction, even_quota, hw_seconds, predicted_scores, valid_slots
+from moetool.policies.common import all_experts, check_eviction, even_quota, hw_seconds, next_moe_layer, predicted_scores
+from moetool.policies.device import DevicePlan, DeviceView, best_first
 from moetool.policies.eviction import Eviction, register_eviction
 from moetool.policies.fate import CrossLayerPrefetch
 
@@ -54,36 +55,35 @@ def cache_router(scores: torch.Tensor, idx: torch.Tensor, resident: torch.Tensor
     """
     T, k = idx.shape
     E = scores.shape[1]
-    out = idx.clone()
     if k >= E:
-        return out
-    valid = valid_slots(idx, E)  # [T, k]
+        return idx.clone()
+    valid = (idx >= 0) & (idx < E)  # [T, k]
+    safe = idx.clamp(0, E - 1)
     hi, lo, low_bound = thresholds(scores, k, alpha)  # [T] each
-    sel = scores.gather(1, idx.clamp(0, E - 1))  # [T, k] scores of the active experts
+    sel = scores.gather(1, safe)  # [T, k] scores of the active experts
     top = valid & (sel > hi[:, None])  # [T, k] top-score slots
-    in_c = torch.zeros(E, dtype=torch.bool)
-    in_c[idx[top]] = True  # C: top-score experts of every token
+    # C: top-score experts of every token (a scatter, not a boolean index: the same on the device)
+    in_c = torch.zeros(E, dtype=torch.long, device=idx.device).scatter_reduce(
+        0, safe.reshape(-1), top.reshape(-1).long(), "amax") > 0  # [E]
     usable = resident | in_c  # [E] where a substitute may come from
     # Every token at once (a [T, k] and a [T, E] pass, no loop over tokens):
     # B_t: active, valid, not top-score, at or above L, not usable as is; best-scored first.
-    b = valid & ~top & (sel >= lo[:, None]) & ~usable[idx.clamp(0, E - 1)]  # [T, k]
-    active = torch.zeros(T, E, dtype=torch.long).scatter_add_(1, idx.clamp(0, E - 1), valid.long()) > 0  # [T, E]
+    b = valid & ~top & (sel >= lo[:, None]) & ~usable.index_select(0, safe.reshape(-1)).view(T, k)  # [T, k]
+    active = torch.zeros(T, E, dtype=torch.long, device=idx.device).scatter_add_(1, safe, valid.long()) > 0  # [T, E]
     inactive = ~active  # a dropped slot (E or -1) activates nothing
     # A_t: inactive and usable experts with R <= score <= L; best-scored first.
     a = inactive & usable & (scores >= low_bound[:, None]) & (scores <= lo[:, None])  # [T, E]
-    inf = torch.tensor(float("inf"))
-    b_rank = torch.argsort(torch.where(b, -sel, inf), dim=1, stable=True)  # [T, k] B's slots first, best first
-    a_rank = torch.argsort(torch.where(a, -scores, inf), dim=1, stable=True)  # [T, E] A's experts first
+    b_rank = torch.argsort(torch.where(b, -sel, float("inf")), dim=1, stable=True)  # [T, k] B's slots first, best first
+    a_rank = torch.argsort(torch.where(a, -scores, float("inf")), dim=1, stable=True)  # [T, E] A's experts first
     n_b, n_a = b.sum(1, keepdim=True), a.sum(1, keepdim=True)  # [T, 1]
     # |A| >= |B|: B's r-th best takes A's r-th best. |A| < |B|: B's top |B| - |A| stay, and B's r-th
     # best (r >= |B| - |A|) takes A's (r - (|B| - |A|))-th best. Either way: shift = max(0, |B| - |A|).
-    r = torch.arange(k).expand(T, k)  # [T, k] rank within B
+    r = torch.arange(k, device=idx.device).expand(T, k)  # [T, k] rank within B
     shift = (n_b - n_a).clamp(min=0)
     takes = (r < n_b) & (r >= shift)  # [T, k] B ranks that are replaced
     pick = a_rank.gather(1, (r - shift).clamp(0, E - 1))  # [T, k] A's expert for each B rank
-    rows = torch.arange(T)[:, None].expand(T, k)
-    out[rows[takes], b_rank[takes]] = pick[takes]
-    return out
+    # b_rank is a permutation of each token's slots: every slot is written once, by its rank.
+    return idx.scatter(1, b_rank, torch.where(takes, pick, idx.gather(1, b_rank)))
 
 
 def cpu_split(costs_cpu: list[float], c_load: float, rule: str = "alg2") -> int:
@@ -177,17 +177,32 @@ class TopScorePrefetch:
         if pred is None:
             return []
         nxt, scores = pred  # [T, E]
-        k = min(self.ctx.top_k, scores.shape[1] - 1)
-        hi, _, _ = thresholds(scores, k, self.alpha)
-        best = torch.where(scores > hi[:, None], scores, torch.full_like(scores, -1.0)).amax(0)  # [E]
+        best = self._best(scores)
         chosen = (best >= 0).nonzero().squeeze(1)
         chosen = chosen[torch.argsort(best[chosen], descending=True, stable=True)].tolist()
         return [Fetch(nxt, e, self.bits) for e in chosen if self.bits not in view.residency.resident_bits(nxt, e)]
+
+    def _best(self, scores: torch.Tensor) -> torch.Tensor:
+        """[E] the best predicted score of each expert that is top-score for some token, else -1."""
+        hi, _, _ = thresholds(scores, min(self.ctx.top_k, scores.shape[1] - 1), self.alpha)
+        return torch.where(scores > hi[:, None], scores, torch.full_like(scores, -1.0)).amax(0)  # [E]
+
+    def on_device(self, view: DeviceView) -> tuple[torch.Tensor | None, int]:
+        """The same inside the captured step: every predicted top-score expert not resident, best first."""
+        nxt = next_moe_layer(self.ctx, view.moe_pos)
+        logits = view.predict(nxt) if nxt is not None else None
+        if logits is None:
+            return None, self.bits
+        best = self._best(gate_scores(logits))
+        chosen = (best >= 0) & ~view.resident(nxt, self.bits)
+        return best_first(best, chosen, chosen.shape[0]), self.bits
 
 
 @register("smoe")
 class SMoE(Policy):
     """Expert-cache router + score eviction + top-score prefetch + CPU-assisted compute, at `bits`."""
+
+    signals = frozenset({"router_logits"})  # Algorithm 1 reads every expert's score, in the captured step too
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -266,6 +281,25 @@ class SMoE(Policy):
 
     def prefetch(self, view: LayerView) -> list[Fetch]:
         return self.prefetcher(view) if self.prefetcher is not None else []
+
+    def plan_step(self, view: DeviceView) -> DevicePlan:
+        """Algorithm 1 inside the captured step, on the device slot table's residency; the prefetch.
+        Eq. 3's score window is fed from the step's log, one step behind."""
+        bits = self.params.bits
+        plan = DevicePlan.of_router(view, bits)
+        if view.router_logits is not None:
+            resident = view.resident(view.layer, bits)  # [E]
+            expert = cache_router(gate_scores(view.router_logits), view.top_k_index, resident, self.params.alpha)
+            plan = DevicePlan(expert=expert, bits=plan.bits, weight=view.top_k_weights)
+        if self.prefetcher is not None:
+            plan.prefetch, plan.prefetch_bits = self.prefetcher.on_device(view)
+        return plan
+
+    def captured_unsupported(self) -> str | None:
+        if self.params.cpu_assist and self.c_load and self.c_cpu:
+            return ("SMoE's CPU-assisted experts (Algorithm 2) have no captured form (a host callback inside a "
+                    "CUDA graph would hold the interpreter); --set cpu_assist=false runs SMoE captured")
+        return super().captured_unsupported()
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "c_load": self.c_load, "c_cpu": self.c_cpu,

@@ -23,7 +23,7 @@ from torch import nn
 from moetool.errors import MoetoolError
 from moetool.inference import call_router, router_logits, with_cache
 from moetool.model import LoadedModel
-from moetool.policies.dymoe import token_importance
+from moetool.engine.signals import token_importance
 
 PHASES = ("prefill", "decode")
 

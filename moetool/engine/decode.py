@@ -1,0 +1,323 @@
+"""The captured decode path: a decode step `(token, position) -> next token` over a static KV cache
+that runs without the host (one compiled program; one CUDA graph replay on a GPU), and moetool's
+own greedy loop around it, with the policy's host half one step behind.
+
+Prefill stays on the host-driven path (`engine/runtime.py`), writing the same static cache. Then
+each decode step runs the model with the engine's captured MoE layers (`engine/captured.py`): the
+policy's in-step plan, the device slot table, experts read from their slots or, for a miss, from
+host memory in place. After launching step t+1 the host reads step t's log and does the policy's
+host half (admission and fills, eviction orders, prefetches, promotions: the host path's own
+`admit`, `end_step` and eviction orders, and `Policy.log_layer`), so its decisions reach the slot
+table before step t+2. On a CPU the same order holds, step by step, so a test there decides what a
+GPU run decides.
+
+    program = DecodeProgram(engine, max_tokens=64)
+    tokens = program.generate(ids, max_new_tokens=16)        # ids [1, T] -> list of token ids
+    program.summary()                                         # {"path": "captured", "compile_s": ...}
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Any
+
+import torch
+
+from moetool.engine.captured import CapturedLayers
+from moetool.engine.mirror import host_mirrors
+from moetool.engine.stats import StepRecord
+from moetool.errors import MoetoolError
+from moetool.inference import with_cache
+from moetool.policies.base import Fetch, LayerView, Phase, Step
+
+PATHS = ("auto", "captured", "host")
+
+
+def unavailable(engine: Any, batch: int) -> str | None:
+    """Why `engine` cannot decode on the captured path (checked before any work), or None."""
+    if batch != 1:
+        return f"the captured step decodes one sequence at a time, not a batch of {batch}"
+    if not engine.grouped:
+        return "--experts-impl eager runs one expert at a time on the host path only"
+    if engine.kernel_layers:
+        return "the engine was built with the CPU low-bit kernels, whose slots the captured step does not read"
+    reason = engine.policy.captured_unsupported()
+    if reason:
+        return reason
+    if engine.device.type == "cuda":
+        from moetool.engine.zero_copy import unavailable as zero_copy_unavailable
+
+        reason = zero_copy_unavailable(engine.device)
+        if reason:
+            return reason
+    return None
+
+
+class DecodeProgram:
+    """The captured decode step of one engine, its static cache and its loop (see the module docstring).
+
+    Built once (compiled, and captured on CUDA); `generate` runs one prompt. Raises MoetoolError with
+    the reason where the model or the policy cannot be captured (the caller falls back to the host path).
+    """
+
+    def __init__(self, engine: Any, max_tokens: int, host_budget: int | None = None,
+                 backend: str | None = None, graph: bool | None = None):
+        from transformers import StaticCache
+
+        self.engine, self.device = engine, engine.device
+        lm = engine.lm
+        reason = unavailable(engine, 1)
+        if reason:
+            raise MoetoolError(reason)
+        mirrors = host_mirrors(lm, engine.store, engine.policy.bits_in_use(), self.device, host_budget)
+        if isinstance(mirrors, str):
+            raise MoetoolError(mirrors)
+        self.mirrors = mirrors
+        self.layers = CapturedLayers(engine, mirrors)
+        self.layers.prepare()
+        self._check_plan()
+        self.cache = StaticCache(config=lm.model.config, max_cache_len=max_tokens)
+        self._cache_keyword = next(iter(with_cache(lm.model, None)))  # read here, not inside the traced step
+        self.max_tokens = max_tokens
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the step's input token
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
+        pin = self.device.type == "cuda"
+        self.host_logs = [{k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in
+                           self.layers.log.tensors().items()} for _ in range(2)]
+        self.graph = graph if graph is not None else self.device.type == "cuda"
+        self._cuda_graph = None
+        self.steps = 0  # decode steps run, over every prompt
+        self.zero_copy_bytes = 0
+        engine.captured = self.layers
+        t0 = time.perf_counter()
+        try:
+            self._build(backend)
+        except MoetoolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - anything the compiler or the capture refuses is a fallback reason
+            engine.captured = None
+            engine.capturing = False
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise MoetoolError(f"the decode step does not compile ({type(e).__name__}: {first[:200]})") from None
+        self.compile_s = time.perf_counter() - t0
+
+    def _check_plan(self) -> None:
+        """The step gathers each routed expert's blob (and, where it may miss, its host row) and
+        decodes them: the budget's margin must hold that (`captured_workspace`), planned at build."""
+        if not self.engine.planned_captured:
+            raise MoetoolError("the engine's budget was not planned for the captured step's workspace; build it "
+                               "with build_engine(..., captured=True)")
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _step(self) -> None:
+        model = self.engine.lm.model
+        out = model(input_ids=self.tok, cache_position=self.pos, position_ids=self.pos.view(1, 1), use_cache=True,
+                    **{self._cache_keyword: self.cache})
+        nxt = out.logits[:, -1].argmax(-1)  # [1] greedy, on the device
+        self.layers.log.token.copy_(nxt)
+        self.tok.copy_(nxt.view(1, 1))
+        self.pos.add_(1)
+
+    def _build(self, backend: str | None) -> None:
+        """One eager step (the static cache allocates its tensors outside any graph), the compile, and
+        on CUDA the capture; then the cache is cleared for the first prompt."""
+        engine = self.engine
+        engine.capturing = True
+        try:
+            with torch.no_grad():
+                self._step()  # eager: initializes the cache, and any error here is the model's, not the compiler's
+                self.compiled = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False,
+                                              backend=backend or "inductor")
+                self.compiled()
+                if self.graph:
+                    stream = torch.cuda.Stream(self.device)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):
+                            self.compiled()
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    self._cuda_graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self._cuda_graph):
+                        self.compiled()
+        finally:
+            engine.capturing = False
+        self.cache.reset()
+
+    def _launch(self) -> None:
+        if self._cuda_graph is not None:
+            self._cuda_graph.replay()
+        else:
+            self.compiled()
+
+    # -- the loop -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+        """Greedy decoding of one prompt `ids` [1, T]: prefill on the host path, then `max_new_tokens`-1
+        captured steps, the host half of step i done after step i+1 is launched. Returns the new tokens."""
+        engine, model = self.engine, self.engine.lm.model
+        T = ids.shape[1]
+        if T + max_new_tokens > self.max_tokens:
+            raise MoetoolError(f"a prompt of {T} tokens plus {max_new_tokens} new ones exceeds the static cache of "
+                               f"{self.max_tokens} tokens the captured step was built for.")
+        self.cache.reset()
+        logits = model(input_ids=ids.to(self.device), cache_position=torch.arange(T, device=self.device),
+                       use_cache=True, **with_cache(model, self.cache)).logits
+        first = logits[:, -1].argmax(-1)  # [1]
+        tokens = [int(first)]
+        self.tok.copy_(first.view(1, 1))
+        self.pos.fill_(T)
+        engine._publish_ready()
+        self.layers.table.sync()
+        events = [self._record()]  # events[i]: step i-1 done on the device (events[0]: the prefill)
+        pending, last = None, time.perf_counter()
+        engine.capturing = True
+        try:
+            for i in range(max_new_tokens - 1):
+                self._launch()
+                host = self.host_logs[i % 2]
+                for name, t in self.layers.log.tensors().items():
+                    host[name].copy_(t, non_blocking=True)
+                events.append(self._record())
+                if pending is not None:
+                    tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
+                    last = self._time_step(pending, events, last)
+                self.layers.table.sync()  # queued behind step i: step i+1 reads it
+                pending = i
+            if pending is not None:
+                tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
+                self._time_step(pending, events, last)
+        finally:
+            engine.capturing = False
+        return tokens
+
+    def _record(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _time_step(self, i: int, events: list, last: float) -> float:
+        """Step i's time: on the sim clock what `_host_half` charged; on the wall clock the device's
+        step-to-step time on CUDA, the host's on a CPU (there the host half runs in line, as it does)."""
+        now = time.perf_counter()
+        if self.engine.clock.kind == "sim":
+            seconds = self._sim_seconds
+        elif events[i] is not None:
+            seconds = events[i].elapsed_time(events[i + 1]) / 1e3
+        else:
+            seconds = now - last
+        self.engine.stats.steps.append(StepRecord("decode", 1, seconds))
+        return now
+
+    # -- the host half, one step behind -----------------------------------------------------------------
+    def _host_half(self, host: dict[str, torch.Tensor], done: Any) -> int:
+        """Read a finished step's log and do what the host path does per layer and step: count, feed
+        the eviction orders and the policy's bookkeeping, admit and fill misses, start prefetches and
+        migrations, publish what has landed. Returns the token the step chose."""
+        if done is not None:
+            done.synchronize()  # this step's log only; the next step is already queued behind it
+        engine, res, pol = self.engine, self.engine.residency, self.engine.policy
+        clock, cost, stats = engine.clock, engine.cost, engine.stats
+        sim = clock.kind == "sim"
+        log = {k: v.numpy() for k, v in host.items()}
+        step = Step(index=engine._step_count, phase=Phase.DECODE, num_tokens=1)
+        engine._step_count += 1
+        if sim:
+            clock.begin_step()
+        for pos, layer in enumerate(self.layers.layers):
+            st = stats.layer(layer)
+            if sim:
+                clock.compute(cost.t_dense(1))
+            routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
+            run = bits > 0
+            st.skips += int((~run).sum())
+            st.substitutions += int((run & (expert != routed)).sum())
+            used = []
+            for e, b, h in zip(expert[run].tolist(), bits[run].tolist(), hit[run].tolist()):
+                st.precision_mix[b] += 1
+                if h:
+                    st.hits[b] += 1
+                    handle = res.get(layer, e, b)
+                    if handle is not None and handle.prefetched:
+                        st.prefetch_used += 1
+                        handle.prefetched = False
+                    if sim:
+                        clock.compute(cost.t_expert(b, 1))
+                else:
+                    st.misses[b] += 1
+                    n = self.engine.store.layout(layer, b).nbytes
+                    st.bytes_h2d += n
+                    self.zero_copy_bytes += n
+                    self.mirrors.verify(layer, e, b)
+                    if sim:  # read over the link by the kernel itself: the compute waits for it
+                        read = cost.t_copy(n)
+                        clock.compute(read + cost.t_expert(b, 1))
+                        st.stall_s += read
+                used.append((e, b, h))
+            st.needed += len(used)
+            if log["scores"].shape[1]:
+                res.observe(layer, torch.from_numpy(log["scores"][pos].copy()))
+            view = LayerView(layer=layer, moe_pos=pos, num_experts=self.layers.num_experts, step=step,
+                             top_k_index=torch.from_numpy(routed.copy()).view(1, -1),
+                             top_k_weights=torch.from_numpy(log["weight"][pos].copy()).view(1, -1),
+                             router_logits=torch.empty(0), residency=res, predict=lambda later: None)
+            fetches = pol.log_layer(view)
+            shield = {(layer, e) for e, _, _ in used}
+            for e, b, h in used:
+                if not h:
+                    self._fill(Fetch(layer, e, b), shield, demand=True)
+            if res.tracks_use():
+                res.used(layer, used)
+            nxt = self.layers.prefetch_bits.get(layer)
+            if nxt is not None and pos + 1 < len(self.layers.layers):
+                later = self.layers.layers[pos + 1]
+                fetches = [Fetch(later, int(e), nxt) for e in log["prefetch"][pos] if e >= 0] + fetches
+            for f in fetches:
+                if self._fill(f, shield, demand=False, prefetched=True) is not None:
+                    stats.layer(f.layer).prefetch_issued += 1
+        for f in pol.end_step(step, res):  # background migrations (DynaExq's promotions)
+            self._fill(f, set(), demand=False)
+        self._sim_seconds = clock.end_step() if sim else 0.0
+        engine._publish_ready()
+        stats.peak_device_bytes = max(stats.peak_device_bytes, res.budget.peak)
+        if self.device.type == "cuda":
+            stats.peak_allocated_bytes = max(stats.peak_allocated_bytes or 0,
+                                             torch.cuda.max_memory_allocated(self.device) - stats.foreign_bytes)
+        self.steps += 1
+        return int(log["token"][0])
+
+    def _fill(self, want: Fetch, shield: set, demand: bool, prefetched: bool = False) -> Any:
+        """Admit `want` (the policy's rule) and copy it from its mirror row into the slot it gets; the
+        copy waits for the step in flight (its victim may still be read there). None: not admitted,
+        or a copy exists already."""
+        engine, res = self.engine, self.engine.residency
+        if res.get(want.layer, want.expert, want.bits) is not None or want.bits not in res.pools:
+            return None
+        victims = engine.policy.admit(want, res, shield, demand)
+        if victims is None:
+            return None
+        handle, dst = res.begin_load(want, victims, prefetched=prefetched)
+        self.mirrors.verify(want.layer, want.expert, want.bits)
+        src = self.mirrors.rows(want.layer, want.bits)[want.expert]
+        handle.event = engine.copier.copy(dst[:src.numel()], src)
+        handle.ready_at = engine.clock.copy(src.numel())
+        engine.stats.layer(want.layer).bytes_h2d += src.numel()
+        return handle
+
+    def summary(self) -> dict[str, Any]:
+        return {"compile_s": self.compile_s, "captured_steps": self.steps, "bytes_zero_copy": self.zero_copy_bytes,
+                "cuda_graph": self._cuda_graph is not None}
+
+
+def _own_code(method: Any) -> Any:
+    """`method` bound to a copy of its code object. The compiler keeps its compiled graphs per code
+    object, with at most eight variants: each program (another model, engine or policy) compiles its
+    own step, which must not count against the others' (nor keep theirs alive)."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+__all__ = ["DecodeProgram", "PATHS", "unavailable"]
