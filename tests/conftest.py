@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tiny import TINY_CONFIGS, save_tiny
+from tiny import save_tiny
 
 # Tiny models gain nothing from intra-op threads, and OpenMP spin-waits make them crawl when the
 # machine's other core is busy.
@@ -20,8 +20,6 @@ def tiny_ckpt(tmp_path_factory):
 
     return make
 
-
-ARCHS = sorted(TINY_CONFIGS)
 
 
 @pytest.fixture(scope="session")

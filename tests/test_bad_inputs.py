@@ -26,9 +26,10 @@ from moetool.policies import POLICIES
 from moetool.policies.base import parse_params
 from moetool.quant import quantize
 from moetool.quant.bundle import Bundle
-from test_cli import _one_error_line
-from test_quant_bundle import config, tiny_moe
-from test_reliability import VALID, write
+from helpers import VALID, tiny_moe
+from helpers import one_error_line as _one_error_line
+from helpers import quantize_config as config
+from helpers import write_json as write
 
 runner = CliRunner()
 
@@ -64,7 +65,7 @@ def test_an_output_path_that_is_a_symlink_is_written_through_and_a_fifo_is_refus
 
 
 def test_fit_into_a_special_file_is_one_sentence_and_leaves_it_alone(tmp_path):
-    from test_fit import synthetic_profile
+    from helpers import synthetic_profile
 
     profile = tmp_path / "p.profile.json"
     synthetic_profile().save(profile)
@@ -201,7 +202,7 @@ def test_a_negative_sentinel_knob_stays_allowed():
 
 
 def test_fit_refuses_an_unknown_hardware_preset(tmp_path):
-    from test_fit import synthetic_profile
+    from helpers import synthetic_profile
 
     profile = tmp_path / "p.profile.json"
     synthetic_profile().save(profile)
@@ -256,7 +257,7 @@ def test_a_sweep_never_writes_its_cells_into_a_bundle(tiny_bundle, tmp_path):
 
 
 def test_a_manifest_naming_another_model_type_than_its_config_is_refused(tiny_bundle, tmp_path):
-    from test_reliability import manifest, rewrite
+    from helpers import manifest, rewrite
 
     copy = tmp_path / "b"
     shutil.copytree(tiny_bundle, copy)
@@ -309,7 +310,7 @@ def test_a_run_with_a_fit_whose_knob_is_the_wrong_type_is_one_sentence(tiny_bund
     (lambda d: d.update(policy="smoe", params={"alpha": "abc"}), "takes a float"),
 ])
 def test_a_run_artifact_fit_and_report_cannot_use_is_refused_on_read(edit, says, tmp_path):
-    from test_fit import synthetic_profile
+    from helpers import synthetic_profile
 
     doc = json.loads(json.dumps(VALID["run"]))
     edit(doc)
@@ -368,7 +369,7 @@ def test_a_top_k_no_layer_can_route_is_one_sentence(top_k, tmp_path):
 
 
 def test_an_output_that_is_one_of_the_commands_inputs_is_refused_and_the_input_kept(tiny_bundle, tmp_path):
-    from test_fit import synthetic_profile
+    from helpers import synthetic_profile
 
     manifest = tiny_bundle / "bundle.json"
     before = manifest.read_bytes()

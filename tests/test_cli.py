@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from typer.testing import CliRunner
 
 from moetool.cli import app
+from helpers import one_error_line as _one_error_line
 
 runner = CliRunner()
 
@@ -25,14 +26,6 @@ UNSUPPORTED = {
     "switch_transformers": dict(d_model=32, d_ff=16, num_layers=2, num_heads=4, num_experts=4, vocab_size=128,
                                 d_kv=8),
 }
-
-
-def _one_error_line(result):
-    assert result.exit_code == 1, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 def test_check_passes_with_table_and_json(tiny_ckpt):
@@ -123,7 +116,7 @@ def _refused(result, where, before=None):
 
 @pytest.fixture()
 def profile_file(tmp_path):
-    from test_fit import synthetic_profile
+    from helpers import synthetic_profile
 
     return synthetic_profile().save(tmp_path / "s.profile.json")
 

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from moetool.demo import build_demo_model
 from moetool.datasets import MC_TASKS, heldout_text, mc_task
 from moetool.evaluate import MAX_LENGTH, TASKS_DIR, Eval, EvalConfig, evaluate
 from moetool.model import load_reference, load_tokenizer
+from helpers import save_char_tokenizer
 from tiny import save_tiny
 
 runner = CliRunner()
@@ -33,19 +33,6 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
-
-
-def save_char_tokenizer(out: Path) -> None:
-    """A character-level tokenizer (printable ASCII and newline: 98 ids, within the tiny vocab of 128)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["\n"] + [chr(i) for i in range(32, 127)]
-    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out)
 
 
 @pytest.fixture(scope="session")

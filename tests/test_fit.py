@@ -12,56 +12,12 @@ from moetool.fit import (FitConfig, boundary_L, budget_retention, cache_bytes, c
                          dynaexq_n_hi, fit, fit_polynomial, int2_share, measured_guard)
 from moetool.policies.fate import transfer_n
 from moetool.policies.dymoe import retention
-from moetool.profile import ModelInfo, Profile
-from moetool.profile.prefetch import LayerPrefetch, PrefetchProfile
-from moetool.profile.sensitivity import LayerSensitivity, SensitivityProfile
-from moetool.profile.timing import ExpertTiming, LayerTiming, TimingProfile
 from moetool.options import parse_seconds
-from moetool.run import Fit, Run, RunConfig
+from moetool.run import Fit, RunConfig
+from helpers import FP, INFO, synthetic_profile, synthetic_run
 
 runner = CliRunner()
-FP = ModelFingerprint(source="synthetic", model_type="qwen2_moe", config_sha256="a" * 64)
 OTHER = ModelFingerprint(source="other", model_type="qwen2_moe", config_sha256="b" * 64)
-INFO = ModelInfo(moe_layers=(0, 1, 2, 3), num_hidden_layers=4, num_experts=8, top_k=2,
-                 expert_bytes={16: 4096, 8: 2304, 4: 1280, 2: 768}, expert_bytes_source="layout",
-                 non_expert_bytes=1 << 20, kv_margin_bytes=1 << 20, staging_bytes=2 * (4096 + 2304 + 1280 + 768),
-                 dtype="float32")
-
-
-def synthetic_profile(model: ModelFingerprint = FP) -> Profile:
-    """A profile of a 4-layer, 8-expert model with prefetch, sensitivity and timing parts."""
-    acc = {1: 0.6, 2: 0.9, 3: 0.95}
-    prefetch = PrefetchProfile(
-        layers=tuple(LayerPrefetch(layer=i, previous=i - 1, recall_topk={"prefill": 1.0, "decode": a},
-                                   recall_p75={"prefill": 1.0, "decode": min(1.0, a + 0.05)},
-                                   fetched_p75={"prefill": 8.0, "decode": 2.0}, smoe_recall=a, smoe_precision=a,
-                                   positions={p: {"prefill": 1.0, "decode": a} for p in "123"})
-                     for i, a in acc.items()),
-        positions={p: {"prefill": 1.0, "decode": 0.8} for p in "123"}, percentile=0.75, smoe_alpha=0.3,
-        samples={"prefill": 4, "decode": 32})
-    sens = SensitivityProfile(
-        base_ppl=10.0, tokens=510, data="heldout", source="hqq in memory", bits=(2,),
-        layers=tuple(LayerSensitivity(layer=i, ppl={2: 10.0 + d}, delta={2: d})
-                     for i, d in enumerate((3.0, 1.0, 0.4, 0.1))),
-        int2_share={"0": 11.0, "0.125": 11.02, "0.25": 11.08, "0.375": 11.2, "0.5": 11.05})
-    timing = TimingProfile(device="cpu", dtype="float32", steps=4,
-                           layers=tuple(LayerTiming(layer=i, t_attn=1e-4, t_gate=1e-5, t_moe=2e-4, t_experts=1.5e-4)
-                                        for i in range(4)),
-                           experts=tuple(ExpertTiming(bits=b, nbytes=n, load_s=1e-6, dequant_s=1e-5, compute_s=1e-5)
-                                         for b, n in ((16, 4096), (4, 1280), (2, 768))),
-                           c_cpu_s=2e-5, h2d_gbps=None, t_dense_s=1.6e-4)
-    hw = {"name": "x", "h2d_gbps": 0.01, "copy_latency_s": 0.0}  # t_expert(INT4) = 128 us
-    return Profile(model=model, inputs={}, what=("sensitivity", "prefetch", "timing"), data={"heldout": 2},
-                   settings={"hw_base": "x"}, info=INFO, sensitivity=sens, prefetch=prefetch, timing=timing, hw=hw)
-
-
-def synthetic_run(policy: str, params: dict, tpot: float, budget: int = 64 << 20, model=FP, ttft: float = 0.5) -> Run:
-    return Run(model=model, inputs={}, policy=policy, params=params, clock="sim", hw="rtx3090", device="cpu",
-               budget_bytes=budget, budget={}, peak_device_bytes=0, ttft_s=ttft,
-               tpot_s={"mean": tpot, "p50": tpot, "p99": tpot, "n": 8}, hit_rate=0.5, bytes_h2d=0,
-               bytes_per_token=0.0, stall_s=0.0, summary={}, layers={}, prompts=["x"], tokens=[[1]], texts=[""])
-
-
 def synthetic_eval(policy: str, params: dict, metrics: dict, model=FP) -> Eval:
     return Eval(model=model, inputs={}, policy=policy, params=params, clock="wall", hw=None, device="cpu",
                 budget_bytes=64 << 20, budget={}, peak_device_bytes=0, summary={}, layers={}, task="mc",

@@ -20,16 +20,12 @@ from moetool.quant import hqq, int4_kernel
 from moetool.quant.bundle import Bundle
 from moetool.quant.format import ALIGN, Bits, dequantize, encode, make_layout, unpack_2bit_u8, views
 from moetool.quant.quantize import QuantizeConfig, quantize
+from helpers import KERNEL_IDS as IDS
+from helpers import close as _close
+from helpers import gaussian_expert
 from tiny import save_tiny
-from test_quant_format import gaussian_expert
 
-IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
 CPU, BF16, FP32 = torch.device("cpu"), torch.bfloat16, torch.float32
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, share: float = 0.02) -> None:
-    got, want = got.float(), want.float()
-    assert (got - want).abs().max() <= share * want.abs().max(), f"max diff {(got - want).abs().max():.4g}"
 
 
 @pytest.mark.parametrize("bits", [Bits.INT4, Bits.INT2])

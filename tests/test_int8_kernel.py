@@ -25,8 +25,9 @@ from moetool.quant.bundle import Bundle
 from moetool.quant.format import ALIGN, Bits, dequantize, encode, make_layout
 from moetool.quant.quantize import QuantizeConfig, quantize
 from tiny import save_tiny
-from test_int4_kernel import IDS, _close
-from test_quant_format import gaussian_expert
+from helpers import KERNEL_IDS as IDS
+from helpers import close as _close
+from helpers import gaussian_expert
 
 CPU, BF16, FP32 = torch.device("cpu"), torch.bfloat16, torch.float32
 

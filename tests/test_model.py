@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ARCHS
+from helpers import ARCHS
 from tiny import MORE_CONFIGS, save_tiny
 from moetool.check import check_model
 from moetool.errors import MoetoolError

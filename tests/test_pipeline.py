@@ -9,7 +9,7 @@ from moetool.pipeline import EVALS_GRID, RUNS_GRID, DemoConfig, demo_pipeline
 from moetool.quant.bundle import Bundle
 from moetool.grid import load_grid
 from moetool.spec import EngineSpec
-from test_eval import save_char_tokenizer
+from helpers import save_char_tokenizer
 from tiny import save_tiny
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,29 +9,11 @@ from safetensors import safe_open
 
 from moetool.errors import MoetoolError
 from moetool.model import load_model
-from moetool.quant import Bundle, QuantizeConfig, quantize
+from moetool.quant import Bundle, quantize
 from moetool.quant.bundle import MANIFEST
 from moetool.quant.quantize import JOURNAL
-
-
-def tiny_moe(path: Path, seed: int = 0, **overrides) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                  shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128)
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2_moe", **kwargs)).save_pretrained(path)
-    return path
-
-
-def config(model: Path, out: Path, **overrides) -> QuantizeConfig:
-    # group 16: the tiny experts' down projection is only 16 columns wide
-    kwargs = dict(model=str(model), out=out, bits=(16, 8, 4, 2), group_size=16, dtype="float32", calibrate=True,
-                  calib_tokens=256, calib_seq_len=64)
-    kwargs.update(overrides)
-    return QuantizeConfig(**kwargs)
+from helpers import quantize_config as config
+from helpers import tiny_moe
 
 
 @pytest.fixture(scope="module")

@@ -6,20 +6,12 @@ from hqq.core.bitpack import BitPack
 from hqq.core.quantize import Quantizer
 
 from moetool.errors import MoetoolError
-from moetool.model import ExpertWeights
 from moetool.quant import hqq
 from moetool.quant.format import (ALIGN, PACKINGS, Bits, dequantize, dequantize_into, dequantize_qtensor,
                                   dequantize_stack, empty_weights, encode, make_layout, relative_error, views)
+from helpers import gaussian_expert
 
 QUANT_BITS = (Bits.INT8, Bits.INT4, Bits.INT2)
-
-
-def gaussian_expert(rows: int = 128, hidden: int = 256, bias: bool = False, seed: int = 0) -> ExpertWeights:
-    g = torch.Generator().manual_seed(seed)
-    return ExpertWeights(gate_up=torch.randn(2 * rows, hidden, generator=g),  # [2I, H]
-                         down=torch.randn(hidden, rows, generator=g),  # [H, I]
-                         gate_up_bias=torch.randn(2 * rows, generator=g) if bias else None,
-                         down_bias=torch.randn(hidden, generator=g) if bias else None)
 
 
 def hqq_reference(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: Bits, shape, axis: int,

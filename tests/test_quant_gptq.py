@@ -11,7 +11,8 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.quant import gptq, hqq, quantize
 from moetool.quant.format import Bits, make_layout, relative_error, dequantize_qtensor
-from test_quant_bundle import config, tiny_moe
+from helpers import quantize_config as config
+from helpers import tiny_moe
 
 needs_gptqmodel = pytest.mark.skipif(not gptq.available(), reason="gptqmodel (moetool[gptq]) is not installed")
 

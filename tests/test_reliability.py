@@ -25,21 +25,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint
+from moetool.artifacts import CheckReport, ModelFingerprint
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.profile import Profile
 from moetool.quant import Bundle, quantize
-from moetool.quant.bundle import MANIFEST, _manifest_checksum, load_bundle_model
+from moetool.quant.bundle import MANIFEST, load_bundle_model
 from moetool.quant.quantize import JOURNAL, LOCK
 from moetool.report import report
 from moetool.run import Fit, Run
 from moetool.schema import NEVER_NEGATIVE
 from moetool.sweep import Sweep
-from test_fit import synthetic_profile, synthetic_run
-from test_quant_bundle import config, tiny_moe
-from test_report import _routing, _similarity
+from helpers import VALID, manifest, rewrite, synthetic_profile, synthetic_run, tiny_moe, valid_artifacts
+from helpers import quantize_config as config
+from helpers import write_json as write
 
 runner = CliRunner()
 FP = ModelFingerprint(source="synthetic", model_type="qwen2_moe", config_sha256="a" * 64)
@@ -98,46 +98,8 @@ json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
 
-def sample(tp: Any, **overrides: Any) -> Any:
-    """A valid value of a type hint, built from the schema alone (so it follows the artifacts' fields
-    as they change): 1, 0.5, "x", true, one item per list and dict, every dataclass field filled."""
-    if tp is ModelFingerprint:
-        return FP
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        return tp(**{f.name: overrides[f.name] if f.name in overrides else sample(hints[f.name])
-                     for f in dataclasses.fields(tp) if f.init})
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return sample(next(a for a in args if a is not type(None)))
-    if origin is list:
-        return [sample(args[0])]
-    if origin is tuple:
-        return (sample(args[0]),) if args[-1] is Ellipsis else tuple(sample(a) for a in args)
-    if origin is dict:
-        return {"k": sample(args[1])}
-    return {int: 1, float: 0.5, str: "x", bool: True}.get(tp, {"any": [1, "x", None]})
-
-
-def valid_artifacts() -> dict[str, Any]:
-    """One valid artifact of every kind, each with nested parts where it has any."""
-    return {
-        "check": CheckReport(model=FP, inputs={}, prompt="hi", passed=True, max_abs_diff=0.0,
-                             layers=(LayerCheck(layer=0, routing_agreement=1.0, max_abs_diff=0.0),)),
-        "run": sample(Run, tpot_s={"mean": 0.01, "p50": 0.01, "p99": 0.01, "n": 8}, tokens=[[1, 2]]),
-        "fit": Fit(model=FP, inputs={}, params={"smoe": {"alpha": 0.2}}, evidence={"warnings": []}),
-        "eval": sample(Eval, metrics={"acc": 0.5}, samples={"mc": [{"doc_id": 0, "resps": [[-1.0, False]]}]}),
-        "profile": dataclasses.replace(synthetic_profile(), routing=_routing(), similarity=_similarity()),
-        "sweep": Sweep(model=FP, inputs={}, stage="run", grid={"policy": ["lru"]},
-                       cells={"lru": {"status": "refused", "reason": "no."}}),
-    }
-
-
 KINDS = {"check": CheckReport, "run": Run, "fit": Fit, "eval": Eval, "profile": Profile, "sweep": Sweep,
          "bundle": Bundle}
-VALID = {name: art.to_json() for name, art in valid_artifacts().items()}
-
-
 def node_paths(doc: Any, at: tuple = ()) -> list[tuple]:
     """The path of every node of a JSON document, the root included."""
     out = [at]
@@ -210,11 +172,6 @@ def mutations(draw, doc: dict) -> Any:
 
 def field_name(path: tuple) -> str:
     return next(str(k) for k in reversed(path) if isinstance(k, str))
-
-
-def write(path: Path, doc: Any) -> Path:
-    path.write_text(json.dumps(doc))
-    return path
 
 
 # ---- artifacts: any JSON at all -------------------------------------------------------------------
@@ -328,18 +285,6 @@ def scratch(bundle_dir, tmp_path) -> Path:
             (copy / p.name).symlink_to(p)
     shutil.copy(bundle_dir / MANIFEST, copy / MANIFEST)
     return copy
-
-
-def manifest(directory: Path) -> dict:
-    return json.loads((directory / MANIFEST).read_text())
-
-
-def rewrite(directory: Path, doc: Any, checksum: bool = True) -> None:
-    """Write `doc` as the manifest, its checksum recomputed so that the schema, not the checksum, is tested."""
-    if checksum and isinstance(doc, dict):
-        doc = {**{k: v for k, v in doc.items() if k != "checksum"}}
-        doc["checksum"] = _manifest_checksum(doc)
-    (directory / MANIFEST).write_text(json.dumps(doc))
 
 
 def read_every_blob(directory: Path) -> None:

@@ -8,33 +8,13 @@ from typer.testing import CliRunner
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.fit import FitConfig, fit
-from moetool.profile.routing import SCORE_BINS, LayerRouting, RoutingProfile
-from moetool.profile.similarity import LayerSimilarity, SimilarityProfile
 from moetool.report import report
-from test_fit import FP, synthetic_profile, synthetic_run
+from helpers import FP, synthetic_profile, synthetic_run
+from helpers import routing_profile as _routing
+from helpers import similarity_profile as _similarity
 
 runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def _routing() -> RoutingProfile:
-    layers = tuple(LayerRouting(layer=i, prefill=tuple(range(8)), decode=(1,) * 8, heavy_hitter=(1,) * 8,
-                                hh_load_corr=0.9, top10_share=0.2, top25_share=0.4, gini=0.3, entropy=0.9,
-                                mean_sorted_score=tuple(0.5 / (r + 1) for r in range(8)),
-                                by_data={"a": (1,) * 8, "b": (2,) * 8}, hot_sets={"a": (0, 1), "b": (1, 2)})
-                   for i in range(4))
-    return RoutingProfile(tokens={"prefill": 28, "decode": 8}, top_k=2, num_experts=8, hh_ratio=0.2,
-                          importance="eager", hot_k=2, layers=layers, score_bins=SCORE_BINS,
-                          score_hist={"selected": (1,) * 25, "unselected": (2,) * 25}, jaccard={"a|b": 1 / 3},
-                          activation_ratio={"decode": {"1": 0.25, "2": 0.4}, "prefill": {"1": 0.9}})
-
-
-def _similarity() -> SimilarityProfile:
-    return SimilarityProfile(adjacent=(0.9, 0.92, 0.95),
-                             layers=tuple(LayerSimilarity(layer=i, previous=i - 1,
-                                                          positions={"1": 0.93, "2": 0.89, "3": 0.84})
-                                          for i in (1, 2, 3)),
-                             positions={"1": 0.93, "2": 0.89, "3": 0.84}, tokens=36)
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from moetool.quant.quantize import JOURNAL
 from moetool.run import RunConfig, prepare, run
 from tiny import TINY_CONFIGS, save_tiny
 
-from test_cli import _one_error_line
-from test_eval import save_char_tokenizer
+from helpers import one_error_line as _one_error_line
+from helpers import save_char_tokenizer
 
 runner = CliRunner()
 IDS = torch.tensor([[5, 17, 42, 99, 3, 64, 20, 7, 88, 31]])

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from moetool.cli import app
 from moetool.evaluate import EvalConfig, evaluate
 from moetool.sweep import INDEX, SweepConfig, run_cell, sweep
-from test_cli import _one_error_line
+from helpers import one_error_line as _one_error_line
 
 runner = CliRunner()
 BUDGETS = ["25%", "50%", "10KiB"]  # 10 KiB is below the tiny model's minimum (its KV/activation margin alone is 18 MiB)
