@@ -1,0 +1,256 @@
+"""The Triton kernels behind `moetool.kernels.experts`: one MoE layer's experts at small batch, read
+from slot pools in the bundle's own blob layout, every stored precision in the same three launches.
+
+    gate_up_kernel[(T*k, blocks)]  h[q, t*k+j] = act(gate_up_q[slot](x[t]) + bias)  for each precision q
+    down_kernel[(T*k, blocks)]     y[q, t*k+j] = w[t, j] * (down_q[slot](h[q, t*k+j]) + bias)
+    combine_kernel[(T, blocks)]    out[t] = sum over q, j with a slot of y[q, t*k+j]
+
+Each program of the first two computes one block of output rows of one (token, slot) pair, a GEMV
+(decode batches are a few tokens: gather by index, as gpt-fast's MoE, no sort or grouping, so
+nothing depends on the routing but which bytes are read). It takes the pair's slot id of each
+precision in turn (a compile-time loop over the precisions, each with its own bit width, groups
+and offsets as constants) and skips the ones with -1; the third kernel sums only pairs that ran,
+so partial buffers need no zeroing.
+
+Codes follow hqq's packing (`quant.format`): weight [N, K] packed as [N / per, K] bytes, row n in
+byte row n % (N / per) at bit 8 - bits * (n // (N / per) + 1), per = 8 / bits codes a byte. A
+program's rows are chosen so that the `per` rows sharing a byte row are in the same program
+(`_lanes`), so each byte is read from memory once and unpacked into `per` rows. Weights are
+(code - zero) * scale in fp32 (fp16 scale and zero per group of GS input columns); a tile of K
+is [groups, group width] so that one scale per row and group is loaded, not one per weight.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 16-bit weight and bias dtypes, as the kernels' constexpr codes (the reference precision is the
+# bundle's bf16, or the compute dtype in a store packed from a checkpoint).
+WDTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+
+@triton.jit
+def _ptr(base, off, DT: tl.constexpr):
+    """`base` (a uint8 pointer) + `off` bytes, as a pointer to dtype code DT (`WDTYPES`)."""
+    if DT == 0:
+        return (base + off).to(tl.pointer_type(tl.bfloat16))
+    elif DT == 1:
+        return (base + off).to(tl.pointer_type(tl.float16))
+    else:
+        return (base + off).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _lanes(b, SL: tl.constexpr, SPAN: tl.constexpr, R: tl.constexpr):
+    """Block b's R rows out of SL * SPAN: lane l is row (l // (R/SL)) * SPAN + b * (R/SL) + l % (R/SL).
+    With SPAN = N / per (SL = per), the rows that share byte rows land in one program."""
+    RP: tl.constexpr = R // SL
+    lane = tl.arange(0, R)
+    p = b * RP + lane % RP
+    return (lane // RP) * SPAN + p, p < SPAN
+
+
+@triton.jit
+def _load_w(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: tl.constexpr, NQ: tl.constexpr,
+            Q_OFF: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """The raw tile of rows `rows` [R] and input columns k0 .. k0 + NG*GW as [R, NG, GW]: code bytes
+    (uint8) for a packed projection, fp32 weights for a 16-bit one."""
+    g = tl.arange(0, NG)[None, :, None]
+    c = tl.arange(0, GW)[None, None, :]
+    kk = k0 + g * GW + c  # [1, NG, GW]
+    r3 = rows[:, None, None]  # [R, 1, 1]
+    mask = rmask[:, None, None] & (kk < K)
+    if BITS == 16:
+        return tl.load(_ptr(blob, Q_OFF, WDT) + r3 * K + kk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return tl.load(blob + Q_OFF + (r3 % NQ) * K + kk, mask=mask, other=0)
+
+
+@triton.jit
+def _dequant(raw, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, NQ: tl.constexpr,
+             S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """Weights [R, NG, GW] fp32 from `_load_w`'s tile: (code - zero) * scale, the code being the
+    row's slice of its byte, scale and zero those of the row's group (GW divides GS)."""
+    if BITS == 16:
+        return raw
+    else:
+        r3 = rows[:, None, None]
+        shift = 8 - BITS * (r3 // NQ + 1)  # [R, 1, 1]: where the row's slice sits in its byte
+        code = (raw.to(tl.int32) >> shift) & ((1 << BITS) - 1)
+        g = tl.arange(0, NG)[None, :, None]
+        col = k0 + g * GW  # [1, NG, 1]: first input column of each group slice
+        grp = r3 * (K // GS) + col // GS  # [R, NG, 1]
+        mask = rmask[:, None, None] & (col < K)
+        scale = tl.load(_ptr(blob, S_OFF, 1) + grp, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(_ptr(blob, Z_OFF, 1) + grp, mask=mask, other=0.0).to(tl.float32)
+        return (code.to(tl.float32) - zero) * scale
+
+
+@triton.jit
+def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
+    """The epilogue's activation (codes: `activation.Act`) on gate rows g and up rows u (fp32)."""
+    if ACT == 5:  # gpt_oss's clamped SwiGLU
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * g * tl.sigmoid(g * alpha)
+    else:
+        if ACT == 1:
+            a = g * tl.sigmoid(g)
+        elif ACT == 2:
+            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        elif ACT == 3:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
+            a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        else:
+            a = tl.maximum(g, 0.0)
+        if GATED:
+            a = a * u
+        return a
+
+
+@triton.jit
+def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl.constexpr, M: tl.constexpr,
+                 ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, alpha, limit,
+                 R: tl.constexpr, BK: tl.constexpr):
+    """Block b of one pair's gate_up at one precision (meta M, see `experts.kernel_meta`)."""
+    BITS: tl.constexpr = M[0]
+    WDT: tl.constexpr = M[1]
+    BDT: tl.constexpr = M[2]
+    HAS_BIAS: tl.constexpr = M[3]
+    Q_OFF: tl.constexpr = M[4]
+    S_OFF: tl.constexpr = M[5]
+    Z_OFF: tl.constexpr = M[6]
+    GS: tl.constexpr = M[7]
+    B_OFF: tl.constexpr = M[12]
+    GW: tl.constexpr = M[14]
+    NG: tl.constexpr = M[15]
+    SL: tl.constexpr = M[18]
+    SHARED: tl.constexpr = M[20]
+    NQ: tl.constexpr = M[22]
+    if GATED:
+        n, nmask = _lanes(b, SL, I // SL, R)  # the neurons this block computes
+        if INTERLEAVED:
+            grow = 2 * n
+            urow = 2 * n + 1
+        else:
+            grow = n
+            urow = I + n
+    else:
+        n, nmask = _lanes(b, SL, N1 // SL, R)
+        grow = n
+        urow = n
+    acc_g = tl.zeros((R, NG, GW), tl.float32)
+    acc_u = tl.zeros((R, NG, GW), tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+        xk = tl.load(x_row + kk, mask=kk < H, other=0.0).to(tl.float32)  # [1, NG, GW]
+        raw_g = _load_w(blob, grow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
+        acc_g += _dequant(raw_g, blob, grow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
+        if GATED:
+            if SHARED:  # [gate; up] packed 2+ rows a byte: up's codes are in gate's bytes
+                raw_u = raw_g
+            else:
+                raw_u = _load_w(blob, urow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
+            acc_u += _dequant(raw_u, blob, urow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
+    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # [R]
+    u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    if HAS_BIAS:
+        g += tl.load(_ptr(blob, B_OFF, BDT) + grow, mask=nmask, other=0.0).to(tl.float32)
+        if GATED:
+            u += tl.load(_ptr(blob, B_OFF, BDT) + urow, mask=nmask, other=0.0).to(tl.float32)
+    if ACT == 0:  # raw gate_up rows, in their own order: the block's own function runs next
+        tl.store(h_row + grow, g, mask=nmask)
+        if GATED:
+            tl.store(h_row + urow, u, mask=nmask)
+    else:
+        tl.store(h_row + n, _activate(g, u, ACT, GATED, alpha, limit), mask=nmask)
+
+
+@triton.jit
+def gate_up_kernel(x, x_stride, pools, strides, ids, h, TK, H: tl.constexpr, I: tl.constexpr, N1: tl.constexpr,
+                   W: tl.constexpr, METAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, alpha, limit, R: tl.constexpr, BK: tl.constexpr):
+    """Grid (T*k, blocks): h[q, pair, :W] for every precision q whose slot id for the pair is >= 0."""
+    pair = tl.program_id(0)
+    b = tl.program_id(1)
+    x_row = x + (pair // TK) * x_stride
+    for q in tl.static_range(len(METAS)):
+        slot = tl.load(ids[q] + pair)
+        if slot >= 0:
+            blob = pools[q] + slot.to(tl.int64) * strides[q]
+            h_row = h + (q * tl.num_programs(0) + pair).to(tl.int64) * W
+            _gate_up_one(x_row, blob, h_row, b, H, I, N1, METAS[q], ACT, GATED, INTERLEAVED, alpha, limit, R, BK)
+
+
+@triton.jit
+def _down_one(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr, M: tl.constexpr,
+              R: tl.constexpr, BK: tl.constexpr):
+    """Block b of one pair's down projection at one precision, biased and weighted by the routing."""
+    BITS: tl.constexpr = M[0]
+    WDT: tl.constexpr = M[1]
+    BDT: tl.constexpr = M[2]
+    HAS_BIAS: tl.constexpr = M[3]
+    Q_OFF: tl.constexpr = M[8]
+    S_OFF: tl.constexpr = M[9]
+    Z_OFF: tl.constexpr = M[10]
+    GS: tl.constexpr = M[11]
+    B_OFF: tl.constexpr = M[13]
+    GW: tl.constexpr = M[16]
+    NG: tl.constexpr = M[17]
+    SL: tl.constexpr = M[19]
+    NQ: tl.constexpr = M[21]
+    rows, rmask = _lanes(b, SL, H // SL, R)
+    acc = tl.zeros((R, NG, GW), tl.float32)
+    for k0 in range(0, I, BK):
+        kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+        hk = tl.load(h_row + kk, mask=kk < I, other=0.0)  # [1, NG, GW] fp32
+        raw = _load_w(blob, rows, rmask, k0, I, BITS, WDT, NQ, Q_OFF, GW, NG)
+        acc += _dequant(raw, blob, rows, rmask, k0, I, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * hk
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [R]
+    if HAS_BIAS:
+        y += tl.load(_ptr(blob, B_OFF, BDT) + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(y_row + rows, y * weight, mask=rmask)
+
+
+@triton.jit
+def down_kernel(h, w, pools, strides, ids, y, H: tl.constexpr, I: tl.constexpr, METAS: tl.constexpr,
+                R: tl.constexpr, BK: tl.constexpr):
+    """Grid (T*k, blocks): y[q, pair, :H] = w[pair] * (down(h[q, pair]) + bias) where the pair has a slot."""
+    pair = tl.program_id(0)
+    b = tl.program_id(1)
+    weight = tl.load(w + pair).to(tl.float32)
+    for q in tl.static_range(len(METAS)):
+        slot = tl.load(ids[q] + pair)
+        if slot >= 0:
+            blob = pools[q] + slot.to(tl.int64) * strides[q]
+            row = (q * tl.num_programs(0) + pair).to(tl.int64)
+            _down_one(h + row * I, blob, y + row * H, b, weight, H, I, METAS[q], R, BK)
+
+
+@triton.jit
+def combine_kernel(y, ids, out, TK, PAIRS, H: tl.constexpr, NP: tl.constexpr, B: tl.constexpr):
+    """Grid (T, blocks): out[t] = the sum of y[q, t*k + j] over the pairs that ran, in out's dtype.
+    Pairs without a slot are never read: their rows of y were not written."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * B + tl.arange(0, B)
+    cmask = cols < H
+    acc = tl.zeros((B,), tl.float32)
+    for q in tl.static_range(NP):
+        for j in range(TK):
+            pair = t * TK + j
+            if tl.load(ids[q] + pair) >= 0:
+                acc += tl.load(y + (q * PAIRS + pair).to(tl.int64) * H + cols, mask=cmask, other=0.0)
+    if out.dtype.element_ty == tl.bfloat16:
+        tl.store(out + t * H + cols, _round_bf16(acc), mask=cmask)
+    else:
+        tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> bf16 rounded to nearest even, spelled out: what the GPU's conversion does, where
+    Triton's CPU interpreter truncates (so both give torch's `.bfloat16()`)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    bits = tl.where(v != v, 0x7FC0, bits)  # NaN stays NaN (its low bits could carry it to inf)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)

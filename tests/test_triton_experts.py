@@ -1,0 +1,457 @@
+"""The fused Triton experts kernels (`moetool.kernels`) under Triton's CPU interpreter, against the
+dequantize reference: `quant.format.dequantize_parts` of the same pool, then the same math in fp32.
+
+Tolerance: the kernels dequantize as `dequantize_parts` does, in fp32, and accumulate in fp32; the
+one difference is the order of the sums (two GEMVs of up to a few thousand terms, then k weighted
+terms), a few fp32 ulps of the largest partial sums. So |kernel - reference| <= RTOL * max |reference|
+with RTOL = 1e-5 (~80 ulps: what a summation-order change can reach; a wrong code, group, slice
+or slot is off by whole weights, >1e-2). bf16 outputs add one rounding: 2^-8 of each value.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels then run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from moetool.kernels import Act, Activation, SlotPool, activation_of, experts_forward, supported  # noqa: E402
+from moetool.kernels import experts as kexperts  # noqa: E402
+from moetool.kernels import triton_experts  # noqa: E402
+from moetool.kernels.activation import reference  # noqa: E402
+from moetool.model import ExpertWeights, ProviderExperts, fused_expert, inspect_geometry, load_model  # noqa: E402
+from moetool.model import load_reference  # noqa: E402
+from moetool.quant import hqq  # noqa: E402
+from moetool.quant.format import QTensor, dequantize_parts, encode, make_layout, stack_views  # noqa: E402
+from tiny import save_tiny  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kexperts._interpreted(), reason="moetool.kernels was imported before "
+                                "TRITON_INTERPRET=1 was set: its kernels cannot run on CPU tensors")
+
+RTOL = 1e-5
+CUDA_CONFIG = kexperts.default_config(torch.device("cuda"))  # the GPU's tiles, run by the interpreter
+# (gate_up rows, K tile, down rows, K tile, combine columns, warps): K tiles of 64 under groups of 128
+# (a group spans tiles); the GPU's down tiles beside few gate_up programs (the interpreter's time).
+SMALL_K = (128, 64, 32, 64, 256, 4)
+MIXED = (128, 256, CUDA_CONFIG[2], CUDA_CONFIG[3], CUDA_CONFIG[4], 4)
+SILU = Activation(Act.SILU, gated=True)
+
+
+def random_pool(bits: int, hidden: int, inter: int, group: int, slots: int, gen: torch.Generator, *,
+                bias: bool = False, gated: bool = True, per_channel: bool = False) -> SlotPool:
+    """A pool of `slots` random experts in the bundle's layout (random codes, scales and zeros:
+    every code value and slice occurs), ids to be set by the caller."""
+    rows = 2 * inter if gated else inter
+    layout = make_layout(bits, (rows, hidden), (hidden, inter), has_bias=bias, group_size=group or 64,
+                         int8_per_channel=per_channel)
+    blobs = []
+    for _ in range(slots):
+        w = ExpertWeights(gate_up=torch.randn(rows, hidden, generator=gen) / hidden ** 0.5,
+                          down=torch.randn(hidden, inter, generator=gen) / inter ** 0.5,
+                          gate_up_bias=torch.randn(rows, generator=gen) if bias else None,
+                          down_bias=torch.randn(hidden, generator=gen) if bias else None)
+        q = None
+        if bits != 16:
+            q = {}
+            for proj in layout.projections:
+                g, gs = proj.grouped_shape()
+                scale = (torch.rand(g, 1, generator=gen) + 0.5) / (gs ** 0.5 * (1 << bits))
+                q[proj.name] = QTensor(torch.randint(0, 1 << bits, (g, gs), generator=gen, dtype=torch.uint8),
+                                       scale, torch.rand(g, 1, generator=gen) * ((1 << bits) - 1))
+        blobs.append(encode(layout, w, q))
+    return SlotPool(torch.stack(blobs), layout, torch.empty(0, dtype=torch.int32))
+
+
+def random_ids(T: int, k: int, slots: int, gen: torch.Generator, skip: float = 0.25) -> torch.Tensor:
+    """[T, k] int32 slot ids, about `skip` of them -1 (never slot 0 of a token: each token runs one)."""
+    ids = torch.randint(0, slots, (T, k), generator=gen, dtype=torch.int32)
+    drop = torch.rand(T, k, generator=gen) < skip
+    drop[:, 0] = False
+    return ids.masked_fill(drop, -1)
+
+
+def reference_forward(x: torch.Tensor, w: torch.Tensor, pools: list[SlotPool], spec: Activation) -> torch.Tensor:
+    """The contract in fp32 from `dequantize_parts` of each whole pool: a loop, the plain math."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for p in pools:
+        stack = dequantize_parts(stack_views(p.data, p.layout), p.layout, torch.float32)
+        for t, j in (p.ids >= 0).nonzero().tolist():
+            s = int(p.ids[t, j])
+            h = stack.gate_up[s] @ x[t].float()
+            if stack.gate_up_bias is not None:
+                h = h + stack.gate_up_bias[s]
+            y = stack.down[s] @ reference(spec, h[None])[0]
+            if stack.down_bias is not None:
+                y = y + stack.down_bias[s]
+            out[t] += w[t, j].float() * y
+    return out
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
+    scale = want.abs().max().item()
+    err = (got.float() - want).abs().max().item()
+    assert err <= rtol * scale + 1e-30, f"max error {err:.3g} against max |reference| {scale:.3g}"
+
+
+def with_ids(pool: SlotPool, ids: torch.Tensor) -> SlotPool:
+    return SlotPool(pool.data, pool.layout, ids.contiguous())
+
+
+# (bits, group, hidden, width, T, k, config): every precision at groups 32/64/128 over widths that
+# are not a multiple of the K tile (1408 = 5.5 x 256) or are under it (32), T and k over 1..8, the
+# GPU's own tiles where the interpreter can afford them; then the demo model's experts (hidden 576,
+# 32 wide, top-6).
+CASES = [
+    (16, 0, 128, 1408, 1, 4, ()), (16, 0, 128, 768, 2, 8, ()), (16, 0, 64, 32, 8, 3, CUDA_CONFIG),
+    (8, 128, 128, 1408, 1, 1, SMALL_K), (8, 64, 128, 768, 3, 2, ()), (8, 32, 64, 32, 8, 8, ()),
+    (4, 128, 128, 1408, 2, 3, ()), (4, 64, 128, 768, 1, 8, ()), (4, 32, 64, 32, 5, 5, CUDA_CONFIG),
+    (2, 128, 128, 1408, 1, 2, MIXED), (2, 64, 128, 768, 4, 1, ()), (2, 32, 64, 32, 7, 3, CUDA_CONFIG),
+    (16, 0, 576, 32, 1, 6, ()), (8, 32, 576, 32, 2, 6, ()), (4, 32, 576, 32, 1, 6, ()), (2, 32, 576, 32, 3, 6, ()),
+]
+
+
+@pytest.mark.parametrize("bits,group,hidden,width,T,k,config", CASES)
+def test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, k, config):
+    gen = torch.Generator().manual_seed(bits * 1000 + width + T)
+    pool = random_pool(bits, hidden, width, group, slots=k + 2, gen=gen)
+    pool = with_ids(pool, random_ids(T, k, k + 2, gen))
+    x, w = torch.randn(T, hidden, generator=gen), torch.rand(T, k, generator=gen)
+    got = experts_forward(x, w, [pool], SILU, config)
+    assert got.shape == (T, hidden) and got.dtype == torch.float32
+    assert_close(got, reference_forward(x, w, [pool], SILU))
+
+
+def test_per_channel_int8_and_bf16_activations():
+    """INT8 with one group per row (its group is the whole 1408-column input) under bf16 hidden rows:
+    the output is bf16, one rounding away from the fp32 reference on the same bf16 inputs."""
+    gen = torch.Generator().manual_seed(1)
+    pool = random_pool(8, 128, 1408, 0, slots=3, gen=gen, per_channel=True)
+    pool = with_ids(pool, torch.tensor([[2, 0]], dtype=torch.int32))
+    x, w = torch.randn(1, 128, generator=gen).bfloat16(), torch.rand(1, 2, generator=gen).bfloat16()
+    got = experts_forward(x, w, [pool], SILU)
+    want = reference_forward(x.float(), w.float(), [pool], SILU)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + RTOL * want.abs().max()).all()
+
+
+class CountLaunches:
+    """Counts the launches of the module's kernels (and runs them): `kernel[grid](...)` goes through it."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in ("gate_up_kernel", "down_kernel", "combine_kernel"):
+            monkeypatch.setattr(triton_experts, name, self._wrap(getattr(triton_experts, name)))
+
+    def _wrap(self, kernel):
+        counter = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                counter.n += 1
+                return kernel[grid]
+        return Counted()
+
+
+def test_every_precision_in_one_call_in_three_launches(monkeypatch):
+    """bf16, INT8, INT4 and INT2 pools in one call, each (token, slot) at one precision or skipped,
+    one pair present in two pools (it counts twice, as the contract says): three launches in all."""
+    gen = torch.Generator().manual_seed(2)
+    T, k, hidden, width = 4, 6, 64, 96
+    pools = [random_pool(b, hidden, width, 32, slots=5, gen=gen, bias=True) for b in (16, 8, 4, 2)]
+    which = torch.randint(-1, 4, (T, k), generator=gen)  # the precision of each pair, -1: skipped
+    ids = torch.randint(0, 5, (4, T, k), generator=gen, dtype=torch.int32)
+    ids = torch.where(which.unsqueeze(0) == torch.arange(4).view(4, 1, 1), ids, -1)
+    ids[1, 0, 0], ids[2, 0, 0] = 3, 1  # pair (0, 0) at INT8 and at INT4
+    pools = [with_ids(p, i) for p, i in zip(pools, ids)]
+    x, w = torch.randn(T, hidden, generator=gen), torch.rand(T, k, generator=gen)
+    launches = CountLaunches(monkeypatch)
+    got = experts_forward(x, w, pools, SILU)
+    assert launches.n == 3
+    assert_close(got, reference_forward(x, w, pools, SILU))
+
+
+def test_a_layer_with_no_slot_anywhere_adds_nothing():
+    gen = torch.Generator().manual_seed(3)
+    pools = [with_ids(random_pool(b, 64, 32, 32, slots=2, gen=gen), torch.full((2, 3), -1, dtype=torch.int32))
+             for b in (16, 4)]
+    got = experts_forward(torch.randn(2, 64, generator=gen), torch.rand(2, 3, generator=gen), pools, SILU)
+    assert torch.equal(got, torch.zeros(2, 64))
+
+
+GPT_OSS = Activation(Act.CLAMPED_SWIGLU, gated=True, interleaved=True, alpha=1.702, limit=7.0)
+
+
+@pytest.mark.parametrize("bits,hidden,width,group", [(16, 64, 96, 0), (8, 64, 96, 32), (4, 64, 96, 32),
+                                                     (2, 64, 96, 32), (2, 68, 34, 17)])
+def test_biased_clamped_interleaved_experts(bits, hidden, width, group):
+    """gpt_oss's experts: [gate, up] rows interleaved, biases on both projections, SwiGLU clamped
+    at its limit (the random biases put values past the clamp). Width 34 at INT2: a byte's four
+    rows are two neurons' gate and up in one program but not four neurons'; groups of 17 columns."""
+    gen = torch.Generator().manual_seed(4 + bits)
+    pool = random_pool(bits, hidden, width, group, slots=4, gen=gen, bias=True)
+    pool = with_ids(pool, random_ids(3, 4, 4, gen))
+    x, w = 8 * torch.randn(3, hidden, generator=gen), torch.rand(3, 4, generator=gen)
+    got = experts_forward(x, w, [pool], GPT_OSS)
+    want = reference_forward(x, w, [pool], GPT_OSS)
+    assert_close(got, want)
+    unclamped = Activation(Act.CLAMPED_SWIGLU, gated=True, interleaved=True, alpha=1.702, limit=1e9)
+    assert (reference_forward(x, w, [pool], unclamped) - want).abs().max() > 100 * RTOL * want.abs().max()
+
+
+@pytest.mark.parametrize("spec", [Activation(Act.GELU, gated=True), Activation(Act.GELU_TANH, gated=True),
+                                  Activation(Act.RELU, gated=True), Activation(Act.SILU, gated=False),
+                                  Activation(Act.GELU, gated=False)], ids=lambda s: f"{s.kind.name}-{s.gated}")
+@pytest.mark.parametrize("bits", [16, 2])
+def test_every_epilogue_activation(spec, bits):
+    gen = torch.Generator().manual_seed(5)
+    pool = random_pool(bits, 64, 64, 32, slots=3, gen=gen, bias=True, gated=spec.gated)
+    pool = with_ids(pool, random_ids(2, 3, 3, gen))
+    x, w = torch.randn(2, 64, generator=gen), torch.rand(2, 3, generator=gen)
+    assert_close(experts_forward(x, w, [pool], spec), reference_forward(x, w, [pool], spec))
+
+
+def test_an_unknown_activation_runs_between_two_launches(monkeypatch):
+    """Act.NONE: the kernel writes gate_up's raw rows, the block's own function runs, then down."""
+    def softplus_gate(h):  # a gate the kernel has no epilogue for
+        gate, up = h.chunk(2, dim=-1)
+        return F.softplus(gate) * up
+
+    spec = Activation(Act.NONE, gated=True, fn=softplus_gate)
+    gen = torch.Generator().manual_seed(6)
+    pools = [with_ids(random_pool(b, 64, 48, 16, slots=3, gen=gen, bias=True), random_ids(2, 2, 3, gen))
+             for b in (16, 4)]
+    x, w = torch.randn(2, 64, generator=gen), torch.rand(2, 2, generator=gen)
+    launches = CountLaunches(monkeypatch)
+    got = experts_forward(x, w, pools, spec)
+    assert launches.n == 3
+    assert_close(got, reference_forward(x, w, pools, spec))
+
+
+# ---- the model's own activation ----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,kind,interleaved", [("qwen2_moe", Act.SILU, False), ("gpt_oss", Act.CLAMPED_SWIGLU, True),
+                                                   ("minimax_m3_vl_text", Act.CLAMPED_SWIGLU, False)])
+def test_activation_is_read_off_the_block(tmp_path, arch, kind, interleaved):
+    lm = load_model(save_tiny(arch, tmp_path / arch))
+    experts = lm.model.get_submodule(lm.geometry.layers[0].path).experts
+    spec = activation_of(experts)
+    assert (spec.kind, spec.interleaved) == (kind, interleaved)
+    h = 20 * torch.randn(5, 2 * lm.geometry.layers[0].intermediate_size)
+    assert_close(reference(spec, h), experts.activation(h).float())
+
+
+def test_a_look_alike_activation_falls_back_to_the_blocks_own(tmp_path):
+    """An act_fn of a known class whose forward differs: recognised by name, refused by the probe."""
+    from transformers.activations import SiLUActivation
+
+    class ShiftedSiLU(SiLUActivation):
+        def forward(self, x):
+            return F.silu(x) + 0.5
+
+    lm = load_model(save_tiny("qwen2_moe", tmp_path / "q"))
+    experts = lm.model.get_submodule(lm.geometry.layers[0].path).experts
+    experts.impl.act_fn = ShiftedSiLU()
+    spec = activation_of(experts)
+    assert spec.kind == Act.NONE and spec.fn is not None
+    h = torch.randn(3, 32)
+    assert torch.equal(spec.fn(h), experts.activation(h))
+
+
+# ---- whole layers of tiny real models --------------------------------------------------------------
+
+def layer_pools(experts: torch.nn.Module, g, bits: int) -> tuple[SlotPool, list[ExpertWeights]]:
+    """A pool holding every expert of transformers' experts module `experts` (slot = expert id) at
+    `bits`, and the weights it holds (dequantized for low bits)."""
+    fused = {n: p.detach() for n, p in experts.named_parameters()}
+    weights = [fused_expert(fused, g, e) for e in range(g.num_experts)]
+    gate_up, down = weights[0].gate_up.shape, weights[0].down.shape
+    layout = make_layout(bits, gate_up, down, has_bias=g.has_bias, group_size=16)
+    blobs = torch.stack([encode(layout, w, None if bits == 16 else hqq.quantize_expert(w, bits, 16, optimize=False))
+                         for w in weights])
+    stack = dequantize_parts(stack_views(blobs, layout), layout, torch.float32)
+    held = [ExpertWeights(stack.gate_up[e], stack.down[e], *(None if b is None else b[e] for b in
+                                                             (stack.gate_up_bias, stack.down_bias)))
+            for e in range(g.num_experts)]
+    return SlotPool(blobs, layout, torch.empty(0, dtype=torch.int32)), held
+
+
+def set_weights(experts: torch.nn.Module, g, held: list[ExpertWeights]) -> None:
+    """Put `held` into transformers' fused experts parameters (transposed for gpt_oss)."""
+    with torch.no_grad():
+        for e, w in enumerate(held):
+            gate_up, down = (w.gate_up.t(), w.down.t()) if g.transposed else (w.gate_up, w.down)
+            getattr(experts, "gate_up_proj" if g.gated else "up_proj")[e].copy_(gate_up)
+            experts.down_proj[e].copy_(down)
+
+
+class KernelExperts(torch.nn.Module):
+    """A MoE block's experts through the kernel: all of a layer's experts in one pool, slot = expert."""
+
+    def __init__(self, pool: SlotPool, spec: Activation):
+        super().__init__()
+        self.pool, self.spec = pool, spec
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return experts_forward(hidden_states, top_k_weights, [with_ids(self.pool, top_k_index.int())], self.spec)
+
+
+def spec_of(experts: torch.nn.Module, g) -> Activation:
+    return activation_of(ProviderExperts(copy.deepcopy(experts), g, provider=None))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("bits", [16, 4, 2])
+def test_a_tiny_models_layer_matches_its_own_experts(tmp_path, arch, bits):
+    """Layer 0's experts of a tiny checkpoint saved in bf16 (so the bf16 blobs hold its weights
+    exactly), through the kernel, against transformers' own experts module in fp32: with its own
+    weights at bf16, with the dequantized weights put into it at 4 and 2 bits."""
+    model = load_reference(save_tiny(arch, tmp_path / arch, dtype=torch.bfloat16), experts_impl="eager")
+    g = inspect_geometry(model).layers[0]
+    experts = model.get_submodule(g.path).experts
+    spec = spec_of(experts, g)
+    assert spec.kind != Act.NONE
+    pool, held = layer_pools(experts, g, bits)
+    set_weights(experts, g, held)
+    gen = torch.Generator().manual_seed(7)
+    T = 5
+    idx = torch.stack([torch.randperm(g.num_experts, generator=gen)[:g.top_k] for _ in range(T)])  # [T, k]
+    w = torch.softmax(torch.randn(T, g.top_k, generator=gen), -1)
+    x = 4 * torch.randn(T, g.hidden_size, generator=gen)
+    with torch.no_grad():
+        want = experts(x, idx, w)
+    assert_close(experts_forward(x, w, [with_ids(pool, idx.int())], spec), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,low", [("qwen2_moe", 4), ("gpt_oss", 2)])
+def test_a_tiny_model_through_the_kernel(tmp_path, arch, low):
+    """Every MoE layer through the kernel: at bf16 the same greedy tokens as transformers (logits
+    within 1e-4 of the largest); at 4 or 2 bits the perplexity of a short text within 0.5% of the
+    model with the dequantized weights put in (the issue's bar; the gap measured is fp32 rounding)."""
+    path = save_tiny(arch, tmp_path / arch, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(8))
+    for bits in (16, low):
+        model = load_reference(path, experts_impl="eager")
+        geometry = inspect_geometry(model)
+        kernels = {}
+        for g in geometry.layers:
+            experts = model.get_submodule(g.path).experts
+            pool, held = layer_pools(experts, g, bits)
+            set_weights(experts, g, held)
+            kernels[g.path] = KernelExperts(pool, spec_of(experts, g))
+        with torch.no_grad():
+            want_logits = model(ids).logits
+            want_tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False) if bits == 16 else None
+            for p, k in kernels.items():
+                model.get_submodule(p).experts = k
+            got_logits = model(ids).logits
+            got_tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False) if bits == 16 else None
+        assert_close(got_logits, want_logits, rtol=1e-4)
+        if bits == 16:
+            assert torch.equal(got_tokens, want_tokens)
+        nll = [F.cross_entropy(lg[0, :-1], ids[0, 1:]).item() for lg in (got_logits, want_logits)]
+        assert abs(torch.tensor(nll[0] - nll[1]).exp().item() - 1) < 0.005, nll
+
+
+# ---- compile, the ops, refusals --------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fullgraph_compile_of_a_decode_step(backend):
+    """torch.compile(fullgraph=True) of a function that takes routed slot ids and runs the layer:
+    the ops trace as two graph nodes (fake shapes), a known activation and the block-function
+    fallback alike, and the compiled function computes what the eager one does."""
+    import torch._dynamo
+
+    gen = torch.Generator().manual_seed(9)
+    pools = [random_pool(b, 64, 32, 32, slots=4, gen=gen, bias=True) for b in (16, 4)]
+    fallback = Activation(Act.NONE, gated=True, interleaved=True, fn=lambda h: reference(GPT_OSS, h))
+
+    def step(x, w, ids16, ids4, spec):
+        out = experts_forward(x, w, [with_ids(pools[0], ids16), with_ids(pools[1], ids4)], spec)
+        return out + x  # the residual, so the graph holds ops around the custom ones
+
+    x, w = torch.randn(2, 64, generator=gen), torch.rand(2, 3, generator=gen)
+    ids = random_ids(2, 3, 4, gen)
+    ids16, ids4 = torch.where(ids % 2 == 0, ids, -1), torch.where(ids % 2 == 1, ids, -1)
+    for spec in (GPT_OSS, fallback) if backend == "aot_eager" else (fallback,):  # inductor: the C++ build is slow
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        assert_close(compiled(x, w, ids16, ids4, spec), step(x, w, ids16, ids4, spec))
+
+
+def test_the_ops_pass_torch_librarys_checks():
+    """Schema, fake (meta) implementation and dispatch of both ops, as torch.library.opcheck tests them."""
+    gen = torch.Generator().manual_seed(10)
+    pool = with_ids(random_pool(4, 64, 32, 32, slots=3, gen=gen), random_ids(2, 2, 3, gen))
+    x, w = torch.randn(2, 64, generator=gen), torch.rand(2, 2, generator=gen)
+    layouts = list(kexperts.layout_ints(pool.layout))
+    args = (x, [pool.data], [pool.ids], layouts, 2, int(Act.SILU), True, False, 0.0, 0.0, [])
+    torch.library.opcheck(torch.ops.moetool.experts_gate_up.default, args)
+    h = torch.ops.moetool.experts_gate_up(*args)
+    torch.library.opcheck(torch.ops.moetool.experts_down.default,
+                          (h, w, [pool.data], [pool.ids], layouts, 64, torch.float32, []))
+
+
+def test_what_the_kernels_refuse():
+    gen = torch.Generator().manual_seed(11)
+    layout = random_pool(4, 64, 32, 32, slots=1, gen=gen).layout
+    assert supported(layout, SILU, "cpu") is None
+    assert "CUDA" in supported(layout, SILU, "meta")
+    axis0 = make_layout(4, (64, 64), (64, 32), has_bias=False, group_size=32, axis=0)
+    assert "axis 0" in supported(axis0, SILU, "cpu")
+    with pytest.raises(ValueError, match="axis 0"):  # asked or not: refused, never read as axis 1
+        experts_forward(torch.randn(1, 64), torch.rand(1, 2),
+                        [SlotPool(torch.zeros(1, axis0.nbytes, dtype=torch.uint8), axis0,
+                                  torch.zeros(1, 2, dtype=torch.int32))], SILU)
+    odd_rows = make_layout(2, (34, 64), (64, 34), has_bias=False, group_size=2)  # 34 rows, 4 codes a byte
+    assert "byte slices" in supported(odd_rows, Activation(Act.SILU, gated=False), "cpu")
+    assert "down projection" in supported(layout, Activation(Act.SILU, gated=False), "cpu")
+    assert "own function" in supported(layout, Activation(Act.NONE, gated=True), "cpu")
+    pool = with_ids(random_pool(4, 64, 32, 32, slots=1, gen=gen), torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int32"):
+        experts_forward(torch.randn(1, 64), torch.rand(1, 2), [pool], SILU)
+
+
+# ---- the benchmark script, without a GPU -----------------------------------------------------------
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, not interpreted
+    return subprocess.run([sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_an_h100():
+    """What the interpreter cannot check: Triton's compiler takes the kernels, with the arguments of
+    a call that mixes every precision, down to an sm_90 binary (no driver or GPU involved)."""
+    run = _bench("--compile-only", "90", "--shapes", "qwen1.5-moe-a2.7b")
+    assert run.returncode == 0, run.stderr[-2000:]
+    for kernel in ("gate_up_kernel", "down_kernel", "combine_kernel"):
+        assert f"{kernel}" in run.stdout and "sm_90" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_benchmark_writes_its_rows_on_a_cpu(tmp_path):
+    run = _bench("--shapes", "qwen3-30b-a3b", "--bits", "16", "2", "--sets", "1", "--repeats", "1", "--cpu-slots", "8",
+                 "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "need CUDA to be timed" in run.stderr
+    rows = json.loads((tmp_path / "bench_kernels.json").read_text())
+    assert [(r["bits"], r["path"]) for r in rows] == [(16, "dequant-gemm-eager"), (2, "dequant-gemm-eager")]
+    for r in rows:
+        assert r["shape"] == "qwen3-30b-a3b" and r["device"].startswith("cpu") and r["us_per_expert"] > 0
+        assert r["gbps"] == pytest.approx(r["expert_bytes"] / (r["us_per_expert"] * 1e3))
+    assert rows[0]["ratio_to_bf16"] == 1.0 and rows[1]["ratio_to_bf16"] == pytest.approx(
+        rows[1]["us_per_expert"] / rows[0]["us_per_expert"])
