@@ -1,0 +1,295 @@
+"""Benchmark of one MoE layer's experts at batch 1 per stored precision: the fused Triton kernels
+(`moetool.kernels`) against the path the engine takes on CUDA today (gather the k experts' blob
+parts, dequantize them, grouped GEMMs; bf16 read in place), at two real shapes:
+Qwen1.5-MoE-A2.7B (hidden 2048, width 1408, 60 experts, top-4) and Qwen3-30B-A3B (hidden 2048,
+width 768, 128 experts, top-8), HQQ groups of 64, random weights (the time does not depend on them).
+
+Per shape, precision and path: microseconds per expert (median over repeats of `--sets` routings
+of k distinct experts each, spread over the whole pool so that the experts come from memory, not
+from the L2 cache), the expert bytes read per second, and the ratio to the same path's bf16 time.
+On CUDA the Triton path is timed twice: inside one CUDA graph (device time, what the captured
+decode step pays) and eagerly (launches included); the engine's path eagerly (transformers'
+grouped_mm does not capture). Each Triton result is checked against the fp32 dequantize reference
+(`max_rel_err`) and the graph's replay against the eager call (`graph_equal`).
+On a CPU the Triton kernels cannot be timed (the interpreter checks them; it is no timing): the
+engine's dequantize path is timed alone, in fp32 (bf16 on the device).
+
+    python3 scripts/bench_kernels.py --out gpu-out                # rows in gpu-out/bench_kernels.json
+    python3 scripts/bench_kernels.py --shapes qwen3-30b-a3b --bits 16 4
+    python3 scripts/bench_kernels.py --compile-only 90            # no GPU needed: build for sm_90,
+                                                                  # print registers and spills
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers.integrations.moe import _grouped_mm  # what the engine's grouped GEMMs call
+
+from moetool.kernels import Act, Activation, SlotPool, experts_forward
+from moetool.kernels import experts as kexperts
+from moetool.kernels.activation import reference
+from moetool.model import ExpertWeights
+from moetool.quant.format import QTensor, dequantize_parts, encode, make_layout, stack_views
+
+SHAPES = {"qwen1.5-moe-a2.7b": dict(hidden=2048, width=1408, experts=60, top_k=4),
+          "qwen3-30b-a3b": dict(hidden=2048, width=768, experts=128, top_k=8)}
+GROUP = 64
+SILU = Activation(Act.SILU, gated=True)  # both models' experts: SiLU(gate) * up, [gate; up] rows
+
+
+def make_pool(bits: int, shape: dict, slots: int, device: torch.device, distinct: int = 4) -> SlotPool:
+    """`slots` expert blobs at `bits` on `device` (`distinct` random experts repeated: every slot is
+    its own bytes in memory), ids left empty."""
+    h, i = shape["hidden"], shape["width"]
+    layout = make_layout(bits, (2 * i, h), (h, i), has_bias=False, group_size=GROUP)
+    gen = torch.Generator().manual_seed(bits)
+    blobs = []
+    for _ in range(distinct):
+        w = ExpertWeights(gate_up=torch.randn(2 * i, h, generator=gen) / h ** 0.5,
+                          down=torch.randn(h, i, generator=gen) / i ** 0.5)
+        q = None
+        if bits != 16:
+            q = {}
+            for proj in layout.projections:
+                g, gs = proj.grouped_shape()
+                q[proj.name] = QTensor(torch.randint(0, 1 << bits, (g, gs), generator=gen, dtype=torch.uint8),
+                                       torch.full((g, 1), 2.0 / (gs ** 0.5 * (1 << bits))),
+                                       torch.full((g, 1), ((1 << bits) - 1) / 2))
+        blobs.append(encode(layout, w, q))
+    data = torch.stack(blobs).to(device)
+    return SlotPool(data.repeat((slots + distinct - 1) // distinct, 1)[:slots].contiguous(), layout,
+                    torch.empty(0, dtype=torch.int32))
+
+
+def expert_bytes(pool: SlotPool) -> int:
+    """Bytes one expert's computation reads: every part of its blob (padding excluded)."""
+    return sum(p.nbytes for p in pool.layout.parts)
+
+
+class DequantPath:
+    """The engine's CUDA path for one token's k experts at one precision: bf16 read in place over
+    the pool (empty groups between the routed slots), else the k experts' parts gathered, decoded
+    at once (`dequantize_parts`) and two grouped GEMMs; the weighted sum over k after."""
+
+    def __init__(self, pool: SlotPool, dtype: torch.dtype):
+        self.pool, self.dtype = pool, dtype
+        self.parts = stack_views(pool.data, pool.layout)  # [slots, *shape] views, made once
+        self.whole = dequantize_parts(self.parts, pool.layout, dtype) if pool.layout.bits == 16 else None
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        k = slots.numel()
+        rows = x.expand(k, -1).contiguous()  # [k, H]: the token's row once per expert, as the engine gathers it
+        if self.whole is not None:  # in place: groups over the whole pool, one row where routed
+            stack = self.whole
+        else:
+            stack = dequantize_parts({n: v.index_select(0, slots) for n, v in self.parts.items()},
+                                     self.pool.layout, self.dtype)
+        h = _grouped_mm(rows, stack.gate_up.transpose(-2, -1), offs)  # [k, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = _grouped_mm(torch.nn.functional.silu(gate) * up, stack.down.transpose(-2, -1), offs)  # [k, H]
+        return (y * w.view(k, 1)).sum(0, keepdim=True)
+
+
+def routings(n: int, slots: int, k: int, device: torch.device) -> list[torch.Tensor]:
+    """`n` routings of one token: k distinct slots each, sorted (grouped GEMMs take groups in order)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randperm(slots, generator=gen)[:k].sort().values.to(device) for _ in range(n)]
+
+
+def offsets(slots: torch.Tensor, total: int | None) -> torch.Tensor:
+    """Grouped-GEMM offsets: one row per routed slot, over `total` groups (the whole pool) or k."""
+    if total is None:
+        return torch.arange(1, slots.numel() + 1, dtype=torch.int32, device=slots.device)
+    counts = torch.zeros(total, dtype=torch.int32, device=slots.device)
+    counts[slots] = 1
+    return counts.cumsum(0, dtype=torch.int32)
+
+
+def reference_out(pool: SlotPool, x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The fp32 dequantize reference of one token's k experts."""
+    stack = dequantize_parts({n: v.index_select(0, slots) for n, v in stack_views(pool.data, pool.layout).items()},
+                             pool.layout, torch.float32)
+    h = torch.bmm(stack.gate_up, x.float().expand(slots.numel(), -1).unsqueeze(-1)).squeeze(-1)  # [k, 2I]
+    y = torch.bmm(stack.down, reference(SILU, h).unsqueeze(-1)).squeeze(-1)  # [k, H]
+    return (y * w.float().view(-1, 1)).sum(0, keepdim=True)
+
+
+def cuda_median_s(fn, repeats: int) -> float:
+    """Median seconds of `fn()` on the device (CUDA events), after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def cpu_median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_one(name: str, shape: dict, bits: int, args, device: torch.device) -> list[dict]:
+    """Rows for one shape and precision: each path's seconds per call of `--sets` routings."""
+    k = shape["top_k"]
+    slots = shape["experts"] if device.type == "cuda" else min(shape["experts"], args.cpu_slots)
+    pool = make_pool(bits, shape, slots, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # each device's usual compute dtype
+    sets = routings(args.sets, slots, k, device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, shape["hidden"], generator=gen).to(device, dtype)
+    w = torch.softmax(torch.randn(1, k, generator=gen), -1).to(device, dtype)
+    calls = {}
+    if device.type == "cuda":
+        pools = [SlotPool(pool.data, pool.layout, s.int().view(1, k)) for s in sets]
+        calls["triton-eager"] = lambda: [experts_forward(x, w, [p], SILU, args.config) for p in pools]
+    engine = DequantPath(pool, dtype)
+    offs = [offsets(s, slots if bits == 16 else None) for s in sets]
+    calls["dequant-gemm-eager"] = lambda: [engine(x, w, s, o) for s, o in zip(sets, offs)]
+    extra = {}
+    if device.type == "cuda":
+        eager = calls["triton-eager"]()  # also compiles the kernels, outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = calls["triton-eager"]()
+        graph.replay()
+        torch.cuda.synchronize()
+        calls["triton-graph"] = graph.replay
+        err = max(((got.float() - want).abs().max() / want.abs().max()).item()
+                  for got, want in zip(eager, (reference_out(pool, x, w, s) for s in sets)))
+        extra = {"max_rel_err": err, "graph_equal": all(torch.equal(a, b) for a, b in zip(eager, captured))}
+    rows = []
+    for path, fn in calls.items():
+        seconds = (cuda_median_s if device.type == "cuda" else cpu_median_s)(fn, args.repeats) / args.sets
+        rows.append({"device": device_name(device), "bits": bits, "shape": name, "path": path,
+                     "us_per_expert": seconds / k * 1e6, "gbps": expert_bytes(pool) * k / seconds / 1e9,
+                     "expert_bytes": expert_bytes(pool), "top_k": k, **(extra if path.startswith("triton") else {})})
+    del pool, engine
+    return rows
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def add_ratios(rows: list[dict]) -> None:
+    bf16 = {(r["shape"], r["path"]): r["us_per_expert"] for r in rows if r["bits"] == 16}
+    for r in rows:
+        base = bf16.get((r["shape"], r["path"]))
+        r["ratio_to_bf16"] = r["us_per_expert"] / base if base else None
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'shape':<20}{'path':<21}{'bits':>5}{'us/expert':>11}{'GB/s':>9}{'x bf16':>8}  check"]
+    for r in rows:
+        ratio = f"{r['ratio_to_bf16']:.2f}" if r["ratio_to_bf16"] is not None else "-"
+        check = f"err {r['max_rel_err']:.1e} graph {'=' if r['graph_equal'] else '!='}" if "max_rel_err" in r else ""
+        lines.append(f"{r['shape']:<20}{r['path']:<21}{r['bits']:>5}{r['us_per_expert']:>11.2f}{r['gbps']:>9.1f}"
+                     f"{ratio:>8}  {check}")
+    return "\n".join(lines)
+
+
+# ---- ahead-of-time compilation for a GPU this machine does not have -----------------------------
+
+def compile_only(arch: int, shapes: list[str]) -> int:
+    """Compile the three kernels for CUDA sm_`arch` with the arguments a mixed-precision call at
+    batch 1 launches (every stored precision in one launch) and print each one's registers and
+    spills (cuobjdump). Uses Triton's compiler entry points directly (no driver, no GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    config = list(kexperts.default_config(torch.device("cuda")))
+    for name in shapes:
+        s = SHAPES[name]
+        k, hidden, inter = s["top_k"], s["hidden"], s["width"]
+        pools = [make_pool(b, dict(s, width=inter), 2, torch.device("cpu"), distinct=1) for b in (16, 8, 4, 2)]
+        layouts = [v for p in pools for v in kexperts.layout_ints(p.layout)]
+        data, ids = [p.data for p in pools], [torch.zeros(1, k, dtype=torch.int32) for _ in pools]
+        x, w = torch.zeros(1, hidden, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16)
+        h = torch.empty(len(pools), k, inter)
+        y, out = torch.empty(len(pools), k, hidden), torch.empty(1, hidden, dtype=torch.bfloat16)
+        launches = [kexperts.gate_up_launch(x, data, ids, layouts, k, int(Act.SILU), True, False, 0.0, 0.0, config, h),
+                    *kexperts.down_launches(h, w, data, ids, layouts, hidden, config, y, out)]
+        for kernel, grid, kargs, options in launches:
+            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+            bound, spec, opts = binder(*kargs, **options)
+            opts, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, spec, opts)
+            t0 = time.perf_counter()
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                      options=opts.__dict__)
+            usage = ""
+            if cuobjdump.exists():
+                path = Path(f"/tmp/moetool-{kernel.__name__}.cubin")
+                path.write_bytes(compiled.asm["cubin"])
+                res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
+                found = re.search(r"REG:(\d+).*LOCAL:(\d+)", res)
+                usage = f"registers {found.group(1)}, spilled bytes {found.group(2)}" if found else ""
+            print(f"{name:<20}{kernel.__name__:<16} grid {str(grid):<12} sm_{arch} "
+                  f"{time.perf_counter() - t0:5.1f} s  {usage}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--bits", nargs="+", type=int, choices=(16, 8, 4, 2), default=[16, 8, 4, 2])
+    ap.add_argument("--sets", type=int, default=32, help="routings per timed call (different experts each)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--cpu-slots", type=int, default=8, help="pool slots on a CPU (host memory on a shared machine)")
+    ap.add_argument("--config", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
+                    metavar="R1,BK1,R2,BK2,B3,WARPS", help="the kernels' tiles (moetool.kernels.experts.default_config)")
+    ap.add_argument("--out", type=Path, help="directory for bench_kernels.json")
+    ap.add_argument("--compile-only", type=int, metavar="SM", help="compile for CUDA sm_SM without a GPU, and stop")
+    args = ap.parse_args()
+    if args.compile_only:
+        return compile_only(args.compile_only, args.shapes)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        print("no CUDA device: the Triton kernels need CUDA to be timed (under TRITON_INTERPRET=1 they run "
+              "on a CPU as a check, not a timing); timing the engine's dequantize path only", file=sys.stderr)
+        args.repeats, args.sets = min(args.repeats, 5), min(args.sets, 4)
+    rows = []
+    for name in args.shapes:
+        for bits in sorted(args.bits, reverse=True):
+            rows += bench_one(name, SHAPES[name], bits, args, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    add_ratios(rows)
+    print(table(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_kernels.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
