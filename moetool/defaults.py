@@ -7,3 +7,6 @@ CLOCKS = ("wall", "sim")  # measured, or modelled on a hardware profile
 # The engine's compute paths, by the transformers kernel each matches bit for bit: grouped GEMMs over
 # the slot pools (transformers' default), or one expert at a time (its eager loop).
 EXPERTS_IMPLS = ("grouped_mm", "eager")
+# The decode paths of `run`: the captured step (one compiled program, a CUDA graph on a GPU), the
+# host-driven engine, or `auto`, the one measured faster on the device (`engine.decode.choose_path`).
+DECODE_PATHS = ("auto", "captured", "host")

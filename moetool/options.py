@@ -18,11 +18,12 @@ from typing import Annotated, Any
 import typer
 
 from moetool.errors import MoetoolError
-from moetool.spec import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS
+from moetool.spec import CLOCKS, DECODE_PATHS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS
 
 Clock = Enum("Clock", {c: c for c in CLOCKS}, type=str)  # a `str, Enum`: Typer shows and checks the choices
 Dtype = Enum("Dtype", {d: d for d in ("auto", *DTYPES)}, type=str)
 ExpertsImpl = Enum("ExpertsImpl", {i: i for i in EXPERTS_IMPLS}, type=str)
+Decode = Enum("Decode", {d: d for d in DECODE_PATHS}, type=str)
 
 
 ModelArg = Annotated[str, typer.Argument(help="A local Hugging Face model directory, a hub id, or 'demo'.")]
@@ -49,6 +50,10 @@ HostBudgetOpt = Annotated[str | None, typer.Option(help="Host memory for pinned 
 ExpertsImplOpt = Annotated[ExpertsImpl, typer.Option(help="Expert compute: grouped_mm (grouped GEMMs, bit-exact "
                                                  "against transformers' default kernel) or eager (one expert at a "
                                                  "time, bit-exact against its eager loop).")]
+DecodeOpt = Annotated[Decode, typer.Option(help="Decode path: captured (the whole step as one compiled program, "
+                                           "a CUDA graph on a GPU; the policy's host half one step behind), host "
+                                           "(the engine driven per layer from the host), or auto (the faster on the "
+                                           "device: captured on CUDA, host on a CPU). The run records which ran and why.")]
 BatchOpt = Annotated[int, typer.Option(help="Sequences per forward (prompts per batch).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
 
@@ -88,13 +93,14 @@ def parse_numbers(text: str, option: str, kind: type = float) -> tuple[Any, ...]
 
 def spec_fields(model: str | None, bundle: Path | None, policy: str, set_: list[str] | None, fit: Path | None,
                 budget: str, clock: Clock, hw: str, device: str, dtype: Dtype,
-                host_budget: str | None, experts_impl: ExpertsImpl = ExpertsImpl.grouped_mm) -> dict[str, Any]:
+                host_budget: str | None, experts_impl: ExpertsImpl = ExpertsImpl.grouped_mm,
+                decode: Decode = Decode.auto) -> dict[str, Any]:
     """The `EngineSpec` fields of the shared options, as run and eval take them."""
     return dict(model=model, bundle=bundle, policy=policy, settings=parse_settings(set_), fit=fit, budget=budget,
                 clock=Clock(clock).value, hw=hw, device=device, dtype=Dtype(dtype).value, host_budget=host_budget,
-                experts_impl=ExpertsImpl(experts_impl).value)
+                experts_impl=ExpertsImpl(experts_impl).value, decode=Decode(decode).value)
 
 
-__all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
+__all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "Decode", "DecodeOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
            "ExpertsImpl", "ExpertsImplOpt", "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
            "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]

@@ -142,16 +142,22 @@ class Prepared:
     plan: BudgetPlan
     inputs: dict[str, str]  # sha256 of the bundle manifest / fit artifact used
     dtype: str = "float32"  # the compute dtype, resolved
+    store: HostStore | None = None  # what `build` (re)builds the engine from
+    fitted: dict[str, Any] | None = None
+    max_tokens: int = PLAN_TOKENS
+    batch: int = 1
+    host_budget: int | None = None
 
 
 def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = PLAN_TOKENS,
-            batch: int | None = None) -> Prepared:
+            batch: int | None = None, captured: bool = False) -> Prepared:
     """Load the model, open the store, build the policy and the engine from `spec`.
 
     `max_tokens` (or a function of the loaded model, for lengths counted with its tokenizer) and
     `batch` (default: the config's batch_size, 1 for a bare spec) size the KV/activation margin the
     budget reserves; the engine refuses a longer forward. The caller has `check()`ed the spec (run
-    and evaluate do, first thing), so a bad one fails before the model loads.
+    and evaluate do, first thing), so a bad one fails before the model loads. `captured` plans the
+    engine for the captured decode step (`engine.decode`).
     """
     dtype = resolve_dtype(spec.dtype, spec.device)
     host_budget = None if spec.host_budget is None else parse_size(spec.host_budget, "--host-budget")
@@ -163,12 +169,23 @@ def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = P
         fit = Fit.load(Path(spec.fit), model=lm.fingerprint)
         fitted = fit.params.get(spec.policy, {})
         inputs[str(spec.fit)] = sha256_file(Path(spec.fit))
-    engine, plan = build_engine(lm, store, spec.policy, settings=spec.settings, fitted=fitted, budget=spec.budget,
-                                clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=max_tokens,
-                                batch=batch or getattr(spec, "batch_size", 1), host_budget=host_budget,
-                                experts_impl=spec.experts_impl)
-    return Prepared(spec=spec, lm=lm, engine=engine, plan=plan, inputs=inputs,
-                    dtype=str(dtype).removeprefix("torch."))
+    ready = Prepared(spec=spec, lm=lm, engine=None, plan=None, inputs=inputs, dtype=str(dtype).removeprefix("torch."),
+                     store=store, fitted=fitted, max_tokens=max_tokens, batch=batch or getattr(spec, "batch_size", 1),
+                     host_budget=host_budget)
+    return build(ready, captured)
+
+
+def build(ready: Prepared, captured: bool = False) -> Prepared:
+    """(Re)build `ready`'s engine over its loaded model and store, for the captured decode step or the
+    host path (a captured plan the model or policy cannot take is rebuilt for the host path)."""
+    if ready.engine is not None:
+        ready.engine.close()
+    spec = ready.spec
+    ready.engine, ready.plan = build_engine(
+        ready.lm, ready.store, spec.policy, settings=spec.settings, fitted=ready.fitted, budget=spec.budget,
+        clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=ready.max_tokens, batch=ready.batch,
+        host_budget=ready.host_budget, experts_impl=spec.experts_impl, captured=captured)
+    return ready
 
 
 def engine_record(ready: Prepared) -> dict[str, Any]:
@@ -178,7 +195,7 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
     return dict(policy=spec.policy, params=engine.policy.describe(), clock=spec.clock,
                 hw=spec.hw if spec.clock == "sim" else None, device=str(spec.device), dtype=ready.dtype,
                 budget_bytes=plan.total_bytes, budget=dataclasses.asdict(plan), peak_device_bytes=s["peak_device_bytes"],
-                summary={**s, "warm_bytes": engine.warm_bytes},
+                summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info},
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 
@@ -212,16 +229,46 @@ def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -
     return longest + max_new_tokens
 
 
+def _program(ready: Prepared, reason: str) -> Any:
+    """The captured decode program of `ready`'s engine, or None after rebuilding the engine for the
+    host path where the model or the policy cannot take it (the reason is recorded in the run)."""
+    from moetool.engine.decode import DecodeProgram
+
+    try:
+        program = DecodeProgram(ready.engine, max_tokens=ready.max_tokens, host_budget=ready.host_budget)
+    except MoetoolError as e:
+        build(ready, captured=False)
+        ready.engine.decode_info = {"path": "host", "path_reason": f"the captured step fell back: {str(e).rstrip('.')}"}
+        return None
+    ready.engine.decode_info = {"path": "captured", "path_reason": reason, **program.summary()}
+    return program
+
+
 def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> Run:
+    from moetool.engine.decode import choose_path
+
     cfg.check()
     prompts = list(cfg.prompts)
-    ready = prepare(cfg, max_tokens=lambda lm: _sequence_tokens(lm, prompts, cfg.max_new_tokens),
-                    batch=min(cfg.batch_size, len(prompts)))
-    lm, engine = ready.lm, ready.engine
+    batch = min(cfg.batch_size, len(prompts))
+    path, reason = choose_path(cfg.decode, torch.device(cfg.device), batch, cfg.experts_impl)
+    ready = prepare(cfg, max_tokens=lambda lm: _sequence_tokens(lm, prompts, cfg.max_new_tokens), batch=batch,
+                    captured=path == "captured")
+    ready.engine.decode_info = {"path": "host", "path_reason": reason}
+    program = _program(ready, reason) if path == "captured" else None
+    lm = ready.lm
     tokens: list[list[int]] = []
     texts: list[str] = []
     with torch.no_grad():
-        for start in range(0, len(prompts), cfg.batch_size):
+        for i, prompt in enumerate(prompts if program is not None else ()):
+            ids, _ = _encode(lm, [prompt])
+            done = i * cfg.max_new_tokens
+            row = program.generate(ids, cfg.max_new_tokens, progress=(lambda n, done=done: progress(
+                done + n, len(prompts) * cfg.max_new_tokens)) if progress else None)
+            tokens.append(row)
+            texts.append(lm.tokenizer.decode(row, skip_special_tokens=True) if lm.tokenizer else "")
+        if program is not None:
+            ready.engine.decode_info.update(program.summary())
+        for start in range(0, len(prompts) if program is None else 0, cfg.batch_size):
             batch = prompts[start:start + cfg.batch_size]
             ids, mask = _encode(lm, batch)
             counter = _StepCounter(progress, start * cfg.max_new_tokens, len(batch), len(prompts) * cfg.max_new_tokens)
@@ -232,7 +279,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
             for row in out[:, ids.shape[1]:].tolist():
                 tokens.append(row)
                 texts.append(lm.tokenizer.decode(row, skip_special_tokens=True) if lm.tokenizer else "")
-    engine.close()
+    ready.engine.close()
     record = engine_record(ready)
     s = record["summary"]
     return Run(model=lm.fingerprint, inputs=ready.inputs, **record, ttft_s=s["ttft_s"], tpot_s=s["tpot_s"],

@@ -19,7 +19,7 @@ from typing import Any
 
 from moetool.errors import MoetoolError, not_a_file
 
-from moetool.defaults import CLOCKS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS  # noqa: F401 (re-exported for commands)
+from moetool.defaults import CLOCKS, DECODE_PATHS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS  # noqa: F401 (re-exported for commands)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +38,9 @@ class EngineSpec:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; else one of DTYPES
     host_budget: str | None = None  # host bytes for pinned experts and the staging ring (default: free memory less a margin)
     experts_impl: str = "grouped_mm"  # one of EXPERTS_IMPLS: grouped GEMMs, or one expert at a time ("eager")
+    # The decode path of `run` (DECODE_PATHS): the captured step, the host-driven engine, or the one
+    # faster on the device (`engine.decode.choose_path`). `eval` and `model.generate` keep the host path.
+    decode: str = "auto"
 
     def engine_fields(self) -> dict[str, Any]:
         """This spec's own fields (not a subclass's workload), e.g. to build another config from it."""
@@ -62,6 +65,8 @@ class EngineSpec:
             raise MoetoolError(f"--host-budget must be more than 0 bytes, not '{self.host_budget}'.")
         if self.experts_impl not in EXPERTS_IMPLS:
             raise MoetoolError(f"--experts-impl must be {' or '.join(EXPERTS_IMPLS)}, not '{self.experts_impl}'.")
+        if self.decode not in DECODE_PATHS:
+            raise MoetoolError(f"--decode must be {', '.join(DECODE_PATHS[:-1])} or {DECODE_PATHS[-1]}, not '{self.decode}'.")
         if self.fit is not None and not Path(self.fit).is_file():
             raise not_a_file(self.fit, "--fit")
 
@@ -158,5 +163,5 @@ class EngineRecord:
                 raise SchemaError("params", f"holds a knob the policy refuses: {str(e).rstrip('.')}") from None
 
 
-__all__ = ["CLOCKS", "DEFAULT_BUDGET", "DEFAULT_HW", "DTYPES", "EngineRecord", "EngineSpec", "check_budget",
+__all__ = ["CLOCKS", "DECODE_PATHS", "DEFAULT_BUDGET", "DEFAULT_HW", "DTYPES", "EngineRecord", "EngineSpec", "check_budget",
            "check_device", "check_positive", "check_size", "parse_device", "resolve_dtype"]

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from moetool.app import command, err, not_an_input, out, writable
 from moetool.errors import MoetoolError
-from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
+from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, Decode, DecodeOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
@@ -39,6 +39,7 @@ def run(
     dtype: DtypeOpt = Dtype.auto,
     host_budget: HostBudgetOpt = None,
     experts_impl: ExpertsImplOpt = ExpertsImpl.grouped_mm,
+    decode: DecodeOpt = Decode.auto,
     save: Annotated[Path | None, typer.Option("--out", help="Where to write the Run artifact (JSON).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -56,13 +57,16 @@ def run(
         raise MoetoolError("give --prompt or --prompts, not both.")
     texts = read_prompts(prompts) if prompts is not None else (prompt,) if prompt is not None else RunConfig.prompts
     cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
-                                     experts_impl),
+                                     experts_impl, decode),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(f"run {policy}", total=len(cfg.prompts) * max_new_tokens)  # generated tokens
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
     if save is not None:
         result.save(save)
+    s = result.summary
+    compiled = f", compiled in {s['compile_s']:.1f} s" if s.get("compile_s") is not None else ""
+    err.print(f"decode path: {s.get('path', 'host')} ({s.get('path_reason', '')}{compiled})", highlight=False)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from moetool.defaults import DECODE_PATHS as PATHS
 from moetool.engine.captured import CapturedLayers
 from moetool.engine.mirror import host_mirrors
 from moetool.engine.stats import StepRecord
@@ -31,7 +32,25 @@ from moetool.errors import MoetoolError
 from moetool.inference import with_cache
 from moetool.policies.base import Fetch, LayerView, Phase, Step
 
-PATHS = ("auto", "captured", "host")
+
+
+def choose_path(requested: str, device: torch.device, batch: int, experts_impl: str) -> tuple[str, str]:
+    """The decode path to plan for, and why, from what is known before the engine is built. `auto` is
+    the path measured faster on the device: on CUDA the captured step (the host-driven engine is
+    host-bound there: docs/bench/gpu), on a CPU the host path (its own step is as fast, and the
+    captured one first compiles for minutes: scripts/bench_decode.py). A captured path that the model
+    or the policy then cannot take falls back to the host path, with its reason."""
+    if requested == "host":
+        return "host", "asked for (--decode host)"
+    if batch != 1:
+        return "host", f"the captured step decodes one sequence at a time, not a batch of {batch}"
+    if experts_impl != "grouped_mm":
+        return "host", "--experts-impl eager runs one expert at a time on the host path only"
+    if requested == "captured":
+        return "captured", "asked for (--decode captured)"
+    if device.type == "cuda":
+        return "captured", "auto: on CUDA the captured step (the host-driven step is host-bound there)"
+    return "host", "auto: on a CPU the host path (the captured step's compile costs more than it saves on a short run)"
 
 
 def unavailable(engine: Any, batch: int) -> str | None:
@@ -152,9 +171,10 @@ class DecodeProgram:
 
     # -- the loop -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, progress: Any = None) -> list[int]:
         """Greedy decoding of one prompt `ids` [1, T]: prefill on the host path, then `max_new_tokens`-1
-        captured steps, the host half of step i done after step i+1 is launched. Returns the new tokens."""
+        captured steps, the host half of step i done after step i+1 is launched. Returns the new tokens
+        (`progress(n)` is told each time one is known)."""
         engine, model = self.engine, self.engine.lm.model
         T = ids.shape[1]
         if T + max_new_tokens > self.max_tokens:
@@ -165,6 +185,8 @@ class DecodeProgram:
                        use_cache=True, **with_cache(model, self.cache)).logits
         first = logits[:, -1].argmax(-1)  # [1]
         tokens = [int(first)]
+        tell = progress or (lambda n: None)
+        tell(1)
         self.tok.copy_(first.view(1, 1))
         self.pos.fill_(T)
         engine._publish_ready()
@@ -182,11 +204,13 @@ class DecodeProgram:
                 if pending is not None:
                     tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
                     last = self._time_step(pending, events, last)
+                    tell(len(tokens))
                 self.layers.table.sync()  # queued behind step i: step i+1 reads it
                 pending = i
             if pending is not None:
                 tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
                 self._time_step(pending, events, last)
+                tell(len(tokens))
         finally:
             engine.capturing = False
         return tokens
@@ -320,4 +344,4 @@ def _own_code(method: Any) -> Any:
     return types.MethodType(own, method.__self__)
 
 
-__all__ = ["DecodeProgram", "PATHS", "unavailable"]
+__all__ = ["DecodeProgram", "PATHS", "choose_path", "unavailable"]
