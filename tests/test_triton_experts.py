@@ -17,17 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels then run on CPU tensors
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from moetool.kernels import Act, Activation, SlotPool, activation_of, experts_forward, supported  # noqa: E402
 from moetool.kernels import experts as kexperts  # noqa: E402
-from moetool.kernels import triton_experts  # noqa: E402
 from moetool.kernels.activation import reference  # noqa: E402
 from moetool.model import ExpertWeights, ProviderExperts, fused_expert, inspect_geometry, load_model  # noqa: E402
 from moetool.model import load_reference  # noqa: E402
@@ -35,8 +32,31 @@ from moetool.quant import hqq  # noqa: E402
 from moetool.quant.format import QTensor, dequantize_parts, encode, make_layout, stack_views  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not kexperts._interpreted(), reason="moetool.kernels was imported before "
-                                "TRITON_INTERPRET=1 was set: its kernels cannot run on CPU tensors")
+
+def _import_interpreted():
+    """The kernels module, its kernels decorated for Triton's CPU interpreter (TRITON_INTERPRET=1 while
+    it is imported; the rest of the session keeps its own setting)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from moetool.kernels import triton_experts
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return triton_experts
+
+
+triton_experts = _import_interpreted()
+pytestmark = pytest.mark.skipif(not kexperts._interpreted(), reason="moetool.kernels was imported before this "
+                                "module, without TRITON_INTERPRET=1: its kernels cannot run on CPU tensors")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter reads it when a kernel runs too
+
 
 RTOL = 1e-5
 CUDA_CONFIG = kexperts.default_config(torch.device("cuda"))  # the GPU's tiles, run by the interpreter

@@ -30,6 +30,23 @@ import triton.language as tl
 WDTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
+# Only Triton's builtins below, none of its jit-written standard library (tl.sum, tl.sigmoid, tl.zeros):
+# those are decorated once, when triton.language is first imported, so in a process that imported
+# Triton before setting TRITON_INTERPRET=1 they cannot run under the interpreter.
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    """tl.sum, spelled as the builtin reduce with tl.sum's own combine function: the same code on a
+    GPU, and the interpreter recognises that function (by identity) and sums in numpy."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
 @triton.jit
 def _ptr(base, off, DT: tl.constexpr):
     """`base` (a uint8 pointer) + `off` bytes, as a pointer to dtype code DT (`WDTYPES`)."""
@@ -93,14 +110,14 @@ def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
     if ACT == 5:  # gpt_oss's clamped SwiGLU
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-        return (u + 1.0) * g * tl.sigmoid(g * alpha)
+        return (u + 1.0) * g * _sigmoid(g * alpha)
     else:
         if ACT == 1:
-            a = g * tl.sigmoid(g)
+            a = g * _sigmoid(g)
         elif ACT == 2:
             a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
         elif ACT == 3:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
-            a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+            a = g * _sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
         else:
             a = tl.maximum(g, 0.0)
         if GATED:
@@ -139,8 +156,8 @@ def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl
         n, nmask = _lanes(b, SL, N1 // SL, R)
         grow = n
         urow = n
-    acc_g = tl.zeros((R, NG, GW), tl.float32)
-    acc_u = tl.zeros((R, NG, GW), tl.float32)
+    acc_g = tl.full((R, NG, GW), 0.0, tl.float32)
+    acc_u = tl.full((R, NG, GW), 0.0, tl.float32)
     for k0 in range(0, H, BK):
         kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
         xk = tl.load(x_row + kk, mask=kk < H, other=0.0).to(tl.float32)  # [1, NG, GW]
@@ -152,8 +169,8 @@ def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl
             else:
                 raw_u = _load_w(blob, urow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
             acc_u += _dequant(raw_u, blob, urow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
-    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # [R]
-    u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    g = _sum(_sum(acc_g, 2), 1)  # [R]
+    u = _sum(_sum(acc_u, 2), 1)
     if HAS_BIAS:
         g += tl.load(_ptr(blob, B_OFF, BDT) + grow, mask=nmask, other=0.0).to(tl.float32)
         if GATED:
@@ -200,13 +217,13 @@ def _down_one(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr, M
     SL: tl.constexpr = M[19]
     NQ: tl.constexpr = M[21]
     rows, rmask = _lanes(b, SL, H // SL, R)
-    acc = tl.zeros((R, NG, GW), tl.float32)
+    acc = tl.full((R, NG, GW), 0.0, tl.float32)
     for k0 in range(0, I, BK):
         kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
         hk = tl.load(h_row + kk, mask=kk < I, other=0.0)  # [1, NG, GW] fp32
         raw = _load_w(blob, rows, rmask, k0, I, BITS, WDT, NQ, Q_OFF, GW, NG)
         acc += _dequant(raw, blob, rows, rmask, k0, I, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * hk
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [R]
+    y = _sum(_sum(acc, 2), 1)  # [R]
     if HAS_BIAS:
         y += tl.load(_ptr(blob, B_OFF, BDT) + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_row + rows, y * weight, mask=rmask)
@@ -234,7 +251,7 @@ def combine_kernel(y, ids, out, TK, PAIRS, H: tl.constexpr, NP: tl.constexpr, B:
     t = tl.program_id(0)
     cols = tl.program_id(1) * B + tl.arange(0, B)
     cmask = cols < H
-    acc = tl.zeros((B,), tl.float32)
+    acc = tl.full((B,), 0.0, tl.float32)
     for q in tl.static_range(NP):
         for j in range(TK):
             pair = t * TK + j
