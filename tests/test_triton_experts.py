@@ -383,6 +383,38 @@ def test_a_tiny_model_through_the_kernel(tmp_path, arch, low):
         assert abs(torch.tensor(nll[0] - nll[1]).exp().item() - 1) < 0.005, nll
 
 
+# ---- the engine's hook (CUDA only; forced on here, on a CPU under the interpreter) ------------------
+
+@pytest.mark.parametrize("policy,settings,budget", [("static", {"bits": "4"}, "100%"), ("dymoe", {}, "40%")])
+def test_the_engines_low_bit_experts_through_the_kernels(tiny_ckpt, bundle, monkeypatch, policy, settings, budget):
+    """The engine's `_gemm` hook, which CUDA turns on for the low-bit precisions: resident INT4
+    (static), and DyMoE's 4/2 mix with loads and evictions at 40%; prefill logits and greedy
+    decode tokens as the engine's own dequantize path gives them, the kernels really launched."""
+    from moetool.engine import build_engine
+    from moetool.engine.store import HostStore
+    from moetool.quant.bundle import Bundle
+
+    ids = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7]])
+    results = []
+    for triton in (False, True):
+        lm = load_model(str(tiny_ckpt("qwen2_moe")))
+        store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), torch.float32)
+        engine, _ = build_engine(lm, store, policy, settings=settings, budget=budget, kernels=False)
+        assert engine.triton_layers == {}  # off the GPU, never on by itself
+        if triton:
+            engine.triton_layers = {(g.index, b): activation_of(lm.model.get_submodule(g.path).experts)
+                                    for g in lm.geometry.layers for b in (4, 2)}
+            launches = CountLaunches(monkeypatch)
+        with torch.no_grad():
+            logits = lm.model(ids).logits
+            tokens = lm.model.generate(ids, max_new_tokens=4, do_sample=False)
+        results.append((logits, tokens))
+        engine.close()
+    assert launches.n >= 3 * 4 * len(lm.geometry.layers)  # prefill and each decode step's layers at least
+    assert_close(results[1][0], results[0][0])
+    assert torch.equal(results[1][1], results[0][1])
+
+
 # ---- compile, the ops, refusals --------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -40,6 +40,10 @@ from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, St
 from moetool.quant.kernels import MODULES as KERNELS
 from moetool.quant.kernels import layers_on_kernel
 
+# Rows up to which low-bit experts take the Triton kernels on CUDA: they read an expert once per row
+# (decode sizes); a prefill's rows take grouped GEMMs, which read it once.
+TRITON_ROWS = 16
+
 
 class EngineExperts(ProviderExperts):
     """The experts module the engine installs: same call as the model's, computed by the engine."""
@@ -97,6 +101,16 @@ class Engine:
         self.device_layers = DeviceLayers(self.weights, policy.precisions()[0], not policy.host_routing and
                                           self.grouped and not self.simulated and not self.kernel_layers)
         self._install()
+        # (layer, bits) -> the block's activation, where low-bit experts run through the fused Triton
+        # kernels on CUDA at decode sizes (`moetool.kernels`, slots read as stored); the reference
+        # precision keeps grouped_mm, bit for bit transformers'.
+        self.triton_layers: dict[tuple[int, int], Any] = {}
+        if kernels and self.grouped and self.device.type == "cuda":
+            from moetool.kernels import activation_of, supported
+            for g in self.layers:
+                act = activation_of(self.lm.model.get_submodule(g.path).experts)
+                self.triton_layers.update({(g.index, b): act for b in store.bits if b != 16 and
+                                           supported(store.layout(g.index, b), act, self.device) is None})
         self.warm_bytes = self._warm()
 
     def on_kernel(self, layer: int, bits: int) -> bool:
@@ -427,6 +441,16 @@ class Engine:
         projection, weights from the pool without a per-expert call (`PoolWeights`). Per-group
         bookkeeping is Python over at most E groups a layer; per-row work is one torch call each."""
         layer, n = module.layer.index, len(slots)
+        act = self.triton_layers.get((layer, bits))
+        if act is not None and hidden.shape[0] <= TRITON_ROWS:
+            from moetool.kernels import SlotPool, experts_forward
+            ids = np.full(out.weight.numel(), -1, dtype=np.int32)  # [T*k]: the pool slot of each (token, slot) here
+            for s, (a, b) in zip(slots, ranges):
+                ids[rows.pos_host[a:b].numpy()] = s
+            pool = SlotPool(self.residency.pool_bytes(bits), self.store.layout(layer, bits),
+                            upload(ids.reshape(out.weight.shape), hidden.device, torch.int32))
+            out.add_sum(experts_forward(hidden, out.weight, [pool], act))  # [T, H], weighted and summed
+            return
         if n > self.decode_chunk and not self.weights.in_place(layer, bits, slots):
             # Decoded experts live in a workspace the budget sized for `decode_chunk` of them (a token's
             # top-k): a larger batch (prefill) runs in chunks. Each group's GEMM is its own: same result.
