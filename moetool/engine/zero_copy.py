@@ -5,7 +5,7 @@ gathered from their host mirror (`engine/mirror.py`) without a host round trip.
 On CUDA `src` is pinned host memory and a Triton kernel reads it over the bus (unified virtual
 addressing: a page-locked host address is valid in a kernel, and Triton takes a pinned tensor as a
 pointer argument); rows marked -1 are never read, so a step that hits everywhere moves nothing. On
-a CPU the host is the device: the missed rows are copied, the others left zero. It is a
+a CPU the host is the device, and the rows are gathered like any tensor's. It is a
 `torch.library.custom_op` with a fake implementation, so `torch.compile(fullgraph=True)` and a CUDA
 graph take it as one opaque call with a static shape.
 
@@ -28,15 +28,18 @@ WORD = 8  # bytes per load: blobs and mirror rows are 64-byte aligned, so whole 
 
 
 if triton is not None:
-    @triton.jit
-    def _host_rows_kernel(src, index, dst, words, src_stride, BLOCK: tl.constexpr):
+    def _rows_body(src, index, dst, words, src_stride, BLOCK: tl.constexpr):
+        """Row `program_id(0)` of the output: the marked source row, in BLOCK words a program."""
         row = tl.program_id(0)
         e = tl.load(index + row)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < words
         # A row marked -1 loads nothing (the mask is false): a hit costs no bus traffic.
-        value = tl.load(src + e.to(tl.int64) * src_stride + offs, mask=inside & (e >= 0), other=0)
+        marked = (offs * 0 + e) >= 0  # the row's mark, as a block (a scalar mask is not one)
+        value = tl.load(src + e.to(tl.int64) * src_stride + offs, mask=inside & marked, other=0)
         tl.store(dst + row.to(tl.int64) * words + offs, value, mask=inside)
+
+    _host_rows_kernel = triton.jit(_rows_body)
 
 
 def _words(src: torch.Tensor) -> torch.Tensor:
@@ -44,26 +47,25 @@ def _words(src: torch.Tensor) -> torch.Tensor:
     return src.view(torch.int64)
 
 
-def rows_with_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """The Triton kernel on (src [E, n] uint8, index [S] int64, out [S, n] uint8); also what the tests
-    run on CPU tensors under TRITON_INTERPRET=1."""
+def rows_with_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, block: int = 1024,
+                     kernel: object = None) -> torch.Tensor:
+    """The Triton kernel on (src [E, n] uint8, index [S] int64, out [S, n] uint8). The tests give
+    `kernel` as the same body under Triton's interpreter, to run it on CPU tensors."""
     s, d = _words(src), out.view(torch.int64)
     words = s.shape[1]
     grid = (index.shape[0], triton.cdiv(words, block))
-    _host_rows_kernel[grid](s, index, d, words, s.stride(0), BLOCK=block)
+    (kernel or _host_rows_kernel)[grid](s, index, d, words, s.stride(0), BLOCK=block)
     return out
 
 
 @torch.library.custom_op("moetool::host_rows", mutates_args=())
 def host_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros((index.shape[0], src.shape[1]), dtype=torch.uint8, device=index.device)
     if index.device.type == "cuda":
+        out = torch.empty((index.shape[0], src.shape[1]), dtype=torch.uint8, device=index.device)
         return rows_with_triton(src, index, out)
-    # The host is the device: read the marked rows only (a host read of a host tensor is no sync).
-    for i, e in enumerate(index.tolist()):
-        if e >= 0:
-            out[i].copy_(src[e])
-    return out
+    # The host is the device: a gather (reading a row for every index; the -1 rows are then cleared).
+    rows = src.index_select(0, index.clamp(min=0))  # [S, n]
+    return rows.masked_fill_((index < 0).unsqueeze(1), 0)
 
 
 @host_rows.register_fake

@@ -276,8 +276,8 @@ class DyMoE(Policy):
 
     def plan_step(self, view: DeviceView) -> DevicePlan:
         """`plan` for one decode token inside the captured step: the t_l critical experts (eq. 3 and
-        5: the token's top weights, ties to the lower id) at high bits; the others at high bits where
-        a high copy is resident (rule 3), else at low bits or skipped (4/0)."""
+        5: the token's top weights, ties to the lower id) at high bits; the others skipped in 4/0,
+        else at high bits where a high copy is resident (rule 3) and at low bits otherwise."""
         idx, w = view.top_k_index, view.top_k_weights  # [T, k]
         if idx.shape[0] != 1:
             raise NotImplementedError("DyMoE's in-step plan decides for one decode token (batch 1)")
@@ -286,7 +286,9 @@ class DyMoE(Policy):
         r_l, k = self.schedule[view.moe_pos], idx.shape[1]
         t_of = torch.tensor([critical_count(r_l, m) for m in range(k + 1)], device=idx.device)  # eq. 5, per M
         critical = run & (rank_in_token(w, idx, run) < t_of[M])
-        high = critical | lookup(view.resident(view.layer, self.high), idx)
+        # Rule 3 (a resident high copy serves a sub-critical expert) where there is a low precision; in
+        # 4/0 a sub-critical expert is not run at all (the host plan's order of the two rules).
+        high = critical | lookup(view.resident(view.layer, self.high), idx) if self.low else critical
         bits = torch.where(run, torch.where(high, self.high, self.low), 0)  # [T, k]; 0: skipped (4/0)
         plan = DevicePlan(expert=idx, bits=bits, weight=torch.where(bits > 0, w, torch.zeros_like(w)))
         if self.prefetcher is not None:

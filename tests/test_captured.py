@@ -1,0 +1,287 @@
+"""The captured decode step (engine/decode.py): every policy compiles with `fullgraph=True` (a graph
+break fails), lossless policies give plain transformers' greedy tokens through it, nothing in a step
+reads the device from the host, and what the step cannot take falls back to the host path in the
+open.
+
+Most tests compile with dynamo's "eager" backend: `fullgraph=True` fails on the same graph breaks as
+with inductor (host reads, data-dependent shapes, Python branches on tensors) at a fraction of the
+compile time; one test compiles with inductor, the CPU default."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moetool.engine import build_engine
+from moetool.engine.decode import DecodeProgram, choose_path
+from moetool.engine.store import HostStore
+from moetool.errors import MoetoolError
+from moetool.model import load_model, load_reference
+from moetool.policies import POLICIES as REGISTRY
+from moetool.policies.base import LayerPlan, Policy, Where, register
+from moetool.policies.base import Params as BaseParams
+from moetool.quant.bundle import load_bundle_model
+from moetool.quant.quantize import QuantizeConfig, quantize
+
+IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7]])
+NEW = 8
+ARCHS = ["qwen2_moe", "deepseek_v3", "qwen3_next"]  # qwen3_next: a hybrid (gated-DeltaNet linear attention)
+
+# (policy, knobs, budget, lossless); every registered policy appears (checked below).
+CASES = [
+    ("resident", {}, "100%", True),
+    ("lod", {}, "10%", True),
+    ("lru", {}, "25%", True),
+    ("eap", {}, "50%", True),
+    ("fate", {"cache_bits": "16", "low_bits": "16", "p": "0"}, "50%", True),
+    ("static", {"bits": "4"}, "100%", False),
+    ("fate", {}, "25%", False),
+    ("dymoe", {"config": "4/0"}, "30%", False),
+    ("dymoe", {"config": "4/2"}, "30%", False),
+    ("smoe", {"cpu_assist": "false"}, "30%", False),
+    ("dynaexq", {"config": "16/4"}, "80%", False),
+]
+
+
+def _shipped():
+    return {name for name, cls in REGISTRY.items() if cls.__module__.startswith("moetool.policies")}
+
+
+def test_every_shipped_policy_is_covered():
+    assert {c[0] for c in CASES} == _shipped()
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_ckpt, tmp_path_factory):
+    """Per architecture, a bundle at 16, 4 and 2 bits (group 16), quantized once."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            out = tmp_path_factory.mktemp(f"captured-{arch}") / "b"
+            quantize(QuantizeConfig(model=str(tiny_ckpt(arch)), out=out, bits=(16, 4, 2), group_size=16,
+                                    dtype="float32", hqq_optimize=False))
+            made[arch] = out
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    """Plain transformers' greedy tokens (its batched_mm experts, which the captured step computes
+    as, row for row)."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            ref = load_reference(tiny_ckpt(arch), experts_impl="batched_mm")
+            made[arch] = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=NEW,
+                                      do_sample=False)[0, IDS.shape[1]:].tolist()
+        return made[arch]
+    return get
+
+
+def _program(lm, store, policy, knobs, budget, backend="eager"):
+    engine, plan = build_engine(lm, store, policy, settings=knobs, budget=budget, captured=True, max_tokens=32)
+    return engine, plan, DecodeProgram(engine, max_tokens=32, backend=backend)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy,knobs,budget,lossless", CASES, ids=lambda x: str(x))
+def test_every_policy_compiles_fullgraph_and_lossless_ones_give_transformers_tokens(
+        tiny_ckpt, quantized, reference, arch, policy, knobs, budget, lossless):
+    if lossless:  # the checkpoint's own fp32 experts: exact against fp32 transformers
+        lm = load_model(tiny_ckpt(arch))
+        store = HostStore.from_experts(lm.experts, torch.float32)
+    else:
+        lm = load_bundle_model(quantized(arch))
+        store = HostStore.from_bundle(lm.bundle, torch.float32)
+    engine, plan, program = _program(lm, store, policy, knobs, budget)
+    tokens = program.generate(IDS, NEW)
+    assert len(tokens) == NEW and program.steps == NEW - 1
+    s = engine.stats.summary()
+    assert s["peak_device_bytes"] <= plan.total_bytes
+    assert len(engine.stats.steps) == NEW  # the prefill and every captured step, timed
+    if lossless:
+        assert tokens == reference(arch)
+    if policy in ("resident", "static"):
+        assert s["hit_rate"] == 1.0 and s["bytes_h2d"] == 0
+    if policy == "lod":  # nothing is kept: every routed expert of every captured step is read in place
+        blob = sum(store.layout(g.index, 16).nbytes * g.top_k for g in lm.geometry.layers)
+        assert s["hit_rate"] == 0.0 and program.zero_copy_bytes == (NEW - 1) * blob
+
+
+def test_inductor_compiles_the_step_and_keeps_the_tokens(tiny_ckpt, reference):
+    """The CPU default backend: inductor's generated code, same greedy tokens for a caching policy."""
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    engine, _, program = _program(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", {}, "50%",
+                                  backend="inductor")
+    assert program.generate(IDS, NEW) == reference("qwen2_moe")
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads device data on the host or makes a shape from data: what breaks a
+    CUDA graph capture. `.tolist()` and `.numpy()` dispatch no op, so they are wrapped while active."""
+
+    FORBIDDEN = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+                 "aten._unique2.default", "aten.unique_consecutive.default", "aten.unique_dim.default",
+                 "aten.bincount.default", "aten.repeat_interleave.Tensor"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in self.FORBIDDEN:
+            self.seen.append(name)
+        if name in ("aten.index.Tensor", "aten.index_put.default", "aten.index_put_.default") and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flat(args[1])):
+            self.seen.append(name + " (boolean mask)")  # a mask as an index: its shape is data
+        if name in ("aten._to_copy.default", "aten.copy_.default"):
+            src = args[1] if name == "aten.copy_.default" else args[0]
+            to = args[0].device if name == "aten.copy_.default" else (kwargs or {}).get("device", src.device)
+            if src.device.type != "cpu" and torch.device(to).type == "cpu":
+                self.seen.append(name + " (device to host)")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._saved = torch.Tensor.tolist, torch.Tensor.numpy
+        seen = self.seen
+
+        def tolist(t, *a, **k):
+            seen.append("Tensor.tolist")
+            return self._saved[0](t, *a, **k)
+
+        def numpy(t, *a, **k):
+            seen.append("Tensor.numpy")
+            return self._saved[1](t, *a, **k)
+
+        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
+        return super().__exit__(*exc)
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _one_step_reads(program) -> list[str]:
+    engine = program.engine
+    program.cache.reset()
+    engine.capturing = True
+    try:
+        with torch.no_grad(), HostReads() as mode:
+            program._step()
+    finally:
+        engine.capturing = False
+    return mode.seen
+
+
+@pytest.mark.parametrize("policy,knobs,budget", [(c[0], c[1], c[2]) for c in CASES if c[0] != "static"],
+                         ids=lambda x: str(x))
+def test_no_host_read_inside_a_decode_step(tiny_ckpt, quantized, policy, knobs, budget):
+    lm = load_bundle_model(quantized("qwen2_moe"))
+    _, _, program = _program(lm, HostStore.from_bundle(lm.bundle, torch.float32), policy, knobs, budget)
+    assert _one_step_reads(program) == []
+
+
+def test_the_host_read_detector_catches_one(tiny_ckpt, quantized):
+    """The detector is not blind: a plan that reads an expert id on the host is flagged."""
+    lm = load_bundle_model(quantized("qwen2_moe"))
+    _, _, program = _program(lm, HostStore.from_bundle(lm.bundle, torch.float32), "lru", {}, "25%")
+    plan_step = program.engine.policy.plan_step
+
+    def peeking(view):
+        int(view.top_k_index[0, 0])  # a host read of device data
+        view.top_k_index.tolist()
+        return plan_step(view)
+
+    program.engine.policy.plan_step = peeking
+    seen = _one_step_reads(program)
+    assert "aten._local_scalar_dense.default" in seen and "Tensor.tolist" in seen
+
+
+class HostOnlySkip(Policy):
+    """A policy written with `plan` alone: skip light slots (the policies README's example shape)."""
+
+    @dataclass(frozen=True)
+    class Params(BaseParams):
+        bits: int = 16
+
+    def plan(self, view):
+        plan = LayerPlan.routed(view, 16)
+        plan.where[plan.weight < 0.05] = Where.SKIP
+        return plan
+
+
+def test_a_policy_without_an_in_step_plan_falls_back_in_the_open(tiny_ckpt):
+    """A policy written with `plan` alone (the policies README's example shape) has no in-step form:
+    `run --decode captured` runs it on the host path and says why; so does SMoE's CPU assistance and
+    a batch of several sequences."""
+    from moetool.run import RunConfig, run
+
+    if "host-only-skip" not in REGISTRY:
+        register("host-only-skip")(HostOnlySkip)
+    path = tiny_ckpt("qwen2_moe")
+    for policy, knobs, batch, why in [("host-only-skip", {}, 1, "no in-step plan"),
+                                      ("smoe", {}, 1, "Algorithm 2"),
+                                      ("lru", {}, 2, "one sequence at a time")]:
+        result = run(RunConfig(model=str(path), policy=policy, settings=knobs, budget="50%", decode="captured",
+                               prompts=("ab", "cd"), max_new_tokens=3, batch_size=batch))
+        assert result.summary["path"] == "host" and why in result.summary["path_reason"]
+        assert len(result.tokens) == 2 and all(len(t) == 3 for t in result.tokens)
+
+
+def test_run_records_the_captured_path_and_its_tokens_equal_the_host_paths(tiny_ckpt):
+    from moetool.run import RunConfig, run
+
+    path = tiny_ckpt("qwen2_moe")
+    common = dict(model=str(path), policy="lru", budget="25%", prompts=("hello", "world"), max_new_tokens=5)
+    captured = run(RunConfig(**common, decode="captured"))
+    host = run(RunConfig(**common, decode="host"))
+    assert captured.summary["path"] == "captured" and captured.summary["compile_s"] > 0
+    assert captured.summary["captured_steps"] == 2 * 4
+    assert host.summary["path"] == "host"
+    assert captured.tokens == host.tokens
+    assert captured.tpot_s["n"] == host.tpot_s["n"] == 2 * 4
+
+
+def test_auto_is_the_host_path_on_a_cpu_and_the_captured_step_on_cuda():
+    assert choose_path("auto", torch.device("cpu"), 1, "grouped_mm")[0] == "host"
+    assert choose_path("auto", torch.device("cuda"), 1, "grouped_mm")[0] == "captured"
+    assert choose_path("auto", torch.device("cuda"), 4, "grouped_mm")[0] == "host"
+    assert choose_path("captured", torch.device("cpu"), 1, "eager")[0] == "host"
+
+
+def test_a_prompt_past_the_static_cache_is_one_sentence(tiny_ckpt):
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    _, _, program = _program(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", {}, "50%")
+    with pytest.raises(MoetoolError, match="static cache of 32 tokens"):
+        program.generate(torch.zeros(1, 30, dtype=torch.long), 8)
+
+
+def test_zero_copy_rows_kernel_reads_only_the_marked_rows(monkeypatch):
+    """The Triton kernel that reads missed experts in place (on CUDA over the bus), run here by the
+    interpreter on CPU tensors: marked rows are copied, -1 rows are zeros."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from moetool.engine import zero_copy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    src = torch.randint(0, 255, (6, 128 + 64), dtype=torch.uint8)[:, :128]  # strided rows, as a shard's
+    index = torch.tensor([4, -1, 0, 4])
+    out = zero_copy.rows_with_triton(src, index, torch.full((4, 128), 7, dtype=torch.uint8), block=8,
+                                     kernel=InterpretedFunction(zero_copy._rows_body))
+    assert torch.equal(out[0], src[4]) and torch.equal(out[2], src[0]) and torch.equal(out[3], src[4])
+    assert torch.equal(out[1], torch.zeros(128, dtype=torch.uint8))
+    cpu = zero_copy.host_rows(src, index)  # the op's CPU path: the same rows
+    assert torch.equal(cpu, out)
