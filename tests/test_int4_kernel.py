@@ -197,6 +197,24 @@ def test_one_token_through_stacked_experts_equals_the_weighted_sum_of_each(bits,
     _close(got, want)
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (128, 96), (576, 32), (96, 256), (48, 64), (192, 64), (80, 32)])
+def test_the_block_form_read_pass_by_pass_is_the_one_in_the_ops_full_pack_order(shape):
+    """block_rows reads the block form off the op four bits of row and column index at a time, holding
+    no index tensors; the op's full pack order (`_pack_order`, every weight's index) shows the same."""
+    n, k = shape
+    lo, hi = int4_kernel._pack_order(n, k)
+    want = None
+    for b in (16, 32, 64, 128):
+        if n % b:
+            continue
+        blk, col, j = torch.arange(n // b).view(-1, 1, 1), torch.arange(k).view(1, -1, 1), torch.arange(b // 2)
+        if torch.equal(lo, ((blk * b + j) * k + col).reshape(-1)) and \
+                torch.equal(hi, ((blk * b + j + b // 2) * k + col).reshape(-1)):
+            want = b
+            break
+    assert int4_kernel.block_rows(n, k) == want
+
+
 def test_what_does_not_stack_is_named():
     shapes = ((64, 128), (128, 32))
     assert int4_kernel.block_rows(64, 128) is not None  # the kernel's packing on this CPU is in block form

@@ -202,29 +202,52 @@ def expert_forward(x: torch.Tensor, w: KernelWeights, act: Callable[[torch.Tenso
 # ---- one token, many experts: one kernel call per projection ------------------------------------
 
 
+def _packed_nibbles(nib: torch.Tensor, n: int, k: int, axis: int) -> torch.Tensor:
+    """What the conversion op makes of an [n, k] weight whose codes are `nib` [n or k] along `axis`
+    (the same code across each row, or down each column): the packed bytes, flat [n*k/2]."""
+    codes = (nib.view(-1, 1) if axis == 0 else nib.view(1, -1)).expand(n, k).contiguous()  # [n, k] int32
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES).view(-1)
+
+
 @lru_cache(maxsize=64)
 def block_rows(n: int, k: int) -> int | None:
     """B where the kernel packs [n, k] weights as [n/B, k, B/2] bytes (row block, then input column,
     then the block's rows in pairs: low nibble row j, high nibble row j + B/2), else None. In that
     form experts stack along the rows by concatenation and along the input columns by concatenating
-    each row block's bytes, which `fused_forward` relies on; read off the op, as `_pack_order`."""
-    lo, hi = _pack_order(n, k)
-    for b in (16, 32, 64, 128):
-        if n % b:
-            continue
-        blk = torch.arange(n // b).view(-1, 1, 1)
-        col = torch.arange(k).view(1, -1, 1)
-        j = torch.arange(b // 2).view(1, 1, -1)
-        if torch.equal(lo, ((blk * b + j) * k + col).reshape(-1)) and \
-                torch.equal(hi, ((blk * b + j + b // 2) * k + col).reshape(-1)):
-            return b
-    return None
+    each row block's bytes, which `fused_forward` relies on.
+
+    Read off the op, as `_pack_order`, but without its [n*k] index tensors (8 bytes a weight, and
+    `fusable` asks about several experts stacked): the op packs weights whose code is four bits of
+    their row index, then four bits of their column index, a pass for each; each nibble's source row
+    and column are then known, and are compared with the block form's. The op moves codes and never
+    mixes them, so this is exact. Holds [n, k] int32 codes and their packing for one pass at a time."""
+    candidates = [b for b in (16, 32, 64, 128) if n % b == 0]
+    for axis, size in ((0, n), (1, k)):
+        index = torch.arange(size, dtype=torch.int32)
+        for shift in range(0, max(1, (size - 1).bit_length()), 4):
+            nib = (index >> shift) & 15  # [size]: the code of every weight in that row (column)
+            packed = _packed_nibbles(nib, n, k, axis)  # [n*k/2] uint8
+            kept = []
+            for b in candidates:
+                if axis == 0:  # byte (block, col, j): rows block*B + j (low) and block*B + j + B/2 (high)
+                    rows = nib.view(n // b, 2, b // 2)
+                    want = (rows[:, 0] | rows[:, 1] << 4).to(torch.uint8).unsqueeze(1)  # [n/B, 1, B/2]
+                else:  # both nibbles of byte (block, col, j) come from column col
+                    want = (nib * 17).to(torch.uint8).view(1, k, 1)  # [1, K, 1]
+                if bool((packed.view(n // b, k, b // 2) == want).all()):
+                    kept.append(b)
+            candidates = kept
+            if not candidates:
+                return None
+    return candidates[0] if candidates else None
 
 
 def fusable(layout: Layout, experts: int) -> bool:
     """Whether up to `experts` experts of this layout run as one kernel call per projection for a
     single token (`fused_forward`): no biases, and the packing in the block form for each projection
-    alone and stacked `experts` times (rows for gate_up, input columns for down)."""
+    alone and stacked `experts` times (rows for gate_up, input columns for down). `experts` is the
+    most a call stacks, the layer's top-k: asked of all the model's experts, the check's own
+    tensors would grow with the model (issue 46: 2.3 GiB at 64 experts of 1024x1024 and 1024x512)."""
     if any(p.name.endswith("bias") for p in layout.parts):
         return False
     (gn, gk), (dn, dk) = (p.shape for p in layout.projections)

@@ -24,7 +24,9 @@ def layers_on_kernel(store, layers, device: torch.device,
                      dtype: torch.dtype) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
     """For a store's INT8, INT4 and INT2 experts: bits -> the MoE layers (`layers`, geometry entries)
     whose layout a kernel takes on `device` in `dtype`, and bits -> those of them whose experts also
-    run together for one token (`fusable` of each kernel module)."""
+    run together for one token (`fusable` of each kernel module). A single token's call stacks at
+    most the layer's top-k experts, so that is what is asked: nothing here scales with the model's
+    expert count."""
     on, fused = {}, {}
     for bits, module in MODULES.items():
         if bits not in store.bits:
@@ -33,6 +35,6 @@ def layers_on_kernel(store, layers, device: torch.device,
         if ok:
             on[bits] = frozenset(g.index for g in ok)
             fused[bits] = frozenset(g.index for g in ok if (
-                int4_kernel.fusable(store.layout(g.index, bits), g.num_experts) if module is int4_kernel
+                int4_kernel.fusable(store.layout(g.index, bits), g.top_k) if module is int4_kernel
                 else int8_kernel.fusable(store.layout(g.index, bits))))
     return on, fused
