@@ -5,7 +5,8 @@ that has landed on the device into an expert's weights, without copying the refe
 Host memory follows a budget (`configure_host`, on CUDA): the precisions the policy uses are pinned
 lazily per layer while the budget lasts, and the rest is copied from the memory-mapped bundle
 through a small pinned staging ring (MoE-Infinity's SSD tier), so a bundle larger than the
-machine's memory runs.
+machine's memory runs. What is pinned is counted as the allocator holds it (`HostArena`), so the
+budget is what the process holds.
 
     store = HostStore.from_experts(lm.experts, dtype=torch.float32)   # reference precision only
     blob, _ = store.source(layer=3, expert=5, bits=16); w = store.decode(blob, 3, 5, 16)
@@ -37,6 +38,57 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _align(n: int, to: int = 64) -> int:
     # Parts start on 64-byte boundaries so a reinterpreting view is aligned for any dtype.
     return (n + to - 1) // to * to
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+PIN_CHUNK = 64 << 20  # the pinned tier's allocation unit (a power of two, see HostArena)
+
+
+def held_bytes(nbytes: int, page_lock: bool) -> int:
+    """What one host allocation of `nbytes` holds: torch's caching host allocator (behind
+    `pin_memory`) rounds a page-locked request up to a power of two; a pageable one is held as asked."""
+    return _pow2_ceil(nbytes) if page_lock else nbytes
+
+
+class HostArena:
+    """The pinned tier's host memory: a few large allocations, blobs placed in them back to back.
+
+    Pinning blob by blob costs up to twice the bytes pinned (a 9.4 MB bf16 expert is held as
+    16 MiB, `held_bytes`), and one page-locking call per blob; here an allocation is at most
+    PIN_CHUNK bytes and a power of two where page-locked, so what the arena holds (`held`) is what
+    the budget counts and never passes `capacity`. An allocation is sized by what is still to be
+    placed (`want`), so a small model holds little.
+    """
+
+    def __init__(self, capacity: int, page_lock: bool):
+        self.capacity, self.page_lock = capacity, page_lock
+        self.held = 0
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int, want: int) -> torch.Tensor | None:
+        """A uint8 [nbytes] buffer for one blob, with `want` bytes (this one included) still to place;
+        None once the capacity cannot hold it."""
+        start = _align(self._used)
+        if self._chunk is None or start + nbytes > self._chunk.numel():
+            left = self.capacity - self.held
+            size = max(nbytes, min(PIN_CHUNK, want))
+            if self.page_lock:
+                size = _pow2_ceil(size)
+                while size > left and size // 2 >= nbytes:
+                    size //= 2
+            else:
+                size = min(size, left)
+            if size < nbytes or size > left:
+                return None
+            self._chunk = torch.empty(size, dtype=torch.uint8, pin_memory=self.page_lock)  # [size]
+            self.held += size
+            start = 0
+        self._used = start + nbytes
+        return self._chunk[start:start + nbytes]
 
 
 def pack_reference(w: ExpertWeights, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[Part, ...]]:
@@ -75,15 +127,16 @@ class StagingRing:
     """
 
     def __init__(self, slots: int, slot_bytes: int, page_lock: bool):
-        self.buf = torch.empty(slots, slot_bytes, dtype=torch.uint8)  # [slots, bytes]
-        if page_lock:
-            self.buf = self.buf.pin_memory()
+        # Page-locked at allocation: pin_memory() of a pageable buffer would allocate it twice.
+        self.buf = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=page_lock)  # [slots, bytes]
+        self.page_lock = page_lock
         self.events: list[Any] = [None] * slots
         self.next = 0
 
     @property
     def nbytes(self) -> int:
-        return self.buf.numel()
+        """What the ring holds, as the allocator holds it (`held_bytes`)."""
+        return held_bytes(self.buf.numel(), self.page_lock)
 
     def stage(self, blob: torch.Tensor) -> tuple[torch.Tensor, int]:
         i = self.next
@@ -121,6 +174,8 @@ class HostStore:
         self._slot_bytes = {b: max(n for (_, _, bb), n in sizes.items() if bb == b) for b in self.bits}
         self._pinned: dict[Key3, torch.Tensor] = {}
         self._pinned_layers: set[int] = set()
+        self._arena: HostArena | None = None
+        self._to_pin: dict[int, list[tuple[Key3, int]]] = {}
         self.tiers = False
         self.pin_bits: tuple[int, ...] = ()
         self.pin_capacity = 0
@@ -184,13 +239,19 @@ class HostStore:
         token) comes off the budget first; a budget that cannot hold it is refused.
         """
         used = tuple(b for b in bits if b in self.bits) or self.bits
-        ring_bytes = ring_slots * max(self._slot_bytes[b] for b in used)
+        slot = max(self._slot_bytes[b] for b in used)
+        ring_bytes = held_bytes(ring_slots * slot, page_lock)  # as the allocator will hold it
         if host_budget < ring_bytes:
             raise MoetoolError(f"--host-budget {size_text(host_budget)} cannot hold one layer's staging ring "
                                f"({ring_slots} blobs of {max(used)} bits, {size_text(ring_bytes)}); raise it.")
         self.tiers, self.pin_bits, self.page_lock = True, used, page_lock
         self.pin_capacity = host_budget - ring_bytes
-        self.ring = StagingRing(ring_slots, ring_bytes // ring_slots, page_lock)
+        self._arena = HostArena(self.pin_capacity, page_lock)
+        self._to_pin = {}  # layer -> its blobs at the pinned precisions: a layer's pinning reads only its own
+        for key, n in self._sizes.items():
+            if key[2] in used:
+                self._to_pin.setdefault(key[0], []).append((key, n))
+        self.ring = StagingRing(ring_slots, slot, page_lock)
 
     def slot_bytes(self, bits: int) -> int:
         return self._slot_bytes[bits]
@@ -254,16 +315,21 @@ class HostStore:
 
     def host_stats(self) -> dict[str, int | bool]:
         return {"host_tiers": self.tiers, "host_pinned_bytes": self.pinned_bytes,
+                "host_pinned_held_bytes": self._arena.held if self._arena else 0,
                 "host_staging_bytes": self.ring.nbytes if self.ring else 0, "host_staged_bytes": self.staged_bytes,
                 "host_pin_capacity_bytes": self.pin_capacity}
 
     def _pin_layer(self, layer: int) -> None:
         # Pinned (page-locked) host memory is what lets a copy stream overlap with compute; only the
         # precisions the policy uses, and only while the host budget lasts (the rest is staged).
-        for (lay, expert, bits), n in self._sizes.items():
-            if lay != layer or bits not in self.pin_bits or self.pinned_bytes + n > self.pin_capacity:
-                continue
-            blob = self._fetch(lay, expert, bits)  # checksum checked here, on the first read
-            self._pinned[lay, expert, bits] = blob.pin_memory() if self.page_lock else blob.clone()
+        todo = self._to_pin.get(layer, [])
+        want = sum(n for _, n in todo)
+        for key, n in todo:
+            buf = self._arena.take(n, want)
+            want -= n
+            if buf is None:
+                continue  # a smaller blob of another precision may still fit the arena's last chunk
+            buf.copy_(self._fetch(*key))  # checksum checked here, on the first read
+            self._pinned[key] = buf
             self.pinned_bytes += n
         self._pinned_layers.add(layer)
