@@ -57,10 +57,11 @@ class HostArena:
     """The pinned tier's host memory: a few large allocations, blobs placed in them back to back.
 
     Pinning blob by blob costs up to twice the bytes pinned (a 9.4 MB bf16 expert is held as
-    16 MiB, `held_bytes`), and one page-locking call per blob; here an allocation is at most
-    PIN_CHUNK bytes and a power of two where page-locked, so what the arena holds (`held`) is what
-    the budget counts and never passes `capacity`. An allocation is sized by what is still to be
-    placed (`want`), so a small model holds little.
+    16 MiB, `held_bytes`), and one page-locking call per blob; here an allocation (PIN_CHUNK, or 16
+    blobs where they are larger) is a power of two where page-locked, so what the arena holds
+    (`held`) is what the budget counts and never passes `capacity`. An allocation is sized by what
+    is still to be placed (`want`), so a small model holds little; a chunk's tail serves the next
+    layer's blobs.
     """
 
     def __init__(self, capacity: int, page_lock: bool):
@@ -75,7 +76,8 @@ class HostArena:
         start = _align(self._used)
         if self._chunk is None or start + nbytes > self._chunk.numel():
             left = self.capacity - self.held
-            size = max(nbytes, min(PIN_CHUNK, want))
+            # At least 16 blobs a chunk: a chunk's unused tail (under one blob) stays under 1/16 of it.
+            size = max(nbytes, min(max(PIN_CHUNK, 16 * nbytes), want))
             if self.page_lock:
                 size = _pow2_ceil(size)
                 while size > left and size // 2 >= nbytes:
