@@ -134,6 +134,12 @@ def writable(path: Path | None, kind: str = "file", option: str = "--out") -> No
     if path is None:
         return
     p = Path(path)
+    from moetool.files import symlink_loop
+
+    loop = symlink_loop(p)
+    if loop is not None:
+        where = "is" if loop == p else f"lies under {loop}, which is"
+        raise MoetoolError(f"{option} {p} {where} a symlink that leads back to itself (a loop); give another path.")
     if kind == "file" and p.is_dir():
         raise MoetoolError(f"{option} {p} is a directory; give a file path, e.g. {p / 'result.json'}.")
     if kind == "dir" and p.exists() and not p.is_dir():

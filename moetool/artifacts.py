@@ -27,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 from moetool import __version__
 from moetool.errors import MoetoolError, article, not_a_file
+from moetool.files import ARTIFACT_BYTES, read_bytes, short_name, symlink_loop
 from moetool.schema import SchemaError, build, describe
 
 A = TypeVar("A", bound="Artifact")
@@ -50,6 +51,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     is not a regular file (a device such as /dev/null, a FIFO, a socket) is refused, since the
     rename would replace the special file itself.
     """
+    loop = symlink_loop(path)
+    if loop is not None:
+        raise MoetoolError(f"{path} cannot be written: {loop} is a symlink that leads back to itself (a loop); "
+                           "give another path.")
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     if path.exists() and not path.is_file():
         what = "a directory" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
@@ -57,7 +62,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = ""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{_short(path.name)}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{short_name(path.name)}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -67,14 +72,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException as e:
         if tmp:
             Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is not None and Path(e.filename).parent == path.parent:
-            e.filename = str(path)  # the message names the file asked for, not our temp file beside it
+        if isinstance(e, OSError):
+            _name_the_target(e, path, {Path(tmp)} if tmp else set())
         raise
 
 
-def _short(name: str, limit: int = 200) -> str:
-    """`name` cut to `limit` UTF-8 bytes: a temp name adds ~15 to it, and a name may be 255 long."""
-    return name.encode()[:limit].decode(errors="ignore")
+def _name_the_target(e: OSError, target: Path, temps: set[Path]) -> None:
+    """Make `e` name the file asked for: a failed write (a full disk) names no file at all, and a
+    failure on our temp file beside it would name a file the user never gave."""
+    if e.filename is None or Path(e.filename) in temps or (
+            Path(e.filename).parent == target.parent and Path(e.filename).name.endswith(".tmp")):
+        e.filename, e.filename2 = str(target), None
+
 
 
 def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
@@ -85,13 +94,16 @@ def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
     target = Path(target)
     made = [a for a in (target.parent, *target.parent.parents) if not a.exists()]  # deepest first
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_short(target.name)}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{short_name(target.name)}.", suffix=".tmp", dir=target.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary readable directory
         result = fill(tmp)
         _swap(tmp, target)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and (e.filename is None or Path(e.filename).is_relative_to(tmp)):
+            # A write inside the temp directory failed (a full disk): name the directory asked for.
+            e.filename, e.filename2 = str(target), None
         for directory in made:
             try:
                 directory.rmdir()
@@ -107,7 +119,7 @@ def _swap(new: Path, target: Path) -> None:
     if not target.exists():
         os.replace(new, target)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{_short(target.name)}.old.", suffix=".tmp", dir=target.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{short_name(target.name)}.old.", suffix=".tmp", dir=target.parent))
     try:
         os.replace(target, old)  # onto the empty temp directory: a POSIX rename replaces an empty one
     except BaseException:
@@ -266,17 +278,20 @@ class Artifact:
         return art
 
 
-def read_json(path: Path) -> Any:
-    """The JSON in `path`, or one sentence saying it is not JSON (binary garbage, a truncated write)."""
+def read_json(path: Path, limit: int = ARTIFACT_BYTES, what: str = "") -> Any:
+    """The JSON in `path`, or one sentence saying it is not a regular file of at most `limit` bytes
+    (`moetool.files.read_bytes`) or not JSON (binary garbage, a truncated write)."""
+    raw = read_bytes(path, limit, what)
+    name = f"{what} {path}".strip()
     try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         at = getattr(e, "pos", getattr(e, "start", "?"))  # JSONDecodeError.pos, UnicodeDecodeError.start
-        raise MoetoolError(f"{path} is not valid JSON ({e.__class__.__name__} at {at}).") from None
+        raise MoetoolError(f"{name} is not valid JSON ({e.__class__.__name__} at {at}).") from None
     except RecursionError:  # arrays nested thousands deep: not anything moetool wrote
-        raise MoetoolError(f"{path} is not valid JSON (nested too deeply).") from None
+        raise MoetoolError(f"{name} is not valid JSON (nested too deeply).") from None
     except ValueError:  # an integer of over 4,300 digits (Python's limit): not anything moetool wrote
-        raise MoetoolError(f"{path} is not valid JSON (a number too long to read).") from None
+        raise MoetoolError(f"{name} is not valid JSON (a number too long to read).") from None
 
 
 def _text(value: str) -> str:

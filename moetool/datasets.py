@@ -23,7 +23,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from moetool.errors import MoetoolError, not_a_file
+from moetool.errors import MoetoolError
+from moetool.files import PROMPTS_BYTES, TEXT_BYTES, read_bytes
 
 # BIG-bench tasks on which SmolLM2-135M-Instruct is above chance (see MANIFEST.json, "tasks").
 MC_TASKS: tuple[str, ...] = (
@@ -118,12 +119,11 @@ def read_text_file(path: Path, option: str) -> str:
     """A user's text file (`option` names where it was given), strictly UTF-8, or one sentence: a
     binary file read with replacement characters would be profiled, calibrated or scored as garbage."""
     path = Path(path)
-    if not path.is_file():
-        raise not_a_file(path, option)
+    raw = read_bytes(path, TEXT_BYTES, option)
     try:
         # As stored (no newline translation, so its sha256 is the file's), less a UTF-8 byte-order
         # mark, which editors on Windows add and which is not text to score.
-        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+        text = raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise MoetoolError(f"{option} {path} is not UTF-8 text (byte {e.start} is not); give a text file.") from None
     if not text.strip():  # an editor's empty save, a failed extraction: nothing to score, profile or calibrate on
@@ -131,13 +131,12 @@ def read_text_file(path: Path, option: str) -> str:
     return text
 
 
-def read_prompts(path: Path) -> tuple[str, ...]:
+def read_prompts(path: Path, what: str = "--prompts") -> tuple[str, ...]:
     """The prompts of a JSONL file (`parse_prompt_lines`), or one sentence naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise not_a_file(path)
+    raw = read_bytes(path, PROMPTS_BYTES, what)
     try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: a leading byte-order mark is not JSON
+        text = raw.decode("utf-8-sig")  # -sig: a leading byte-order mark is not JSON
     except UnicodeDecodeError:
         raise MoetoolError(f"{path} is not UTF-8 text (expected JSONL lines such as {{\"prompt\": \"...\"}}).") from None
     prompts = parse_prompt_lines(text, path)

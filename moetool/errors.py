@@ -25,6 +25,8 @@ def size_text(n: float) -> str:
 def not_a_file(path, what: str = "") -> MoetoolError:
     """One sentence for a `path` that should be a readable file and is not: missing, a directory,
     or something else (a device, a FIFO). `what` names the option or role ("--data")."""
+    import os
+    import stat
     from pathlib import Path
 
     p, name = Path(path), f"{what} {path}".strip()
@@ -32,7 +34,12 @@ def not_a_file(path, what: str = "") -> MoetoolError:
         return MoetoolError(f"{name} does not exist.")
     if p.is_dir():
         return MoetoolError(f"{name} is a directory; give a file.")
-    return MoetoolError(f"{name} is not a regular file; give a file.")
+    mode = os.stat(p).st_mode
+    kind = next((k for test, k in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                                   (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")) if test(mode)),
+                "a special file")
+    target = f" (a link to {os.path.realpath(p)})" if p.is_symlink() else ""
+    return MoetoolError(f"{name} is {kind}{target}, not a regular file; give a file.")
 
 
 def yaml_error(what: str, e: Exception) -> MoetoolError:
@@ -40,3 +47,16 @@ def yaml_error(what: str, e: Exception) -> MoetoolError:
     mark = getattr(e, "problem_mark", None)
     where = f" (line {mark.line + 1})" if mark is not None else ""
     return MoetoolError(f"{what} is not valid YAML{where}: {getattr(e, 'problem', None) or e}.")
+
+
+def quote(value: object, limit: int = 60) -> str:
+    """A value from a user's file in a sentence: its repr, at most `limit` characters. Built by
+    `reprlib`, which stops early, so a value that is huge (or a YAML alias bomb, small on disk and
+    billions of items when expanded) costs nothing to quote."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlong = 3, limit, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 4
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -42,6 +42,7 @@ from moetool.artifacts import Artifact, sha256_file
 from moetool.checkpoint import first_line as _first_line
 from moetool.datasets import read_text_file
 from moetool.errors import MoetoolError, not_a_file, yaml_error
+from moetool.files import CONFIG_BYTES, read_bytes
 from moetool.hub import cache_only, hub_reachable
 from moetool.inference import context_length
 from moetool.model import LoadedModel
@@ -320,10 +321,10 @@ def _check_task_yaml(path: Path) -> None:
     lm-eval would fail to load it later, and offline that failure reads as a hub problem."""
     import yaml
 
-    if not path.is_file():
+    if not path.exists():
         raise MoetoolError(f"task file {path} does not exist.")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bytes(path, CONFIG_BYTES, "task file").decode("utf-8")  # a regular file of bounded size
     except UnicodeDecodeError:
         raise MoetoolError(f"task file {path} is not UTF-8 text.") from None
 

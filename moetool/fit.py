@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from moetool.artifacts import sha256_file
+from moetool.artifacts import read_json, sha256_file
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.policies.dymoe import critical_count, retention, solve_lambda
@@ -230,8 +229,8 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
 def _schema(path: Path) -> str | None:
     """The schema an artifact file names (None when unreadable: `Run.load` then says why in one sentence)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # ValueError: undecodable, not JSON, a 5,000-digit number
+        data = read_json(path)  # bounded: a FIFO or /dev/zero named like a run is refused, not read forever
+    except MoetoolError:
         return None
     return data.get("schema") if isinstance(data, dict) else None
 

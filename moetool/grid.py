@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from moetool.artifacts import ModelFingerprint
-from moetool.errors import MoetoolError, yaml_error
+from moetool.errors import MoetoolError, quote, yaml_error
+from moetool.files import GRID_BYTES, read_bytes
 
 GRIDS_DIR = Path(__file__).with_name("grids")  # packaged grids, named by file stem
 STAGES = ("run", "eval")
@@ -85,7 +86,7 @@ def packaged_grids() -> list[str]:
 def grid_path(source: str | Path) -> Path:
     """A grid file, or the packaged grid of that name."""
     p = Path(source)
-    if p.is_file():
+    if p.exists():  # a directory or FIFO given as a grid file is refused by name when read, not taken for a name
         return p
     if (GRIDS_DIR / f"{source}.yaml").is_file():
         return GRIDS_DIR / f"{source}.yaml"
@@ -96,15 +97,41 @@ def load_grid(source: str | Path) -> dict[str, Any]:
     import yaml
 
     path = grid_path(source)
+    raw = read_bytes(path, GRID_BYTES, "grid file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise MoetoolError(f"{path} is not UTF-8 text (byte {e.start} is not); a grid is a YAML file.") from None
     except yaml.YAMLError as e:
         raise yaml_error(str(path), e) from None
+    except RecursionError:  # lists nested thousands deep
+        raise MoetoolError(f"{path} is nested too deeply to be a grid.") from None
+    check_expansion(data, str(path))
     if not isinstance(data, dict):
         raise MoetoolError(f"{path} must be a YAML mapping of settings with a `grid:` of axes.")
     return data
+
+
+# What a grid may expand to: YAML aliases (`*name`) repeat what their anchor holds, so ten lines can
+# stand for billions of values (an "alias bomb") that a cell's digest, name or refusal would expand.
+EXPANDED_SIZE = 1 << 22  # nodes plus characters of their text, aliases expanded: ~4x the largest grid file
+
+
+def check_expansion(data: object, where: str, limit: int = EXPANDED_SIZE) -> None:
+    """Refuse YAML whose aliases expand it past `limit` (each node counts 1 plus the length of its
+    text), walking at most `limit` steps whatever it holds (a self-referencing alias included)."""
+    budget, stack = limit, [data]
+    while stack:
+        node = stack.pop()
+        budget -= 1 + (len(node) if isinstance(node, (str, bytes)) else 0)
+        if budget < 0:
+            raise MoetoolError(f"{where} expands to more than {limit:,} values and characters once its YAML aliases "
+                               "are resolved; a grid is a few settings and axes.")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend(node)
 
 
 def _config_class(stage: str) -> type:
@@ -128,7 +155,7 @@ def _knob_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
-        raise MoetoolError(f"a knob value must be a single value, not {value!r}.")
+        raise MoetoolError(f"a knob value must be a single value, not {quote(value)}.")
     return str(value)
 
 
@@ -137,10 +164,11 @@ class _Grid:
 
     def __init__(self, grid: dict[str, Any], base: Path):
         self.base = base
+        check_expansion(grid, "the grid")  # again after --with overrides, and for a grid given as a dict
         grid = dict(grid)
         self.stage = grid.pop("stage", "run")
         if self.stage not in STAGES:
-            raise MoetoolError(f"stage must be run or eval, not '{self.stage}'.")
+            raise MoetoolError(f"stage must be run or eval, not {quote(self.stage)}.")
         cls = _config_class(self.stage)
         self.kinds = {f.name: str(f.type) for f in dataclasses.fields(cls) if f.name != "settings"}
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
@@ -155,7 +183,7 @@ class _Grid:
     def setting(self, key: str, value: Any) -> Any:
         """A config field's value from YAML, type-checked; relative paths are the grid file's."""
         if key not in self.kinds:
-            raise MoetoolError(f"unknown setting '{key}' for stage {self.stage} (settings: "
+            raise MoetoolError(f"unknown setting {quote(key)} for stage {self.stage} (settings: "
                                f"{', '.join(sorted(self.kinds))}, set, grid).")
         kind = self.kinds[key]
         if value is None:
@@ -169,7 +197,7 @@ class _Grid:
               "str": isinstance(value, (str, int, float)) and not isinstance(value, bool)}
         expected = next((k for k in ok if k in kind), None)
         if expected is not None and not ok[expected]:
-            raise MoetoolError(f"setting '{key}' takes {kind.replace(' | None', '')}, not {value!r}.")
+            raise MoetoolError(f"setting {quote(key)} takes {kind.replace(' | None', '')}, not {quote(value)}.")
         if expected == "Path":
             return str((self.base / value).resolve())
         return str(value) if expected == "str" else value
@@ -182,7 +210,7 @@ class _Grid:
         if isinstance(value, dict) and set(value) == {"file"}:
             from moetool.datasets import read_prompts
 
-            return list(read_prompts(self.base / value["file"]))
+            return list(read_prompts(self.base / str(value["file"]), "prompts file"))
         if isinstance(value, dict) and set(value) == {"heldout"} and isinstance(value["heldout"], int):
             from moetool.datasets import heldout_prompts
 
@@ -191,13 +219,13 @@ class _Grid:
 
     def _knobs(self, knobs: Any, where: str) -> dict[str, str]:
         if not isinstance(knobs, dict):
-            raise MoetoolError(f"`{where}` must map knob names to values, not {knobs!r}.")
+            raise MoetoolError(f"`{where}` must map knob names to values, not {quote(knobs)}.")
         return {str(k): _knob_text(v) for k, v in knobs.items()}
 
     def _values(self, axis: str, values: Any) -> list[Any]:
         values = values if isinstance(values, list) else [values]
         if not values:
-            raise MoetoolError(f"axis '{axis}' of the grid has no values.")
+            raise MoetoolError(f"axis {quote(axis)} of the grid has no values.")
         return values
 
     def _policies(self) -> list[tuple[str, str, dict[str, str], dict[str, Any]]]:
@@ -210,13 +238,13 @@ class _Grid:
             spec = entry if isinstance(entry, dict) else {"policy": entry}
             name = spec.get("policy")
             if name not in POLICIES:
-                raise MoetoolError(f"unknown policy '{name}' in the grid (known: {', '.join(sorted(POLICIES))}).")
+                raise MoetoolError(f"unknown policy {quote(name)} in the grid (known: {', '.join(sorted(POLICIES))}).")
             fixed = self._knobs(spec.get("set") or {}, f"set of {name}")
             label = str(spec.get("label") or "_".join([name, *(f"{k}={v}" for k, v in fixed.items())]))
             pinned = {k: self.setting(k, v) for k, v in spec.items() if k not in POLICY_ENTRY_KEYS}
             crossed = spec.get("grid") or {}
             if not isinstance(crossed, dict):
-                raise MoetoolError(f"the grid of policy entry '{label}' must map knobs to lists of values.")
+                raise MoetoolError(f"the grid of policy entry {quote(label)} must map knobs to lists of values.")
             keys = list(crossed)
             for combo in itertools.product(*(self._values(k, crossed[k]) for k in keys)):
                 knobs = {**fixed, **{k: _knob_text(v) for k, v in zip(keys, combo)}}
@@ -233,9 +261,9 @@ class _Grid:
         known = {f.name for f in dataclasses.fields(cls.Params)}
         for key in knobs:
             if key not in known:
-                what = f"axis or knob '{key}'" if key in axis_knobs else f"knob '{key}'"
+                what = f"axis or knob {quote(key)}" if key in axis_knobs else f"knob {quote(key)}"
                 raise MoetoolError(f"unknown {what}: it is not a {self.stage} setting, and policy '{policy}' has no "
-                                   f"knob '{key}' (its knobs: {', '.join(sorted(known)) or 'none'}).")
+                                   f"knob {quote(key)} (its knobs: {', '.join(sorted(known)) or 'none'}).")
         parse_params(cls, knobs)  # values too: a float knob given 'abc' is refused before anything runs
 
     def cells(self) -> list[Cell]:
@@ -244,7 +272,7 @@ class _Grid:
                                "`grid: {policy: [lru, fate]}`.")
         for key in self.axes:
             if key in ONE_PER_SWEEP:
-                raise MoetoolError(f"'{key}' is one per sweep (its artifacts share one model), not an axis.")
+                raise MoetoolError(f"{quote(key)} is one per sweep (its artifacts share one model), not an axis.")
         policies = self._policies()
         names = [k for k in self.axes if k != "policy"]
         axis_knobs = {k for k in names if k not in self.kinds}
@@ -261,7 +289,8 @@ class _Grid:
                     settings[key] = value
                 for k, v in more.items():
                     if k in extras and extras[k] != v:
-                        raise MoetoolError(f"two axes of the grid pin '{k}' to different values ({extras[k]!r}, {v!r}).")
+                        raise MoetoolError(f"two axes of the grid pin {quote(k)} to different values "
+                                           f"({quote(extras[k])}, {quote(v)}).")
                     extras[k] = v
             settings.update(extras)  # an entry's own settings win over the axes (resident at 100% whatever the budget axis)
             self._check_knobs(policy, cell_knobs, axis_knobs)
@@ -271,7 +300,7 @@ class _Grid:
             parts = [label, *(f"{k}={cell_knobs[k] if k in axis_knobs else settings[k]}" for k in names)]
             cell = Cell(name=_slug("_".join(parts)), stage=self.stage, settings=settings)
             if cell.name in cells and cells[cell.name].digest != cell.digest:
-                raise MoetoolError(f"two cells of the grid would both be named '{cell.name}'; give their policy "
+                raise MoetoolError(f"two cells of the grid would both be named {quote(cell.name)}; give their policy "
                                    f"entries distinct labels.")
             cells[cell.name] = cell  # the same cell twice (a pinned setting crossing an axis) runs once
         return list(cells.values())
@@ -283,7 +312,8 @@ class _Grid:
             more: dict[str, Any] = {}
             if isinstance(value, dict):
                 if key not in value:
-                    raise MoetoolError(f"an entry of axis '{key}' that is a mapping must name its {key}: {value!r}.")
+                    raise MoetoolError(f"an entry of axis {quote(key)} that is a mapping must name its {key}: "
+                                       f"{quote(value)}.")
                 more = {k: self.setting(k, v) for k, v in value.items() if k != key}
                 value = value[key]
             out.append((self.setting(key, value) if key in self.kinds else _knob_text(value), more))

@@ -12,7 +12,7 @@ starts when the link is free and the request is made; a computation that needs i
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +45,29 @@ class HwProfile:
     c_cpu_s: float | None = None  # one reference-precision expert on one token, on the host CPU
 
     def validate(self) -> None:
-        """Throughputs divide byte and FLOP counts: each must be a positive number."""
+        """Every value finite and within what a machine can be (`PLAUSIBLE`): throughputs divide byte
+        and FLOP counts and times are summed over every layer and step, so a 0, 1e-300 or 1e308 here
+        would put Infinity or NaN into every run (and `report` and `fit` refuse those)."""
         from moetool.schema import SchemaError
 
-        for name in ("h2d_gbps", "gpu_tflops", "gpu_mem_gbps", "cpu_tflops", "cpu_mem_gbps"):
-            if not getattr(self, name) > 0:
-                raise SchemaError(name, f"is {getattr(self, name)}; a throughput must be positive")
+        values = {name: getattr(self, name) for name in PLAUSIBLE if name != "t_expert_s"}
+        values |= {f"t_expert_s[{b}]": t for b, t in (self.t_expert_s or {}).items()}
+        for name, value in values.items():
+            if value is None:
+                continue
+            low, high, unit = PLAUSIBLE[name.split("[")[0]]
+            if not (math.isfinite(value) and low <= value <= high):  # NaN fails this too
+                raise SchemaError(name, f"is {value!r}, outside what a machine can be ({low:g} to {high:g} {unit})")
+
+
+# (lowest, highest, unit) of each value of a hardware profile: a factor of 100 or more beyond any
+# machine today either way, so that no real profile is refused and nothing over- or underflows.
+PLAUSIBLE: dict[str, tuple[float, float, str]] = {
+    "h2d_gbps": (1e-3, 1e5, "GB/s"), "gpu_tflops": (1e-3, 1e6, "TFLOP/s"), "gpu_mem_gbps": (1e-2, 1e6, "GB/s"),
+    "cpu_tflops": (1e-5, 1e5, "TFLOP/s"), "cpu_mem_gbps": (1e-3, 1e5, "GB/s"),
+    "kernel_s": (0.0, 1.0, "s"), "copy_latency_s": (0.0, 1.0, "s"),
+    "t_dense_s": (0.0, 60.0, "s"), "t_expert_s": (0.0, 60.0, "s"), "c_cpu_s": (0.0, 60.0, "s"),
+}
 
 
 def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
@@ -58,15 +75,15 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
     the user's own (profiles/hw/NAME.json under the working directory)."""
     path = Path(name_or_path)
     for path in (path, HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json"):
-        if path.is_file():
+        if path.exists():  # a directory, FIFO or device given as --hw is refused by name below, not taken for a name
             break
     else:
         raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(packaged_hw_names()) or 'none'}; "
                            f"or put it in {USER_HW_DIR}/{name_or_path}.json, or give a path to a profile JSON).")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: undecodable, not JSON, a 5,000-digit number
-        raise MoetoolError(f"{path} is not a readable hardware profile JSON ({e.__class__.__name__}).") from None
+    from moetool.artifacts import read_json
+    from moetool.files import GRID_BYTES
+
+    data = read_json(path, GRID_BYTES, "hardware profile")  # a regular file of at most 1 MiB, and JSON
     if not isinstance(data, dict):
         raise MoetoolError(f"{path} is not a hardware profile (its top level is not an object).")
     from moetool.schema import SchemaError, build

@@ -1,0 +1,154 @@
+"""The files moetool reads whole, read with bounds; the temp files it writes, told by name; a directory lock.
+
+A FIFO blocks a read forever, a link to /dev/zero never ends, and a 1 GiB file named like a
+prompts file would be read whole before anything looked at it. So every file moetool reads whole
+goes through `read_bytes` (and every file transformers reads whole for it, through `check_file`):
+the file is opened without blocking, the opened file (not its name, which could change between a
+check and the read) must be a regular file of at most `limit` bytes, and at most `limit` bytes
+are read.
+
+    data = read_bytes(Path("a.run.json"), ARTIFACT_BYTES)   # or one sentence: "... is a FIFO, not a regular file"
+    with DirectoryLock(out, "another moetool sweep is writing in out"): ...
+
+Temp files: `artifacts.atomic_write_bytes` writes `.NAME.XXXXXXXX.tmp` beside NAME and renames it
+over NAME; a process killed in between leaves the temp file. `temp_file_of` tells such a file by its
+name, so a resumed command removes its own leftovers and never a user's file.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import stat
+from pathlib import Path
+
+from moetool.errors import MoetoolError, not_a_file, size_text
+
+# Limits of what moetool reads whole, by kind of file. Each is far above what moetool writes or a
+# person writes by hand, and far below what would exhaust memory or stall for minutes.
+ARTIFACT_BYTES = 256 << 20  # JSON artifacts and bundle manifests: a manifest of a 384-expert, 60-layer model is ~40 MiB
+TEXT_BYTES = 256 << 20  # text to score, profile or calibrate on (the packaged held-out text is 0.6 MiB)
+PROMPTS_BYTES = 16 << 20  # a prompts file: each prompt is generated from, one by one
+CONFIG_BYTES = 64 << 20  # config.json, a safetensors index (~10 MiB for the largest MoE checkpoints), task YAML
+TOKENIZER_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~30 MiB
+GRID_BYTES = 1 << 20  # grid files and hardware profiles are written by hand
+
+
+
+def _open_regular(path: Path, limit: int, what: str) -> tuple[int, int]:
+    """(fd, size) of `path` opened for reading, once the opened file is known to be a regular file of
+    at most `limit` bytes; otherwise one sentence naming `what` and `path`."""
+    name = f"{what} {path}".strip()
+    try:
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer; regular files ignore it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MoetoolError(f"{name} does not exist.") from None
+    except IsADirectoryError:
+        raise MoetoolError(f"{name} is a directory; give a file.") from None
+    except OSError as e:  # a symlink loop, no permission: what the OS says, about this path
+        raise MoetoolError(f"{name} cannot be read ({e.strerror or type(e).__name__}).") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_file(path, what)  # a directory, a FIFO, a device, a socket: named as such
+        if st.st_size > limit:
+            raise MoetoolError(f"{name} is {size_text(st.st_size)}, more than the {size_text(limit)} moetool reads "
+                               "of such a file; give the right file, or a smaller one.")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_bytes(path: Path | str, limit: int, what: str = "") -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes, or one sentence saying what it is
+    instead (missing, a directory, a FIFO, a device, a socket, too large). `what` names the option
+    or role ("--prompts")."""
+    fd, _ = _open_regular(Path(path), limit, what)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)  # a file growing while it is read stops here, not at the end of the disk
+    if len(data) > limit:
+        raise MoetoolError(f"{what} {path} grew past {size_text(limit)} while it was read; give a file that is not "
+                           "being written.".strip())
+    return data
+
+
+def check_file(path: Path | str, limit: int, what: str = "") -> None:
+    """Refuse, as `read_bytes` would, a file another library reads whole (transformers: config.json,
+    tokenizer files), without reading it."""
+    fd, _ = _open_regular(Path(path), limit, what)
+    os.close(fd)
+
+
+def temp_file_of(name: str, names: set[str] | frozenset[str]) -> bool:
+    """Whether `name` is a temp file `atomic_write_bytes` or `replace_dir` makes for one of `names`
+    (".NAME.XXXXXXXX.tmp", ".NAME.old.XXXXXXXX.tmp"): what a killed write leaves behind."""
+    return any(name.startswith(f".{short_name(n)}.") and _TEMP_TAIL.fullmatch(name[len(short_name(n)) + 2:])
+               for n in names)
+
+
+_TEMP_TAIL = re.compile(r"(old\.)?[A-Za-z0-9_]+\.tmp")  # after ".NAME.": mkstemp's random part, then .tmp
+
+
+def short_name(name: str, limit: int = 200) -> str:
+    """`name` cut to `limit` UTF-8 bytes: a temp name adds ~15 to it, and a name may be 255 long."""
+    return name.encode()[:limit].decode(errors="ignore")
+
+
+def symlink_loop(path: Path | str) -> Path | None:
+    """The first component of `path` (itself or a directory above it) that is a symlink loop, or None.
+    pathlib calls such a path missing, and resolving it raises RuntimeError (Python < 3.13)."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            return None  # missing or unreadable: the write itself says so, naming the path
+    p = Path(path)
+    for part in reversed((p, *p.parents)):
+        try:
+            os.stat(part)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return part
+    return p
+
+
+class DirectoryLock:
+    """An exclusive lock on a directory (the file `lock` in it) while one command writes there: a second
+    command into the same directory is refused at once with `busy` instead of racing the first (whose
+    cleanup of stale temp files would delete the other's). `flock` is dropped by the kernel when a
+    process dies, so a killed run's lock file never blocks the next run."""
+
+    def __init__(self, directory: Path, lock: str, busy: str, tries: int = 3):
+        self.path, self.busy = Path(directory) / lock, busy
+        for _ in range(tries):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise MoetoolError(busy) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)  # the holder finished and removed the file between our open and our lock: again
+        raise MoetoolError(busy)
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.path.unlink(missing_ok=True)  # while still held, so a waiter's inode check sees it gone
+        os.close(self.fd)
+
+
+__all__ = ["ARTIFACT_BYTES", "CONFIG_BYTES", "DirectoryLock", "GRID_BYTES", "PROMPTS_BYTES", "TEXT_BYTES",
+           "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "temp_file_of"]
