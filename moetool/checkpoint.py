@@ -17,7 +17,6 @@ shards are memory-mapped and only the requested tensors are read.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -27,7 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetool.artifacts import read_json
 from moetool.errors import MoetoolError
+from moetool.files import CONFIG_BYTES, check_file
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 # What a run needs of a hub snapshot besides the weights: config, tokenizer, generation config.
@@ -64,18 +65,21 @@ def local_directory(source: str) -> Path:
 def weight_files(directory: Path) -> list[Path]:
     """The checkpoint's safetensors shards; refuse pickled (.bin) checkpoints, which cannot be streamed."""
     index = directory / WEIGHT_INDEX
-    if index.is_file():
+    if index.exists():
+        data = read_json(index, CONFIG_BYTES, "safetensors index")  # a regular file of bounded size, and JSON
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError):
+            names = sorted(set(data["weight_map"].values()))
+            files = [directory / n for n in names]
+        except (KeyError, TypeError, AttributeError):
             raise MoetoolError(f"{index} is not a valid safetensors index (no weight_map).") from None
-        files = [directory / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
+        missing = [f.name for f in files if not f.exists()]
         if missing:
             raise MoetoolError(f"checkpoint shard {missing[0]} listed in {index} is missing.")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     if files:
+        for f in files:  # memory-mapped, not read whole: any size, but a FIFO or a device is no checkpoint
+            check_file(f, 1 << 62, "checkpoint shard")
         return files
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise MoetoolError(f"{directory} holds only pickled (.bin) weights; moetool streams safetensors checkpoints "
@@ -232,6 +236,25 @@ def open_safetensors(path: Path) -> Any:
                            "download or copy it again.") from None
 
 
+def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any]], directory: Path) -> None:
+    """Refuse weights the config does not use: a config.json with fewer layers (or experts) than the
+    checkpoint would otherwise run a truncated model without a word. The keys transformers itself
+    ignores on load (`_keys_to_ignore_on_load_unexpected`: DeepSeek-V3's multi-token-prediction
+    layer, old rotary buffers) are ignored here too, by its own rule."""
+    model._adjust_missing_and_unexpected_keys(info)
+    unused = sorted(info.unexpected_keys)
+    text = _text_config(model.config)
+    count = next((getattr(text, n) for n in _EXPERT_COUNT if isinstance(getattr(text, n, None), int)), None)
+    if count is not None:
+        unused += sorted(k for keys in experts.values() for k in keys
+                         if (m := _PER_EXPERT_KEY.search(k)) is not None and int(m.group(1)) >= count)
+    if unused:
+        layers = getattr(text, "num_hidden_layers", "?")
+        raise MoetoolError(f"the checkpoint in {directory} holds {len(unused)} weights its config.json does not use "
+                           f"(e.g. {unused[0]}; the config gives num_hidden_layers={layers} and {count} experts a "
+                           "layer): the config is of another model, or cut short.")
+
+
 def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
     """Open `source` (a resolved local directory or hub id): skeleton, non-expert weights, lazy experts."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -255,7 +278,8 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
                 target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, targets)
                 module = experts.get(target)
                 (by_module.setdefault(module, {}) if module else rest)[key] = handle.get_slice(key)
-        load_into(model, rest, dtype, get_model_conversion_mapping(model))
+        info = load_into(model, rest, dtype, get_model_conversion_mapping(model))
+        _refuse_unused(model, info, by_module, directory)
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # e.g. lm_head shares the embedding: the checkpoint stores it once
         missing = [n for n, p in model.named_parameters() if p.is_meta and n not in experts]

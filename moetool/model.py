@@ -28,6 +28,7 @@ from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkp
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
+from moetool.files import CONFIG_BYTES, TOKENIZER_BYTES, check_file
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
 # for an architecture whose experts are not a fused transformers module).
@@ -36,6 +37,8 @@ _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe
 # (Gemma 4's router reads `config.top_k_experts` at call time).
 _TOP_K_CONFIG_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_EXTRAS = ("merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.tiktoken")
+_TOKENIZER_PROBE = "Hello world"  # every tokenizer with a vocabulary gives it at least one token
 _LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
 
 
@@ -336,8 +339,11 @@ def resolve_source(source: str | Path) -> str:
         return str(build_demo_model().path)
     p = Path(text).expanduser()
     if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
+        if not p.is_dir() or not (p / "config.json").exists():
             raise MoetoolError(f"{p} is not a Hugging Face model directory (no config.json in it).")
+        for name in ("config.json", "generation_config.json"):  # transformers reads them whole
+            if (p / name).exists():
+                check_file(p / name, CONFIG_BYTES, "model file")
         return str(p)
     looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith((".", "/"))
     if not looks_like_hub_id:
@@ -439,18 +445,38 @@ def load_generation_config(model: nn.Module, directory: Path) -> None:
 
 
 def load_tokenizer(source: str) -> Any:
-    """The checkpoint's tokenizer, or None for tokenizer-less test checkpoints."""
+    """The checkpoint's tokenizer, or None for a checkpoint that ships no tokenizer file (the tests'
+    tiny models). A tokenizer the directory names must load and tokenize: a missing or damaged
+    tokenizer.json must not quietly become another tokenizer (other ids, empty text)."""
     from transformers import AutoTokenizer
 
     local = Path(source)
+    if not local.is_dir():  # a hub id: what its snapshot has, as transformers resolves it
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError):
+            return None
     # transformers 5 builds an *empty* tokenizer for some model types when a directory has no
     # tokenizer files, so a local directory must actually ship one.
-    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+    named = [f for f in _TOKENIZER_FILES if (local / f).exists()]
+    if not named:
         return None
+    for f in local.iterdir():  # transformers reads each of these whole: regular files of bounded size
+        if f.name in _TOKENIZER_FILES or f.name in _TOKENIZER_EXTRAS:
+            check_file(f, TOKENIZER_BYTES, "tokenizer file")
     try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):
-        return None
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False).input_ids
+        vocabulary = len(tokenizer.get_vocab()) - len(set(tokenizer.all_special_ids))
+    except Exception as e:  # noqa: BLE001 - the files are user input: tokenizers raises bare Exceptions
+        reason = _first_line(e)[:200].rstrip(":. ")
+        raise MoetoolError(f"the tokenizer in {local} ({', '.join(named)}) does not load: {reason}; copy or download "
+                           "its tokenizer files again.") from None
+    if not ids or vocabulary < 1:
+        raise MoetoolError(f"the tokenizer in {local} ({', '.join(named)}) holds no vocabulary (\"{_TOKENIZER_PROBE}\" "
+                           "gives no tokens): its vocabulary file is missing; copy or download its tokenizer files "
+                           "again.")
+    return tokenizer
 
 
 def _check_architecture(config: Any) -> None:

@@ -15,8 +15,9 @@ from moetool.app import command, err, out
 def verify(
     bundle: Annotated[Path, typer.Argument(help="Bundle directory (holds bundle.json).")],
 ) -> None:
-    """Check every byte of BUNDLE against its manifest: each shard's sha256, each expert blob's CRC-32,
-    and the sha256 of every file under model/ (the non-expert weights, config, tokenizer).
+    """Check that BUNDLE is exactly what its manifest says: each shard's sha256, each expert blob's
+    CRC-32 (one blob per entry, the blobs filling each shard), the sha256 of every file under model/
+    (the non-expert weights, config, tokenizer), and no file the manifest does not list.
 
     Runs check a bundle cheaply as they go (sizes and headers at open, each blob's CRC-32 the first
     time it is read); this reads it all, e.g. after copying a bundle to another machine. Exit 0 if
@@ -30,7 +31,7 @@ def verify(
     with Progress(TextColumn("verify"), BarColumn(), MofNCompleteColumn(), console=err, transient=True,
                   disable=not err.is_terminal) as bar:
         task = bar.add_task("verify", total=len(opened.manifest.shards))
-        opened.verify_all(progress=lambda done, total: bar.update(task, completed=done))
+        opened.verify_all(progress=lambda done, total: bar.update(task, completed=done), exact=True)
     m = opened.manifest
     size = sum(s.nbytes for s in m.shards) + sum(f.nbytes for f in m.model_files)
     out.print(f"[green]OK[/green]  {bundle}: {len(m.shards)} shards, {len(m.entries)} expert blobs, "

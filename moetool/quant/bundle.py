@@ -6,9 +6,11 @@ bits) blob lies, how it is laid out, how it was made, how far it is from the ref
 CRC-32. `model/` holds what a run needs besides the experts (config, generation config, tokenizer
 files, and the non-expert weights in `non_expert.safetensors`), so a bundle runs on its own.
 
-Integrity without rehashing gigabytes at every start: opening checks sizes, headers and the
-manifest's own checksum; each blob's CRC-32 is checked the first time it is read; `verify_all`
-(`moetool verify`) rehashes everything.
+Integrity without rehashing gigabytes at every start: opening checks sizes, headers, the
+manifest's own checksum (and that no two entries share a blob) and hashes every file of `model/`
+but the non-expert weights, whose CRC-32 is checked as they are read; each blob's CRC-32 is checked
+the first time it is read; `verify_all` (`moetool verify`) rehashes everything and refuses any file
+the manifest does not list.
 
     ob = Bundle.open(Path("out/qwen-bundle"), verify="fast", model=lm.fingerprint)
     blob = ob.blob(layer=3, expert=7, bits=4)          # uint8 view of the memory-mapped shard
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -26,8 +29,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from moetool.artifacts import Artifact, ModelFingerprint
+from moetool.artifacts import Artifact, ModelFingerprint, read_json
 from moetool.errors import MoetoolError
+from moetool.files import CONFIG_BYTES
 from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
 from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, attention_for_decode, inspect_geometry, \
     install_provider, load_config, load_generation_config, load_tokenizer
@@ -171,6 +175,13 @@ class Bundle(Artifact):
                                       f"(entries[{seen[key]}])")
             seen[key] = i
             experts[e.layer][e.bits].add(e.expert)
+        by_shard = sorted(range(len(self.entries)), key=lambda i: (self.entries[i].shard, self.entries[i].offset))
+        for i, j in zip(by_shard, by_shard[1:]):  # one blob per entry: no two entries share a byte of a shard
+            a, b = self.entries[i], self.entries[j]
+            if a.shard == b.shard and b.offset < a.offset + a.nbytes:
+                raise SchemaError(f"entries[{j}].offset", f"is {b.offset}, inside the blob of entries[{i}] (expert "
+                                                          f"{a.expert} of layer {a.layer} at {a.bits} bits) in shard "
+                                                          f"{a.shard}; every entry has a blob of its own")
         for layer, by_bits in experts.items():
             every = set().union(*by_bits.values())
             if not every:
@@ -240,11 +251,11 @@ def _check_model_type(directory: Path, manifest: "Bundle") -> None:
     """The manifest's model_type is copied into every run's artifact: it must be config.json's."""
     cfg = directory / MODEL_DIR / "config.json"
     try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
+        data = read_json(cfg, CONFIG_BYTES)
         model_type = data.get("model_type")
         # A multimodal checkpoint loaded as its language model is fingerprinted by its text config.
         text_type = (data.get("text_config") or {}).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except (MoetoolError, AttributeError):
         return  # a missing or unreadable config is refused where the model is built, naming the file
     if model_type is not None and manifest.model.model_type not in (model_type, text_type):
         raise MoetoolError(f"{directory / MANIFEST} says the model is a {manifest.model.model_type!r} but its "
@@ -295,8 +306,23 @@ class OpenBundle:
             self._verified.add(key)
         return view
 
-    def verify_all(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Rehash everything: every shard's sha256, every blob's CRC-32, every model file's sha256."""
+    def verify_all(self, progress: Callable[[int, int], None] | None = None, exact: bool = False) -> None:
+        """Rehash everything: every shard's sha256, every blob's CRC-32, every model file's sha256.
+        `exact` (`moetool verify`): also refuse any file the manifest does not list."""
+        if exact:
+            stray = self.unlisted()
+            if stray:
+                raise MoetoolError(f"the bundle in {self.directory} holds {stray[0]}, which its manifest does not "
+                                   f"list{f' (and {len(stray) - 1} more)' if len(stray) > 1 else ''}; a bundle is "
+                                   f"exactly what {MANIFEST} lists: move it out, or re-run moetool quantize.")
+            used = dict.fromkeys(self.shards, 0)
+            for e in self.manifest.entries:
+                used[e.shard] += e.nbytes
+            for name, n in used.items():  # blobs do not overlap (`Bundle.validate`): so they must fill the shard
+                if n != self.shards[name].numel():
+                    raise MoetoolError(f"shard {name} of the bundle in {self.directory} holds "
+                                       f"{self.shards[name].numel() - n} bytes that no entry of its manifest "
+                                       "describes; re-run moetool quantize.")
         for f in self.manifest.model_files:
             check_model_file(self.directory, f, full=True)
         for i, shard in enumerate(self.manifest.shards):
@@ -306,6 +332,20 @@ class OpenBundle:
             check_shard(self.directory / shard.name, shard, self.manifest.settings_sha256, full=True)
             if progress:
                 progress(i + 1, len(self.manifest.shards))
+
+    def unlisted(self) -> list[str]:
+        """Files and directories in the bundle directory that its manifest does not list (a stray shard
+        of another model, a file dropped in by hand), as paths relative to it."""
+        files = {MANIFEST, *(s.name for s in self.manifest.shards),
+                 *(f"{MODEL_DIR}/{f.name}" for f in self.manifest.model_files)}
+        dirs = {str(parent) for name in files for parent in PurePosixPath(name).parents if str(parent) != "."}
+        found = []
+        for root, subdirs, names in os.walk(self.directory):  # symlinked directories are not followed
+            at = PurePosixPath(Path(root).relative_to(self.directory).as_posix())
+            found += [str(at / d) for d in subdirs if str(at / d).removeprefix("./") not in dirs]
+            found += [str(at / n) for n in names if str(at / n).removeprefix("./") not in files]
+            subdirs[:] = [d for d in subdirs if str(at / d).removeprefix("./") in dirs]
+        return sorted(f.removeprefix("./") for f in found)
 
     def dequantize(self, layer: int, expert: int, bits: int, dtype: torch.dtype = torch.float32) -> ExpertWeights:
         e = self.entry(layer, expert, bits)

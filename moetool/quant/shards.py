@@ -170,7 +170,7 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
     return crc
 
 
-SMALL_MODEL_FILE = 1 << 20  # bytes: model files at most this size are hashed whenever a bundle opens
+SMALL_MODEL_FILE = 1 << 20  # bytes: non-expert weights at most this size are hashed whenever a bundle opens
 
 
 def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = False) -> None:
@@ -183,10 +183,13 @@ def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = Fals
     if path.stat().st_size != f.nbytes:
         raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is {path.stat().st_size} bytes, not the "
                            f"{f.nbytes} its manifest records; re-run moetool quantize.")
-    # Small files (config.json, the tokenizer's settings) are hashed even on a fast open: a one-byte
-    # change there alters routing or the model's shape silently, and hashing them costs microseconds.
-    small = f.nbytes <= SMALL_MODEL_FILE
-    if (crc and file_crc32(path) != f.crc32) or ((full or small) and sha256_file(path) != f.sha256):
+    # Every file but the non-expert weights (config.json, tokenizer files of any size) is hashed even
+    # on a fast open: a one-byte change there alters routing or the vocabulary silently, transformers
+    # reads each of them whole at load anyway, and an edit that transformers cannot parse would end in
+    # its traceback instead of this sentence. The non-expert weights are checked by CRC-32 as they are
+    # read (`OpenBundle.non_expert_path`), since hashing gigabytes twice at every start would not be fast.
+    cheap = f.name != NON_EXPERT or f.nbytes <= SMALL_MODEL_FILE
+    if (crc and file_crc32(path) != f.crc32) or ((full or cheap) and sha256_file(path) != f.sha256):
         raise MoetoolError(f"{MODEL_DIR}/{f.name} in the bundle in {directory} is corrupt (checksum mismatch); "
                            "re-run moetool quantize.")
 
