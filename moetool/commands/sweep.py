@@ -54,7 +54,7 @@ def sweep(
     Example: `moetool sweep grid.yaml --out out/sweep`, with grid.yaml holding `model: ckpt`,
     `prompts: ["Hello"]`, `max_new_tokens: 16` and `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
-    from moetool.sweep import SweepConfig
+    from moetool.sweep import SweepConfig, Terminated
     from moetool.sweep import sweep as sweep_stage
 
     writable(save, "dir")
@@ -82,10 +82,11 @@ def sweep(
 
         try:
             index = sweep_stage(cfg, progress=progress)
-        except KeyboardInterrupt:
-            err.print(f"[yellow]interrupted[/yellow]: {sum(counts.values())} of {total or '?'} cells are finished and "
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): cells in flight are cancelled, Ray is stopped
+            what, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+            err.print(f"[yellow]{what}[/yellow]: {sum(counts.values())} of {total or '?'} cells are finished and "
                       f"kept in {save / 'sweep.json'}; the same command runs the rest.", highlight=False)
-            raise typer.Exit(130) from None
+            raise typer.Exit(code) from None
     table = Table(title=f"sweep {grid} -> {save} ({len(index.cells)} cells)")
     for col in ("cell", "status", "artifact or reason"):
         table.add_column(col)

@@ -20,7 +20,6 @@ from the shards that still hash right; other settings start clean.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -34,8 +33,10 @@ from pathlib import Path
 
 import torch
 
-from moetool.artifacts import atomic_write_bytes, sha256_file
-from moetool.errors import MoetoolError, not_a_file
+from moetool.artifacts import atomic_write_bytes, read_json, sha256_file
+from moetool.errors import MoetoolError, not_a_file, quote
+from moetool.files import DirectoryLock as _DirectoryLock
+from moetool.files import temp_file_of
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
@@ -190,16 +191,25 @@ def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
 # ---- the output directory -----------------------------------------------------------------------
 
 SHARD_NAME = re.compile(r"layer-\d{3,}\.safetensors")
-# What quantize itself puts in a bundle directory (temp files included); anything else is the user's.
-_WRITTEN = rf"{SHARD_NAME.pattern}|{MODEL_DIR}|{re.escape(MANIFEST)}|{re.escape(JOURNAL[1:])}"  # temp: .NAME.*.tmp
-OWN_NAMES = re.compile(rf"{SHARD_NAME.pattern}|{MODEL_DIR}|{re.escape(MANIFEST)}|{re.escape(JOURNAL)}|"
-                       rf"{re.escape(LOCK)}|\.({_WRITTEN})\..+\.tmp")
-LEFTOVER = re.compile(rf"{re.escape(LOCK)}|\..+\.tmp")  # what a run killed before its journal leaves behind
+_WRITTEN = frozenset({MODEL_DIR, MANIFEST, JOURNAL})  # besides the shards, what quantize writes in a bundle directory
+
+
+def own_temp_file(name: str) -> bool:
+    """Whether `name` is a temp file quantize's own writes make beside what they write (a shard, model/,
+    the journal, the manifest): what a run killed in the middle of a write leaves behind."""
+    shard = re.match(rf"\.({SHARD_NAME.pattern})\.", name)
+    return temp_file_of(name, _WRITTEN | ({shard.group(1)} if shard else set()))
+
+
+def _own(name: str) -> bool:
+    """Whether quantize itself puts `name` in a bundle directory; anything else is the user's."""
+    return name in _WRITTEN or name == LOCK or SHARD_NAME.fullmatch(name) is not None or own_temp_file(name)
 
 
 def check_out_dir(out: Path) -> None:
     """Refuse, in one sentence, an output that is a file, a finished bundle, or a directory that is
-    not empty and not an unfinished bundle (a journal, and only the files quantize writes)."""
+    not empty and not an unfinished bundle (a journal, and only the files quantize writes, its temp
+    files included: a run killed in the middle of any write resumes)."""
     if out.exists() and not out.is_dir():
         raise MoetoolError(f"{out} is a file, not a directory to write a bundle in; choose another output directory.")
     if (out / MANIFEST).exists():
@@ -208,50 +218,18 @@ def check_out_dir(out: Path) -> None:
     if not out.is_dir():
         return
     names = sorted(p.name for p in out.iterdir())
-    foreign = [n for n in names if not OWN_NAMES.fullmatch(n)]
-    if not foreign and JOURNAL not in names:
-        foreign = [n for n in names if not LEFTOVER.fullmatch(n)]
+    foreign = [n for n in names if not _own(n)]
+    if not foreign and JOURNAL not in names:  # killed before its first journal: only the lock and temp files
+        foreign = [n for n in names if n != LOCK and not own_temp_file(n)]
     if foreign:
-        raise MoetoolError(f"{out} is not empty and is not a moetool bundle (it holds {foreign[0]!r}); choose an empty "
-                           "or new output directory.")
+        raise MoetoolError(f"{out} is not empty and is not a moetool bundle (it holds {quote(foreign[0])}); choose an "
+                           "empty or new output directory.")
 
 
-class DirectoryLock:
-    """An exclusive lock on a bundle directory while one quantize writes it: a second quantize into
-    the same directory is refused at once instead of racing the first (whose stale-temp cleanup
-    would delete the other's files). `flock` is dropped by the kernel when a process dies, so a
-    killed run's lock file never blocks the next run."""
-
-    def __init__(self, out: Path, tries: int = 3):
-        self.path = out / LOCK
-        for _ in range(tries):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise self.busy(out) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                self.fd = fd
-                return
-            os.close(fd)  # the holder finished and removed the file between our open and our lock: again
-        raise self.busy(out)
-
-    @staticmethod
-    def busy(out: Path) -> MoetoolError:
-        return MoetoolError(f"another moetool quantize is writing a bundle in {out}; wait for it to finish or choose "
-                            "another output directory.")
-
-    def __enter__(self) -> "DirectoryLock":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.path.unlink(missing_ok=True)  # while still held, so a waiter's inode check sees it gone
-        os.close(self.fd)
+def DirectoryLock(out: Path) -> _DirectoryLock:  # noqa: N802 - kept for callers of the class it was
+    """An exclusive lock on a bundle directory while one quantize writes it (`moetool.files.DirectoryLock`)."""
+    return _DirectoryLock(out, LOCK, f"another moetool quantize is writing a bundle in {out}; wait for it to finish "
+                                     "or choose another output directory.")
 
 
 def write_model_files(lm: LoadedModel, out: Path) -> tuple[ModelFile, ...]:
@@ -436,7 +414,7 @@ class Journal:
         # A killed run's temp shards, half-written model/ and half-written journal or manifest. Safe
         # to delete: the caller holds the directory's lock, so no live run is writing them.
         for stray in out.glob(".*.tmp"):
-            if not OWN_NAMES.fullmatch(stray.name):
+            if not own_temp_file(stray.name):
                 continue
             if stray.is_dir():
                 shutil.rmtree(stray, ignore_errors=True)
@@ -445,11 +423,11 @@ class Journal:
         records, same = {}, False
         if self.path.exists():
             try:
-                data = json.loads(self.path.read_text())
+                data = read_json(self.path)  # a regular file of bounded size: a FIFO here is not our journal
                 records = {int(k): (build(Shard, v["shard"]), build(list[Entry], v["entries"]))
                            for k, v in data["layers"].items()}
                 same = data["settings_sha256"] == settings_sha
-            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # SchemaError is a ValueError
+            except (MoetoolError, ValueError, KeyError, TypeError, AttributeError):  # SchemaError is a ValueError
                 records, same = {}, False
         for layer, (shard, entries) in records.items():
             if not SHARD_NAME.fullmatch(shard.name):
