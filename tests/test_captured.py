@@ -272,16 +272,51 @@ def test_a_prompt_past_the_static_cache_is_one_sentence(tiny_ckpt):
 def test_zero_copy_rows_kernel_reads_only_the_marked_rows(monkeypatch):
     """The Triton kernel that reads missed experts in place (on CUDA over the bus), run here by the
     interpreter on CPU tensors: marked rows are copied, -1 rows are zeros."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from moetool.engine import zero_copy
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     src = torch.randint(0, 255, (6, 128 + 64), dtype=torch.uint8)[:, :128]  # strided rows, as a shard's
     index = torch.tensor([4, -1, 0, 4])
     out = zero_copy.rows_with_triton(src, index, torch.full((4, 128), 7, dtype=torch.uint8), block=8,
-                                     kernel=InterpretedFunction(zero_copy._rows_body))
+                                     interpret=True)
     assert torch.equal(out[0], src[4]) and torch.equal(out[2], src[0]) and torch.equal(out[3], src[4])
     assert torch.equal(out[1], torch.zeros(128, dtype=torch.uint8))
     cpu = zero_copy.host_rows(src, index)  # the op's CPU path: the same rows
     assert torch.equal(cpu, out)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo model, a bundle of it at 16, 4 and 2 bits (round to nearest: quick), a prompt and
+    plain transformers' greedy tokens."""
+    from moetool.model import resolve_source
+
+    path = resolve_source("demo")
+    lm = load_model(path)
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    out = tmp_path_factory.mktemp("captured-demo") / "b"
+    quantize(QuantizeConfig(model=path, out=out, bits=(16, 4, 2), dtype="float32", hqq_optimize=False))
+    ref = load_reference(path, experts_impl="batched_mm")
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    return path, out, ids, want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,knobs,budget,lossless", CASES, ids=lambda x: str(x))
+def test_every_policy_compiles_fullgraph_on_the_demo_model(demo, policy, knobs, budget, lossless):
+    """The demo MoE (30 layers, 3 dense; 24 experts, top-6; shared experts): the whole step compiles
+    for every policy, and lossless ones keep plain transformers' greedy tokens."""
+    path, bundle_dir, ids, want = demo
+    if lossless:
+        lm = load_model(path)
+        store = HostStore.from_experts(lm.experts, torch.float32)
+    else:
+        lm = load_bundle_model(bundle_dir)
+        store = HostStore.from_bundle(lm.bundle, torch.float32)
+    engine, plan = build_engine(lm, store, policy, settings=knobs, budget=budget, captured=True, max_tokens=24)
+    program = DecodeProgram(engine, max_tokens=24, backend="eager")
+    tokens = program.generate(ids, 6)
+    assert len(tokens) == 6 and program.steps == 5
+    assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
+    if lossless:
+        assert tokens == want

@@ -415,6 +415,32 @@ def test_the_engines_low_bit_experts_through_the_kernels(tiny_ckpt, bundle, monk
     assert torch.equal(results[1][1], results[0][1])
 
 
+@pytest.mark.parametrize("policy,settings,budget", [("static", {"bits": "4"}, "100%"), ("lru", {}, "25%"),
+                                                     ("dymoe", {"config": "4/2"}, "40%")])
+def test_the_captured_step_through_the_kernels(tiny_ckpt, bundle, monkeypatch, policy, settings, budget):
+    """The captured decode step's experts as CUDA runs them (forced on here): every precision's pool
+    and the missed rows read from host memory, in one kernel call a layer; the greedy tokens of the
+    step's gather path (the CPU's), with the kernels really launched inside the compiled step."""
+    from moetool.engine import build_engine
+    from moetool.engine.decode import DecodeProgram
+    from moetool.engine.store import HostStore
+    from moetool.quant.bundle import Bundle
+
+    ids = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7]])
+    tokens = []
+    for kernels in (False, True):
+        lm = load_model(str(tiny_ckpt("qwen2_moe")))
+        store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), torch.float32)
+        engine, _ = build_engine(lm, store, policy, settings=settings, budget=budget, captured=True, max_tokens=24)
+        program = DecodeProgram(engine, max_tokens=24, backend="eager", kernels=kernels)
+        assert bool(program.layers.kernel_acts) == kernels
+        if kernels:  # counted once built (the count wraps the kernels, which `supported` checks)
+            launches = CountLaunches(monkeypatch)
+        tokens.append(program.generate(ids, 5))
+    assert launches.n == 3 * 4 * len(lm.geometry.layers)  # 4 captured steps, 3 launches a layer
+    assert tokens[0] == tokens[1]
+
+
 # ---- compile, the ops, refusals --------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

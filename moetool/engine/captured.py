@@ -100,7 +100,7 @@ class StepLog:
 class CapturedLayers:
     """The engine's MoE layers inside the captured step (see the module docstring)."""
 
-    def __init__(self, engine: Any, mirrors: Mirrors):
+    def __init__(self, engine: Any, mirrors: Mirrors, kernels: bool | None = None):
         self.engine, self.mirrors = engine, mirrors
         self.policy, self.residency, self.store = engine.policy, engine.residency, engine.store
         self.device = engine.device
@@ -120,6 +120,17 @@ class CapturedLayers:
         self.log = StepLog(len(self.layers), self.top_k, self.num_experts, self.device, self.residency.wants_scores())
         self.prefetch_bits: dict[int, int] = {}  # layer -> bits of its logged prefetch (static per layer)
         self.routers: dict[int, tuple[Any, dict, bool]] = {}
+        # layer -> its block's activation where the fused Triton kernels (`moetool.kernels`) take every
+        # precision of the policy: on CUDA, all of a layer's experts in three launches, reading each slot
+        # as stored; elsewhere (a CPU, a layout they refuse) the gather-by-index path below.
+        self.kernel_acts: dict[int, Any] = {}
+        if kernels if kernels is not None else self.device.type == "cuda":  # forced on a CPU: tests, interpreted
+            from moetool.kernels import activation_of, supported
+
+            for g in engine.layers:
+                act = activation_of(engine.lm.model.get_submodule(g.path).experts)
+                if all(supported(self.store.layout(g.index, b), act, self.device) is None for b in self.bits):
+                    self.kernel_acts[g.index] = act
 
     def _misses(self, bits: int) -> bool:
         """Whether a row at `bits` can lack a device copy: no pool, or a pool that cannot hold every
@@ -194,6 +205,8 @@ class CapturedLayers:
         expert = plan.expert.reshape(-1).clamp(0, E - 1)  # [S] (a skipped row reads expert 0, then drops it)
         bits = plan.bits.reshape(-1)  # [S]
         slots = self.table.device_table[self.table.pos[layer]].index_select(0, expert)  # [S, P] int32
+        if layer in self.kernel_acts:
+            return self._fused(layer, hidden, plan, expert, bits, slots)
         x = hidden.repeat_interleave(k, dim=0)  # [S, H]
         y = torch.zeros_like(x, dtype=self.dtype)
         hit = torch.zeros_like(bits, dtype=torch.bool)
@@ -213,6 +226,32 @@ class CapturedLayers:
         w = torch.where(bits > 0, plan.weight.reshape(-1).to(y.dtype), torch.zeros((), dtype=y.dtype, device=y.device))
         out = (y * w[:, None]).view(T, k, -1).sum(dim=1)
         return out.to(hidden.dtype), hit
+
+    def _fused(self, layer: int, hidden: torch.Tensor, plan: DevicePlan, expert: torch.Tensor, bits: torch.Tensor,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused Triton kernels over every precision's pool and, for the rows that missed, the blobs
+        read from host memory in place (`zero_copy.host_rows`, into rows of their own): one call."""
+        from moetool.kernels import SlotPool, experts_forward
+
+        T, k = plan.expert.shape
+        rows = torch.arange(T * k, device=expert.device)  # [S]
+        pools, hit = [], torch.zeros_like(bits, dtype=torch.bool)
+        for p, b in enumerate(self.bits):
+            if (layer, b) not in self.pool_parts and (layer, b) not in self.host_rows:
+                continue
+            use, slot = bits == b, slots[:, p].long()  # [S]
+            here = use & (slot >= 0)
+            hit = hit | here
+            layout = self.store.layout(layer, b)
+            if (layer, b) in self.pool_parts:
+                pools.append(SlotPool(self.residency.pool_bytes(b), layout,
+                                      torch.where(here, slot, -1).view(T, k).to(torch.int32)))
+            if (layer, b) in self.host_rows:
+                missed = use & ~here
+                read = host_rows(self.host_rows[layer, b], torch.where(missed, expert, -1))  # [S, nbytes]
+                pools.append(SlotPool(read, layout, torch.where(missed, rows, -1).view(T, k).to(torch.int32)))
+        w = torch.where(plan.bits > 0, plan.weight, torch.zeros_like(plan.weight))
+        return experts_forward(hidden, w, pools, self.kernel_acts[layer]), hit
 
     def _gather(self, layer: int, bits: int, slot: torch.Tensor, missed: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each row's blob parts: from its pool slot, or, for a row whose expert has no device copy

@@ -81,7 +81,7 @@ class DecodeProgram:
     """
 
     def __init__(self, engine: Any, max_tokens: int, host_budget: int | None = None,
-                 backend: str | None = None, graph: bool | None = None):
+                 backend: str | None = None, graph: bool | None = None, kernels: bool | None = None):
         from transformers import StaticCache
 
         self.engine, self.device = engine, engine.device
@@ -93,7 +93,7 @@ class DecodeProgram:
         if isinstance(mirrors, str):
             raise MoetoolError(mirrors)
         self.mirrors = mirrors
-        self.layers = CapturedLayers(engine, mirrors)
+        self.layers = CapturedLayers(engine, mirrors, kernels)
         self.layers.prepare()
         self._check_plan()
         self.cache = StaticCache(config=lm.model.config, max_cache_len=max_tokens)

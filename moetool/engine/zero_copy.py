@@ -18,18 +18,18 @@ from functools import lru_cache
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; a CPU machine runs the torch path
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
 WORD = 8  # bytes per load: blobs and mirror rows are 64-byte aligned, so whole int64 words
 
 
-if triton is not None:
-    def _rows_body(src, index, dst, words, src_stride, BLOCK: tl.constexpr):
-        """Row `program_id(0)` of the output: the marked source row, in BLOCK words a program."""
+@lru_cache(maxsize=None)
+def kernel(interpret: bool = False):
+    """The Triton kernel (built on first use: Triton is imported only where a step reads host rows on
+    CUDA); `interpret` gives the same body under Triton's CPU interpreter, for the tests."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def rows(src, index, dst, words, src_stride, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         e = tl.load(index + row)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -39,7 +39,7 @@ if triton is not None:
         value = tl.load(src + e.to(tl.int64) * src_stride + offs, mask=inside & marked, other=0)
         tl.store(dst + row.to(tl.int64) * words + offs, value, mask=inside)
 
-    _host_rows_kernel = triton.jit(_rows_body)
+    return InterpretedFunction(rows) if interpret else triton.jit(rows)
 
 
 def _words(src: torch.Tensor) -> torch.Tensor:
@@ -48,13 +48,13 @@ def _words(src: torch.Tensor) -> torch.Tensor:
 
 
 def rows_with_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, block: int = 1024,
-                     kernel: object = None) -> torch.Tensor:
-    """The Triton kernel on (src [E, n] uint8, index [S] int64, out [S, n] uint8). The tests give
-    `kernel` as the same body under Triton's interpreter, to run it on CPU tensors."""
+                     interpret: bool = False) -> torch.Tensor:
+    """The Triton kernel on (src [E, n] uint8, index [S] int64, out [S, n] uint8); `interpret` runs
+    it on CPU tensors (tests)."""
     s, d = _words(src), out.view(torch.int64)
     words = s.shape[1]
-    grid = (index.shape[0], triton.cdiv(words, block))
-    (kernel or _host_rows_kernel)[grid](s, index, d, words, s.stride(0), BLOCK=block)
+    grid = (index.shape[0], (words + block - 1) // block)
+    kernel(interpret)[grid](s, index, d, words, s.stride(0), BLOCK=block)
     return out
 
 
@@ -79,7 +79,9 @@ def unavailable(device: torch.device) -> str | None:
     doing it: a pinned tensor's rows gathered by the kernel and compared)."""
     if device.type != "cuda":
         return None
-    if triton is None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
         return "Triton is not installed (it comes with CUDA builds of torch): the captured step reads missed experts with it"
     try:
         src = torch.arange(4 * 64, dtype=torch.int32).to(torch.uint8).view(4, 64).pin_memory()
