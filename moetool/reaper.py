@@ -43,9 +43,9 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
-def descendants(*roots: int) -> dict[int, str]:
-    """pid -> start time of every process below `roots`."""
-    table = _processes()
+def descendants(*roots: int, table: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
+    """pid -> start time of every process below `roots` (in `table`, default: the processes now)."""
+    table = _processes() if table is None else table
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -66,7 +66,11 @@ def watch(roots: list[int]) -> None:
     table = _processes()
     noted = {pid: table[pid][1] for pid in roots if pid in table}
     while not closed.wait(POLL_S):
-        noted.update(descendants(*noted))
+        table = _processes()
+        # Only below a noted process that is still itself: a pid the kernel gave to another process
+        # since would make that one's children Ray's.
+        noted.update(descendants(*(pid for pid, started in noted.items() if table.get(pid, (0, ""))[1] == started),
+                                 table=table))
     noted.pop(os.getpid(), None)
     alive = _processes()
     for pid, started in noted.items():

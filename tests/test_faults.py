@@ -195,6 +195,27 @@ def _gone_within(pids: set[int], seconds: float) -> set[int]:
     return _alive(pids)
 
 
+def test_the_reaper_kills_the_tree_it_watches_and_nothing_else():
+    """What `sweep` relies on when it is SIGKILLed: once its pipe closes, the watcher kills the processes
+    it was given and what they started (here a shell and its `sleep`), never another child."""
+    from moetool.reaper import Reaper, descendants
+
+    watched, other = (subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"]) for _ in range(2))
+    try:
+        while len(descendants(watched.pid)) < 2:
+            time.sleep(0.05)
+        tree = {watched.pid, *descendants(watched.pid)}
+        reaper = Reaper.start({watched.pid})
+        time.sleep(1.0)  # a poll or two: the watcher notes the shell's children
+        reaper.stop()
+        assert watched.wait(timeout=10) == -signal.SIGKILL  # our own child: a zombie until we reap it
+        assert not _gone_within(tree - {watched.pid}, 10) and other.poll() is None
+    finally:
+        for proc in (watched, other):
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_sweep_cleanly_and_sigkill_leaves_no_ray_process(bundle, tmp_path):
     proc, out = _start_sweep(bundle, tmp_path / "term")
