@@ -25,9 +25,8 @@ from moetool.engine import build_engine
 from moetool.engine.store import HostArena, HostStore
 from moetool.quant import QuantizeConfig, quantize
 from moetool.quant.bundle import load_bundle_model
+from helpers import save_char_tokenizer
 from tiny import save_tiny
-
-from test_eval import save_char_tokenizer
 
 EXPERTS = 256
 BUDGET = "128MiB"
