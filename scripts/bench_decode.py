@@ -261,10 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", default="wall", choices=("wall", "sim"),
                     help="sim: TPOT on the --hw profile's cost model (deterministic; plain transformers skipped)")
     ap.add_argument("--hw", default="rtx3090")
+    ap.add_argument("--paper-knobs", action="store_true",
+                    help="each paper's own defaults (Fate's INT4 cache and INT2 prefill) instead of lossless 16-bit settings")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     args.model = resolve_source(args.model)
+    if args.paper_knobs:
+        POLICIES["fate"] = {}
+        QUANTIZED.add("fate")
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     lm = load_model(args.model)

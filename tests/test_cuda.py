@@ -248,3 +248,65 @@ def test_smoe_cpu_assisted_experts_run_while_the_device_computes(tiny_ckpt, monk
     assert torch.equal(got, want)
     assert engine.stats.summary()["cpu_experts"] > 0 and busy
     assert all(busy), f"the device was idle at {len(busy) - sum(busy)} of {len(busy)} host experts"
+
+
+# ---- the captured decode step (engine/decode.py) ---------------------------------------------------
+
+@pytest.mark.parametrize("policy,settings,budget", [("resident", {}, "100%"), ("lru", {}, "25%"),
+                                                     ("fate", {"cache_bits": "16", "low_bits": "16", "p": "0"}, "30%"),
+                                                     ("dymoe", {"config": "4/2"}, "40%"), ("static", {"bits": "4"}, "100%")])
+def test_the_captured_step_is_one_graph_replay_without_a_host_sync(tiny_ckpt, bundle, slow_copies, policy, settings,
+                                                                    budget):
+    """On CUDA the step is captured as one CUDA graph; replaying it (and copying its log out) makes
+    no blocking host sync (torch's sync debug mode raises on one); its fills, slowed down, never
+    corrupt a slot the queued step reads (tokens equal the host path's); the allocator stays within
+    the budget."""
+    from moetool.engine.decode import DecodeProgram
+
+    ids = IDS[:1]
+    want = None
+    for captured in (False, True):
+        lm = load_model(tiny_ckpt("qwen2_moe"), device=CUDA, dtype=torch.bfloat16)
+        store = HostStore.from_bundle(Bundle.open(bundle, model=lm.fingerprint), torch.bfloat16)
+        engine, plan = build_engine(lm, store, policy, settings=settings, budget=budget, device=CUDA, captured=captured,
+                                    max_tokens=32)
+        if not captured:
+            with torch.no_grad():
+                want = lm.model.generate(ids.to(CUDA), max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+            engine.close()
+            continue
+        program = DecodeProgram(engine, max_tokens=32)
+        assert program.summary()["cuda_graph"]
+        got = program.generate(ids, 6)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.capturing = True
+            program._launch()  # one replay: raises if anything in it synchronizes with the host
+            for name, t in program.layers.log.tensors().items():
+                program.host_logs[0][name].copy_(t, non_blocking=True)
+        finally:
+            engine.capturing = False
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        s = engine.stats.summary()
+        assert s["peak_allocated_bytes"] <= plan.total_bytes
+        if policy in ("resident", "lru", "fate"):  # lossless: the host path's greedy tokens
+            assert got == want
+
+
+def test_a_missed_expert_is_read_from_pinned_host_memory_in_place():
+    """The zero-copy read the captured step relies on: a kernel reads pinned host rows by index."""
+    from moetool.engine.zero_copy import host_rows, unavailable
+
+    assert unavailable(CUDA) is None
+    src = torch.randint(0, 255, (8, 256), dtype=torch.uint8).pin_memory()
+    got = host_rows(src, torch.tensor([5, -1, 2], device=CUDA))
+    assert got.is_cuda
+    assert torch.equal(got.cpu(), torch.stack([src[5], torch.zeros(256, dtype=torch.uint8), src[2]]))
+
+
+def test_run_takes_the_captured_path_on_cuda_by_default(tiny_ckpt):
+    result = run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), policy="lru", budget="50%", device="cuda",
+                           prompts=("hello",), max_new_tokens=4))
+    assert result.summary["path"] == "captured" and result.summary["cuda_graph"]

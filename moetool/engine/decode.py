@@ -258,7 +258,7 @@ class DecodeProgram:
             run = bits > 0
             st.skips += int((~run).sum())
             st.substitutions += int((run & (expert != routed)).sum())
-            used = []
+            used, hit_s, miss_s, read = [], 0.0, 0.0, 0
             for e, b, h in zip(expert[run].tolist(), bits[run].tolist(), hit[run].tolist()):
                 st.precision_mix[b] += 1
                 if h:
@@ -267,20 +267,23 @@ class DecodeProgram:
                     if handle is not None and handle.prefetched:
                         st.prefetch_used += 1
                         handle.prefetched = False
-                    if sim:
-                        clock.compute(cost.t_expert(b, 1))
+                    hit_s += cost.t_expert(b, 1)
                 else:
                     st.misses[b] += 1
                     n = self.engine.store.layout(layer, b).nbytes
                     st.bytes_h2d += n
-                    self.zero_copy_bytes += n
+                    read += n
                     self.mirrors.verify(layer, e, b)
-                    if sim:  # read over the link by the kernel itself: the compute waits for it
-                        read = cost.t_copy(n)
-                        clock.compute(read + cost.t_expert(b, 1))
-                        st.stall_s += read
+                    miss_s += cost.t_expert(b, 1)
                 used.append((e, b, h))
             st.needed += len(used)
+            self.zero_copy_bytes += read
+            if sim:
+                # The kernel streams the missed experts' weights over the link as it computes them: the
+                # layer's misses take the longer of their reads and their math; the excess is a stall.
+                over = max(0.0, cost.t_copy(read) - miss_s) if read else 0.0
+                clock.compute(hit_s + miss_s + over)
+                st.stall_s += over
             if log["scores"].shape[1]:
                 res.observe(layer, torch.from_numpy(log["scores"][pos].copy()))
             view = LayerView(layer=layer, moe_pos=pos, num_experts=self.layers.num_experts, step=step,
@@ -313,22 +316,14 @@ class DecodeProgram:
         return int(log["token"][0])
 
     def _fill(self, want: Fetch, shield: set, demand: bool, prefetched: bool = False) -> Any:
-        """Admit `want` (the policy's rule) and copy it from its mirror row into the slot it gets; the
-        copy waits for the step in flight (its victim may still be read there). None: not admitted,
-        or a copy exists already."""
-        engine, res = self.engine, self.engine.residency
-        if res.get(want.layer, want.expert, want.bits) is not None or want.bits not in res.pools:
+        """Admit `want` (the policy's rule) and copy it from its mirror row into the slot it gets (the
+        copy waits for the step in flight: its victim may still be read there). None: not admitted, or
+        a copy exists already."""
+        if want.bits not in self.engine.residency.pools:
             return None
-        victims = engine.policy.admit(want, res, shield, demand)
-        if victims is None:
-            return None
-        handle, dst = res.begin_load(want, victims, prefetched=prefetched)
         self.mirrors.verify(want.layer, want.expert, want.bits)
-        src = self.mirrors.rows(want.layer, want.bits)[want.expert]
-        handle.event = engine.copier.copy(dst[:src.numel()], src)
-        handle.ready_at = engine.clock.copy(src.numel())
-        engine.stats.layer(want.layer).bytes_h2d += src.numel()
-        return handle
+        return self.engine._start_load(want, shield, demand=demand, prefetched=prefetched, staged=False,
+                                       source=self.mirrors.rows(want.layer, want.bits)[want.expert])
 
     def summary(self) -> dict[str, Any]:
         return {"compile_s": self.compile_s, "captured_steps": self.steps, "bytes_zero_copy": self.zero_copy_bytes,

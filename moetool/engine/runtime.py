@@ -14,7 +14,6 @@ so plain `model.generate` (or lm-eval) drives the engine unchanged.
 
 from __future__ import annotations
 
-import time
 from itertools import accumulate
 from typing import Any
 
@@ -22,17 +21,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from moetool.defaults import EXPERTS_IMPLS
 from moetool.engine.budget import check_plan
 from moetool.engine.clock import CostModel, SimClock, WallClock
 from moetool.engine.device_layers import DeviceLayers
 from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows
-from moetool.engine.residency import Handle, Residency, State
+from moetool.engine.loads import Loads
+from moetool.engine.residency import Residency, State
 from moetool.engine.signals import mean_scores, token_importance
 from moetool.engine.stats import LayerStats, Stats, StepRecord
 from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier, HostRows, routing_to_host, rows_to_host, upload
 from moetool.engine.weights import PoolWeights
-from moetool.defaults import EXPERTS_IMPLS
 from moetool.errors import MoetoolError
 from moetool.inference import call_router, past_tokens, router_logits
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
@@ -59,7 +59,7 @@ class EngineExperts(ProviderExperts):
         return self.engine.run_layer(self, hidden_states, top_k_index, top_k_weights)
 
 
-class Engine:
+class Engine(Loads):
     def __init__(self, lm: LoadedModel, store: HostStore, policy: Policy, residency: Residency,
                  clock: SimClock | WallClock, cost: CostModel, device: torch.device,
                  experts_impl: str = "grouped_mm", kernels: bool = True):
@@ -116,21 +116,6 @@ class Engine:
     def on_kernel(self, layer: int, bits: int) -> bool:
         """Whether `layer`'s experts at `bits` run through a low-bit kernel (their slots hold its layout)."""
         return layer in self.kernel_layers.get(bits, ())
-
-    def _warm(self) -> int:
-        """Load the policy's start-up set and wait for it; its bytes are reported apart from per-token
-        traffic and take no time on the clock."""
-        moved = 0
-        for f in self.policy.warm():
-            victims = self.policy.admit(f, self.residency, set(), False)
-            if victims is None or self.residency.get(f.layer, f.expert, f.bits) is not None:
-                continue
-            handle, dst = self.residency.begin_load(f, victims)
-            event, nbytes = self._copy_in(f, dst)
-            self.copier.wait(event)
-            self.residency.publish(f.layer, f.expert, f.bits)
-            moved += nbytes
-        return moved
 
     # -- wiring ----------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -469,51 +454,6 @@ class Engine:
         offs = upload(list(accumulate(sizes)), hidden.device, torch.int32)
         # index_select: a quarter of the cost of `hidden[tok]` (advanced indexing) per call
         out.add(grouped_mlp(module, hidden.index_select(0, tok), stack, offs, sizes), pos)
-
-    # -- loads -------------------------------------------------------------------------------------
-    def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False) -> Handle | None:
-        """Admit (policy + residency), take a slot, start the copy. A demand load the policy does not
-        admit gets a staged handle, copied when its turn comes (`_copy_staged`); another load that
-        is not admitted, or whose copy exists already, returns None."""
-        if not demand and self.residency.get(want.layer, want.expert, want.bits) is not None:
-            return None
-        victims = self.policy.admit(want, self.residency, shield, demand)
-        if victims is None:
-            return Handle(slot=None) if demand else None
-        handle, dst = self.residency.begin_load(want, victims, prefetched=prefetched)
-        self._copy(handle, dst, want, demand)
-        return handle
-
-    def _copy_staged(self, layer: int, x: Group) -> None:
-        x.handle.data = self.residency.staging_slot(x.bits)
-        self._copy(x.handle, x.handle.data, Fetch(layer, x.expert, x.bits), demand=True)
-
-    def _copy_in(self, want: Fetch, dst: torch.Tensor) -> tuple[Any, int]:
-        """Start copying `want`'s blob into `dst`: (the copy's event, its bytes)."""
-        src, ring_slot = self.store.source(want.layer, want.expert, want.bits)
-        event = self.copier.copy(dst[: src.numel()], src)
-        self.store.release(ring_slot, event)
-        if self.on_kernel(want.layer, want.bits):
-            self.copier.wait(event)  # a CPU copy: already done
-            KERNELS[want.bits].convert_(dst[: src.numel()], self.store.layout(want.layer, want.bits))
-        return event, src.numel()
-
-    def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool) -> None:
-        t0 = time.perf_counter()
-        handle.event, nbytes = self._copy_in(want, dst)
-        if handle.staged:
-            handle.data = dst[:nbytes]
-        st = self.stats.layer(want.layer)
-        if demand and self.device.type == "cpu" and self.clock.kind == "wall":
-            st.stall_s += time.perf_counter() - t0  # a synchronous copy blocks compute: it is a stall
-        handle.ready_at = self.clock.copy(nbytes)
-        st.bytes_h2d += nbytes
-
-    def _publish_ready(self) -> None:
-        """Publish copies that have completed, without waiting for any (background migrations)."""
-        for key, h in self.residency.loading():
-            if self.copier.done(h.event) and self.clock.ready(h.ready_at):
-                self.residency.publish(*key)
 
     @torch.no_grad()
     def _predict(self, later: int, hidden: torch.Tensor) -> torch.Tensor | None:
