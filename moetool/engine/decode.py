@@ -33,7 +33,6 @@ from moetool.inference import with_cache
 from moetool.policies.base import Fetch, LayerView, Phase, Step
 
 
-
 def choose_path(requested: str, device: torch.device, batch: int, experts_impl: str) -> tuple[str, str]:
     """The decode path to plan for, and why, from what is known before the engine is built. `auto` is
     the path measured faster on the device: on CUDA the captured step (the host-driven engine is
@@ -53,10 +52,8 @@ def choose_path(requested: str, device: torch.device, batch: int, experts_impl: 
     return "host", "auto: on a CPU the host path (the captured step's compile costs more than it saves on a short run)"
 
 
-def unavailable(engine: Any, batch: int) -> str | None:
-    """Why `engine` cannot decode on the captured path (checked before any work), or None."""
-    if batch != 1:
-        return f"the captured step decodes one sequence at a time, not a batch of {batch}"
+def unavailable(engine: Any) -> str | None:
+    """Why a built `engine` cannot decode on the captured path (checked before any work), or None."""
     if not engine.grouped:
         return "--experts-impl eager runs one expert at a time on the host path only"
     if engine.kernel_layers:
@@ -86,9 +83,13 @@ class DecodeProgram:
 
         self.engine, self.device = engine, engine.device
         lm = engine.lm
-        reason = unavailable(engine, 1)
+        reason = unavailable(engine)
         if reason:
             raise MoetoolError(reason)
+        if host_budget is None and self.device.type == "cuda":
+            from moetool.engine import default_host_budget
+
+            host_budget = default_host_budget()  # what the host tiers would have had (build_engine)
         mirrors = host_mirrors(lm, engine.store, engine.policy.bits_in_use(), self.device, host_budget)
         if isinstance(mirrors, str):
             raise MoetoolError(mirrors)

@@ -11,7 +11,7 @@
 In the captured decode step (`plan_step`) the decode rules run on the device as written; the cache's
 admissions (rules 1 and 2) and the look-ahead's copies happen one step behind, from the step's log:
 an expert eq. 8 predicts for layer l+1 is fetched for the next token, not for this one (measured
-against the host path in README "The captured decode step").
+against the host path in docs/engine.md "The captured decode step").
 
     policy = make_policy("dymoe", {"config": "4/0", "r": "0.9"}, ctx)
 """

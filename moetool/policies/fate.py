@@ -257,7 +257,7 @@ class Fate(Policy):
         """A decode token inside the captured step: every routed expert at `cache_bits` (§4.5), and the
         cross-layer prefetch (§4.3). Its copies start one step behind, from the step's log: an expert
         predicted for layer i+1 arrives for the next token, not this one (the paper's overlap within
-        a token is what a host-driven step does; measured against it in README "The captured
+        a token is what a host-driven step does; measured against it in docs/engine.md "The captured
         decode step")."""
         plan = DevicePlan.of_router(view, self.params.cache_bits)
         if self.prefetcher is not None:

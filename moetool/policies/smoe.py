@@ -8,6 +8,12 @@
 - top-score prefetch: the next layer's router on this layer's gate input (§IV-C);
 - CPU-assisted compute (Algorithm 2, eq. 4): misses split between PCIe loads and CPU compute.
 
+In the captured decode step Algorithm 1 and the prefetch run on the device as written (`plan_step`);
+eq. 3's score window, the cache's admissions and the prefetch's copies run one step behind, from the
+step's log, so a substitute is chosen among the experts resident one token earlier (measured against
+the host path in docs/engine.md "The captured decode step"). Algorithm 2 has no captured form: with
+`cpu_assist` on, SMoE runs on the host path and the run says so.
+
     policy = make_policy("smoe", {"alpha": "0.3"}, ctx)
 """
 
