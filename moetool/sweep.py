@@ -245,6 +245,7 @@ def _on_ray(cells: list[Cell], work: Callable[..., Outcome], cfg: SweepConfig) -
     import ray
 
     started, reaper = _start_ray(cfg.address, cfg.workers)
+    local = started and not (cfg.address or os.environ.get("RAY_ADDRESS"))
     pending: dict[Any, Cell] = {}
     try:
         with _sigterm_raises() as sigterm:  # again, now that ray.init has installed a handler of its own
@@ -272,9 +273,13 @@ def _on_ray(cells: list[Cell], work: Callable[..., Outcome], cfg: SweepConfig) -
                                          f"says why (often memory).", str(e)[-4000:])
                 yield cell, outcome
     finally:
-        for ref in pending:  # interrupted: nothing keeps computing cells that will not be recorded
-            ray.cancel(ref, force=True)
+        if not local:  # interrupted, on a cluster that outlives us: nothing keeps computing unrecorded cells
+            for ref in pending:
+                ray.cancel(ref, force=True)
         if started:
+            # A Ray of our own takes its workers with it. Cancelling them first raced Ray's bookkeeping
+            # of a task finishing at that moment (Ray 2.60: "Tried to complete task that was not
+            # pending", a failed CHECK that aborts the process).
             ray.shutdown()
         if reaper is not None:
             reaper.stop()  # what ray.shutdown left running (its agents wind down for minutes) is killed now
