@@ -135,7 +135,12 @@ def main() -> None:
             if msg.startswith(("layer", "stage")):
                 console.log(msg)
 
+        last = {"done": 0}  # the step reported before: a jump means a run resumed from its checkpoint
+
         def step_report(done: int, total: int, kl: float, gap: float, sec: float) -> None:
+            if done not in (1, last["done"] + 1):
+                console.log(f"distil resumed from its checkpoint at step {done - 1}/{total}")
+            last["done"] = done
             left = (total - done) * sec / 60
             status.update(f"training step {done}/{total}, KL {kl:.4f}, log-gap {gap:.2f}, "
                           f"{sec:.1f}s/step, ~{left:.0f} min left")
