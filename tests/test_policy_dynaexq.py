@@ -8,7 +8,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.policies.base import Fetch, Phase, Step, make_policy
-from moetool.policies.dynaexq import HandleState, Hotness, select_high
+from moetool.policies.dynaexq import Hotness, select_high
 
 import policy_fakes
 from policy_fakes import load, residency_for
@@ -75,14 +75,15 @@ def test_promotion_is_a_migration_published_without_waiting():
     assert promotions == [Fetch(0, 2, 16)]  # layer 0's hottest; layer 1 saw no traffic
     victims = load(pol, cache, promotions[0], demand=False, publish=False)
     assert victims == []  # admitted: a free high slot in layer 0
-    assert pol.state(0, 2, cache) == HandleState.PROMOTING
+    # §3.2 PROMOTING: the high copy is in flight, the handle still resolves to the low one
+    assert set(cache.loading_bits(0, 2)) == {16} and set(cache.resident_bits(0, 2)) == {4}
     plan = pol.plan(make_view([[2]], cache))
     assert plan.bits.tolist() == [[4]]  # the forward runs the low copy while the high one is in flight
     assert pol.end_step(Step(1, Phase.DECODE, 1), cache) == []  # in flight: not offered again
     cache.publish(0, 2, 16)
-    assert pol.state(0, 2, cache) == HandleState.RESIDENT_HI
+    assert 16 in cache.resident_bits(0, 2) and 2 in pol.target[0]  # RESIDENT-HI
     assert pol.plan(make_view([[2]], cache)).bits.tolist() == [[16]]
-    assert pol.state(0, 1, cache) == HandleState.RESIDENT_LO
+    assert set(cache.resident_bits(0, 1)) == {4} and not cache.loading_bits(0, 1)  # RESIDENT-LO
 
 
 def test_demotion_reclaims_the_slot_and_admission_defers():
@@ -93,13 +94,16 @@ def test_demotion_reclaims_the_slot_and_admission_defers():
     load(pol, cache, f, demand=False)
     pol.plan(make_view([[3], [3]], cache))  # the hot set moves to expert 3
     [f] = pol.end_step(Step(1, Phase.DECODE, 2), cache)
-    assert f == Fetch(0, 3, 16) and pol.state(0, 2, cache) == HandleState.DEMOTING
+    assert f == Fetch(0, 3, 16)
+    assert 16 in cache.resident_bits(0, 2) and 2 not in pol.target[0]  # DEMOTING: out of H_l, still serving
+    assert pol.plan(make_view([[2]], cache)).bits.tolist() == [[16]]
     assert pol.admit(f, cache, {(0, 2)}, demand=False) is None  # 2 is in use this layer: deferred
     assert pol.end_step(Step(2, Phase.DECODE, 0), cache) == [f]  # and offered again
     victims = pol.admit(f, cache, set(), demand=False)
-    assert victims == [Fetch(0, 2, 16)] and pol.state(0, 2, cache) == HandleState.EVICTING
+    assert victims == [Fetch(0, 2, 16)]  # the DEMOTING copy's slot is reclaimed
     cache.begin_load(f, victims)
-    assert pol.state(0, 2, cache) == HandleState.RESIDENT_LO
+    assert set(cache.resident_bits(0, 2)) == {4}  # its handle resolves to the low copy at once
+    assert pol.plan(make_view([[2]], cache)).bits.tolist() == [[4]]
     assert pol.admit(Fetch(0, 1, 16), cache, set(), False) is None  # not in the target set
 
 

@@ -28,7 +28,7 @@ from moetool.errors import MoetoolError
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, Where, register)
 from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, even_quota, next_moe_layer,
-                                     popularity, predicted_scores, routed_experts, valid_slots)
+                                     parse_tiers, popularity, predicted_scores, routed_experts, valid_slots)
 from moetool.policies.device import DevicePlan, DeviceView, lookup, rank_in_token, valid
 from moetool.policies.fate import CrossLayerPrefetch
 
@@ -197,17 +197,13 @@ class DyMoE(Policy):
         def __post_init__(self) -> None:
             if self.lam > 1.0 or not 0.0 < self.r <= 1.0 or not 0.0 < self.hh_ratio <= 1.0:
                 raise ValueError("lam must be <= 1 (negative: solve from r), r and hh_ratio in (0, 1]")
-            if self.config and (len(self.config.split("/")) != 2 or not all(x.strip().isdigit()
-                                                                            for x in self.config.split("/"))):
-                raise ValueError(f"config takes 'HIGH/LOW' bits such as '4/2' or '4/0', not '{self.config}'")
+            parse_tiers(self.config, "'4/2' or '4/0'")
             if self.prefetcher not in ("dymoe", "fate", "none"):
                 raise ValueError(f"prefetcher must be 'dymoe', 'fate' or 'none', not '{self.prefetcher}'")
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
-        self.high, self.low = params.high_bits, params.low_bits
-        if params.config:
-            self.high, self.low = (int(x) for x in params.config.split("/"))
+        self.high, self.low = parse_tiers(params.config, "'4/2' or '4/0'") or (params.high_bits, params.low_bits)
         if not self.high > self.low >= 0:
             raise MoetoolError(f"policy 'dymoe': high bits must exceed low bits, not {self.high}/{self.low}.")
         check_eviction(self.name, params.eviction)

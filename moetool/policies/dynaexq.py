@@ -4,7 +4,9 @@ Every expert is resident at `b_lo` (a pool sized to all of them); each MoE layer
 `n_hi` experts at `b_hi`, chosen from a hotness EMA of router counts (§3.5) by a top-n rule with
 hysteresis. Promotions are background migrations (`end_step`), admitted by the budget
 (`admit`), published by the engine only when their copy has completed; the forward always
-runs the version that is resident now (§3.2's invariant), so it never waits for a promotion.
+runs the version that is resident now (§3.2's invariant), so it never waits for a promotion: the
+engine's residency is the handle table (a copy in flight is PROMOTING, a resident high copy outside
+the target set is DEMOTING until a promotion reclaims its slot), so the policy keeps no state of its own.
 In the captured decode step the counters and promotions run one step behind, from the step's log:
 the paper's promotions are asynchronous already, so only the counters' timing moves (by one token).
 
@@ -14,7 +16,6 @@ the paper's promotions are asynchronous already, so only the counters' timing mo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
@@ -22,23 +23,8 @@ import torch
 from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool,
                                    ResidencyView, Step, register)
-from moetool.policies.common import assign_by_expert, check_bits, popularity, routed_experts
+from moetool.policies.common import assign_by_expert, check_bits, parse_tiers, popularity, routed_experts
 from moetool.policies.device import DevicePlan, DeviceView, lookup
-
-
-class HandleState(str, Enum):
-    """§3.2 residency states of an expert entry, as this policy tracks them.
-
-    The low version never leaves, so a demotion has nothing to transfer: DEMOTING marks a high copy
-    that has left the target set and still serves until a promotion reclaims its slot; EVICTING is
-    that copy once `make_room` has named it a victim (the handle already resolves to the low copy).
-    """
-
-    RESIDENT_HI = "RESIDENT-HI"
-    RESIDENT_LO = "RESIDENT-LO"
-    PROMOTING = "PROMOTING"
-    DEMOTING = "DEMOTING"
-    EVICTING = "EVICTING"
 
 
 class Hotness:
@@ -124,15 +110,11 @@ class DynaExq(Policy):
         def __post_init__(self) -> None:
             if not 0.0 <= self.ema < 1.0 or self.interval_tokens < 1 or self.hysteresis < 0:
                 raise ValueError("ema must be in [0, 1), interval_tokens >= 1 and hysteresis >= 0")
-            if self.config and (len(self.config.split("/")) != 2 or not all(x.strip().isdigit()
-                                                                            for x in self.config.split("/"))):
-                raise ValueError(f"config takes 'HI/LO' bits such as '16/4' or '4/2', not '{self.config}'")
+            parse_tiers(self.config, "'16/4' or '4/2'")
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
-        self.hi, self.lo = params.b_hi, params.b_lo
-        if params.config:
-            self.hi, self.lo = (int(x) for x in params.config.split("/"))
+        self.hi, self.lo = parse_tiers(params.config, "'16/4' or '4/2'") or (params.b_hi, params.b_lo)
         if not self.hi > self.lo > 0:
             raise MoetoolError(f"policy 'dynaexq': b_hi must exceed b_lo > 0, not {self.hi}/{self.lo}.")
         check_bits(self.name, ctx, self.hi, self.lo)
@@ -148,7 +130,6 @@ class DynaExq(Policy):
         self.pos = {layer: i for i, layer in enumerate(ctx.moe_layers)}
         self.hotness = Hotness(L, E, params.ema, params.interval_tokens)
         self.target: dict[int, set[int]] = {layer: set() for layer in ctx.moe_layers}  # H_l
-        self.evicting: set[Key] = set()
 
     def precisions(self) -> tuple[int, int]:
         return self.hi, self.lo  # `config` overrides the knobs
@@ -178,7 +159,6 @@ class DynaExq(Policy):
         if not demoted:
             return None
         victim = min(demoted, key=lambda k: (float(self.hotness.score[pos, k[1]]), k[1]))
-        self.evicting.add(victim)
         return [Fetch(victim[0], victim[1], self.hi)]
 
     def plan(self, view: LayerView) -> LayerPlan:
@@ -212,7 +192,6 @@ class DynaExq(Policy):
         if not self.n_hi:
             self.hotness.tick(step.num_tokens)
             return []
-        self.evicting = {k for k in self.evicting if self.hi in cache.resident_bits(*k)}
         if self.hotness.tick(step.num_tokens):
             held: dict[int, set[int]] = {layer: set() for layer in self.ctx.moe_layers}
             for layer, e in cache.residents(self.hi):
@@ -226,19 +205,6 @@ class DynaExq(Policy):
                 if self.hi not in cache.resident_bits(layer, e) and self.hi not in cache.loading_bits(layer, e):
                     out.append(Fetch(layer, e, self.hi))
         return out
-
-    def state(self, layer: int, expert: int, cache: ResidencyView) -> HandleState | None:
-        """The §3.2 state of one expert entry (None: not resident at all yet)."""
-        key = (layer, expert)
-        if self.hi in cache.loading_bits(layer, expert):
-            return HandleState.PROMOTING
-        if self.hi in cache.resident_bits(layer, expert):
-            if key in self.evicting:
-                return HandleState.EVICTING
-            return HandleState.RESIDENT_HI if expert in self.target[layer] else HandleState.DEMOTING
-        if self.lo in cache.resident_bits(layer, expert) or self.lo in cache.loading_bits(layer, expert):
-            return HandleState.RESIDENT_LO
-        return None
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "n_hi_used": self.n_hi}
