@@ -1,32 +1,34 @@
-"""The report stage: PNG figures (`figures.py`) and a markdown summary from profile, fit, run and eval
-artifacts. `summary.md` holds every table, DyMoE Table 3's ablation among them; the report refuses
-artifacts of different models (or groups them, `by_model`) and replaces its directory whole.
+"""The report stage: PNG figures and a markdown summary from profile, fit, run and eval artifacts.
+
+`summary.md` holds the tables of each artifact (a profile's parts, a fit's knobs, the runs, quality
+under each setting, each eval paired with the run of its setting), then each paper's own part: every
+registered policy with a `report` (`Policy.report`, `policies/stages.py`) adds its tables, figures
+and claims (Fate's Table 1, DyMoE's Table 3 ablation, ...), the claims gathered in one table. The
+report refuses artifacts of different models (or groups them, `by_model`) and replaces its
+directory whole.
 
     paths = report([Path("out/")], Path("out/report"))   # [..., out/report/summary.md]
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from moetool.artifacts import ModelFingerprint, atomic_write_bytes, read_json, replace_dir
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
-from moetool.figures import comparison_figures, fit_figure, precisions, profile_figures, setting_label
-from moetool.fit import primary_metric
+from moetool.figures import comparison_figures, profile_figures, setting_label
+from moetool.fit import Fit
+from moetool.policies import POLICIES
+from moetool.policies.stages import ReportInputs, primary_metric
+from moetool.policies.stages import table as _table
 from moetool.profile import Profile
-from moetool.run import Fit, Run
+from moetool.run import Run
 from moetool.schema import SchemaError, build, build_fields
 from moetool.sweep import Sweep
-
-ABLATION = ("1. Load on Demand", "2. Cache", "3. Cache + Prefetch", "4. Cache+Dyquant(4/2)",
-            "5. Cache+Dyquant(4/2)+Prefetcher", "6. Cache+Dyquant(4/0)+Prefetcher", "Cache+Dyquant(4/0)")
 
 
 Found = dict[str, list[tuple[Path, Any]]]  # schema -> (file, artifact), in the order found
@@ -96,20 +98,7 @@ def _by_model(found: Found) -> dict[tuple[str, str], tuple[ModelFingerprint, Fou
     return groups
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        return f"{v:.5g}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
-
-
-def _tag(path: Path, many: bool) -> str:
-    return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name.split(".")[0]) if many else ""
-
-
-# -- profile figures and tables --------------------------------------------------------------------
+# -- profile tables --------------------------------------------------------------------------------
 
 
 def _peak(mean_sorted: tuple[float, ...], k: int) -> float | None:
@@ -130,30 +119,12 @@ def _profile_tables(path: Path, prof: Profile) -> str:
                           f"top-1 / top-{r.top_k + 1} score"],
                          [[lr.layer, lr.gini, lr.entropy, lr.top10_share, lr.top25_share, lr.hh_load_corr,
                            _peak(lr.mean_sorted_score, r.top_k)] for lr in r.layers]))
-        if r.jaccard:
-            md.append(f"\nWorkload shift (DynaExq Fig. 2): mean Jaccard of per-layer top-{r.hot_k} hot sets.\n\n")
-            md.append(_table(["data sets", "Jaccard"], [[k.replace("|", " vs "), v] for k, v in r.jaccard.items()]))
-        if r.activation_ratio:
-            sizes = sorted({int(b) for d in r.activation_ratio.values() for b in d})
-            md.append("\nExpert activation ratio (%) vs batch size (DynaExq Tables 1-2; decode batches are random "
-                      "decode tokens, prefill batches random prompts).\n\n")
-            md.append(_table(["phase", *map(str, sizes)], [[ph, *[100 * d[str(b)] if str(b) in d else None for b in sizes]]
-                                                          for ph, d in r.activation_ratio.items()]))
     s = prof.sensitivity
     if s:
         md.append(f"\n### Sensitivity\n\nBase perplexity {s.base_ppl:.3f} on {s.tokens} tokens of {s.data}; "
                   f"quantized weights: {s.source}.\n\n")
         md.append(_table(["layer", *[f"Δppl INT{b}" for b in s.bits]],
                          [[ls.layer, *[ls.delta[b] for b in s.bits]] for ls in s.layers]))
-        if s.int2_share:
-            md.append("\nINT2 share (Fate Fig. 10), INT4 otherwise:\n\n")
-            md.append(_table(["share p", "perplexity"], [[k, v] for k, v in s.int2_share.items()]))
-    if prof.similarity and prof.similarity.positions:
-        pf = prof.prefetch.positions if prof.prefetch else {}
-        md.append("\n### Fate Table 1 (positions vs Gate_in(i+1))\n\n")
-        md.append(_table(["position", "mean cosine", "prefetch recall prefill", "prefetch recall decode"],
-                         [[pos, v, pf.get(pos, {}).get("prefill"), pf.get(pos, {}).get("decode")]
-                          for pos, v in prof.similarity.positions.items()]))
     if prof.prefetch:
         md.append("\n### Prefetch accuracy per layer\n\n")
         md.append(_table(["layer", "top-k prefill", "top-k decode", "p75 decode", "experts fetched p75 decode",
@@ -184,10 +155,6 @@ def _fit_tables(path: Path, fit: Fit) -> str:
         md.append(f"\n- warning: {w}")
     for k, v in fit.evidence.get("skipped", {}).items():
         md.append(f"\n- not fitted: {k}: {v}")
-    lam = fit.evidence.get("dymoe", {}).get("lam")
-    if lam:
-        md.append(f"\n\nDyMoE schedule (eq. 4-5), lam = {lam['value']:.4f}, r = {lam['r']:.4f}, M = {lam['M']}:\n\n")
-        md.append(_table(["MoE position", "r(l)", "t_l"], [[row["position"], row["r"], row["t"]] for row in lam["schedule"]]))
     return "".join(md) + "\n"
 
 
@@ -259,22 +226,6 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
             "share of the same questions answered as the exact model answers them.\n\n" + _table(heads, body))
 
 
-def _ablation_row(r: Run) -> str | None:
-    p = r.params
-    if r.policy == "lod":
-        return ABLATION[0]
-    if r.policy in ("lru", "eap"):
-        return ABLATION[1 if r.policy == "lru" else 2]
-    if r.policy != "dymoe":
-        return None
-    prefetch = p.get("prefetcher", "dymoe") != "none"
-    if float(p.get("r", 0)) >= 1.0:
-        return ABLATION[2 if prefetch else 1]
-    if precisions(p)[1] == 0:
-        return ABLATION[5 if prefetch else 6]
-    return ABLATION[4 if prefetch else 3]
-
-
 def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
     md = ["## Runs\n\n", _table(["run", "setting", "clock", "budget MiB", "TTFT ms", "TPOT mean ms", "hit rate"],
                                 [[p.name, setting_label(r.policy, r.params), f"{r.clock}{'/' + r.hw if r.hw else ''}",
@@ -285,29 +236,6 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
                _table(["setting", "metric", "value", "TPOT mean ms", "eval", "TPOT from"],
                       [[x["label"], x["metric"], x["value"], x["tpot"] * 1e3 if x["tpot"] else None, x["eval"],
                         x["run"]] for x in rows])]
-    cells: dict[tuple[str, int], list[Run]] = defaultdict(list)
-    names: dict[str, list[str]] = defaultdict(list)
-    for path, r in runs:
-        row = _ablation_row(r)
-        if row:
-            cells[row, r.budget_bytes].append(r)
-            names[row].append(path.name)
-    if cells:
-        budgets = sorted({b for _, b in cells})
-        heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.0f} MiB", f"TPOT(s) {b / 2**20:.0f} MiB")]
-        body = []
-        for name in ABLATION:
-            if not any((name, b) in cells for b in budgets):
-                continue
-            vals = []
-            for b in budgets:
-                rs = cells.get((name, b), [])
-                vals.append(float(np.mean([r.ttft_s for r in rs if r.ttft_s is not None])) if rs else None)
-                vals.append(float(np.mean([r.tpot_s["mean"] for r in rs if r.tpot_s])) if rs else None)
-            body.append([name, *vals, ", ".join(names[name])])
-        clocks = sorted({f"{r.clock}{'/' + r.hw if r.hw else ''}" for rs in cells.values() for r in rs})
-        md += [f"\n## Ablation in the style of DyMoE Table 3 (clock: {', '.join(clocks)}; a cell averages its runs)\n\n",
-               _table(["Configuration", *heads, "runs"], body)]
     return "".join(md)
 
 
@@ -320,86 +248,42 @@ def _sweep_table(sweeps: list[tuple[Path, Sweep]]) -> str:
     return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows)
 
 
-def _eval_ppl(evals: list[tuple[Path, dict]], policy: str, **knobs: Any) -> dict | None:
-    """The first perplexity eval of `policy` whose recorded params include `knobs` (floats to 1e-9)."""
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(b, dict):
-            return isinstance(a, dict) and all(same(a.get(k), v) for k, v in b.items())
-        if isinstance(b, float) and isinstance(a, (int, float)):
-            return math.isclose(a, b, rel_tol=1e-9)
-        return a == b
-
-    for _, e in evals:
-        if e.get("task") == "ppl" and e.get("policy") == policy and same(e.get("params") or {}, knobs):
-            return e
-    return None
-
-
-def _trends_table(found: Found) -> str:
-    """The papers' headline trends checked on this model, from the evals and profiles present.
-
-    SMoE §VI-B (substitution at alpha = 0.3 costs little), DyMoE Table 2 (4/0 at r = 0.9 near
-    uniform INT4), DynaExq §5 (4/2 above static INT2 at the same budget), DyMoE Fig. 5 (INT2 in one
-    shallow layer hurts more than in a deep one). A row appears only when both sides were measured.
-    """
-    evals = found.get("eval", [])
-    ppl = lambda e: e["metrics"]["ppl"]  # noqa: E731
-    rows = []
-    resident, int4 = _eval_ppl(evals, "resident"), _eval_ppl(evals, "static", bits=4)
-    int2 = _eval_ppl(evals, "static", bits=2)
-    smoe = _eval_ppl(evals, "smoe", alpha=0.3)
-    dymoe = _eval_ppl(evals, "dymoe", r=0.9, precisions={"high": 4, "low": 0})
-    dynaexq = _eval_ppl(evals, "dynaexq", precisions={"high": 4, "low": 2})
-    if smoe and resident:
-        d = ppl(smoe) / ppl(resident) - 1
-        rows.append(["SMoE alpha = 0.3 within 1% of resident", f"{ppl(smoe):.3f} vs {ppl(resident):.3f}",
-                     f"{100 * d:+.2f}%", "met" if d <= 0.01 else "not met"])
-    if dymoe and int4:
-        d = ppl(dymoe) / ppl(int4) - 1
-        rows.append(["DyMoE 4/0 r = 0.9 within 2% of static INT4", f"{ppl(dymoe):.3f} vs {ppl(int4):.3f}",
-                     f"{100 * d:+.2f}%", "met" if d <= 0.02 else "not met"])
-    if dynaexq and int2:
-        d = ppl(dynaexq) / ppl(int2) - 1
-        budget = (dynaexq.get("budget") or {}).get("cache_bytes")
-        at = f" (DynaExq's expert cache {budget / 2**20:.1f} MiB)" if budget else ""
-        rows.append([f"DynaExq 4/2 better than static INT2{at}", f"{ppl(dynaexq):.3f} vs {ppl(int2):.3f}",
-                     f"{100 * d:+.2f}%", "met" if d < 0 else "not met"])
-    for path, prof in found.get("profile", []):
-        s = prof.sensitivity
-        if s and 2 in s.bits and len(s.layers) >= 3:
-            third = max(1, len(s.layers) // 3)
-            shallow = sum(ls.delta[2] for ls in s.layers[:third]) / third
-            deep = sum(ls.delta[2] for ls in s.layers[-third:]) / third
-            rows.append([f"INT2 in one layer hurts shallow layers more than deep ones (`{path.name}`)",
-                         f"mean Δppl first {third} layers {shallow:+.3f}, last {third} {deep:+.3f}",
-                         f"{shallow / deep:.2f}x" if deep > 0 else "-", "met" if shallow > deep else "not met"])
-    if not rows:
+def _claims_table(claims: list[list[str]]) -> str:
+    """The papers' headline claims checked on this model, one row each where both sides were measured."""
+    if not claims:
         return ""
     return ("\n## The papers' trends on this model\n\nEach claim as the papers state it, measured here "
-            "(perplexity).\n\n" + _table(["claim", "measured", "difference", ""], rows))
+            "(perplexity).\n\n" + _table(["claim", "measured", "difference", ""], claims))
 
 
 def _report_one(found: Found, out_dir: Path) -> list[Path]:
     """Figures and summary.md for the artifacts of one model, into the existing `out_dir`."""
     out: list[Path] = []
-    fits = [f for _, f in found.get("fit", [])]
     md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in found.items()
                                                           for p, _ in items) + "\n\n"]
-    for path, prof in found.get("profile", []):
-        same = [f for f in fits if f.model.same_model(prof.model)]
-        profile_figures(prof, same, out_dir, _tag(path, len(found["profile"]) > 1), out)
-        md.append(_profile_tables(path, prof) + "\n")
-    for path, fit in found.get("fit", []):
-        fit_figure(fit, out_dir, _tag(path, len(fits) > 1), out)
-        md.append(_fit_tables(path, fit))
     runs = found.get("run", [])
     rows = _joined(runs, found.get("eval", []))
+    inputs = ReportInputs(profiles=tuple(found.get("profile", [])), fits=tuple(found.get("fit", [])), runs=tuple(runs),
+                          evals=tuple(found.get("eval", [])), rows=tuple(rows), out_dir=out_dir)
+    for path, prof in inputs.profiles:
+        profile_figures(prof, out_dir, inputs.tag(path), out)
+        md.append(_profile_tables(path, prof) + "\n")
+    for path, fit in inputs.fits:
+        md.append(_fit_tables(path, fit))
     if runs or rows:
         md.append(_runs_tables(runs, rows))
     md.append(_quality_table(found.get("eval", [])))
-    md.append(_trends_table(found))
-    md.append(_sweep_table(found.get("sweep", [])))
     comparison_figures(rows, out_dir, out)
+    papers, claims = [], []
+    for cls in POLICIES.values():
+        part = cls.report(inputs) if "report" in vars(cls) else None  # once, for the class that defines it
+        if part is not None:
+            papers.append(part.markdown)
+            out += part.figures
+            claims += part.claims
+    md.append(_claims_table(claims))
+    md += ["\n" + m for m in papers if m]
+    md.append(_sweep_table(found.get("sweep", [])))
     md.append("\n## Figures\n\n" + "".join(f"- ![{p.stem}]({p.name})\n" for p in out))
     summary = out_dir / "summary.md"
     atomic_write_bytes(summary, "".join(md).encode())

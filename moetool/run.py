@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,22 +27,12 @@ from moetool.artifacts import Artifact, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetPlan, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
+from moetool.fit import Fit
 from moetool.inference import context_length
 from moetool.model import LoadedModel, encode, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.schema import SchemaError
 from moetool.spec import EngineRecord, EngineSpec, check_positive, resolve_dtype
-
-
-@dataclass(frozen=True)
-class Fit(Artifact):
-    """Fitted policy knobs, per policy name (written by `moetool fit`), with their evidence."""
-
-    SCHEMA: ClassVar[str] = "fit"
-    SCHEMA_VERSION: ClassVar[int] = 1
-
-    params: dict[str, dict[str, Any]]  # policy -> knob -> value
-    evidence: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -287,5 +277,5 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts)
 
 
-__all__ = ["Fit", "Prepared", "Run", "RunConfig", "BudgetPlan", "engine_record", "load", "prepare", "resolve_dtype",
+__all__ = ["Prepared", "Run", "RunConfig", "BudgetPlan", "engine_record", "load", "prepare", "resolve_dtype",
            "run"]

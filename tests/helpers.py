@@ -16,6 +16,7 @@ import torch
 
 from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint
 from moetool.evaluate import Eval
+from moetool.fit import Fit
 from moetool.model import ExpertWeights
 from moetool.profile import ModelInfo, Profile
 from moetool.profile.prefetch import LayerPrefetch, PrefetchProfile
@@ -25,7 +26,7 @@ from moetool.profile.similarity import LayerSimilarity, SimilarityProfile
 from moetool.profile.timing import ExpertTiming, LayerTiming, TimingProfile
 from moetool.quant import QuantizeConfig
 from moetool.quant.bundle import MANIFEST, _manifest_checksum
-from moetool.run import Fit, Run
+from moetool.run import Run
 from moetool.sweep import Sweep
 from tiny import TINY_CONFIGS
 

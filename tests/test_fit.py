@@ -8,12 +8,13 @@ from moetool.artifacts import ModelFingerprint
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
-from moetool.fit import (FitConfig, boundary_L, budget_retention, cache_bytes, choose_alpha, dymoe_schedule,
-                         dynaexq_n_hi, fit, fit_polynomial, int2_share, measured_guard)
-from moetool.policies.fate import transfer_n
-from moetool.policies.dymoe import retention
+from moetool.fit import Fit, FitConfig, cache_bytes, fit
 from moetool.options import parse_seconds
-from moetool.run import Fit, RunConfig
+from moetool.policies.dymoe import budget_retention, retention, schedule_table
+from moetool.policies.dynaexq import budget_n_hi
+from moetool.policies.fate import boundary_L, int2_share, transfer_n
+from moetool.policies.smoe import choose_alpha, fit_polynomial, measured_guard
+from moetool.run import RunConfig
 from helpers import FP, INFO, synthetic_profile, synthetic_run
 
 runner = CliRunner()
@@ -72,13 +73,13 @@ def test_int2_share_stops_at_the_first_loss_over_the_limit():
 
 def test_lambda_solved_for_r():
     for r, lam in ((0.75, 0.5), (0.9, 0.8), (1.0, 1.0)):
-        got, table = dymoe_schedule(r, 8, 4)
+        got, table = schedule_table(r, 8, 4)
         assert got == pytest.approx(lam)
         assert np.mean([row["r"] for row in table]) == pytest.approx(r)
         assert table[0]["r"] == pytest.approx(1.0) and table[-1]["r"] == pytest.approx(lam)
         assert all(row["t"] == min(4, int(np.ceil(retention(row["position"], 8, lam) * 4 - 1e-9))) for row in table)
     with pytest.raises(MoetoolError):
-        dymoe_schedule(0.3, 8, 4)
+        schedule_table(0.3, 8, 4)
 
 
 def test_budget_to_retention_and_n_hi():
@@ -87,8 +88,8 @@ def test_budget_to_retention_and_n_hi():
     assert budget_retention(cache, INFO, 4, 2) == pytest.approx(0.5, abs=1e-3)
     assert budget_retention(10**9, INFO, 4, 2) == 1.0
     cache = n * INFO.expert_bytes[4] + 4 * 3 * INFO.expert_bytes[16]
-    assert dynaexq_n_hi(cache, INFO, 16, 4) == 3
-    assert dynaexq_n_hi(0, INFO, 16, 4) == 0
+    assert budget_n_hi(cache, 4, 8, INFO.expert_bytes[4], INFO.expert_bytes[16]) == 3
+    assert budget_n_hi(0, 4, 8, INFO.expert_bytes[4], INFO.expert_bytes[16]) == 0
     assert cache_bytes("50%", INFO) == n * 4096 // 2
     reserved = INFO.non_expert_bytes + INFO.kv_margin_bytes + INFO.staging_bytes
     assert cache_bytes("4MiB", INFO) == (4 << 20) - reserved
@@ -102,7 +103,8 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
     assert result.params["smoe"]["alpha"] == pytest.approx(0.25, abs=0.006)
     assert result.params["fate"] == {"L": 2, "n": 2, "p": 0.25}  # n = 310 us // 128 us
     assert result.params["dymoe"]["lam"] == pytest.approx(2 * result.params["dymoe"]["r"] - 1, abs=1e-3)
-    assert result.params["dynaexq"]["n_hi"] == dynaexq_n_hi(cache_bytes("50%", INFO), INFO, 16, 4)
+    assert result.params["dynaexq"]["n_hi"] == budget_n_hi(cache_bytes("50%", INFO), 4, 8, INFO.expert_bytes[4],
+                                                           INFO.expert_bytes[16])
     ev = result.evidence
     assert ev["smoe"]["alpha"]["from"] == "runs" and len(ev["smoe"]["alpha"]["points"]) == 5
     assert ev["fate"]["L"]["threshold"] == 0.7 and ev["fate"]["L"]["accuracy"] == [None, 0.6, 0.9, 0.95]

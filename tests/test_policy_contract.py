@@ -1,4 +1,4 @@
-"""A new policy is one small file: the example of policies/README.md, executed, registered and run."""
+"""A new policy is one small file: the example of policies/README.md, executed, registered, run, fitted and reported."""
 
 import re
 from pathlib import Path
@@ -11,6 +11,7 @@ from moetool.engine import build_engine
 from moetool.engine.store import HostStore
 from moetool.model import load_model, load_reference
 from moetool.policies.base import POLICIES
+from helpers import synthetic_profile
 
 README = Path(moetool.policies.__file__).parent / "README.md"
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7]])
@@ -28,22 +29,22 @@ def skip_light():
 
 def _run(path, tau, budget="50%"):
     lm = load_model(path)
-    engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "skip-light",
+    engine, split = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "skip-light",
                                 settings={"tau": str(tau)}, budget=budget, clock="sim")
     out = lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=8, do_sample=False)
-    return out, engine, plan
+    return out, engine, split
 
 
 def test_the_readme_policy_registers_and_runs_exactly_at_tau_0(tiny_ckpt, skip_light):
     path = tiny_ckpt("qwen2_moe")
     ref = load_reference(path).generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=8, do_sample=False)
-    out, engine, plan = _run(path, tau=0.0)
+    out, engine, split = _run(path, tau=0.0)
     assert torch.equal(out, ref)  # nothing skipped: the engine's plan is the model's routing
     s = engine.stats.summary()
     assert s["skips"] == 0 and 0 < s["hit_rate"] < 1  # its per-layer LRU pool reuses experts across tokens
     [pool] = engine.residency.pools.values()
     assert pool.spec.eviction == "lru" and sum(pool.spec.quota.values()) == pool.spec.slots
-    assert s["peak_device_bytes"] <= plan.total_bytes
+    assert s["peak_device_bytes"] <= split.total_bytes
 
 
 def test_the_readme_policy_skips_light_slots(tiny_ckpt, skip_light):
@@ -57,3 +58,37 @@ def test_the_readme_policy_skips_light_slots(tiny_ckpt, skip_light):
     s = engine.stats.summary()
     assert slots // 2 <= s["skips"] < slots
     assert isinstance(engine.policy, skip_light) and engine.policy.params.tau == 0.6
+
+
+def test_the_readme_policy_is_fitted_run_and_reported_from_its_own_file(tiny_ckpt, skip_light, tmp_path):
+    """profile -> fit -> run -> report with nothing registered but the README's block: the fit stage
+    finds its `fit`, the run takes the fitted tau, the report places its table."""
+    from moetool.fit import Fit, FitConfig, fit
+    from moetool.profile import ProfileConfig, profile
+    from moetool.report import report
+    from moetool.run import RunConfig, run
+
+    path = str(tiny_ckpt("qwen2_moe"))
+    prof = profile(ProfileConfig(model=path, data=("heldout",), seqs_per_data=1, seq_len=8, decode_tokens=2,
+                                 what=("routing",)))
+    prof_path = prof.save(tmp_path / "art" / "t.profile.json")
+    fitted = fit(FitConfig(profile=prof_path))
+    r = prof.routing
+    tau = sum(layer.mean_sorted_score[r.top_k - 1] for layer in r.layers) / len(r.layers) / 2
+    assert 0 < tau < 0.5 and fitted.params["skip-light"] == {"tau": round(tau, 4)}
+    kth = [layer.mean_sorted_score[r.top_k - 1] for layer in r.layers]
+    assert fitted.evidence["skip-light"]["tau"]["kth_score"] == kth
+    fit_path = fitted.save(tmp_path / "art" / "t.fit.json")
+    assert Fit.load(fit_path).params["skip-light"]["tau"] == round(tau, 4)
+    without = fit(FitConfig(profile=synthetic_profile().save(tmp_path / "other" / "s.profile.json")))
+    assert "skip-light" not in without.params and "routing" in without.evidence["skipped"]["skip-light.tau"]  # and why
+
+    done = run(RunConfig(model=path, policy="skip-light", fit=fit_path, budget="50%", clock="sim",
+                         prompts=("The capital of France is",), max_new_tokens=4))
+    assert done.params["tau"] == round(tau, 4)  # the fitted knob, as the run recorded it
+    done.save(tmp_path / "art" / "skip.run.json")
+    md = (report([tmp_path / "art"], tmp_path / "rep")[-1]).read_text()
+    section = md[md.index("## skip-light"):]
+    assert "| skip.run.json | " + f"{round(tau, 4):.5g} | {done.summary['skips']} |" in section
+    assert "| skip-light | tau |" in md  # the general fit table lists its knob beside the papers'
+

@@ -29,12 +29,13 @@ from moetool.artifacts import CheckReport, ModelFingerprint
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
+from moetool.fit import Fit
 from moetool.profile import Profile
 from moetool.quant import Bundle, quantize
 from moetool.quant.bundle import MANIFEST, load_bundle_model
 from moetool.quant.quantize import JOURNAL, LOCK
 from moetool.report import report
-from moetool.run import Fit, Run
+from moetool.run import Run
 from moetool.schema import NEVER_NEGATIVE
 from moetool.sweep import Sweep
 from helpers import VALID, manifest, rewrite, synthetic_profile, synthetic_run, tiny_moe, valid_artifacts

@@ -28,6 +28,7 @@ from moetool.errors import MoetoolError, article
 
 if TYPE_CHECKING:
     from moetool.policies.device import DevicePlan, DeviceView
+    from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
 
 Key = tuple[int, int]  # (decoder layer index, expert)
 SIGNALS = ("token_importance", "router_logits")  # what `Policy.signals` may name
@@ -243,7 +244,9 @@ class Policy:
 
     The defaults describe an offloading policy without reuse: run every routed expert at
     `params.bits` on the device, hold nothing, prefetch nothing. Per MoE layer the engine calls
-    `plan`, then `admit` for each copy it must load, then `prefetch`; per step, `end_step`.
+    `plan`, then `admit` for each copy it must load, then `prefetch`; per step, `end_step`. Two
+    optional classmethods carry the paper beyond the run: `fit` (its knobs from a profile, runs and
+    evals) and `report` (its tables, figures and claims), found through the registry by the stages.
     """
 
     name: ClassVar[str] = "base"
@@ -339,6 +342,18 @@ class Policy:
     def describe(self) -> dict[str, Any]:
         high, low = self.precisions()
         return {**dataclasses.asdict(self.params), "precisions": {"high": high, "low": low}}
+
+    # -- the fit and report stages (`policies/stages.py`), optional ------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted | None:
+        """`moetool fit`: the knobs this paper fits from a profile, runs and evals, each with its
+        evidence; None where it fits nothing. Called on the class that defines it, once per fit."""
+        return None
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section | None:
+        """`moetool report`: this paper's tables, figures and claims; None where it adds nothing."""
+        return None
 
 
 def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:

@@ -6,7 +6,9 @@
   experts per layer (eq. 5), critical at `high_bits`, the rest at `low_bits` (0 = skipped);
 - look-ahead prefetch: the next layer's router on this layer's hidden state (eq. 6), token-frequency
   top-t in prefill (eq. 7), direct top-t in decode (eq. 8);
-- a mixed-precision cache with three rules: no duplication, precision promotion, conservative reuse.
+- a mixed-precision cache with three rules: no duplication, precision promotion, conservative reuse;
+- fit: lambda for a target mean retention r, or for the r a budget holds (eq. 4-5); report: the
+  fitted schedule, Table 3's ablation, Fig. 5 (per-layer sensitivity) and Fig. 11 (quality vs r).
 
 In the captured decode step (`plan_step`) the decode rules run on the device as written; the cache's
 admissions (rules 1 and 2) and the look-ahead's copies happen one step behind, from the step's log:
@@ -19,9 +21,12 @@ against the host path in docs/engine.md "The captured decode step").
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from moetool.errors import MoetoolError
@@ -31,8 +36,13 @@ from moetool.policies.common import (assign_by_expert, check_bits, check_evictio
                                      parse_tiers, popularity, predicted_scores, routed_experts, valid_slots)
 from moetool.policies.device import DevicePlan, DeviceView, lookup, rank_in_token, valid
 from moetool.policies.fate import CrossLayerPrefetch
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, table
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
+RETENTION_FLOOR = 0.5  # the cosine schedule's mean at lam = 0 (eq. 4): no lower r is reachable
+# Table 3's rows, in the paper's order (the last, 4/0 without the prefetcher, is ours: 4/0 alone).
+ABLATION = ("1. Load on Demand", "2. Cache", "3. Cache + Prefetch", "4. Cache+Dyquant(4/2)",
+            "5. Cache+Dyquant(4/2)+Prefetcher", "6. Cache+Dyquant(4/0)+Prefetcher", "Cache+Dyquant(4/0)")
 
 
 # -- depth-aware precision scheduling (§4.3) -------------------------------------------------------
@@ -64,6 +74,21 @@ def solve_lambda(r: float, L: int) -> float:
         raise MoetoolError(f"DyMoE cannot average a retention of {r} over {L} layers: the cosine schedule "
                            f"(eq. 4) needs {C:.2f} <= r <= 1.")
     return min(1.0, max(0.0, lam))
+
+
+def schedule_table(r: float, L: int, M: int) -> tuple[float, list[dict[str, float]]]:
+    """(lam, rows of {position, r, t}) for mean retention r over L MoE layers of M experts (eq. 4-5)."""
+    lam = solve_lambda(r, L)
+    return lam, [{"position": l, "r": retention(l, L, lam), "t": critical_count(retention(l, L, lam), M)}
+                 for l in range(L)]
+
+
+def budget_retention(cache: int, info: Any, high: int, low: int) -> float:
+    """The mean retention at which every expert fits on the device, a share r at `high` bits and the
+    rest at `low` (0: not stored): L E (r b_hi + (1 - r) b_lo) <= cache."""
+    n = len(info.moe_layers) * info.num_experts
+    hb, lb = info.expert_bytes[high], info.expert_bytes[low] if low else 0
+    return float(min(1.0, max(0.0, (cache / n - lb) / (hb - lb))))
 
 
 # -- phase-adaptive importance (§4.2) --------------------------------------------------------------
@@ -294,3 +319,161 @@ class DyMoE(Policy):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "lam_used": self.lam,
                 "retention": [round(x, 4) for x in self.schedule], "slots": self.slots}
+
+    # -- fit and report --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted:
+        """lam (eq. 4) for the target mean retention `--r`, or with `--budget` for the largest r at
+        which every expert fits, r of them at high bits and the rest at low (the defaults' 4/2)."""
+        info, cfg, out = inputs.profile.info, inputs.config, Fitted()
+        high, low = cls.Params().high_bits, cls.Params().low_bits
+        r, how, cache = cfg.r, "--r (target mean retention)", inputs.cache_bytes
+        if cache is not None and all(b in info.expert_bytes for b in (high, low)):
+            r = budget_retention(cache, info, high, low)
+            how = (f"--budget {cfg.budget}: the largest r at which every expert fits, r of them at INT4 and the rest "
+                   f"at INT2 ({cache} bytes for experts after profile.info's reserved memory)")
+            if r < RETENTION_FLOOR:
+                out.warnings.append(f"the budget allows a retention of only {r:.3f}; the cosine schedule needs >= 0.5, "
+                                    "so r = 0.5 (the budget will not hold every expert).")
+                r = RETENTION_FLOOR
+        lam, rows = schedule_table(r, len(info.moe_layers), info.top_k)
+        out.knobs = {"r": round(r, 4), "lam": round(lam, 4)}
+        out.evidence = {"r": {"value": r, "from": how},
+                        "lam": {"value": lam, "r": r, "from": f"r = {r:.4f} via eq. 4", "M": info.top_k,
+                                "schedule": rows,
+                                "rule": "DyMoE eq. 4 mean over MoE layers = r; t_l = ceil(r(l) M) (eq. 5), M = top-k"}}
+        return out
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section:
+        """The fitted schedule (eq. 4-5) per fit; Table 3's ablation from the runs; Fig. 5 per
+        profile; Fig. 11 from the evals; the claims of Table 2 (4/0 at r = 0.9 near INT4) and Fig. 5
+        (INT2 in a shallow layer costs more than in a deep one)."""
+        part, md = Section(), []
+        for path, f in inputs.fits:
+            lam = f.evidence.get(cls.name, {}).get("lam")
+            if lam:
+                head = (f"DyMoE schedule (eq. 4-5) of `{path.name}`, lam = {lam['value']:.4f}, r = {lam['r']:.4f}, "
+                        f"M = {lam['M']}")
+                md += [head + ":\n\n", table(["MoE position", "r(l)", "t_l"],
+                                               [[x["position"], x["r"], x["t"]] for x in lam["schedule"]]), "\n"]
+        md.append(_ablation(inputs.runs))
+        for path, prof in inputs.profiles:
+            s = prof.sensitivity
+            if s and s.layers:
+                part.figures.append(_sensitivity_figure(s, inputs.out_dir / f"sensitivity{inputs.tag(path)}.png"))
+            if s and 2 in s.bits and len(s.layers) >= 3:
+                third = max(1, len(s.layers) // 3)
+                shallow = sum(ls.delta[2] for ls in s.layers[:third]) / third
+                deep = sum(ls.delta[2] for ls in s.layers[-third:]) / third
+                part.claims.append([f"INT2 in one layer hurts shallow layers more than deep ones (`{path.name}`)",
+                                    f"mean Δppl first {third} layers {shallow:+.3f}, last {third} {deep:+.3f}",
+                                    f"{shallow / deep:.2f}x" if deep > 0 else "-",
+                                    "met" if shallow > deep else "not met"])
+        if (fig := _retention_figure(inputs.rows, inputs.out_dir / "dymoe_retention.png")) is not None:
+            part.figures.append(fig)
+        dymoe = inputs.ppl(cls.name, r=0.9, precisions={"high": 4, "low": 0})
+        int4 = inputs.ppl("static", bits=4)
+        if dymoe and int4:
+            a, b = dymoe["metrics"]["ppl"], int4["metrics"]["ppl"]
+            part.claims.insert(0, ["DyMoE 4/0 r = 0.9 within 2% of static INT4", f"{a:.3f} vs {b:.3f}",
+                                   f"{100 * (a / b - 1):+.2f}%", "met" if a / b - 1 <= 0.02 else "not met"])
+        if "".join(md):
+            part.markdown = "## DyMoE (Huang et al., 2026)\n\n" + "".join(md)
+        return part
+
+
+# -- report pieces ---------------------------------------------------------------------------------
+
+
+def recorded_precisions(params: dict[str, Any]) -> tuple[int, int]:
+    """(high, low) bits a recorded run or eval ran at: every policy records them as `precisions`
+    (`Policy.describe`); artifacts written before that carry `high`/`low` or the knobs `high_bits`/`low_bits`."""
+    if isinstance(params.get("precisions"), dict):
+        return int(params["precisions"]["high"]), int(params["precisions"]["low"])
+    return (int(params.get("high", params.get("high_bits", 4))), int(params.get("low", params.get("low_bits", 2))))
+
+
+def _ablation_row(policy: str, p: dict[str, Any]) -> str | None:
+    """The Table 3 row a run stands for: lod, lru and eap are rows 1-3; DyMoE at r = 1 is a cache."""
+    if policy == "lod":
+        return ABLATION[0]
+    if policy in ("lru", "eap"):
+        return ABLATION[1 if policy == "lru" else 2]
+    if policy != "dymoe":
+        return None
+    prefetch = p.get("prefetcher", "dymoe") != "none"
+    if float(p.get("r", 0)) >= 1.0:
+        return ABLATION[2 if prefetch else 1]
+    if recorded_precisions(p)[1] == 0:
+        return ABLATION[5 if prefetch else 6]
+    return ABLATION[4 if prefetch else 3]
+
+
+def _ablation(runs: tuple) -> str:
+    """Table 3 from the runs present: TTFT and TPOT per row and budget, a cell averaging its runs."""
+    cells: dict[tuple[str, int], list] = defaultdict(list)
+    names: dict[str, list[str]] = defaultdict(list)
+    for path, r in runs:
+        row = _ablation_row(r.policy, r.params)
+        if row:
+            cells[row, r.budget_bytes].append(r)
+            names[row].append(path.name)
+    if not cells:
+        return ""
+    budgets = sorted({b for _, b in cells})
+    heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.0f} MiB", f"TPOT(s) {b / 2**20:.0f} MiB")]
+    body = []
+    for name in ABLATION:
+        if not any((name, b) in cells for b in budgets):
+            continue
+        vals = []
+        for b in budgets:
+            rs = cells.get((name, b), [])
+            vals.append(float(np.mean([r.ttft_s for r in rs if r.ttft_s is not None])) if rs else None)
+            vals.append(float(np.mean([r.tpot_s["mean"] for r in rs if r.tpot_s])) if rs else None)
+        body.append([name, *vals, ", ".join(names[name])])
+    clocks = sorted({f"{r.clock}{'/' + r.hw if r.hw else ''}" for rs in cells.values() for r in rs})
+    return (f"### Ablation in the style of DyMoE Table 3 (clock: {', '.join(clocks)}; a cell averages its runs)\n\n"
+            + table(["Configuration", *heads, "runs"], body))
+
+
+def _sensitivity_figure(s: Any, path: Path) -> Path:
+    """Fig. 5: held-out perplexity with one MoE layer quantized, per layer and precision."""
+    from moetool.figures import plt, save
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(s.layers) + 3), 4))
+    width = 0.8 / len(s.bits)
+    for i, b in enumerate(s.bits):
+        ax.bar(np.arange(len(s.layers)) + i * width, [ls.delta[b] for ls in s.layers], width, label=f"INT{b}")
+    ax.set_xticks(np.arange(len(s.layers)) + 0.4 - width / 2, [str(ls.layer) for ls in s.layers], fontsize=7)
+    ax.set(xlabel="MoE layer quantized (others at full precision)", ylabel="Δ held-out perplexity",
+           title=f"Per-layer quantization sensitivity (DyMoE Fig. 5)\nbase perplexity {s.base_ppl:.3f} "
+                 f"on {s.tokens} {s.data} tokens")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.legend()
+    return save(fig, path)
+
+
+def _retention_figure(rows: tuple, path: Path) -> Path | None:
+    """Fig. 11: quality vs the retention ratio r, one line per High/Low configuration."""
+    dy: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for x in rows:
+        if x["policy"] == "dymoe" and "r" in x["params"]:
+            high, low = recorded_precisions(x["params"])
+            cfg = x["params"].get("config") or f"{high}/{low}"
+            dy[x["metric"]][cfg].append((float(x["params"]["r"]), x["value"]))
+    if not dy:
+        return None
+    from moetool.figures import metric_axes, save, ylabel
+
+    fig, axes = metric_axes(sorted(dy), 5, 4)
+    for metric, ax in axes.items():
+        for cfg, pts in sorted(dy[metric].items()):
+            pts.sort()
+            ax.plot([p for p, _ in pts], [v for _, v in pts], "o-", label=f"DyMoE {cfg}")
+        ax.set(xlabel="retention ratio r", ylabel=ylabel(list(rows), metric), title=metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Quality vs retention (DyMoE Fig. 11)")
+    return save(fig, path)

@@ -10,6 +10,9 @@ the target set is DEMOTING until a promotion reclaims its slot), so the policy k
 In the captured decode step the counters and promotions run one step behind, from the step's log:
 the paper's promotions are asynchronous already, so only the counters' timing moves (by one token).
 
+Fit: n_hi for a budget (§3.1). Report: workload shift (Fig. 2), expert activation ratio vs batch
+size (Tables 1-2), and §5's claim that 4/2 beats static INT2 at the same budget.
+
     policy = make_policy("dynaexq", {"config": "4/2"}, ctx)
 """
 
@@ -25,6 +28,7 @@ from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerVi
                                    ResidencyView, Step, register)
 from moetool.policies.common import assign_by_expert, check_bits, parse_tiers, popularity, routed_experts
 from moetool.policies.device import DevicePlan, DeviceView, lookup
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, table
 
 
 class Hotness:
@@ -208,3 +212,56 @@ class DynaExq(Policy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "n_hi_used": self.n_hi}
+
+    # -- fit and report --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted:
+        """n_hi (§3.1) for `--budget`, at the default tiers (16/4), as the policy derives it at start."""
+        info, budget, cache, out = inputs.profile.info, inputs.config.budget, inputs.cache_bytes, Fitted()
+        if cache is None:
+            out.skipped["n_hi"] = "needs --budget"
+            return out
+        hi, lo = cls.Params().b_hi, cls.Params().b_lo
+        L, E = len(info.moe_layers), info.num_experts
+        n_hi = budget_n_hi(cache, L, E, info.expert_bytes[lo], info.expert_bytes[hi])
+        if cache < L * E * info.expert_bytes[lo]:
+            out.warnings.append(f"--budget {budget} cannot hold every expert at {lo} bits: DynaExq will refuse it.")
+        out.knobs["n_hi"] = n_hi
+        out.evidence["n_hi"] = {"value": n_hi, "cache_bytes": cache, "b_hi": hi, "b_lo": lo,
+                                "expert_bytes": {str(b): n for b, n in info.expert_bytes.items()}, "reserved": {
+                                    "non_expert": info.non_expert_bytes, "kv_margin": info.kv_margin_bytes,
+                                    "staging": info.staging_bytes},
+                                "from": f"--budget {budget}, profile.info ({info.expert_bytes_source})",
+                                "rule": "DynaExq §3.1: (cache - L E b_lo) // b_hi // L, at most E"}
+        return out
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section:
+        """Per profile, the routing measurements DynaExq argues from: hot sets shift between workloads
+        (Fig. 2) and few experts are active at small batches (Tables 1-2); §5's claim from the evals."""
+        part, md = Section(), []
+        for path, prof in inputs.profiles:
+            r = prof.routing
+            if r and r.jaccard:
+                head = (f"Workload shift (DynaExq Fig. 2) in `{path.name}`: mean Jaccard of per-layer top-{r.hot_k} "
+                        "hot sets.")
+                md += [head + "\n\n", table(["data sets", "Jaccard"], [[k.replace("|", " vs "), v]
+                                                                       for k, v in r.jaccard.items()]), "\n"]
+            if r and r.activation_ratio:
+                sizes = sorted({int(b) for d in r.activation_ratio.values() for b in d})
+                head = (f"Expert activation ratio (%) vs batch size in `{path.name}` (DynaExq Tables 1-2; decode "
+                        "batches are random decode tokens, prefill batches random prompts).")
+                md += [head + "\n\n",
+                       table(["phase", *map(str, sizes)],
+                             [[ph, *[100 * d[str(b)] if str(b) in d else None for b in sizes]]
+                              for ph, d in r.activation_ratio.items()]), "\n"]
+        if md:
+            part.markdown = "## DynaExq (Chu et al., 2026)\n\n" + "".join(md)
+        mixed, int2 = inputs.ppl(cls.name, precisions={"high": 4, "low": 2}), inputs.ppl("static", bits=2)
+        if mixed and int2:
+            a, b = mixed["metrics"]["ppl"], int2["metrics"]["ppl"]
+            budget = (mixed.get("budget") or {}).get("cache_bytes")
+            at = f" (DynaExq's expert cache {budget / 2**20:.1f} MiB)" if budget else ""
+            part.claims.append([f"DynaExq 4/2 better than static INT2{at}", f"{a:.3f} vs {b:.3f}",
+                                f"{100 * (a / b - 1):+.2f}%", "met" if a < b else "not met"])
+        return part

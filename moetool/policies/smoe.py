@@ -6,7 +6,9 @@
   top-score) experts scoring in [(1-alpha) S_{k+1}, S_{k+1}];
 - score-based eviction (eq. 3, the `score` order registered here) with the engine's in-use shield;
 - top-score prefetch: the next layer's router on this layer's gate input (§IV-C);
-- CPU-assisted compute (Algorithm 2, eq. 4): misses split between PCIe loads and CPU compute.
+- CPU-assisted compute (Algorithm 2, eq. 4): misses split between PCIe loads and CPU compute;
+- fit (eq. 5): alpha from a polynomial T(alpha) fitted to smoe runs at several alphas;
+- report: gate scores of selected vs unselected experts (Fig. 4), T(alpha), §VI-B's quality claim.
 
 In the captured decode step Algorithm 1 and the prefetch run on the device as written (`plan_step`);
 eq. 3's score window, the cache's admissions and the prefetch's copies run one step behind, from the
@@ -21,15 +23,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from moetool.errors import MoetoolError
 from moetool.policies.base import EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool, Where, register
 from moetool.policies.common import all_experts, check_eviction, even_quota, hw_seconds, next_moe_layer, predicted_scores
 from moetool.policies.device import DevicePlan, DeviceView, best_first
 from moetool.policies.eviction import Eviction, register_eviction
 from moetool.policies.fate import CrossLayerPrefetch
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
+
+ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # the fit's sweep: §VI-B explores 0.25-0.35, this brackets it
+GRID_POINTS = 101  # alphas at which eq. 5 reads the fitted T(alpha)
 
 
 def gate_scores(router_logits: torch.Tensor) -> torch.Tensor:
@@ -204,6 +213,72 @@ class TopScorePrefetch:
         return best_first(best, chosen, chosen.shape[0]), self.bits
 
 
+# -- fit: T(alpha) and eq. 5 -----------------------------------------------------------------------
+
+
+def fit_polynomial(x: list[float], y: list[float], max_degree: int = 3) -> dict[str, Any]:
+    """numpy.polyfit of the degree (<= max_degree) with the smallest leave-one-out RMSE (ties: lower).
+
+    The paper fits "a polynomial" T(alpha) without a degree; leave-one-out picks one the points support.
+    """
+    x_arr, y_arr = np.asarray(x, float), np.asarray(y, float)
+    n = len(x_arr)
+    distinct = len(set(x_arr.tolist()))
+    if n == 0:
+        raise MoetoolError("no (alpha, TPOT) points to fit.")
+    loo: dict[str, float] = {}
+    for d in range(min(max_degree, distinct - 1, n - 2) + 1):
+        errs = []
+        for i in range(n):
+            keep = np.arange(n) != i
+            coef = np.polyfit(x_arr[keep], y_arr[keep], d)
+            errs.append(float(np.polyval(coef, x_arr[i]) - y_arr[i]))
+        loo[str(d)] = float(np.sqrt(np.mean(np.square(errs))))
+    best = min(loo.values()) if loo else 0.0
+    # Ties (within rounding: exact data fits every degree above its own) go to the lower degree.
+    degree = next((d for d in loo if loo[d] <= best * (1 + 1e-6) + 1e-12 * (1 + float(np.abs(y_arr).max()))), "0")
+    coef = np.polyfit(x_arr, y_arr, int(degree))
+    return {"degree": int(degree), "coefficients": [float(c) for c in coef], "loo_rmse": loo,
+            "residuals": [float(r) for r in y_arr - np.polyval(coef, x_arr)]}
+
+
+def choose_alpha(coefficients: list[float], lo: float, hi: float, target: float | None) -> dict[str, Any]:
+    """Smallest alpha in [lo, hi] whose fitted T(alpha) <= target (SMoE eq. 5), on a 101-point grid."""
+    grid = np.linspace(lo, hi, GRID_POINTS)
+    pred = np.polyval(coefficients, grid)
+    out: dict[str, Any] = {"grid": [float(a) for a in grid], "predicted": [float(t) for t in pred],
+                           "target_tpot": target, "alpha": None, "feasible": None}
+    if target is None:
+        return out
+    ok = np.nonzero(pred <= target)[0]
+    if len(ok):
+        out.update(alpha=float(grid[ok[0]]), feasible=True)
+    else:  # no alpha meets R: the fastest one, flagged
+        out.update(alpha=float(grid[int(np.argmin(pred))]), feasible=False)
+    return out
+
+
+def measured_guard(alpha: float, points: list[tuple[float, float, Any]], target: float) -> float:
+    """Our addition to SMoE eq. 5: never choose an alpha the measurements contradict.
+
+    The paper fits a polynomial T(alpha) and takes the smallest alpha with T(alpha) <= R. When TPOT
+    is a step in alpha (a near-uniform router: any alpha > 0 substitutes almost every miss), the
+    best polynomial by leave-one-out is flat and can choose an alpha that was measured slower than
+    R. So the choice is checked against the runs themselves, interpolated linearly between measured
+    alphas (mean TPOT where one alpha was run more than once): if they put it above R, the smallest
+    measured alpha that met R is taken instead; otherwise the polynomial's choice stands.
+    """
+    by_alpha: dict[float, list[float]] = {}
+    for a, t, _ in points:
+        by_alpha.setdefault(float(a), []).append(float(t))
+    xs = sorted(by_alpha)
+    measured = float(np.interp(alpha, xs, [float(np.mean(by_alpha[a])) for a in xs]))
+    meets = [a for a in xs if np.mean(by_alpha[a]) <= target]
+    if measured > target * (1 + 1e-9) and meets:
+        return meets[0]
+    return alpha
+
+
 @register("smoe")
 class SMoE(Policy):
     """Expert-cache router + score eviction + top-score prefetch + CPU-assisted compute, at `bits`."""
@@ -310,3 +385,110 @@ class SMoE(Policy):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "c_load": self.c_load, "c_cpu": self.c_cpu,
                 "cpu_assist_active": bool(self.params.cpu_assist and self.c_load and self.c_cpu)}
+
+    # -- fit and report --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted:
+        """Eq. 5: a polynomial T(alpha) through (alpha, mean TPOT) of smoe runs (given, or swept at
+        `config.alphas`), then the smallest alpha on it with T(alpha) <= R (`--target-tpot`),
+        checked against the runs themselves (`measured_guard`)."""
+        cfg, out = inputs.config, Fitted()
+        mine = [(path, r) for path, r in inputs.runs if r.policy == cls.name]
+        points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in mine
+                  if r.tpot_s and "alpha" in r.params]
+        setting = {f"{r.clock}/{r.hw}/{r.budget_bytes}" for _, r in mine}
+        if len(setting) > 1:
+            out.warnings.append(f"smoe runs mix clocks, hardware or budgets ({', '.join(sorted(setting))}).")
+        source = "runs"
+        if inputs.sweep is not None:
+            for i, a in enumerate(cfg.alphas):
+                r = inputs.sweep({"alpha": str(a)})
+                points.append((float(a), float(r.tpot_s["mean"]), f"sweep alpha={a:g}"))
+                if inputs.progress:
+                    inputs.progress("sweep", i + 1, len(cfg.alphas))
+            source = inputs.sweep_note
+        if len({a for a, _, _ in points}) < 2:
+            out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs) or --sweep"
+            return out
+        x, y = [p[0] for p in points], [p[1] for p in points]
+        poly = fit_polynomial(x, y)
+        choice = choose_alpha(poly["coefficients"], min(x), max(x), cfg.target_tpot)
+        ev = out.evidence["alpha"] = {**poly, **choice, "points": [list(p) for p in points], "tpot": "tpot_s.mean",
+                                      "from": source, "rule": "SMoE eq. 5: smallest alpha with fitted T(alpha) <= R"}
+        if choice["alpha"] is None:
+            out.warnings.append("no --target-tpot: T(alpha) is fitted but alpha is not chosen.")
+            return out
+        if not choice["feasible"]:
+            out.warnings.append(f"no alpha in [{min(x):g}, {max(x):g}] meets TPOT {cfg.target_tpot:g} s; "
+                                f"chose the fastest, alpha={choice['alpha']:.3f}.")
+        alpha = measured_guard(choice["alpha"], points, cfg.target_tpot)
+        if alpha != choice["alpha"]:
+            ev["guarded"] = alpha
+            out.warnings.append(f"the degree-{poly['degree']} T(alpha) chose alpha={choice['alpha']:.3f}, but the runs "
+                                f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
+                                "measured alpha that meets R, is used instead.")
+        out.knobs["alpha"] = round(alpha, 4)
+        return out
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section:
+        """Fig. 4 (gate scores of selected vs unselected experts) per profile, T(alpha) per fit, and
+        §VI-B's claim: substitution at alpha = 0.3 costs little quality."""
+        part = Section()
+        for path, prof in inputs.profiles:
+            if prof.routing:
+                fig = inputs.out_dir / f"gate_scores{inputs.tag(path)}.png"
+                part.figures.append(_gate_scores_figure(prof.routing, fig))
+        for path, f in inputs.fits:
+            if f.evidence.get(cls.name, {}).get("alpha"):
+                part.figures.append(_alpha_figure(f.evidence[cls.name]["alpha"],
+                                                 inputs.out_dir / f"alpha_tpot{inputs.tag(path)}.png"))
+        smoe, resident = inputs.ppl(cls.name, alpha=0.3), inputs.ppl("resident")
+        if smoe and resident:
+            a, b = smoe["metrics"]["ppl"], resident["metrics"]["ppl"]
+            d = a / b - 1
+            part.claims.append(["SMoE alpha = 0.3 within 1% of resident", f"{a:.3f} vs {b:.3f}", f"{100 * d:+.2f}%",
+                                "met" if d <= 0.01 else "not met"])
+        return part
+
+
+def _gate_scores_figure(r: Any, path: Path) -> Path:
+    """Fig. 4: mean gate score by rank (shallow, middle, deep layer) and the score distribution of
+    selected vs unselected experts, from the profile's routing part."""
+    from moetool.figures import MaxNLocator, plt, save
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i in sorted({0, len(r.layers) // 2, len(r.layers) - 1}):
+        ax.plot(range(1, r.num_experts + 1), r.layers[i].mean_sorted_score, label=f"layer {r.layers[i].layer}")
+    ax.axvline(r.top_k + 0.5, color="gray", ls="--", label=f"top-k = {r.top_k}")
+    ax.axhline(1 / r.num_experts, color="black", lw=0.5, ls=":", label=f"uniform 1/E = {1 / r.num_experts:.3g}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="expert rank by gate score", ylabel="mean gate score (decode)", yscale="log",
+           title="Mean gate score by rank")
+    ax.legend()
+    edges = np.array(r.score_bins)
+    for name in ("selected", "unselected"):
+        counts = np.array(r.score_hist[name], float)
+        ax2.stairs(counts / max(1.0, counts.sum()), np.maximum(edges, 1e-5), label=f"{name} experts")
+    ax2.set(xscale="log", xlabel="gate score (softmax)", ylabel="share of (token, expert) pairs",
+            title="Score distribution, all layers, decode")
+    ax2.legend()
+    fig.suptitle("Gate scores of selected vs unselected experts (SMoE Fig. 4)")
+    return save(fig, path)
+
+
+def _alpha_figure(a: dict[str, Any], path: Path) -> Path:
+    """Eq. 5 as fitted: the measured (alpha, TPOT) points, T(alpha), R and the chosen alpha."""
+    from moetool.figures import plt, save
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pts = np.array([p[:2] for p in a["points"]], float)
+    ax.plot(pts[:, 0], pts[:, 1] * 1e3, "o", label="measured TPOT")
+    ax.plot(a["grid"], np.array(a["predicted"]) * 1e3, "-", label=f"degree-{a['degree']} fit (LOO)")
+    if a.get("target_tpot") is not None:
+        ax.axhline(a["target_tpot"] * 1e3, color="gray", ls=":", label=f"R = {a['target_tpot'] * 1e3:.3g} ms")
+    if a.get("alpha") is not None:
+        ax.axvline(a["alpha"], color="red", ls="--", label=f"chosen alpha = {a['alpha']:.3f}")
+    ax.set(xlabel="alpha (SMoE substitution threshold)", ylabel="mean TPOT (ms)", title="T(alpha) (SMoE eq. 5)")
+    ax.legend(fontsize=8)
+    return save(fig, path)

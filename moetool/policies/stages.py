@@ -1,0 +1,153 @@
+"""The policy contract's two optional stage hooks: a paper's own fitting and its own report pieces.
+
+`moetool fit` calls `Policy.fit(FitInputs)` on every registered policy class that defines one and
+writes what it returns (`Fitted`: knobs, their evidence, warnings, what could not be fitted and why)
+into the fit artifact under the policy's name. `moetool report` calls `Policy.report(ReportInputs)`
+and places what it returns (`Section`: the paper's tables, the figures it drew, rows for the
+report's table of the papers' claims). Neither stage names a paper: a fifth paper's fit and report
+live in its own file, as its `plan` does.
+
+    got = POLICIES["smoe"].fit(inputs)          # Fitted(knobs={"alpha": 0.1}, evidence={...})
+    part = POLICIES["dymoe"].report(arts)       # Section(markdown="## DyMoE ...", figures=[...])
+
+Nothing here imports a stage (fit, run, report, matplotlib): the engine imports every policy file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moetool.evaluate import Eval
+    from moetool.fit import Fit, FitConfig
+    from moetool.profile import Profile
+    from moetool.run import Run
+
+
+# -- fit -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FitInputs:
+    """What `moetool fit` hands one policy's `fit`: the profile, the run and eval artifacts given
+    (of the profile's model, in the order given), the user's targets, and the sweep.
+
+    `sweep(settings)` runs this policy with `settings` on the `--sweep` engine (the sim clock, the
+    sweep's budget, hardware and prompts) and returns the `Run`; it is None without `--sweep`.
+    """
+
+    policy: str  # the name the policy is registered under
+    profile: Profile
+    runs: tuple[tuple[str, Run], ...]  # (path, run)
+    evals: tuple[tuple[str, Eval], ...]  # (path, eval)
+    config: FitConfig  # the targets: target_tpot, max_loss, l_threshold, r, budget, alphas
+    cache_bytes: int | None  # device bytes `--budget` leaves for experts, as the engine splits it (None: no budget)
+    sweep: Callable[[dict[str, str]], Run] | None = None
+    sweep_note: str = ""  # how the sweep ran, for the evidence's "from"
+    progress: Callable[[str, int, int], None] | None = None  # (part, done, total)
+
+
+@dataclass
+class Fitted:
+    """What a policy's `fit` found: knobs (Params fields) and, per knob, the evidence it came from.
+
+    `skipped` says, per knob, why it could not be fitted from these inputs (written as
+    "<policy>.<knob>" beside the other policies'); `warnings` are fitted-but-doubtful notes.
+    Evidence without knobs is kept (SMoE's T(alpha) fitted without a target to choose alpha from).
+    """
+
+    knobs: dict[str, Any] = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def primary_metric(metrics: dict[str, Any]) -> tuple[str, float, bool] | None:
+    """(name, value, higher is better) of an eval's headline number: accuracy first, else perplexity."""
+    flat: dict[str, float] = {}
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            flat[k] = float(v)
+        elif isinstance(v, dict):
+            flat.update({f"{k}.{kk}": float(vv) for kk, vv in v.items() if isinstance(vv, (int, float))})
+    for key in ("accuracy", "acc", "acc_norm", "mean_accuracy", "perplexity", "ppl"):
+        for name, value in flat.items():
+            if name == key or name.endswith("." + key):
+                return name, value, key not in ("perplexity", "ppl")
+    return None
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """What `moetool report` hands one policy's `report`: the artifacts of one model, in the order
+    found, and the directory its figures go to. Evals stay dicts (report takes hand-made ones).
+
+    `rows` pairs each eval that has a headline metric with the run of the same setting and budget:
+    {"label", "policy", "params", "metric", "value", "higher", "tpot" (None: no such run), "eval", "run"}.
+    """
+
+    profiles: tuple[tuple[Path, Profile], ...]
+    fits: tuple[tuple[Path, Fit], ...]
+    runs: tuple[tuple[Path, Run], ...]
+    evals: tuple[tuple[Path, dict], ...]
+    rows: tuple[dict[str, Any], ...]
+    out_dir: Path
+
+    def tag(self, path: Path) -> str:
+        """The suffix of a figure drawn for one profile or fit: "" when the report has one of that
+        kind, else "-<file stem>" (sensitivity-a.png, sensitivity-b.png)."""
+        import re
+
+        many = len(self.profiles) > 1 if any(p == path for p, _ in self.profiles) else len(self.fits) > 1
+        return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name.split(".")[0]) if many else ""
+
+    def fits_for(self, prof: Profile) -> list[Fit]:
+        """The fits made for `prof`'s model (what a profile figure may mark its fitted knob on)."""
+        return [f for _, f in self.fits if f.model.same_model(prof.model)]
+
+    def ppl(self, policy: str, **knobs: Any) -> dict | None:
+        """The first perplexity eval of `policy` whose recorded params include `knobs` (floats to 1e-9)."""
+        import math
+
+        def same(a: Any, b: Any) -> bool:
+            if isinstance(b, dict):
+                return isinstance(a, dict) and all(same(a.get(k), v) for k, v in b.items())
+            if isinstance(b, float) and isinstance(a, (int, float)):
+                return math.isclose(a, b, rel_tol=1e-9)
+            return a == b
+
+        for _, e in self.evals:
+            if e.get("task") == "ppl" and e.get("policy") == policy and same(e.get("params") or {}, knobs):
+                return e
+        return None
+
+
+@dataclass
+class Section:
+    """A paper's part of the report. `markdown` goes under its own `## ` heading (the paper's tables:
+    an ablation, a fitted schedule, a table of its profile parts); `figures` are the PNGs it wrote
+    into `ReportInputs.out_dir`; `claims` are rows of the report's "papers' trends" table, each
+    [claim, measured, difference, "met" or "not met"]."""
+
+    markdown: str = ""
+    figures: list[Path] = field(default_factory=list)
+    claims: list[list[str]] = field(default_factory=list)
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; floats to 5 significant digits, None as "-"."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.5g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
+
+
+__all__ = ["FitInputs", "Fitted", "ReportInputs", "Section", "primary_metric", "table"]
