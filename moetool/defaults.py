@@ -2,7 +2,7 @@
 
 DEFAULT_HW = "rtx3090"  # the sim clock's machine: the consumer GPU the papers offload on
 DEFAULT_BUDGET = "25%"  # expert cache = a quarter of the bf16 experts: every policy must offload
-DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes; `auto` picks one per device
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # `--dtype` choices; `auto` picks one per device
 CLOCKS = ("wall", "sim")  # measured, or modelled on a hardware profile
 # The engine's compute paths, by the transformers kernel each matches bit for bit: grouped GEMMs over
 # the slot pools (transformers' default), or one expert at a time (its eager loop).

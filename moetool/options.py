@@ -18,10 +18,10 @@ from typing import Annotated, Any
 import typer
 
 from moetool.errors import MoetoolError
-from moetool.spec import CLOCKS, DECODE_PATHS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS
+from moetool.spec import CLOCKS, COMPUTE_DTYPES, DECODE_PATHS, DEFAULT_BUDGET, DEFAULT_HW, EXPERTS_IMPLS
 
 Clock = Enum("Clock", {c: c for c in CLOCKS}, type=str)  # a `str, Enum`: Typer shows and checks the choices
-Dtype = Enum("Dtype", {d: d for d in ("auto", *DTYPES)}, type=str)
+Dtype = Enum("Dtype", {d: d for d in ("auto", *COMPUTE_DTYPES)}, type=str)
 ExpertsImpl = Enum("ExpertsImpl", {i: i for i in EXPERTS_IMPLS}, type=str)
 Decode = Enum("Decode", {d: d for d in DECODE_PATHS}, type=str)
 

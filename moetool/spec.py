@@ -19,7 +19,7 @@ from typing import Any
 
 from moetool.errors import MoetoolError, not_a_file
 
-from moetool.defaults import CLOCKS, DECODE_PATHS, DEFAULT_BUDGET, DEFAULT_HW, DTYPES, EXPERTS_IMPLS  # noqa: F401 (re-exported for commands)
+from moetool.defaults import CLOCKS, COMPUTE_DTYPES, DECODE_PATHS, DEFAULT_BUDGET, DEFAULT_HW, EXPERTS_IMPLS  # noqa: F401 (re-exported for commands)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +35,7 @@ class EngineSpec:
     clock: str = "wall"  # one of CLOCKS
     hw: str = DEFAULT_HW  # hardware profile of the sim clock: a preset name or a profile JSON
     device: str = "cpu"
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; else one of DTYPES
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; else one of COMPUTE_DTYPES
     host_budget: str | None = None  # host bytes for pinned experts and the staging ring (default: free memory less a margin)
     experts_impl: str = "grouped_mm"  # one of EXPERTS_IMPLS: grouped GEMMs, or one expert at a time ("eager")
     # The decode path of `run` (DECODE_PATHS): the captured step, the host-driven engine, or the one
@@ -120,8 +120,8 @@ def resolve_dtype(name: str, device: str) -> Any:
 
     if name == "auto":
         return torch.bfloat16 if parse_device(device).type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise MoetoolError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not '{name}'.")
+    if name not in COMPUTE_DTYPES:
+        raise MoetoolError(f"--dtype must be auto or one of {', '.join(COMPUTE_DTYPES)}, not '{name}'.")
     return getattr(torch, name)
 
 
@@ -163,5 +163,5 @@ class EngineRecord:
                 raise SchemaError("params", f"holds a knob the policy refuses: {str(e).rstrip('.')}") from None
 
 
-__all__ = ["CLOCKS", "DECODE_PATHS", "DEFAULT_BUDGET", "DEFAULT_HW", "DTYPES", "EngineRecord", "EngineSpec", "check_budget",
+__all__ = ["CLOCKS", "COMPUTE_DTYPES", "DECODE_PATHS", "DEFAULT_BUDGET", "DEFAULT_HW", "EngineRecord", "EngineSpec", "check_budget",
            "check_device", "check_positive", "check_size", "parse_device", "resolve_dtype"]

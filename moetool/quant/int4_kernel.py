@@ -42,7 +42,7 @@ import torch
 from moetool.quant.format import PACKING_BY_NAME, Layout, views
 
 GROUPS = (32, 64, 128, 256)  # the group sizes the kernel takes
-DTYPES = (torch.bfloat16, torch.float32)  # compute dtypes it serves (fp32: activations rounded to bf16)
+SERVED_DTYPES = (torch.bfloat16, torch.float32)  # compute dtypes it serves (fp32: activations rounded to bf16)
 PACKINGS = ("4bit_u8", "2bit_u8")  # hqq's INT4 and INT2 packings
 _INNER_K_TILES = 8  # the packing's inner K tiles (what torchao's CPU int4 layout uses)
 # INT2 codes 0..3 enter the kernel as 6..9, around its own offset of 8: its bf16 zero point
@@ -56,7 +56,7 @@ def cpu_kernel_unsupported(device: torch.device, dtype: torch.dtype, op: str, ke
     the rules this module and `int8_kernel` share (CPU, bf16 or fp32 compute, the op in this torch)."""
     if device.type != "cpu":
         return f"the {kernel} kernel here is the CPU one"
-    if dtype not in DTYPES:
+    if dtype not in SERVED_DTYPES:
         return f"the kernel serves bf16 and fp32 compute, not {dtype}"
     if not hasattr(torch.ops.aten, op):
         return f"this torch has no {kernel} CPU kernel"
