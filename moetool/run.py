@@ -24,7 +24,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from moetool.artifacts import Artifact, sha256_file
-from moetool.engine import PLAN_TOKENS, BudgetPlan, build_engine, parse_size
+from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
 from moetool.fit import Fit
@@ -129,7 +129,7 @@ class Prepared:
     spec: EngineSpec
     lm: LoadedModel
     engine: Any
-    plan: BudgetPlan
+    budget: BudgetSplit
     inputs: dict[str, str]  # sha256 of the bundle manifest / fit artifact used
     dtype: str = "float32"  # the compute dtype, resolved
     store: HostStore | None = None  # what `build` (re)builds the engine from
@@ -159,7 +159,7 @@ def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = P
         fit = Fit.load(Path(spec.fit), model=lm.fingerprint)
         fitted = fit.params.get(spec.policy, {})
         inputs[str(spec.fit)] = sha256_file(Path(spec.fit))
-    ready = Prepared(spec=spec, lm=lm, engine=None, plan=None, inputs=inputs, dtype=str(dtype).removeprefix("torch."),
+    ready = Prepared(spec=spec, lm=lm, engine=None, budget=None, inputs=inputs, dtype=str(dtype).removeprefix("torch."),
                      store=store, fitted=fitted, max_tokens=max_tokens, batch=batch or getattr(spec, "batch_size", 1),
                      host_budget=host_budget)
     return build(ready, captured)
@@ -171,7 +171,7 @@ def build(ready: Prepared, captured: bool = False) -> Prepared:
     if ready.engine is not None:
         ready.engine.close()
     spec = ready.spec
-    ready.engine, ready.plan = build_engine(
+    ready.engine, ready.budget = build_engine(
         ready.lm, ready.store, spec.policy, settings=spec.settings, fitted=ready.fitted, budget=spec.budget,
         clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=ready.max_tokens, batch=ready.batch,
         host_budget=ready.host_budget, experts_impl=spec.experts_impl, captured=captured)
@@ -180,11 +180,11 @@ def build(ready: Prepared, captured: bool = False) -> Prepared:
 
 def engine_record(ready: Prepared) -> dict[str, Any]:
     """The `EngineRecord` fields of a Run or an Eval: the spec as it ran and the engine's counters so far."""
-    spec, engine, plan = ready.spec, ready.engine, ready.plan
+    spec, engine, split = ready.spec, ready.engine, ready.budget
     s = engine.stats.summary()
     return dict(policy=spec.policy, params=engine.policy.describe(), clock=spec.clock,
                 hw=spec.hw if spec.clock == "sim" else None, device=str(spec.device), dtype=ready.dtype,
-                budget_bytes=plan.total_bytes, budget=dataclasses.asdict(plan), peak_device_bytes=s["peak_device_bytes"],
+                budget_bytes=split.total_bytes, budget=dataclasses.asdict(split), peak_device_bytes=s["peak_device_bytes"],
                 summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info},
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
@@ -277,5 +277,5 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts)
 
 
-__all__ = ["Prepared", "Run", "RunConfig", "BudgetPlan", "engine_record", "load", "prepare", "resolve_dtype",
+__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "prepare", "resolve_dtype",
            "run"]

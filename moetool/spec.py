@@ -140,7 +140,7 @@ class EngineRecord:
     device: str
     dtype: str = "float32"  # the compute dtype (`auto` resolved); artifacts from before it was recorded ran in fp32
     budget_bytes: int
-    budget: dict[str, int]  # how the budget is spent (BudgetPlan)
+    budget: dict[str, int]  # how the budget is spent (BudgetSplit)
     peak_device_bytes: int
     summary: dict[str, Any]  # every engine counter (hit rate, substitutions, skips, CPU experts, precision mix, ...)
     layers: dict[str, dict[str, Any]]  # per MoE layer

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moetool.engine import build_engine, plan_budget
+from moetool.engine import build_engine, split_budget_for
 from moetool.engine.clock import CostModel, HwProfile, SimClock
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
@@ -139,8 +139,8 @@ def test_budget_below_non_expert_weights_names_the_minimum(tiny_ckpt):
     lm = load_model(tiny_ckpt("qwen2_moe"))
     store = HostStore.from_experts(lm.experts, torch.float32)
     with pytest.raises(MoetoolError, match=r"below the minimum of [0-9.]+ MiB \(non-expert weights"):
-        plan_budget("10KiB", lm, store)
-    p = plan_budget("25%", lm, store)
+        split_budget_for("10KiB", lm, store)
+    p = split_budget_for("25%", lm, store)
     assert p.cache_bytes == int(0.25 * p.expert_bytes_reference)
     assert p.total_bytes == p.non_expert_bytes + p.margin_bytes + p.staging_bytes + p.cache_bytes
 
@@ -192,7 +192,7 @@ def test_a_sequence_longer_than_the_plan_is_refused_in_one_sentence(tiny_ckpt):
     """The KV margin is reserved for max_tokens x batch: a longer or wider forward is refused, not run."""
     lm = load_model(tiny_ckpt("qwen2_moe"))
     store = HostStore.from_experts(lm.experts, torch.float32)
-    engine, plan = build_engine(lm, store, "lru", budget="50%", clock="sim", max_tokens=10, batch=1)
+    engine, split = build_engine(lm, store, "lru", budget="50%", clock="sim", max_tokens=10, batch=1)
     lm.model.generate(IDS[:1, :6], max_new_tokens=4, do_sample=False)  # 6 + 4 = 10 tokens: inside the plan
     with pytest.raises(MoetoolError, match="1 sequence.* of 11 tokens exceeds the KV/activation margin"):
         lm.model.generate(IDS[:1, :6], max_new_tokens=6, do_sample=False)
@@ -201,8 +201,8 @@ def test_a_sequence_longer_than_the_plan_is_refused_in_one_sentence(tiny_ckpt):
     embeds = lm.model.get_input_embeddings()(IDS[:1]).repeat(1, 2, 1)  # 16 positions given as embeddings
     with pytest.raises(MoetoolError, match="1 sequence.* of 16 tokens exceeds"):
         lm.model(inputs_embeds=embeds)
-    wider = plan_budget("50%", lm, store, max_tokens=40, batch=2)
-    assert wider.margin_bytes > plan.margin_bytes and wider.cache_bytes == plan.cache_bytes  # a share: cache fixed
+    wider = split_budget_for("50%", lm, store, max_tokens=40, batch=2)
+    assert wider.margin_bytes > split.margin_bytes and wider.cache_bytes == split.cache_bytes  # a share: cache fixed
     assert engine.stats.summary()["peak_allocated_bytes"] is None  # measured on CUDA only
 
 
@@ -219,8 +219,8 @@ def test_a_run_plans_its_kv_margin_for_its_own_prompt_and_refuses_a_budget_too_s
     per_token = (runs[long_].budget["margin_bytes"] - runs[short].budget["margin_bytes"]) / (len(long_) - len(short))
     assert per_token > 0 and runs[long_].budget["cache_bytes"] == runs[short].budget["cache_bytes"]  # a share
     lm = load_model(path)
-    plan = plan_budget("50%", lm, HostStore.from_experts(lm.experts, torch.float32), max_tokens=len(long_) + 8)
-    assert runs[long_].budget["margin_bytes"] == plan.margin_bytes
+    split = split_budget_for("50%", lm, HostStore.from_experts(lm.experts, torch.float32), max_tokens=len(long_) + 8)
+    assert runs[long_].budget["margin_bytes"] == split.margin_bytes
     fits_short = runs[short].budget["total_bytes"]  # a size budget that holds the short run exactly
     with pytest.raises(MoetoolError, match="below the minimum"):
         run(RunConfig(model=path, policy="lru", budget=f"{fits_short - runs[short].budget['cache_bytes']}B",

@@ -221,7 +221,7 @@ def test_decoded_experts_stay_within_the_workspace_the_budget_plans(tiny_ckpt, b
     ready = prepare(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=bundle, policy="static", settings={"bits": "4"},
                               budget="100%", batch_size=2))
     engine, g = ready.engine, ready.lm.geometry.layers[0]
-    assert ready.plan.margin_bytes == kv_margin(ready.lm.model.config, engine.plan_tokens, 2, torch.float32, g.top_k) \
+    assert ready.budget.margin_bytes == kv_margin(ready.lm.model.config, engine.plan_tokens, 2, torch.float32, g.top_k) \
         + decode_workspace(expert_params(g), torch.float32, g.top_k)
     with torch.no_grad():
         whole = ready.lm.model(IDS).logits

@@ -1,7 +1,7 @@
 """Assemble an engine: budget -> policy -> pools -> residency -> clock, installed into a loaded model.
 
     lm = load_model(path)
-    engine, plan = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", budget="25%")
+    engine, split = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", budget="25%")
     lm.model.generate(ids, max_new_tokens=8, do_sample=False)
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetPlan, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
+from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetSplit, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
                                    parse_size, plan_margin, split_budget)
 from moetool.engine.captured import captured_workspace
 from moetool.engine.residency import Residency
@@ -24,8 +24,8 @@ from moetool.model import LoadedModel, available_memory
 from moetool.policies import make_policy
 from moetool.policies.base import EngineContext
 
-def plan_budget(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
-                device: str | torch.device = "cpu", captured: bool = False) -> BudgetPlan:
+def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
+                     device: str | torch.device = "cpu", captured: bool = False) -> BudgetSplit:
     """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts. On a
     GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`); for the captured
     decode step, its gather workspace (`captured_workspace`)."""
@@ -65,7 +65,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                  hw: str = DEFAULT_HW, device: str | torch.device = "cpu", max_tokens: int = PLAN_TOKENS,
                  batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None,
                  experts_impl: str = "grouped_mm", kernels: bool = True,
-                 captured: bool = False) -> tuple[Engine, BudgetPlan]:
+                 captured: bool = False) -> tuple[Engine, BudgetSplit]:
     """Build the policy and the engine over `store` and install it in `lm`.
 
     `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
@@ -86,18 +86,18 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     device = torch.device(device)
     if captured:
         kernels, host_tiers = False, False
-    plan = plan_budget(budget, lm, store, max_tokens, batch, device, captured)
+    split = split_budget_for(budget, lm, store, max_tokens, batch, device, captured)
     cost, _ = cost_model(lm, store, hw)
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
-                        expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=plan.cache_bytes,
+                        expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
                         available_bits=store.bits, hw=cost.policy_view())
     pol = make_policy(policy, settings or {}, ctx, fitted)
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
                              else host_budget, ring_slots=ctx.top_k, page_lock=device.type == "cuda")
-    budget_tracker = Budget(plan.total_bytes)
-    budget_tracker.reserve(plan.non_expert_bytes + plan.margin_bytes, "non-expert weights and the KV margin")
+    budget_tracker = Budget(split.total_bytes)
+    budget_tracker.reserve(split.non_expert_bytes + split.margin_bytes, "non-expert weights and the KV margin")
     residency = Residency(store, pol.pools(), budget_tracker, device)
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
     foreign = 0
@@ -106,7 +106,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
         torch.cuda.reset_peak_memory_stats(device)  # the run's real peak, not the loading's
         # What the process already holds on the device besides this model's weights (another model,
         # an earlier engine not yet collected, a caller's tensors) is no part of this run's budget:
-        # it is taken off the allocator's peak so that the peak compares with the plan's total.
+        # it is taken off the allocator's peak so that the peak compares with the split's total.
         foreign = max(0, torch.cuda.memory_allocated(device) - lm.non_expert_bytes())
     engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, kernels)
     engine.stats.foreign_bytes = foreign
@@ -115,4 +115,4 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     dtype = str(store.compute_dtype).removeprefix("torch.")
     kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}
     engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, **store.host_stats()}
-    return engine, plan
+    return engine, split

@@ -5,9 +5,9 @@ reference precision (`25%`: the expert cache alone, with the fixed parts added o
 parts are the non-expert weights, the KV cache and activations for the planned sequence length
 (`kv_margin`), and the staging buffers. `Budget` then tracks reservations against the total.
 
-    plan = split_budget("25%", n_experts=96, expert_bytes={16: 4096, 4: 1280},
-                        non_expert_bytes=1 << 20, margin_bytes=1 << 20)
-    plan.cache_bytes == 96 * 4096 // 4
+    split = split_budget("25%", n_experts=96, expert_bytes={16: 4096, 4: 1280},
+                         non_expert_bytes=1 << 20, margin_bytes=1 << 20)
+    split.cache_bytes == 96 * 4096 // 4
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ STAGING_SLOTS = 2  # per precision: a demand load that is not cached streams thr
 
 
 @dataclass(frozen=True)
-class BudgetPlan:
-    """How the device budget is spent."""
+class BudgetSplit:
+    """How the device budget is spent (a policy's per-layer `plan` is another thing)."""
 
     total_bytes: int
     non_expert_bytes: int
@@ -158,7 +158,7 @@ def parse_budget(spec: str, option: str = "--budget") -> tuple[str, float]:
 
 
 def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non_expert_bytes: int,
-                 margin_bytes: int) -> BudgetPlan:
+                 margin_bytes: int) -> BudgetSplit:
     """Split `spec` over non-expert weights, the KV/activation margin, staging and the expert cache.
 
     `expert_bytes` maps each stored precision to one expert's slot. Without a 16-bit copy the
@@ -180,7 +180,7 @@ def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non
             raise MoetoolError(f"--budget {spec} is below the minimum of {size_text(fixed)} (non-expert weights "
                                f"{size_text(non_expert_bytes)} + KV/activation margin {size_text(margin_bytes)} "
                                f"+ staging {size_text(staging)}).")
-    return BudgetPlan(total_bytes=total, non_expert_bytes=non_expert_bytes, margin_bytes=margin_bytes,
+    return BudgetSplit(total_bytes=total, non_expert_bytes=non_expert_bytes, margin_bytes=margin_bytes,
                       staging_bytes=staging, cache_bytes=cache, expert_bytes_reference=ref)
 
 
