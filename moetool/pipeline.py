@@ -2,7 +2,9 @@
 
 demo model -> bundle (16/8/4/2, HQQ) -> profile -> fit -> every policy at a 25% budget on the sim
 clock -> perplexity and offline multiple-choice accuracy under a few policies -> report. The runs
-and evals are `moetool sweep`s of the packaged grids demo-runs and demo-evals (on a local Ray).
+and evals are `moetool sweep`s of the packaged grids demo-runs and demo-evals (on a local Ray);
+every setting demo-evals evaluates has a run of the same label, knobs and budget in demo-runs, so
+the report pairs each quality with a TPOT.
 
     paths = demo_pipeline(DemoConfig(out=Path("out/demo")), progress=lambda step, i, n: None)
 """

@@ -158,15 +158,24 @@ def _fit_tables(path: Path, fit: Fit) -> str:
     return "".join(md) + "\n"
 
 
+def _same_budget(r: Run, e: dict) -> bool:
+    """Whether a run and an eval had the same budget: the same expert cache (a share such as 25%), or
+    the same whole budget (12GiB, whose cache shrinks with the longer eval's KV margin). A hand-made
+    eval that records neither is not held to it."""
+    pairs = [(a, b) for a, b in ((r.budget.get("cache_bytes"), (e.get("budget") or {}).get("cache_bytes")),
+                                 (r.budget_bytes, e.get("budget_bytes"))) if a is not None and b is not None]
+    return not pairs or any(a == b for a, b in pairs)
+
+
 def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> list[dict[str, Any]]:
-    """One row per eval, with the TPOT of the run made with the same policy and knobs."""
+    """One row per eval, with the TPOT of the run made with the same policy, knobs and budget."""
     rows = []
     for epath, e in evals:
         m = primary_metric(e.get("metrics", {}))
         if m is None:
             continue
         pol, params = e.get("policy", "?"), e.get("params") or {}
-        same = [(p, r) for p, r in runs if r.policy == pol and all(
+        same = [(p, r) for p, r in runs if r.policy == pol and _same_budget(r, e) and all(
             r.params[k] == v for k, v in params.items() if k in r.params and isinstance(v, (str, int, float, bool)))]
         # No fallback to "the one run of this policy": a run at other knobs (static INT4 for an INT2
         # eval, SMoE's fitted alpha for alpha = 0.3) would lend the eval a TPOT it did not have.

@@ -54,6 +54,40 @@ def test_every_stage_leaves_its_artifact(piped):
     assert (paths["report"] / "policies.png").read_bytes()[:8] == PNG
 
 
+def test_every_evaluated_setting_has_its_run(tmp_path):
+    """Each eval cell of the demo has a run cell of the same label, policy, knobs, budget, hardware and
+    inputs: the report can pair every quality with a TPOT (the grids cannot drift apart)."""
+    from moetool.pipeline import demo_sweeps
+    from moetool.sweep import cells_of
+
+    sweeps = demo_sweeps(DemoConfig(out=tmp_path), "demo", tmp_path / "bundle", tmp_path / "demo.fit.json")
+    runs = {c.name: c.settings for c in cells_of(sweeps["runs"])}
+    evals = cells_of(sweeps["evals"])
+    assert evals
+    for cell in evals:
+        label = cell.name.split("_task=")[0]
+        assert label in runs, f"eval {cell.name} has no run {label}"
+        for key in ("policy", "settings", "budget", "hw", "model", "bundle", "fit"):
+            assert runs[label].get(key) == cell.settings.get(key), (cell.name, key)
+
+
+def test_the_report_pairs_every_evaluated_setting_with_a_tpot(piped):
+    """The policy comparison of the demo's report: one row per eval with a metric, each with the TPOT
+    of its own run (the "TPOT vs quality" figure then shows every setting)."""
+    import re
+
+    _, paths, _ = piped
+    md = (paths["report"] / "summary.md").read_text()
+    table = md[md.index("## Policy comparison"):].split("\n\n")[1].splitlines()[2:]
+    done = [p for p in paths["evals"].glob("*.eval.json")]
+    assert len(table) == len(done) >= 6
+    for row in table:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        label, tpot, source = cells[0], cells[3], cells[5]
+        assert tpot != "-" and re.fullmatch(r".+\.run\.json", source), row
+        assert json.loads((paths["runs"] / source).read_text())["policy"] == label.split()[0]
+
+
 def test_a_rerun_reuses_every_valid_artifact(piped):
     cfg, paths, _ = piped
     artifacts = [p for key in ("runs", "evals") for p in paths[key].glob("*.json")] + [paths["profile"], paths["fit"]]
