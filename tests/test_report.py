@@ -156,3 +156,23 @@ def test_an_eval_takes_no_tpot_from_a_run_at_other_knobs(tmp_path):
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| static bits=2 | ppl | 12 | - | int2.eval.json | - |" in md
     assert "| static bits=4 | ppl | 10 | 100 | int4.eval.json | int4.run.json |" in md
+
+
+def test_an_eval_takes_its_tpot_from_the_run_of_its_own_budget(tmp_path):
+    """Same policy and knobs at another expert cache is another setting: the pair is the run whose
+    cache (a share budget) or whole budget (a size budget) is the eval's."""
+    import dataclasses
+
+    d = tmp_path / "art"
+    d.mkdir()
+    for cache, tpot in ((16 << 20, 0.1), (8 << 20, 0.2)):
+        run = synthetic_run("lru", {"bits": 16}, tpot)
+        dataclasses.replace(run, budget={"cache_bytes": cache}).save(d / f"lru{cache >> 20}.run.json")
+    (d / "lru.eval.json").write_text(json.dumps(_ppl_eval("lru", {"bits": 16}, 11.0)))  # an 8 MiB cache
+    sized = {**_ppl_eval("static", {"bits": 4}, 10.0), "budget": {"cache_bytes": 1 << 20}, "budget_bytes": 64 << 20}
+    (d / "int4.eval.json").write_text(json.dumps(sized))  # a size budget: the run's total is the eval's
+    synthetic_run("static", {"bits": 4}, 0.05).save(d / "int4.run.json")
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| lru bits=16 | ppl | 11 | 200 | lru.eval.json | lru8.run.json |" in md
+    assert "| static bits=4 | ppl | 10 | 50 | int4.eval.json | int4.run.json |" in md
