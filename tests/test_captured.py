@@ -100,6 +100,7 @@ def test_every_policy_compiles_fullgraph_and_lossless_ones_give_transformers_tok
     engine, plan, program = _program(lm, store, policy, knobs, budget)
     tokens = program.generate(IDS, NEW)
     assert len(tokens) == NEW and program.steps == NEW - 1
+    assert program.mirrors.nbytes == 0  # on a CPU the host mirrors are views (the mapped bundle, the store's rows)
     s = engine.stats.summary()
     assert s["peak_device_bytes"] <= plan.total_bytes
     assert len(engine.stats.steps) == NEW  # the prefill and every captured step, timed

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moetool.engine.store import HostStore
+from moetool.engine.store import HostArena, HostStore
 from moetool.errors import size_text
 
 
@@ -64,11 +64,15 @@ def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch
     bundle = getattr(lm, "bundle", None)
     pin = device.type == "cuda"
     need = sum(g.num_experts * store.layout(g.index, b).nbytes for g in layers for b in bits)
+    too_much = (f"pinning every expert the policy runs ({size_text(need)} at {'/'.join(map(str, bits))} bits) "
+                f"exceeds --host-budget {size_text(host_budget or 0)}")
     if pin and host_budget is not None and need > host_budget:
-        return (f"pinning every expert the policy runs ({size_text(need)} at {'/'.join(map(str, bits))} bits) "
-                f"exceeds --host-budget {size_text(host_budget)}")
+        return too_much
+    # Page-locked memory in the store's arena: a few power-of-two allocations, so what is held (torch
+    # rounds each pinned allocation up to a power of two) is what the host budget counts.
+    arena = HostArena(host_budget if host_budget is not None else need * 2, page_lock=True) if pin else None
     rows: dict[tuple[int, int], torch.Tensor] = {}
-    packed = 0  # bytes copied because the blobs did not lie at a fixed stride
+    packed, left = 0, need  # bytes copied because the blobs did not lie at a fixed stride; bytes still to pin
     for g in layers:
         for b in bits:
             n = store.layout(g.index, b).nbytes
@@ -79,7 +83,11 @@ def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch
                 blobs = [store.host(g.index, e, b)[:n] for e in range(g.num_experts)]
             view = _strided(blobs)
             if pin:
-                pinned = torch.empty((g.num_experts, n), dtype=torch.uint8, pin_memory=True)
+                buf = arena.take(g.num_experts * n, left)
+                if buf is None:
+                    return too_much
+                left -= g.num_experts * n
+                pinned = buf.view(g.num_experts, n)
                 for e in range(g.num_experts):  # each blob's checksum as it is read, then pinned
                     pinned[e].copy_(bundle.blob(g.index, e, b) if bundle is not None else blobs[e])
                 rows[g.index, b] = pinned
@@ -91,4 +99,4 @@ def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch
     check = None
     if bundle is not None and not pin:
         check = lambda layer, e, b: bundle.blob(layer, e, b)  # noqa: E731 - the bundle's CRC-32, on first read
-    return Mirrors(rows, pin, need if pin else packed, check)
+    return Mirrors(rows, pin, arena.held if pin else packed, check)

@@ -194,8 +194,12 @@ class HostStore:
         blobs: dict[Key3, torch.Tensor] = {}
         layouts: dict[tuple[int, int], tuple[Part, ...]] = {}
         for g in experts.geometry.layers:
+            rows = None  # [E, blob bytes]: a layer's blobs back to back, one row each (a host mirror's rows)
             for e in range(g.num_experts):
-                blobs[g.index, e, REFERENCE_BITS], layouts[g.index, e] = pack_reference(experts.get(g.index, e), dtype)
+                blob, layouts[g.index, e] = pack_reference(experts.get(g.index, e), dtype)
+                if rows is None:
+                    rows = torch.empty((g.num_experts, blob.numel()), dtype=torch.uint8)
+                blobs[g.index, e, REFERENCE_BITS] = rows[e].copy_(blob)
             experts.clear()  # the packed blobs are the copy now: keep one, not two
 
         def decode(blob: torch.Tensor, layer: int, expert: int, bits: int) -> ExpertWeights:
