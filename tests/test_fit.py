@@ -167,3 +167,24 @@ def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
     a = result.evidence["smoe"]["alpha"]
     assert [p[0] for p in a["points"]] == [0.0, 0.2, 0.4] and all(p[1] > 0 for p in a["points"])
     assert a["from"].startswith("sweep: sim clock") and result.params["smoe"]["alpha"] == 0.0  # R = 1 s: any alpha
+
+
+def test_the_stage_asks_each_paper_once_and_takes_only_its_knobs(tmp_path):
+    """fit() loops over the registry: a subclass registered under another name does not fit again
+    (it inherits the paper's `fit`), and a fit that returns something not a knob is a bug, refused."""
+    from moetool.policies.base import POLICIES, register
+    from moetool.policies.dymoe import DyMoE
+    from moetool.policies.stages import Fitted
+
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    register("dymoe-variant")(type("DyMoEVariant", (DyMoE,), {}))
+    try:
+        assert set(fit(FitConfig(profile=prof)).params) == {"fate", "dymoe"}
+    finally:
+        POLICIES.pop("dymoe-variant")
+    register("typo")(type("Typo", (DyMoE,), {"fit": classmethod(lambda cls, inputs: Fitted(knobs={"lamda": 0.5}))}))
+    try:
+        with pytest.raises(ValueError, match="lamda"):
+            fit(FitConfig(profile=prof))
+    finally:
+        POLICIES.pop("typo")
