@@ -33,6 +33,12 @@ from moetool.inference import with_cache
 from moetool.policies.base import Fetch, LayerView, Phase, Step
 
 
+# What share of the link's copy-engine bandwidth a kernel's own reads of pinned host memory get: 35.2
+# against ~50 GB/s host-to-device on an H100 (nvbandwidth#24's SM-driven vs copy-engine figures;
+# gpu-decode-anchors.md §4.2). The simulated clock charges the captured step's zero-copy reads at it.
+ZERO_COPY_SHARE = 0.7
+
+
 def choose_path(requested: str, device: torch.device, batch: int, experts_impl: str) -> tuple[str, str]:
     """The decode path to plan for, and why, from what is known before the engine is built. `auto` is
     the path measured faster on the device: on CUDA the captured step (the host-driven engine is
@@ -282,7 +288,7 @@ class DecodeProgram:
             if sim:
                 # The kernel streams the missed experts' weights over the link as it computes them: the
                 # layer's misses take the longer of their reads and their math; the excess is a stall.
-                over = max(0.0, cost.t_copy(read) - miss_s) if read else 0.0
+                over = max(0.0, self._read_s(read) - miss_s) if read else 0.0
                 clock.compute(hit_s + miss_s + over)
                 st.stall_s += over
             if log["scores"].shape[1]:
@@ -315,6 +321,12 @@ class DecodeProgram:
                                              torch.cuda.max_memory_allocated(self.device) - stats.foreign_bytes)
         self.steps += 1
         return int(log["token"][0])
+
+    def _read_s(self, nbytes: int) -> float:
+        """Seconds for a kernel to read `nbytes` of pinned host memory in place: one access latency and
+        the link at ZERO_COPY_SHARE of what its copy engines move (a kernel's own reads are slower)."""
+        hw = self.engine.cost.hw
+        return nbytes / (hw.h2d_gbps * 1e9 * ZERO_COPY_SHARE) + hw.copy_latency_s
 
     def _fill(self, want: Fetch, shield: set, demand: bool, prefetched: bool = False) -> Any:
         """Admit `want` (the policy's rule) and copy it from its mirror row into the slot it gets (the
