@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo data fit-demo clean
+.PHONY: install lint test test-fast demo data fit-demo clean
 
 install: $(STAMP)
 
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,gptq]"
 	touch $(STAMP)
 
-test: install
+# ruff's pyflakes and pycodestyle checks (pyproject.toml's [tool.ruff]), then the whole suite.
+lint: install
+	$(PY) -m ruff check moetool tests scripts lab
+
+test: lint
 	$(PY) -m pytest -q -ra
 
 test-fast: install

@@ -243,7 +243,8 @@ def table(results: dict) -> None:
         if "error" in r:
             print(f"{r['policy']:<13}{r['budget']:>7}  {r['error'][:100]}")
             continue
-        f = lambda v, scale=1e3, w=9, d=2: f"{v * scale:>{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        def f(v, scale=1e3, w=9, d=2):
+            return f"{v * scale:>{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
         share = r["roofline_s"] / r["tpot_wall_s"] if r.get("roofline_s") else None
         err = abs(r["tpot_sim_s"] - r["tpot_wall_s"]) / r["tpot_wall_s"] if r.get("tpot_sim_s") else None
         peak = r["peak_allocated_bytes"] / r["budget_bytes"] if r.get("peak_allocated_bytes") else None
@@ -338,9 +339,11 @@ def main() -> None:
     lm = load_model(ckpt, device=DEV, dtype=torch.bfloat16)
     if has_bundle:
         lm.bundle = Bundle.open(bundle, model=lm.fingerprint)
-        store_of = lambda opened=lm.bundle: HostStore.from_bundle(opened, torch.bfloat16)
-    else:  # no bundle (quantize skipped): reference-precision policies only
-        store_of = lambda experts=lm.experts: HostStore.from_experts(experts, torch.bfloat16)
+
+    def store_of(model=lm):  # a fresh store per policy; without a bundle (quantize skipped), the reference precision
+        if has_bundle:
+            return HostStore.from_bundle(model.bundle, torch.bfloat16)
+        return HostStore.from_experts(model.experts, torch.bfloat16)
     bw = results.get("bandwidth")
     if part("policies", 20):
         # resident 100% also first: against its row (run last) it shows how far the machine drifts

@@ -183,7 +183,7 @@ def bench_one(name: str, shape: dict, bits: int, args, device: torch.device) -> 
         rows.append({"device": device_name(device), "bits": bits, "shape": name, "path": path,
                      "us_per_expert": seconds / k * 1e6, "gbps": expert_bytes(pool) * k / seconds / 1e9,
                      "expert_bytes": expert_bytes(pool), "top_k": k, **(extra if path.startswith("triton") else {})})
-    del pool, engine
+    del pool, calls  # the pool (and the closures over it) before the next shape's
     return rows
 
 
