@@ -31,3 +31,25 @@ def bundle(tiny_ckpt, tmp_path_factory):
     quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=out, bits=(16, 4, 2), group_size=16,
                             dtype="float32"))
     return out
+
+
+@pytest.fixture(scope="session")
+def char_ckpt(tmp_path_factory):
+    """A tiny qwen2_moe checkpoint (2 MoE layers of 4 experts) that ships a character tokenizer."""
+    from helpers import save_char_tokenizer
+
+    out = tmp_path_factory.mktemp("char_ckpt") / "m"
+    save_tiny("qwen2_moe", out)
+    save_char_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def char_bundle(char_ckpt, tmp_path_factory):
+    """A bundle of `char_ckpt` at 16 and 4 bits (round to nearest), quantized once per session."""
+    from moetool.quant.quantize import QuantizeConfig, quantize
+
+    out = tmp_path_factory.mktemp("char_bundle") / "b"
+    quantize(QuantizeConfig(model=str(char_ckpt), out=out, bits=(16, 4), group_size=16, dtype="float32",
+                            hqq_optimize=False))
+    return out

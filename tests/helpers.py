@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 import torch
+from hypothesis import HealthCheck, settings
 
 from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint
 from moetool.evaluate import Eval
@@ -216,3 +218,20 @@ def rewrite(directory: Path, doc: Any, checksum: bool = True) -> None:
         doc = {**{k: v for k, v in doc.items() if k != "checksum"}}
         doc["checksum"] = _manifest_checksum(doc)
     (directory / MANIFEST).write_text(json.dumps(doc))
+
+
+# ---- the fault tests' shared pieces (test_faults.py, test_faults_inputs.py) ----------------------
+
+SOME = settings(max_examples=8, deadline=None, database=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def run_args(bundle: Path, *extra: str) -> list[str]:
+    """`moetool run` over `bundle`, quick and on the simulated clock, with `extra` options."""
+    return ["run", "--bundle", str(bundle), "--budget", "100%", "--clock", "sim", "--max-new-tokens", "2",
+            "--prompt", "Hi", *extra]

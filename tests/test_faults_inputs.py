@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from helpers import manifest, rewrite, save_char_tokenizer, synthetic_profile
+from helpers import manifest, rewrite, synthetic_profile
+from helpers import SOME, copy, run_args
 from helpers import one_error_line as error_line
 from moetool.cli import app
 from moetool.errors import MoetoolError
@@ -32,35 +33,15 @@ from tiny import save_tiny
 
 runner = CliRunner()
 
-SOME = settings(max_examples=8, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+@pytest.fixture(scope="session")
+def ckpt(char_ckpt) -> Path:
+    return char_ckpt
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    """A tiny qwen2_moe checkpoint (2 MoE layers of 4 experts) that ships a tokenizer."""
-    out = tmp_path_factory.mktemp("ckpt") / "m"
-    save_tiny("qwen2_moe", out)
-    save_char_tokenizer(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def bundle(ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bundle") / "b"
-    quantize(QuantizeConfig(model=str(ckpt), out=out, bits=(16, 4), group_size=16, dtype="float32",
-                            hqq_optimize=False))
-    return out
-
-
-def copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def run_args(bundle: Path, *extra: str) -> list[str]:
-    return ["run", "--bundle", str(bundle), "--budget", "100%", "--clock", "sim", "--max-new-tokens", "2",
-            "--prompt", "Hi", *extra]
+@pytest.fixture(scope="session")
+def bundle(char_bundle) -> Path:
+    return char_bundle
 
 
 # ---- 1. an input that is not what it claims -----------------------------------------------------------
