@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows.append(dict(policy=policy, budget=budget, roofline_ms=roofline_ms(row, hbm_bytes, bw), **row))
                 print(f"{policy:9s} {budget:5s} {path:9s} p50 {row['tpot_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+                _write(args.json, rows, device, args.model, bw)  # each row as it comes: a run cut short keeps its rows
     for r in rows:
-        r.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", model=args.model,
-                 same_tokens=None if reference is None else r["tokens"] == reference)
+        r.update(same_tokens=None if reference is None else r["tokens"] == reference)
     host = {(r["policy"], r["budget"]): r["tpot_p50_ms"] for r in rows if r["path"] == "host"}
     host_tokens = {(r["policy"], r["budget"]): r["tokens"] for r in rows if r["path"] == "host"}
     print(f"\n{'policy':9s} {'budget':6s} {'path':12s} {'p50 ms':>8s} {'p99 ms':>8s} {'x host':>7s} {'compile s':>9s} "
@@ -328,10 +328,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncaptured resident / transformers static+compiled: {res['tpot_p50_ms'] / hf['tpot_p50_ms']:.3f}x")
     if bw:
         print(f"measured: pinned H2D {bw['h2d_gbps']:.1f} GB/s, HBM {bw['hbm_gbps']:.0f} GB/s")
-    if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "tokens"} | {"tokens": r["tokens"]}
-                                         for r in rows], indent=1))
+    _write(args.json, rows, device, args.model, bw)
     return 0
+
+
+def _write(path: Path | None, rows: list[dict], device: torch.device, model: str, bw: dict) -> None:
+    """The rows so far as JSON (tokens last in each row), with the device, the model and the measured bandwidths."""
+    if path is None:
+        return
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = [{"device": name, "model": str(model), **bw, **{k: v for k, v in r.items() if k != "tokens"},
+            "tokens": r["tokens"]} for r in rows]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

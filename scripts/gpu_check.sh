@@ -1,39 +1,54 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: moetool's CUDA tests, then its GPU benchmarks, logged under $OUT
 # (default gpu-out/). The CPU suite (make test) runs these tests too but skips them without a GPU.
-#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [decode] [bench]   (bench: all three benchmarks)
-#     BENCH_ARGS="--layers 8 --time-limit 900" bash scripts/gpu_check.sh bench
+#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [model] [decode] [bench]
+#         tests:   the tests marked cuda (tests/test_cuda.py: engine, captured step, fused kernels)
+#         kernels: scripts/bench_kernels.py (the fused low-bit experts kernels against dequantize + GEMM)
+#         model:   the 4-layer Qwen1.5-MoE checkpoint and its 16/8/4/2-bit bundle (scripts/bench_gpu.py's)
+#         decode:  scripts/bench_decode.py on it (captured step vs host-driven vs plain transformers)
+#         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
+#     T_TESTS=240 T_KERNELS=120 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
+#     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
+# A bare GPU image may lack this project's pins: `.whl/` wheels (transformers, hqq) are installed first
+# when present (see lab/LOG.md for how a lent machine ran it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
-what=${*:-tests bench}
+what=${*:-tests kernels bench}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-$py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
+$py -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,
+'triton', triton.__version__)" | tee -a "$out/device.txt"
 rc=0
+work=${WORK:-/tmp/moetool-bench}
 if [[ $what == *tests* ]]; then
     # Only the modules with CUDA tests: the others need packages a bare GPU image may lack (lm-eval, ray).
-    $py -m pytest -q -ra -m cuda -p no:cacheprovider $(grep -l "mark.cuda" tests/test_*.py) 2>&1 \
-        | tee "$out/cuda-tests.log" || rc=1
+    timeout "${T_TESTS:-600}" $py -m pytest -q -ra -m cuda -p no:cacheprovider --durations=15 \
+        $(grep -l "mark.cuda" tests/test_*.py) 2>&1 | tee "$out/cuda-tests.log" || rc=1
 fi
-work=${WORK:-/tmp/moetool-bench}
-if [[ $what == *kernels* || $what == *bench* ]]; then
+if [[ $what == *kernels* ]]; then
     # The fused low-bit experts kernels against dequantize-then-GEMM, per precision (issue 42's rows).
-    $py scripts/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench-kernels.log" || rc=1
+    timeout "${T_KERNELS:-300}" $py scripts/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench-kernels.log" || rc=1
+fi
+if [[ $what == *model* ]]; then
+    # Only the checkpoint and its bundle (GBs, to $WORK, not under $out).
+    $py scripts/bench_gpu.py --out "$work/model-only" --work "$work" \
+        --skip bandwidth,p1,policies,timing,sim,accelerate ${BENCH_ARGS:-} 2>&1 | tee "$out/model.log" || rc=1
 fi
 if [[ $what == *bench* ]]; then
-    # The checkpoint and bundle (GBs) go to $WORK, not under $out.
-    $py scripts/bench_gpu.py --out "$out" --work "$work" ${BENCH_ARGS:-} 2>&1 \
-        | tee "$out/bench-gpu.log" || rc=1
+    $py scripts/bench_gpu.py --out "$out" --work "$work" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench-gpu.log" || rc=1
 fi
-if [[ $what == *decode* || $what == *bench* ]]; then
+if [[ $what == *decode* ]]; then
     # The captured step against the host-driven one and plain transformers, on bench_gpu's model.
     ckpt=$(ls -d "$work"/qwen1.5-moe-x* 2>/dev/null | head -1)
     if [[ -n $ckpt ]]; then
-        $py scripts/bench_decode.py --device cuda --model "$ckpt" --bundle "$work/bundle" --bundle-all \
-            --tokens 64 --json "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-decode.log" || rc=1
+        timeout "${T_DECODE:-600}" $py scripts/bench_decode.py --device cuda --model "$ckpt" --bundle "$work/bundle" \
+            --bundle-all --tokens 64 --json "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-decode.log" || rc=1
+    else
+        echo "decode: no checkpoint under $work (run the model or bench part first)" | tee "$out/bench-decode.log"
+        rc=1
     fi
 fi
 exit $rc

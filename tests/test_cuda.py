@@ -310,3 +310,58 @@ def test_run_takes_the_captured_path_on_cuda_by_default(tiny_ckpt):
     result = run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), policy="lru", budget="50%", device="cuda",
                            prompts=("hello",), max_new_tokens=4))
     assert result.summary["path"] == "captured" and result.summary["cuda_graph"]
+
+
+# (bits, group, hidden, width, T, k): the real Triton kernels, compiled for this GPU, against the fp32
+# dequantize reference on the host. Widths that are not a multiple of the K tile (1408, 768) or are
+# under it (32); every precision at each group size.
+GPU_KERNEL_CASES = [(16, 0, 2048, 1408, 1, 4), (16, 0, 256, 32, 5, 8), (8, 128, 2048, 768, 1, 8), (8, 32, 256, 96, 3, 6),
+                    (4, 64, 2048, 1408, 1, 4), (4, 128, 2048, 768, 2, 8), (4, 32, 256, 32, 8, 3),
+                    (2, 64, 2048, 1408, 1, 4), (2, 128, 2048, 768, 1, 8), (2, 32, 256, 96, 4, 5)]
+
+
+@pytest.mark.parametrize("bits,group,hidden,width,T,k", GPU_KERNEL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_experts_kernels_on_the_gpu_match_the_dequantize_reference(bits, group, hidden, width, T, k, dtype):
+    from kernel_cases import RTOL, random_ids, random_pool, reference_forward
+
+    from moetool.kernels import Act, Activation, SlotPool, experts_forward
+
+    silu = Activation(Act.SILU, gated=True)
+    gen = torch.Generator().manual_seed(bits * 100 + T)
+    pool = random_pool(bits, hidden, width, group, slots=k + 3, gen=gen)
+    pool = SlotPool(pool.data, pool.layout, random_ids(T, k, k + 3, gen).contiguous())
+    x, w = torch.randn(T, hidden, generator=gen).to(dtype), torch.rand(T, k, generator=gen).to(dtype)
+    want = reference_forward(x.float(), w.float(), [pool], silu)
+    on_gpu = SlotPool(pool.data.to(CUDA), pool.layout, pool.ids.to(CUDA))
+    got = experts_forward(x.to(CUDA), w.to(CUDA), [on_gpu], silu).cpu()
+    assert got.dtype == dtype and got.shape == (T, hidden)
+    # bf16 output: one rounding of each value (2^-8) on top of the fp32 tolerance.
+    tol = RTOL * want.abs().max() + (2 ** -8 * want.abs() if dtype == torch.bfloat16 else 0)
+    assert ((got.float() - want).abs() <= tol).all(), f"max error {(got.float() - want).abs().max():.3g}"
+
+
+def test_the_fused_experts_kernels_replay_in_a_cuda_graph():
+    """Captured once, replayed on new inputs written in place: the kernels read their slot ids and
+    rows from the device each replay (no value of them is baked into the graph)."""
+    from kernel_cases import random_ids, random_pool
+
+    from moetool.kernels import Act, Activation, SlotPool, experts_forward
+
+    silu = Activation(Act.SILU, gated=True)
+    gen = torch.Generator().manual_seed(7)
+    pool = random_pool(4, 2048, 1408, 64, slots=8, gen=gen)
+    ids = random_ids(1, 4, 8, gen).to(CUDA)
+    gpu = SlotPool(pool.data.to(CUDA), pool.layout, ids)
+    x = torch.randn(1, 2048, generator=gen).bfloat16().to(CUDA)
+    w = torch.rand(1, 4, generator=gen).bfloat16().to(CUDA)
+    experts_forward(x, w, [gpu], silu)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts_forward(x, w, [gpu], silu)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(100 + seed)
+        ids.copy_(random_ids(1, 4, 8, g))
+        x.copy_(torch.randn(1, 2048, generator=g).bfloat16())
+        graph.replay()
+        assert torch.equal(out, experts_forward(x, w, [gpu], silu))

@@ -170,6 +170,7 @@ class DecodeProgram:
             engine.capturing = False
         self.cache.reset()
 
+    @torch.no_grad()  # compiled without grad: a call with grad on would recompile (and AOT refuses the in-place updates)
     def _launch(self) -> None:
         if self._cuda_graph is not None:
             self._cuda_graph.replay()
