@@ -167,10 +167,15 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
             stale = False  # unreadable: sweep() rebuilds it from the cells, which check their own inputs
         if stale:
             shutil.rmtree(sweep_cfg.out)  # our own cells, of other weights: run afresh
+    reported = []
     for stage, sweep_cfg in sweeps.items():
-        sweep(sweep_cfg, progress=lambda name, status, *_, stage=stage: step(f"{stage[:-1]} {name}: {status}"))
+        index = sweep(sweep_cfg, progress=lambda name, status, *_, stage=stage: step(f"{stage[:-1]} {name}: {status}"))
+        # The index and its cells' artifacts, not the whole directory: a cell an earlier version of the
+        # grid had (another label) keeps its file there but is no setting of this demo.
+        names = [INDEX, *(c["artifact"] for c in index.cells.values() if c.get("artifact"))]
+        reported += sorted(Path(sweep_cfg.out) / name for name in names)
 
     step("report")
-    report([prof, fitted, sweeps["runs"].out, sweeps["evals"].out], out / "report")
+    report([prof, fitted, *reported], out / "report")
     return {"model": Path(model), "bundle": bundle, "profile": prof, "fit": fitted, "runs": sweeps["runs"].out,
             "evals": sweeps["evals"].out, "report": out / "report"}

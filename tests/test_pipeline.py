@@ -96,6 +96,20 @@ def test_a_rerun_reuses_every_valid_artifact(piped):
     assert {p: p.stat().st_mtime_ns for p in artifacts} == before
 
 
+def test_the_report_leaves_out_a_cell_the_grid_no_longer_has(piped):
+    """A cell of an earlier version of the demo's grid (another label) keeps its artifact in the sweep
+    directory; the report is of this grid's cells only."""
+    cfg, paths, _ = piped
+    stale = paths["runs"] / "retired-label.run.json"
+    stale.write_bytes((paths["runs"] / "lru.run.json").read_bytes())
+    try:
+        demo_pipeline(cfg)
+        md = (paths["report"] / "summary.md").read_text()
+        assert "lru.run.json" in md and stale.name not in md
+    finally:
+        stale.unlink()
+
+
 def test_a_profile_of_other_settings_is_redone_and_the_fit_after_it(piped):
     """The profile's sensitivity is scored on the demo's perplexity tokens: a rerun asking for another
     count must not reuse the old profile, nor the fit made from it."""
