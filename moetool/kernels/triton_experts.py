@@ -196,7 +196,9 @@ def gate_up_kernel(x, x_stride, pools, strides, ids, h, TK, H: tl.constexpr, I: 
         if slot >= 0:
             blob = pools[q] + slot.to(tl.int64) * strides[q]
             h_row = h + (q * tl.num_programs(0) + pair).to(tl.int64) * W
-            _gate_up_one(x_row, blob, h_row, b, H, I, N1, METAS[q], ACT, GATED, INTERLEAVED, alpha, limit, R, BK)
+            # Named as a constexpr before the call: Triton 3.6 (torch 2.11's) passes a bare tuple of ints as a value.
+            M: tl.constexpr = METAS[q]
+            _gate_up_one(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, INTERLEAVED, alpha, limit, R, BK)
 
 
 @triton.jit
@@ -241,7 +243,8 @@ def down_kernel(h, w, pools, strides, ids, y, H: tl.constexpr, I: tl.constexpr, 
         if slot >= 0:
             blob = pools[q] + slot.to(tl.int64) * strides[q]
             row = (q * tl.num_programs(0) + pair).to(tl.int64)
-            _down_one(h + row * I, blob, y + row * H, b, weight, H, I, METAS[q], R, BK)
+            M: tl.constexpr = METAS[q]  # a constexpr, as in gate_up_kernel
+            _down_one(h + row * I, blob, y + row * H, b, weight, H, I, M, R, BK)
 
 
 @triton.jit
