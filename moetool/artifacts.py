@@ -9,6 +9,9 @@ are strict and fail with one sentence.
     report = CheckReport(model=fp, inputs={}, prompt="Hi", passed=True, max_abs_diff=0.0, layers=())
     report.save(Path("out/check.json"))
     CheckReport.load(Path("out/check.json"), model=fp)
+
+The fit stage's artifact (`Fit`) sits here too: `run` reads it and the policies' fit and report
+hooks name it, and neither may import the fit stage, which imports both.
 """
 
 from __future__ import annotations
@@ -320,3 +323,18 @@ class CheckReport(Artifact):
     max_abs_diff: float  # on the final logits
     layers: tuple[LayerCheck, ...]
     tolerance: float = 1e-5
+
+
+@dataclass(frozen=True)
+class Fit(Artifact):
+    """Fitted policy knobs, per policy name (written by `moetool fit`, read by `--fit`), with their evidence.
+
+    `evidence` holds "warnings" (a list), "skipped" ("<policy>.<knob>" -> why it was not fitted)
+    and, per policy name, that policy's evidence per knob (`policies.stages.Fitted.evidence`).
+    """
+
+    SCHEMA: ClassVar[str] = "fit"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    params: dict[str, dict[str, Any]]  # policy -> knob -> value
+    evidence: dict[str, Any] = field(default_factory=dict)

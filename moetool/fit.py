@@ -4,7 +4,7 @@ The stage reads the artifacts, checks they are of one model, splits `--budget` a
 and asks every registered policy that has a `fit` (`Policy.fit`, `policies/stages.py`) for its
 knobs; the papers' own rules live in their files: SMoE's alpha from T(alpha) (eq. 5, `smoe.py`),
 Fate's L, n and p (§4.3-4.5, `fate.py`), DyMoE's lambda (eq. 4, `dymoe.py`), DynaExq's n_hi (§3.1,
-`dynaexq.py`). The result is one `Fit` artifact: knobs and evidence per policy name.
+`dynaexq.py`). The result is one `Fit` artifact (`artifacts.py`): knobs and evidence per policy name.
 
     result = fit(FitConfig(profile=Path("demo.profile.json"), runs=(Path("a0.run.json"), ...), target_tpot=0.05))
     result.params["smoe"]["alpha"], result.evidence["smoe"]["alpha"]["coefficients"]
@@ -15,16 +15,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from moetool.artifacts import Artifact, read_json, sha256_file
+from moetool.artifacts import Fit, read_json, sha256_file
 from moetool.errors import MoetoolError
 from moetool.policies import POLICIES
 from moetool.policies.dymoe import RETENTION_FLOOR
 from moetool.policies.smoe import ALPHAS
-from moetool.policies.stages import FitInputs
+from moetool.policies.stages import FitInputs, FitTargets
 from moetool.spec import check_budget
 
 if TYPE_CHECKING:
@@ -34,23 +34,11 @@ if TYPE_CHECKING:
 SWEEP_TOKENS = 16  # tokens per run of a sweep (SMoE's alphas): enough decode steps for a mean TPOT
 
 
-@dataclass(frozen=True)
-class Fit(Artifact):
-    """Fitted policy knobs, per policy name (written by `moetool fit`), with their evidence.
-
-    `evidence` holds "warnings" (a list), "skipped" ("<policy>.<knob>" -> why it was not fitted)
-    and, per policy name, that policy's evidence per knob (`Fitted.evidence`).
-    """
-
-    SCHEMA: ClassVar[str] = "fit"
-    SCHEMA_VERSION: ClassVar[int] = 1
-
-    params: dict[str, dict[str, Any]]  # policy -> knob -> value
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
 @dataclass(frozen=True, kw_only=True)
-class FitConfig:
+class FitConfig(FitTargets):
+    """The fit stage's inputs beside the targets the policies' fits read (`FitTargets`: target_tpot,
+    max_loss, l_threshold, r, budget, alphas)."""
+
     profile: Path
     runs: tuple[Path, ...] = ()  # run artifacts (smoe at several alpha) and eval artifacts (fate at several p)
     # Run policies whose fit asks for runs (smoe at `alphas`) instead of (or beside) given runs: this
@@ -58,11 +46,6 @@ class FitConfig:
     # defaults to the profile's.
     sweep: RunConfig | None = None
     alphas: tuple[float, ...] = ALPHAS  # SMoE: the sweep's alphas
-    target_tpot: float | None = None  # R of SMoE eq. 5, seconds
-    max_loss: float = 0.01  # Fate p: relative loss allowed (1% in §4.5)
-    l_threshold: float = 0.7  # Fate L: decode prefetch recall every deeper layer keeps (Fate reports 77-79% mean)
-    r: float = 0.75  # DyMoE target mean retention (§6.2's default), used without a budget
-    budget: str | None = None  # device budget (12GiB) or expert cache share (25%), for DyMoE and DynaExq
 
     def check(self) -> None:
         """Refuse in one sentence, before the profile is read, values no fit could use."""
@@ -173,4 +156,4 @@ def _schema(path: Path) -> str | None:
     return data.get("schema") if isinstance(data, dict) else None
 
 
-__all__ = ["Fit", "FitConfig", "SWEEP_TOKENS", "cache_bytes", "fit"]
+__all__ = ["FitConfig", "SWEEP_TOKENS", "cache_bytes", "fit"]

@@ -100,8 +100,9 @@ def demo_sweeps(cfg: DemoConfig, model: str, bundle: Path, fitted: Path) -> dict
 
 
 def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str, Path]:
+    from moetool.artifacts import Fit
     from moetool.demo import build_demo_model
-    from moetool.fit import SWEEP_TOKENS, Fit, FitConfig, fit
+    from moetool.fit import SWEEP_TOKENS, FitConfig, fit
     from moetool.model import load_config, model_fingerprint
     from moetool.profile import Profile, ProfileConfig, profile
     from moetool.quant.bundle import MANIFEST, Bundle

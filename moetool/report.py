@@ -17,11 +17,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from moetool.artifacts import ModelFingerprint, atomic_write_bytes, read_json, replace_dir
+from moetool.artifacts import Fit, ModelFingerprint, atomic_write_bytes, read_json, replace_dir
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label
-from moetool.fit import Fit
 from moetool.policies import POLICIES
 from moetool.policies.stages import ReportInputs, primary_metric
 from moetool.policies.stages import table as _table

@@ -23,11 +23,10 @@ from typing import Any, ClassVar
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from moetool.artifacts import Artifact, sha256_file
+from moetool.artifacts import Artifact, Fit, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
-from moetool.fit import Fit
 from moetool.inference import context_length
 from moetool.model import LoadedModel, encode, load_model
 from moetool.quant.bundle import load_bundle_model
@@ -277,5 +276,4 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts)
 
 
-__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "prepare", "resolve_dtype",
-           "run"]
+__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "prepare", "run"]

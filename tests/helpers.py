@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, settings
 
-from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint
+from moetool.artifacts import CheckReport, Fit, LayerCheck, ModelFingerprint
 from moetool.evaluate import Eval
-from moetool.fit import Fit
 from moetool.model import ExpertWeights
 from moetool.profile import ModelInfo, Profile
 from moetool.profile.prefetch import LayerPrefetch, PrefetchProfile

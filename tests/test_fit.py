@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from moetool.artifacts import ModelFingerprint
+from moetool.artifacts import Fit, ModelFingerprint
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
-from moetool.fit import Fit, FitConfig, cache_bytes, fit
+from moetool.fit import FitConfig, cache_bytes, fit
 from moetool.options import parse_seconds
 from moetool.policies.dymoe import budget_retention, retention, schedule_table
 from moetool.policies.dynaexq import budget_n_hi

@@ -25,11 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from moetool.artifacts import CheckReport, ModelFingerprint
+from moetool.artifacts import CheckReport, Fit, ModelFingerprint
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
-from moetool.fit import Fit
 from moetool.profile import Profile
 from moetool.quant import Bundle, quantize
 from moetool.quant.bundle import MANIFEST, load_bundle_model

@@ -21,13 +21,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from moetool.artifacts import Fit
     from moetool.evaluate import Eval
-    from moetool.fit import Fit, FitConfig
     from moetool.profile import Profile
     from moetool.run import Run
 
 
 # -- fit -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitTargets:
+    """What the user asks of the fits (`FitInputs.config`); `fit.FitConfig` adds the inputs, the sweep
+    and the refusals of values no fit could use."""
+
+    alphas: tuple[float, ...] = ()  # SMoE: the sweep's alphas (FitConfig's default: smoe.ALPHAS)
+    target_tpot: float | None = None  # R of SMoE eq. 5, seconds
+    max_loss: float = 0.01  # Fate p: relative loss allowed (1% in §4.5)
+    l_threshold: float = 0.7  # Fate L: decode prefetch recall every deeper layer keeps (Fate reports 77-79% mean)
+    r: float = 0.75  # DyMoE target mean retention (§6.2's default), used without a budget
+    budget: str | None = None  # device budget (12GiB) or expert cache share (25%), for DyMoE and DynaExq
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class FitInputs:
     profile: Profile
     runs: tuple[tuple[str, Run], ...]  # (path, run)
     evals: tuple[tuple[str, Eval], ...]  # (path, eval)
-    config: FitConfig  # the targets: target_tpot, max_loss, l_threshold, r, budget, alphas
+    config: FitTargets  # the targets: target_tpot, max_loss, l_threshold, r, budget, alphas
     cache_bytes: int | None  # device bytes `--budget` leaves for experts, as the engine splits it (None: no budget)
     sweep: Callable[[dict[str, str]], Run] | None = None
     sweep_note: str = ""  # how the sweep ran, for the evidence's "from"
@@ -150,4 +163,4 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
 
 
-__all__ = ["FitInputs", "Fitted", "ReportInputs", "Section", "primary_metric", "table"]
+__all__ = ["FitInputs", "FitTargets", "Fitted", "ReportInputs", "Section", "primary_metric", "table"]

@@ -35,8 +35,7 @@ from moetool.profile.similarity import SimilarityAccumulator, SimilarityProfile
 from moetool.profile.timing import TimingProfile, measure_timing
 from moetool.profile.trace import Tracer, route
 from moetool.quant.format import Bits
-from moetool.run import resolve_dtype
-from moetool.spec import check_device
+from moetool.spec import check_device, resolve_dtype
 
 WHAT = ("routing", "sensitivity", "similarity", "prefetch", "timing")
 Progress = Callable[[str, int, int], None]  # (part, done, total)
