@@ -11,7 +11,7 @@ paper (SMoE Fig. 4 and T(alpha), Fate Fig. 7 and 10, DyMoE Fig. 5 and 11) is dra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from moetool.profile import Profile  # noqa: E402
+if TYPE_CHECKING:  # the papers' report hooks draw with this module: it sits below the profile stage too
+    from moetool.policies.stages import ProfileRecord
 
 LABEL_KEYS = ("config", "bits", "alpha", "r", "L", "p", "n", "n_hi", "prefetcher")
 
@@ -42,7 +43,7 @@ def int_axis(ax, lo: float, hi: float) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def profile_figures(prof: Profile, out_dir: Path, tag: str, out: list[Path]) -> None:
+def profile_figures(prof: ProfileRecord, out_dir: Path, tag: str, out: list[Path]) -> None:
     """The profile's parts no one paper owns: the routing load per layer, adjacent-layer similarity."""
     if prof.routing:
         r, layers = prof.routing, list(prof.info.moe_layers)

@@ -269,11 +269,11 @@ def _report_one(found: Found, out_dir: Path) -> list[Path]:
     out: list[Path] = []
     md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in found.items()
                                                           for p, _ in items) + "\n\n"]
-    runs = found.get("run", [])
+    runs, profiles = found.get("run", []), found.get("profile", [])  # the Profiles (the hooks' ProfileRecord has less)
     rows = _joined(runs, found.get("eval", []))
-    inputs = ReportInputs(profiles=tuple(found.get("profile", [])), fits=tuple(found.get("fit", [])), runs=tuple(runs),
+    inputs = ReportInputs(profiles=tuple(profiles), fits=tuple(found.get("fit", [])), runs=tuple(runs),
                           evals=tuple(found.get("eval", [])), rows=tuple(rows), out_dir=out_dir)
-    for path, prof in inputs.profiles:
+    for path, prof in profiles:
         profile_figures(prof, out_dir, inputs.tag(path), out)
         md.append(_profile_tables(path, prof) + "\n")
     for path, fit in inputs.fits:

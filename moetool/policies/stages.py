@@ -11,6 +11,11 @@ live in its own file, as its `plan` does.
     part = POLICIES["dymoe"].report(arts)       # Section(markdown="## DyMoE ...", figures=[...])
 
 Nothing here imports a stage (fit, run, report, matplotlib): the engine imports every policy file.
+The hooks read the profile, run and eval artifacts through protocols (`ProfileRecord`, `RunRecord`,
+`EvalRecord`) whose real classes are moetool.profile.Profile, moetool.run.Run and moetool.evaluate.Eval:
+the policies sit below the stages that make those artifacts (the profile measures with the papers'
+equations; run and eval build the engine, which imports every policy file), so a policy importing
+them, even for types only, would import its own callers.
 """
 
 from __future__ import annotations
@@ -18,13 +23,93 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from moetool.artifacts import Fit
-    from moetool.evaluate import Eval
-    from moetool.profile import Profile
-    from moetool.run import Run
+    from moetool.artifacts import Fit, ModelFingerprint
+
+
+# -- the artifacts the hooks read (the module's docstring says why protocols) ---------------------
+# Each names what `ReportInputs`' helpers and the policies' `fit` and `report` read; the real
+# artifacts carry more.
+
+
+class ModelInfoRecord(Protocol):
+    """`moetool.profile.ModelInfo`: the model's shapes and memory, which fit sizes budgets with."""
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def expert_bytes(self) -> dict[int, int]: ...  # bits -> one expert's blob
+    @property
+    def expert_bytes_source(self) -> str: ...  # "bundle DIR" or "layout (not quantized)"
+    @property
+    def non_expert_bytes(self) -> int: ...
+    @property
+    def kv_margin_bytes(self) -> int: ...
+    @property
+    def staging_bytes(self) -> int: ...
+
+
+class ProfileRecord(Protocol):
+    """`moetool.profile.Profile`: one model's measurements. A part not measured is None; the parts are
+    the dataclasses of `moetool/profile/` (`RoutingProfile`, `SensitivityProfile`, `SimilarityProfile`,
+    `PrefetchProfile`, `TimingProfile`), defined beside the measuring code that uses the policies."""
+
+    @property
+    def model(self) -> ModelFingerprint: ...
+    @property
+    def settings(self) -> dict[str, Any]: ...  # the ProfileConfig it ran with (hw_base, ...)
+    @property
+    def info(self) -> ModelInfoRecord: ...
+    @property
+    def routing(self) -> Any: ...  # RoutingProfile | None
+    @property
+    def sensitivity(self) -> Any: ...  # SensitivityProfile | None
+    @property
+    def similarity(self) -> Any: ...  # SimilarityProfile | None
+    @property
+    def prefetch(self) -> Any: ...  # PrefetchProfile | None
+    @property
+    def timing(self) -> Any: ...  # TimingProfile | None
+    @property
+    def hw(self) -> dict[str, Any] | None: ...  # the hardware profile written from `timing`
+
+
+class RunRecord(Protocol):
+    """`moetool.run.Run`: one setting's run, times in seconds on `clock` (wall, or sim on `hw`)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def params(self) -> dict[str, Any]: ...  # the policy's knobs as it ran
+    @property
+    def clock(self) -> str: ...
+    @property
+    def hw(self) -> str | None: ...
+    @property
+    def budget_bytes(self) -> int: ...
+    @property
+    def ttft_s(self) -> float | None: ...
+    @property
+    def tpot_s(self) -> dict[str, float] | None: ...  # mean, p50, p99, n
+    @property
+    def summary(self) -> dict[str, Any]: ...  # every engine counter (hit rate, skips, precision mix, ...)
+
+
+class EvalRecord(Protocol):
+    """`moetool.evaluate.Eval`: one setting's task metrics (`primary_metric` picks the headline)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+    @property
+    def metrics(self) -> dict[str, float]: ...
 
 
 # -- fit -------------------------------------------------------------------------------------------
@@ -53,12 +138,12 @@ class FitInputs:
     """
 
     policy: str  # the name the policy is registered under
-    profile: Profile
-    runs: tuple[tuple[str, Run], ...]  # (path, run)
-    evals: tuple[tuple[str, Eval], ...]  # (path, eval)
+    profile: ProfileRecord
+    runs: tuple[tuple[str, RunRecord], ...]  # (path, run)
+    evals: tuple[tuple[str, EvalRecord], ...]  # (path, eval)
     config: FitTargets  # the targets: target_tpot, max_loss, l_threshold, r, budget, alphas
     cache_bytes: int | None  # device bytes `--budget` leaves for experts, as the engine splits it (None: no budget)
-    sweep: Callable[[dict[str, str]], Run] | None = None
+    sweep: Callable[[dict[str, str]], RunRecord] | None = None
     sweep_note: str = ""  # how the sweep ran, for the evidence's "from"
     progress: Callable[[str, int, int], None] | None = None  # (part, done, total)
 
@@ -105,9 +190,9 @@ class ReportInputs:
     {"label", "policy", "params", "metric", "value", "higher", "tpot" (None: no such run), "eval", "run"}.
     """
 
-    profiles: tuple[tuple[Path, Profile], ...]
+    profiles: tuple[tuple[Path, ProfileRecord], ...]
     fits: tuple[tuple[Path, Fit], ...]
-    runs: tuple[tuple[Path, Run], ...]
+    runs: tuple[tuple[Path, RunRecord], ...]
     evals: tuple[tuple[Path, dict], ...]
     rows: tuple[dict[str, Any], ...]
     out_dir: Path
@@ -120,7 +205,7 @@ class ReportInputs:
         many = len(self.profiles) > 1 if any(p == path for p, _ in self.profiles) else len(self.fits) > 1
         return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name.split(".")[0]) if many else ""
 
-    def fits_for(self, prof: Profile) -> list[Fit]:
+    def fits_for(self, prof: ProfileRecord) -> list[Fit]:
         """The fits made for `prof`'s model (what a profile figure may mark its fitted knob on)."""
         return [f for _, f in self.fits if f.model.same_model(prof.model)]
 
@@ -163,4 +248,5 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
 
 
-__all__ = ["FitInputs", "FitTargets", "Fitted", "ReportInputs", "Section", "primary_metric", "table"]
+__all__ = ["EvalRecord", "FitInputs", "FitTargets", "Fitted", "ModelInfoRecord", "ProfileRecord", "ReportInputs", "RunRecord",
+           "Section", "primary_metric", "table"]
