@@ -118,7 +118,20 @@ def _profile(fn, device: torch.device, layers: int) -> tuple[float, float]:
             syncs += 1
     syncs += sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                         "cudaEventSynchronize"))
-    return ops / max(1, layers), syncs
+    return ops / max(1, layers), syncs - _own_syncs(device)
+
+
+def _own_syncs(device: torch.device) -> int:
+    """The synchronizations `_profile` counts around a call that makes none (its own `_sync` and the
+    profiler's): taken off each step's count, so a step that never waits for the device shows 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _sync(device)
+    return sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                       "cudaEventSynchronize"))
 
 
 def plain_transformers(path: str, ids: torch.Tensor, tokens: int, device: torch.device, compiled: bool) -> dict:
@@ -206,7 +219,8 @@ def moetool_path(args, path: str, policy: str, budget: str, ids: torch.Tensor, d
     return dict(path=path, tpot_p50_ms=p50, tpot_p99_ms=p99, compile_s=compile_s, ops_per_layer_step=ops,
                 syncs_per_step=syncs, peak_rss_mib=mem.mib, tokens=out, hit_rate=s["hit_rate"],
                 bytes_per_token=s["bytes_per_token"], bytes_h2d=s["bytes_h2d"], steps=len(decode),
-                path_reason=engine.decode_info.get("path_reason"))
+                path_reason="DecodeProgram, compiled" + (" and captured" if device.type == "cuda" else "") if captured
+                else engine.decode_info.get("path_reason"))
 
 
 def _profile_host(lm, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:

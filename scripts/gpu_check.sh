@@ -9,14 +9,19 @@
 #         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
 #     T_TESTS=240 T_KERNELS=120 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
 #     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
-# A bare GPU image may lack this project's pins: `.whl/` wheels (transformers, hqq) are installed first
-# when present (see lab/LOG.md for how a lent machine ran it).
+# A GPU image without this project's pins: wheels put in `.whl/` (e.g. `pip download --no-deps -d .whl
+# transformers==5.24.0 hqq termcolor`) are installed first, into a directory ahead of the image's packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
+site=
+if compgen -G ".whl/*.whl" > /dev/null; then
+    site=${SITE:-/tmp/moetool-site}
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"
 what=${*:-tests kernels bench}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 $py -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetSplit, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
+from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetSplit, capture_workspace, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
                                    parse_size, plan_margin, split_budget)
 from moetool.engine.captured import captured_workspace
 from moetool.engine.residency import Residency
@@ -28,13 +28,14 @@ def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: i
                      device: str | torch.device = "cpu", captured: bool = False) -> BudgetSplit:
     """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts. On a
     GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`); for the captured
-    decode step, its gather workspace (`captured_workspace`)."""
+    decode step, its gather workspace (`captured_workspace`) and what its compile and capture take
+    (`capture_workspace`)."""
     n_experts = sum(layer.num_experts for layer in lm.geometry.layers)
     # Some stored precision decoded rather than read in place: the decode workspace is device memory too.
     decoded = any(not store.stack_is_view(layer.index, b) for layer in lm.geometry.layers for b in store.bits)
     margin = plan_margin(lm.model.config, lm.geometry.layers, max_tokens, batch, store.compute_dtype, decoded)
     if captured:
-        margin += captured_workspace(lm.geometry.layers, store)
+        margin += captured_workspace(lm.geometry.layers, store) + capture_workspace(torch.device(device))
     return split_budget(spec, n_experts=n_experts, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
                         non_expert_bytes=lm.non_expert_bytes(),
                         margin_bytes=margin + device_workspace(torch.device(device)))

@@ -126,6 +126,18 @@ def device_workspace(device: torch.device) -> int:
     return held
 
 
+def capture_workspace(device: torch.device) -> int:
+    """Device memory that compiling and capturing the decode step takes beside the step's tensors, on
+    CUDA: inductor times a kernel that has several configurations at its first run, after writing a
+    buffer the size of the L2 cache (torch/_inductor/runtime/benchmarking.py), and the stream the step
+    is captured on takes its own GEMM workspaces (`device_workspace`). On a lent H200 the captured step's
+    allocator peak went 51 MiB past tiny models' budgets that planned neither (docs/benchmarks.md).
+    0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).L2_cache_size + device_workspace(device)
+
+
 def check_plan(length: int, batch: int, plan_tokens: int, plan_batch: int) -> None:
     """The budget's KV/activation margin holds `plan_batch` sequences of `plan_tokens`: a longer or
     wider forward would use device memory the budget never reserved, so it is refused."""

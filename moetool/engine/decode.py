@@ -164,7 +164,9 @@ class DecodeProgram:
                             self.compiled()
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     self._cuda_graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(self._cuda_graph):
+                    # On the warm-up's stream: the capture reuses the GEMM workspaces it took (a new
+                    # stream would take its own, inside the graph's pool).
+                    with torch.cuda.graph(self._cuda_graph, stream=stream):
                         self.compiled()
         finally:
             engine.capturing = False
