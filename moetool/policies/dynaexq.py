@@ -43,7 +43,6 @@ class Hotness:
         self.score = torch.zeros(num_layers, num_experts)  # [L, E] S
         self.ema, self.interval = ema, interval_tokens
         self.tokens = 0
-        self.updates = 0
 
     def observe(self, pos: int, idx: torch.Tensor) -> None:
         self.count[pos] += popularity(idx, self.count.shape[1]).float()
@@ -56,7 +55,6 @@ class Hotness:
         self.score.mul_(self.ema).add_((1.0 - self.ema) * self.count)  # S <- a S + (1 - a) c
         self.count.zero_()
         self.tokens = 0
-        self.updates += 1
         return True
 
 
