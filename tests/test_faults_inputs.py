@@ -291,3 +291,15 @@ def test_a_grid_is_bounded_in_expansion_and_a_refusal_quotes_a_short_prefix(wher
     line = error_line(runner.invoke(app, ["sweep", str(grid), "--workers", "0", "--out", str(grid.parent / "o")]))
     assert len(line) < 400, line[:400]  # a sentence, not the value: the bomb's repr was gigabytes
     assert not (grid.parent / "o").exists()
+
+
+@pytest.mark.parametrize("policy,knob", [("fate", "L"), ("dymoe", "config"), ("lru", "no_such_knob"),
+                                         ("smoe", "cpu_assist")])
+def test_a_long_knob_value_is_quoted_by_a_short_prefix(policy, knob, bundle):
+    """A knob value (or name) refused on the command line: the sentence quotes its start, not all of it
+    (an int, a HIGH/LOW string, an unknown name and a bool knob, each parsed in its own place)."""
+    long = "9/" * 20_000
+    setting = f"{long}=1" if knob == "no_such_knob" else f"{knob}={long}"
+    line = error_line(runner.invoke(app, run_args(bundle, "--policy", policy, "--set", setting)))
+    assert len(line) < 400, line[:400]
+    assert "9/9/" in line  # the value is named, by its start

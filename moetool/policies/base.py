@@ -15,7 +15,6 @@ fit artifact. `policies/README.md` walks through writing one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 import numpy as np
 import torch
 
-from moetool.errors import MoetoolError, article
+from moetool.errors import MoetoolError, article, quote
 
 if TYPE_CHECKING:
     from moetool.policies.device import DevicePlan, DeviceView
@@ -400,7 +399,7 @@ def parse_params(cls: type[Policy], settings: dict[str, str], fitted: dict[str, 
                 known = ", ".join(sorted(fields)) or "none"
                 if source == "fit":
                     continue  # a fit artifact carries knobs for several policies
-                raise MoetoolError(f"policy '{cls.name}' has no knob '{key}' (its knobs: {known}).")
+                raise MoetoolError(f"policy '{cls.name}' has no knob {quote(key)} (its knobs: {known}).")
             values[key] = _coerce(cls.name, key, fields[key].type, raw)
     for key, value in values.items():
         _check_range(cls, key, value)
@@ -433,7 +432,7 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
     name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     if not isinstance(raw, str):
         if name in _TYPED and not _TYPED[name](raw):
-            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {json.dumps(raw, default=repr)} "
+            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {quote(raw)} "
                                "(a value in a fit artifact).")
         return float(raw) if name == "float" else raw
     try:
@@ -446,7 +445,7 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
         if name == "float":
             return float(raw)
     except ValueError:
-        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not '{raw}'.") from None
+        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {quote(raw)}.") from None
     return raw
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, quote
 from moetool.policies.base import EngineContext, LayerView, check_bits, valid_slots
 from moetool.policies.eviction import EVICTIONS
 
@@ -101,5 +101,5 @@ def parse_tiers(config: str, examples: str) -> tuple[int, int] | None:
         return None
     parts = config.split("/")
     if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
-        raise ValueError(f"config takes 'HIGH/LOW' bits such as {examples}, not '{config}'")
+        raise ValueError(f"config takes 'HIGH/LOW' bits such as {examples}, not {quote(config)}")
     return int(parts[0]), int(parts[1])
