@@ -152,3 +152,19 @@ class DirectoryLock:
 
 __all__ = ["ARTIFACT_BYTES", "CONFIG_BYTES", "DirectoryLock", "GRID_BYTES", "PROMPTS_BYTES", "TEXT_BYTES",
            "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "temp_file_of"]
+
+
+def not_inside_a_model(out: Path | str, whose: str, itself: bool = True) -> None:
+    """Refuse an --out that lies inside (or, with `itself`, is) a bundle or a model directory: files
+    written there would mix with its own (and a bundle is exactly what its manifest lists). A
+    directory above --out counts as one by its marker and its contents (a bundle's model/, a
+    checkpoint's safetensors), since a project's own config.json is no checkpoint. `whose`: "the sweep", ..."""
+    try:
+        where = Path(out).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the write names it
+        return
+    for d in (where, *where.parents) if itself else where.parents:
+        for marker, what, contents in (("bundle.json", "a bundle", "model"), ("config.json", "a model", "*.safetensors")):
+            if (d / marker).is_file() and (d == where or any(d.glob(contents))):
+                inside = "holds" if d == where else f"lies inside {d}, which holds"
+                raise MoetoolError(f"--out {out} {inside} {what} ({marker}); give {whose} a directory of its own.")

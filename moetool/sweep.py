@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sha256_file
 from moetool.errors import MoetoolError
-from moetool.files import DirectoryLock, temp_file_of
+from moetool.files import DirectoryLock, not_inside_a_model, temp_file_of
 from moetool.grid import Cell, expand, grid_cells, grid_path, load_grid, select
 from moetool.reaper import Reaper, descendants
 
@@ -371,7 +371,7 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
         else:
             cells[cell.name] = entry
             todo.append(cell)
-    _not_in_a_model(out)
+    not_inside_a_model(out, "the sweep")
     out.mkdir(parents=True, exist_ok=True)
     busy = f"another moetool sweep is writing in {out}; wait for it to finish or give another --out."
     with DirectoryLock(out, LOCK, busy):
@@ -400,19 +400,3 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
                 index = write()
                 tell(cell.name, status)
     return index
-
-
-def _not_in_a_model(out: Path) -> None:
-    """Refuse an --out that is, or lies inside, a bundle or a model directory: cell artifacts written
-    there would mix with its files (and a bundle is exactly what its manifest lists). Above --out, a
-    directory counts as one only with its contents too (model/, or safetensors weights), since a
-    project's own config.json is no checkpoint."""
-    try:
-        where = Path(out).resolve()
-    except (OSError, RuntimeError):  # a symlink loop: the write names it
-        return
-    for d in (where, *where.parents):
-        for marker, what, contents in (("bundle.json", "a bundle", "model"), ("config.json", "a model", "*.safetensors")):
-            if (d / marker).is_file() and (d == where or any(d.glob(contents))):
-                inside = "holds" if d == where else f"lies inside {d}, which holds"
-                raise MoetoolError(f"--out {out} {inside} {what} ({marker}); give the sweep a directory of its own.")

@@ -131,6 +131,20 @@ def test_a_sweep_is_never_written_inside_a_bundle(bundle, tmp_path, under):
     assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
 
 
+@pytest.mark.parametrize("inside", ["bundle", "bundle/model", "checkpoint"])
+def test_a_bundle_is_never_quantized_inside_a_bundle_or_its_checkpoint(ckpt, bundle, tmp_path, inside):
+    """quantize --out below a bundle or the source checkpoint is refused before any work (its own
+    bundle as --out is a resume, tested with the journal)."""
+    where = {"bundle": copy(bundle, tmp_path / "b"), "checkpoint": copy(ckpt, tmp_path / "c")}
+    where["bundle/model"] = where["bundle"] / "model"
+    directory = where[inside.split("/")[0]]
+    before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+    line = error_line(runner.invoke(app, ["quantize", str(where["checkpoint"]), "--bits", "4",
+                                          "--out", str(where[inside] / "new")]))
+    assert "lies inside" in line and "give the bundle a directory of its own" in line
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
+
+
 def test_verify_names_a_shard_truncated_under_a_bundle(bundle, tmp_path):
     """A shard truncated while a command has it memory-mapped ends that command with SIGBUS (the
     kernel's answer to reading mapped pages past the end of a file; no sound way to catch it in

@@ -36,7 +36,7 @@ import torch
 from moetool.artifacts import atomic_write_bytes, read_json, sha256_file
 from moetool.errors import MoetoolError, not_a_file, quote
 from moetool.files import DirectoryLock as _DirectoryLock
-from moetool.files import temp_file_of
+from moetool.files import not_inside_a_model, temp_file_of
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
@@ -89,6 +89,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     report = progress or (lambda p: None)
     bits = _check(cfg)
     out = Path(cfg.out)
+    not_inside_a_model(out, "the bundle", itself=False)  # out itself may be this bundle: a resume
     check_out_dir(out)
     if cfg.calib_text is not None and not Path(cfg.calib_text).is_file():
         raise not_a_file(cfg.calib_text, "--calib-text")
