@@ -15,6 +15,7 @@ fit artifact. `policies/README.md` walks through writing one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -428,11 +429,18 @@ _TYPED = {"bool": lambda v: isinstance(v, bool), "int": lambda v: isinstance(v, 
           "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "str": lambda v: isinstance(v, str)}
 
 
+def _json_prefix(value: Any, limit: int = 60) -> str:
+    """A fit artifact's value as its JSON spells it (true, null), at most `limit` characters: the
+    artifact was read within a size bound and JSON has no aliases, so the whole text is bounded."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
     name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     if not isinstance(raw, str):
         if name in _TYPED and not _TYPED[name](raw):
-            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {quote(raw)} "
+            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {_json_prefix(raw)} "
                                "(a value in a fit artifact).")
         return float(raw) if name == "float" else raw
     try:
