@@ -38,20 +38,10 @@ from moetool.quant.quantize import JOURNAL, QuantizeConfig, quantize
 runner = CliRunner()
 
 
-@pytest.fixture(scope="session")
-def ckpt(char_ckpt) -> Path:
-    return char_ckpt
-
-
-@pytest.fixture(scope="session")
-def bundle(char_bundle) -> Path:
-    return char_bundle
-
-
 # ---- 3. faults that break the promise to resume --------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def interrupted(ckpt, tmp_path_factory) -> Path:
+def interrupted(char_ckpt, tmp_path_factory) -> Path:
     """A bundle directory as a quantize interrupted after its first layer leaves it (Ctrl-C)."""
     out = tmp_path_factory.mktemp("interrupted") / "q"
 
@@ -60,7 +50,7 @@ def interrupted(ckpt, tmp_path_factory) -> Path:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        quantize(QuantizeConfig(model=str(ckpt), out=out, bits=(16, 4), group_size=16, dtype="float32",
+        quantize(QuantizeConfig(model=str(char_ckpt), out=out, bits=(16, 4), group_size=16, dtype="float32",
                                 hqq_optimize=False), progress=stop_after_one_layer)
     assert (out / JOURNAL).is_file() and [p.name for p in out.glob("layer-*")] == ["layer-000.safetensors"]
     return out
@@ -73,7 +63,7 @@ OWN_TEMP = ("..quantize-journal.json", ".bundle.json", ".layer-001.safetensors",
 @given(names=st.lists(st.sampled_from(OWN_TEMP), min_size=1, max_size=4),
        suffix=st.text("abcdefghijklmnopqrstuvwxyz0123456789_", min_size=8, max_size=8), body=st.binary(max_size=64))
 @example(names=["..quantize-journal.json"], suffix="k3j4h5g6", body=b'{"settings_sha256": "')  # the issue's
-def test_a_killed_quantizes_temp_files_never_block_its_resume(interrupted, ckpt, tmp_path_factory, names, suffix,
+def test_a_killed_quantizes_temp_files_never_block_its_resume(interrupted, char_ckpt, tmp_path_factory, names, suffix,
                                                               body):
     out = copy(interrupted, tmp_path_factory.mktemp("resume") / "q")
     finished = (out / "layer-000.safetensors").stat().st_mtime_ns
@@ -84,23 +74,23 @@ def test_a_killed_quantizes_temp_files_never_block_its_resume(interrupted, ckpt,
             (leftover / "config.json").write_bytes(body)
         else:
             leftover.write_bytes(body)
-    result = runner.invoke(app, ["quantize", str(ckpt), "--bits", "16,4", "--group-size", "16", "--dtype", "float32",
+    result = runner.invoke(app, ["quantize", str(char_ckpt), "--bits", "16,4", "--group-size", "16", "--dtype", "float32",
                                  "--no-hqq-optimize", "--out", str(out)])
     assert result.exit_code == 0, result.output  # it was refused: "not a moetool bundle"
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     assert (out / "layer-000.safetensors").stat().st_mtime_ns == finished  # the finished layer was kept
 
 
-def test_a_user_file_that_looks_like_a_temp_file_is_never_removed(interrupted, ckpt, tmp_path):
+def test_a_user_file_that_looks_like_a_temp_file_is_never_removed(interrupted, char_ckpt, tmp_path):
     out = copy(interrupted, tmp_path / "q")
     (out / ".notes.abcdefgh.tmp").write_text("mine")
-    line = error_line(runner.invoke(app, ["quantize", str(ckpt), "--bits", "16,4", "--group-size", "16",
+    line = error_line(runner.invoke(app, ["quantize", str(char_ckpt), "--bits", "16,4", "--group-size", "16",
                                           "--dtype", "float32", "--no-hqq-optimize", "--out", str(out)]))
     assert ".notes.abcdefgh.tmp" in line and (out / ".notes.abcdefgh.tmp").read_text() == "mine"
 
 
-def sweep_grid(bundle: Path, path: Path) -> Path:
-    path.write_text(yaml.safe_dump({"bundle": str(bundle), "stage": "run", "clock": "sim", "prompts": ["hi"],
+def sweep_grid(char_bundle: Path, path: Path) -> Path:
+    path.write_text(yaml.safe_dump({"bundle": str(char_bundle), "stage": "run", "clock": "sim", "prompts": ["hi"],
                                     "max_new_tokens": 2, "grid": {"policy": ["lru", "lod"]}}))
     return path
 
@@ -108,9 +98,9 @@ def sweep_grid(bundle: Path, path: Path) -> Path:
 @SOME
 @given(names=st.lists(st.sampled_from(["sweep.json", "lru.run.json", "lod.run.json"]), min_size=1, max_size=3),
        suffix=st.text("abcdefghijklmnopqrstuvwxyz0123456789_", min_size=8, max_size=8))
-def test_a_resumed_sweep_leaves_no_temp_file_of_the_killed_one(bundle, tmp_path_factory, names, suffix):
+def test_a_resumed_sweep_leaves_no_temp_file_of_the_killed_one(char_bundle, tmp_path_factory, names, suffix):
     tmp = tmp_path_factory.mktemp("sweep")
-    grid, out = sweep_grid(bundle, tmp / "g.yaml"), tmp / "out"
+    grid, out = sweep_grid(char_bundle, tmp / "g.yaml"), tmp / "out"
     out.mkdir()
     for name in names:
         (out / f".{name}.{suffix}.tmp").write_text('{"schema": "sw')  # a SIGKILL during the atomic write
@@ -121,8 +111,8 @@ def test_a_resumed_sweep_leaves_no_temp_file_of_the_killed_one(bundle, tmp_path_
 
 
 @pytest.mark.parametrize("under", ["", "sub", "model", "model/deeper"])
-def test_a_sweep_is_never_written_inside_a_bundle(bundle, tmp_path, under):
-    directory = copy(bundle, tmp_path / "b")
+def test_a_sweep_is_never_written_inside_a_bundle(char_bundle, tmp_path, under):
+    directory = copy(char_bundle, tmp_path / "b")
     before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
     out = directory / under / "sweep" if under else directory
     line = error_line(runner.invoke(app, ["sweep", str(sweep_grid(directory, tmp_path / "g.yaml")), "--workers", "0",
@@ -132,10 +122,10 @@ def test_a_sweep_is_never_written_inside_a_bundle(bundle, tmp_path, under):
 
 
 @pytest.mark.parametrize("inside", ["bundle", "bundle/model", "checkpoint"])
-def test_a_bundle_is_never_quantized_inside_a_bundle_or_its_checkpoint(ckpt, bundle, tmp_path, inside):
+def test_a_bundle_is_never_quantized_inside_a_bundle_or_its_checkpoint(char_ckpt, char_bundle, tmp_path, inside):
     """quantize --out below a bundle or the source checkpoint is refused before any work (its own
     bundle as --out is a resume, tested with the journal)."""
-    where = {"bundle": copy(bundle, tmp_path / "b"), "checkpoint": copy(ckpt, tmp_path / "c")}
+    where = {"bundle": copy(char_bundle, tmp_path / "b"), "checkpoint": copy(char_ckpt, tmp_path / "c")}
     where["bundle/model"] = where["bundle"] / "model"
     directory = where[inside.split("/")[0]]
     before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
@@ -145,11 +135,11 @@ def test_a_bundle_is_never_quantized_inside_a_bundle_or_its_checkpoint(ckpt, bun
     assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
 
 
-def test_verify_names_a_shard_truncated_under_a_bundle(bundle, tmp_path):
+def test_verify_names_a_shard_truncated_under_a_bundle(char_bundle, tmp_path):
     """A shard truncated while a command has it memory-mapped ends that command with SIGBUS (the
     kernel's answer to reading mapped pages past the end of a file; no sound way to catch it in
     Python): the answer is `verify`, which names the shard."""
-    directory = copy(bundle, tmp_path / "b")
+    directory = copy(char_bundle, tmp_path / "b")
     shard = directory / "layer-001.safetensors"
     os.truncate(shard, shard.stat().st_size // 2)
     assert "shard layer-001.safetensors" in error_line(runner.invoke(app, ["verify", str(directory)]))
@@ -165,10 +155,10 @@ def _alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
 
 
-def _start_sweep(bundle: Path, tmp: Path) -> tuple[subprocess.Popen, Path]:
+def _start_sweep(char_bundle: Path, tmp: Path) -> tuple[subprocess.Popen, Path]:
     tmp.mkdir()
     grid = tmp / "g.yaml"
-    grid.write_text(yaml.safe_dump({"bundle": str(bundle), "stage": "run", "clock": "sim", "max_new_tokens": 40,
+    grid.write_text(yaml.safe_dump({"bundle": str(char_bundle), "stage": "run", "clock": "sim", "max_new_tokens": 40,
                                     "prompts": ["hello there", "a second prompt"],
                                     "grid": {"policy": ["lru", "lod", "static"], "budget": [f"{b}%" for b in
                                                                                              range(50, 101, 5)]}}))
@@ -210,8 +200,8 @@ def test_the_reaper_kills_the_tree_it_watches_and_nothing_else():
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_sweep_cleanly_and_sigkill_leaves_no_ray_process(bundle, tmp_path):
-    proc, out = _start_sweep(bundle, tmp_path / "term")
+def test_sigterm_stops_a_sweep_cleanly_and_sigkill_leaves_no_ray_process(char_bundle, tmp_path):
+    proc, out = _start_sweep(char_bundle, tmp_path / "term")
     ray = _ray_processes_of(proc.pid)
     proc.send_signal(signal.SIGTERM)
     stderr = proc.communicate(timeout=120)[1]
@@ -222,7 +212,7 @@ def test_sigterm_stops_a_sweep_cleanly_and_sigkill_leaves_no_ray_process(bundle,
     assert {f"{n}.run.json" for n, c in index.items() if c["status"] == "done"} == \
         {p.name for p in out.glob("*.run.json")}
 
-    proc, out = _start_sweep(bundle, tmp_path / "kill")
+    proc, out = _start_sweep(char_bundle, tmp_path / "kill")
     ray = _ray_processes_of(proc.pid)
     assert ray  # the head processes, the raylet's agents and the worker
     proc.send_signal(signal.SIGKILL)
@@ -248,11 +238,11 @@ WRITERS = {  # every command that writes, with an --out (or --hw-out) it fails t
 
 
 @pytest.mark.parametrize("command", sorted(WRITERS))
-def test_a_failed_write_names_its_path_in_every_writing_command(command, ckpt, bundle, tmp_path):
+def test_a_failed_write_names_its_path_in_every_writing_command(command, char_ckpt, char_bundle, tmp_path):
     """The kernel refuses the write (a file size limit, as a full disk refuses one): the sentence names
     the file or directory asked for, never nothing and never moetool's temp file."""
     synthetic_profile().save(tmp_path / "in.profile.json")
-    args = WRITERS[command](ckpt, bundle, tmp_path)
+    args = WRITERS[command](char_ckpt, char_bundle, tmp_path)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # Python ignores SIGXFSZ: a write fails with EFBIG
     try:
@@ -270,11 +260,11 @@ LOOPS = {"self": lambda p: p.symlink_to(p.name), "two links": lambda p: (p.with_
 @pytest.mark.parametrize("command", ["run", "eval", "fit", "report", "check"])
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 @pytest.mark.parametrize("below", [False, True])
-def test_an_out_that_is_a_symlink_loop_is_one_sentence(command, loop, below, ckpt, bundle, tmp_path):
+def test_an_out_that_is_a_symlink_loop_is_one_sentence(command, loop, below, char_ckpt, char_bundle, tmp_path):
     synthetic_profile().save(tmp_path / "in.profile.json")
     looped = tmp_path / "looped"
     LOOPS[loop](looped)
-    args = WRITERS[command](ckpt, bundle, tmp_path)
+    args = WRITERS[command](char_ckpt, char_bundle, tmp_path)
     args[args.index("--out") + 1] = str(looped / "x.json" if below else looped)
     assert "a symlink that leads back to itself" in error_line(runner.invoke(app, args))  # a RuntimeError traceback
 
@@ -315,10 +305,10 @@ def test_every_hardware_profile_accepted_gives_finite_times_for_any_model(values
     assert math.isfinite(sum(times) * 1e6)  # a million steps of the largest model still sum to a number
 
 
-def test_run_refuses_a_profile_whose_kernel_cost_would_make_its_times_nan(bundle, tmp_path):
+def test_run_refuses_a_profile_whose_kernel_cost_would_make_its_times_nan(char_bundle, tmp_path):
     doc = {**json.loads((HW_DIR / "rtx3090.json").read_text()), "kernel_s": 1e308}
     out = tmp_path / "r.run.json"
-    line = error_line(runner.invoke(app, [*run_args(bundle, "--hw", str(write_json(tmp_path / "x.hw.json", doc))),
+    line = error_line(runner.invoke(app, [*run_args(char_bundle, "--hw", str(write_json(tmp_path / "x.hw.json", doc))),
                                           "--out", str(out)]))
     assert "kernel_s" in line and not out.exists()  # it wrote a run of NaN and Infinity, exit 0
 

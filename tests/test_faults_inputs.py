@@ -34,16 +34,6 @@ from tiny import save_tiny
 runner = CliRunner()
 
 
-@pytest.fixture(scope="session")
-def ckpt(char_ckpt) -> Path:
-    return char_ckpt
-
-
-@pytest.fixture(scope="session")
-def bundle(char_bundle) -> Path:
-    return char_bundle
-
-
 # ---- 1. an input that is not what it claims -----------------------------------------------------------
 
 DAMAGE = ("remove tokenizer.json", "truncate tokenizer.json", "garble tokenizer.json", "vocabulary-less class")
@@ -72,10 +62,10 @@ def damage_tokenizer(directory: Path, how: str, at: float, cls: str) -> bool:
 @SOME
 @given(how=st.sampled_from(DAMAGE), at=st.floats(0, 1),
        cls=st.sampled_from(["Qwen2Tokenizer", "LlamaTokenizer", "GPT2Tokenizer", "PreTrainedTokenizerFast"]))
-def test_a_tokenizer_the_checkpoint_names_loads_or_is_one_sentence(ckpt, tmp_path_factory, how, at, cls):
+def test_a_tokenizer_the_checkpoint_names_loads_or_is_one_sentence(char_ckpt, tmp_path_factory, how, at, cls):
     from moetool.model import load_tokenizer
 
-    directory = copy(ckpt, tmp_path_factory.mktemp("tok") / "m")
+    directory = copy(char_ckpt, tmp_path_factory.mktemp("tok") / "m")
     if not damage_tokenizer(directory, how, at, cls):
         assert load_tokenizer(str(directory))("Hi").input_ids  # undamaged after all: it loads and tokenizes
         return
@@ -85,8 +75,8 @@ def test_a_tokenizer_the_checkpoint_names_loads_or_is_one_sentence(ckpt, tmp_pat
 
 
 @pytest.mark.parametrize("how", ["remove tokenizer.json", "truncate tokenizer.json"])
-def test_run_and_quantize_refuse_a_checkpoint_whose_tokenizer_does_not_load(ckpt, tmp_path, how):
-    directory = copy(ckpt, tmp_path / "m")
+def test_run_and_quantize_refuse_a_checkpoint_whose_tokenizer_does_not_load(char_ckpt, tmp_path, how):
+    directory = copy(char_ckpt, tmp_path / "m")
     damage_tokenizer(directory, how, 0.5, "")
     args = ["run", "--model", str(directory), "--prompt", "Hi", "--max-new-tokens", "2", "--clock", "sim"]
     assert f"the tokenizer in {directory}" in error_line(runner.invoke(app, args))  # it generated empty text, exit 0
@@ -96,8 +86,8 @@ def test_run_and_quantize_refuse_a_checkpoint_whose_tokenizer_does_not_load(ckpt
     assert f"the tokenizer in {directory}" in line and not out.exists()  # no bundle carrying the broken file
 
 
-def test_weights_the_config_does_not_use_are_a_mismatch_not_a_shorter_model(ckpt, tmp_path):
-    directory = copy(ckpt, tmp_path / "m")
+def test_weights_the_config_does_not_use_are_a_mismatch_not_a_shorter_model(char_ckpt, tmp_path):
+    directory = copy(char_ckpt, tmp_path / "m")
     cfg = json.loads((directory / "config.json").read_text())
     cfg.update(num_hidden_layers=1, layer_types=cfg.get("layer_types", ["full_attention"] * 2)[:1])
     (directory / "config.json").write_text(json.dumps(cfg))
@@ -167,8 +157,8 @@ def _one_blob_twice(b: Path) -> str:
 
 
 @pytest.mark.parametrize("edit", [_stray_shard, _stray_model_file, _one_blob_twice])
-def test_verify_holds_a_bundle_to_exactly_what_its_manifest_lists(bundle, tmp_path, edit):
-    directory = copy(bundle, tmp_path / "b")
+def test_verify_holds_a_bundle_to_exactly_what_its_manifest_lists(char_bundle, tmp_path, edit):
+    directory = copy(char_bundle, tmp_path / "b")
     assert runner.invoke(app, ["verify", str(directory)]).exit_code == 0
     says = edit(directory)
     assert says in error_line(runner.invoke(app, ["verify", str(directory)]))  # it said OK
@@ -237,7 +227,7 @@ READERS = {
 @example(kind="character device", excess=1)
 @example(kind="directory", excess=1)
 @example(kind="oversized", excess=1)
-def test_every_file_moetool_reads_whole_is_a_regular_file_of_bounded_size(reader, kind, excess, bundle,
+def test_every_file_moetool_reads_whole_is_a_regular_file_of_bounded_size(reader, kind, excess, char_bundle,
                                                                           tmp_path_factory, fifo_writer):
     args, limit = READERS[reader]
     if kind == "oversized" and limit is None:
@@ -248,7 +238,7 @@ def test_every_file_moetool_reads_whole_is_a_regular_file_of_bounded_size(reader
     path = tmp / "in" / "x.run.json"
     path.parent.mkdir()
     says = special_file(path, kind, limit or 0, excess, fifo_writer)
-    line = error_line(runner.invoke(app, args(path, {"bundle": bundle, "tmp": tmp, "profile": profile})))
+    line = error_line(runner.invoke(app, args(path, {"bundle": char_bundle, "tmp": tmp, "profile": profile})))
     assert says in line and str(path.name) in line
 
 
@@ -284,10 +274,10 @@ WHERE = {  # where in a grid a value goes: each of these is quoted back when it 
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(width=st.integers(2, 6), depth=st.integers(1, 6))
 @example(width=9, depth=9)  # the issue's bomb: 387 million strings
-def test_a_grid_is_bounded_in_expansion_and_a_refusal_quotes_a_short_prefix(where, width, depth, bundle,
+def test_a_grid_is_bounded_in_expansion_and_a_refusal_quotes_a_short_prefix(where, width, depth, char_bundle,
                                                                           tmp_path_factory):
     grid = tmp_path_factory.mktemp("bomb") / "g.yaml"
-    grid.write_text(WHERE[where](alias_bomb(width, depth), bundle))
+    grid.write_text(WHERE[where](alias_bomb(width, depth), char_bundle))
     line = error_line(runner.invoke(app, ["sweep", str(grid), "--workers", "0", "--out", str(grid.parent / "o")]))
     assert len(line) < 400, line[:400]  # a sentence, not the value: the bomb's repr was gigabytes
     assert not (grid.parent / "o").exists()
@@ -295,11 +285,11 @@ def test_a_grid_is_bounded_in_expansion_and_a_refusal_quotes_a_short_prefix(wher
 
 @pytest.mark.parametrize("policy,knob", [("fate", "L"), ("dymoe", "config"), ("lru", "no_such_knob"),
                                          ("smoe", "cpu_assist")])
-def test_a_long_knob_value_is_quoted_by_a_short_prefix(policy, knob, bundle):
+def test_a_long_knob_value_is_quoted_by_a_short_prefix(policy, knob, char_bundle):
     """A knob value (or name) refused on the command line: the sentence quotes its start, not all of it
     (an int, a HIGH/LOW string, an unknown name and a bool knob, each parsed in its own place)."""
     long = "9/" * 20_000
     setting = f"{long}=1" if knob == "no_such_knob" else f"{knob}={long}"
-    line = error_line(runner.invoke(app, run_args(bundle, "--policy", policy, "--set", setting)))
+    line = error_line(runner.invoke(app, run_args(char_bundle, "--policy", policy, "--set", setting)))
     assert len(line) < 400, line[:400]
     assert "9/9/" in line  # the value is named, by its start
