@@ -39,21 +39,32 @@ def call_router(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> Any:
     if param is not None:
         hidden = hidden.to(param.device, param.dtype)
     extra = {name: getattr(block, name) for name, _ in params if hasattr(block, name)}
-    form = _ROUTER_FORM.get(type(router))
-    if form is not None:
-        return router(hidden[None] if form == "batched" else hidden, **extra) if form != "none" else None
-    for form, x in (("flat", hidden), ("batched", hidden[None])):
-        try:
-            out = router(x, **extra)
-        except (RuntimeError, IndexError, ValueError):  # a shape this router does not take
-            continue
-        _ROUTER_FORM[type(router)] = form
-        return out
-    _ROUTER_FORM[type(router)] = "none"
-    return None
+    form = router_form(router, extra, hidden)
+    return router(hidden[None] if form == "batched" else hidden, **extra) if form != "none" else None
 
 
 _ROUTER_FORM: dict[type, str] = {}  # router class -> "flat" [T, H], "batched" [1, T, H] or "none"
+
+
+def router_form(router: nn.Module, extra: dict[str, Any], probe: torch.Tensor) -> str:
+    """How `router`'s class reads hidden states: "flat" [T, H], "batched" [1, T, H], or "none" (it
+    runs neither way). Found once per class by running its own forward (not an engine's wrapper
+    around it) on `probe` [T, H] flat, then batched; kept for every later call, and for the captured
+    step, which cannot try and catch inside its traced code."""
+    form = _ROUTER_FORM.get(type(router))
+    if form is not None:
+        return form
+    form = "none"
+    with torch.no_grad():
+        for name, x in (("flat", probe), ("batched", probe[None])):
+            try:
+                type(router).forward(router, x, **extra)
+            except (RuntimeError, IndexError, ValueError):  # a shape this router does not take
+                continue
+            form = name
+            break
+    _ROUTER_FORM[type(router)] = form
+    return form
 
 
 def router_logits(output: Any, num_experts: int) -> torch.Tensor:

@@ -218,17 +218,22 @@ def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -
     return longest + max_new_tokens
 
 
-def _program(ready: Prepared, reason: str) -> Any:
+def _program(ready: Prepared, reason: str, asked: bool) -> Any:
     """The captured decode program of `ready`'s engine, or None after rebuilding the engine for the
-    host path where the model or the policy cannot take it (the reason is recorded in the run)."""
+    host path where the model or the policy cannot take it (the reason is recorded in the run).
+    `asked`: --decode captured, which runs a model type the captured step is not checked on."""
     from moetool.engine.decode import DecodeProgram
 
     try:
-        program = DecodeProgram(ready.engine, max_tokens=ready.max_tokens, host_budget=ready.host_budget)
+        program = DecodeProgram(ready.engine, max_tokens=ready.max_tokens, host_budget=ready.host_budget,
+                                unverified_ok=asked)
     except MoetoolError as e:
         build(ready, captured=False)
         ready.engine.decode_info = {"path": "host", "path_reason": f"the captured step fell back: {str(e).rstrip('.')}"}
         return None
+    if not program.verified:
+        reason += (f"; its tokens are not checked against transformers' for model type "
+                   f"'{program.model_type or 'unknown'}'")
     ready.engine.decode_info = {"path": "captured", "path_reason": reason, **program.summary()}
     return program
 
@@ -243,7 +248,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
     ready = prepare(cfg, max_tokens=lambda lm: _sequence_tokens(lm, prompts, cfg.max_new_tokens), batch=batch,
                     captured=path == "captured")
     ready.engine.decode_info = {"path": "host", "path_reason": reason}
-    program = _program(ready, reason) if path == "captured" else None
+    program = _program(ready, reason, asked=cfg.decode == "captured") if path == "captured" else None
     lm = ready.lm
     tokens: list[list[int]] = []
     texts: list[str] = []

@@ -158,31 +158,33 @@ def bench_one(name: str, shape: dict, bits: int, args, device: torch.device) -> 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, shape["hidden"], generator=gen).to(device, dtype)
     w = torch.softmax(torch.randn(1, k, generator=gen), -1).to(device, dtype)
-    calls = {}
-    if device.type == "cuda":
-        pools = [SlotPool(pool.data, pool.layout, s.int().view(1, k)) for s in sets]
-        calls["triton-eager"] = lambda: [experts_forward(x, w, [p], SILU, args.config) for p in pools]
+    calls, extras = {}, {}
     engine = DequantPath(pool, dtype)
     offs = [offsets(s, slots if bits == 16 else None) for s in sets]
     calls["dequant-gemm-eager"] = lambda: [engine(x, w, s, o) for s, o in zip(sets, offs)]
-    extra = {}
     if device.type == "cuda":
-        eager = calls["triton-eager"]()  # also compiles the kernels, outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = calls["triton-eager"]()
-        graph.replay()
-        torch.cuda.synchronize()
-        calls["triton-graph"] = graph.replay
-        err = max(((got.float() - want).abs().max() / want.abs().max()).item()
-                  for got, want in zip(eager, (reference_out(pool, x, w, s) for s in sets)))
-        extra = {"max_rel_err": err, "graph_equal": all(torch.equal(a, b) for a, b in zip(eager, captured))}
+        pools = [SlotPool(pool.data, pool.layout, s.int().view(1, k)) for s in sets]
+        for mode in args.modes:  # each accumulation mode (kexperts.MODES) timed in this same run
+            suffix, config = ("" if mode == 0 else f"-m{mode}"), (*args.config, mode)
+            calls[f"triton-eager{suffix}"] = eager_fn = (
+                lambda config=config: [experts_forward(x, w, [p], SILU, config) for p in pools])
+            eager = eager_fn()  # also compiles the kernels, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = eager_fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            calls[f"triton-graph{suffix}"] = graph.replay
+            err = max(((got.float() - want).abs().max() / want.abs().max()).item()
+                      for got, want in zip(eager, (reference_out(pool, x, w, s) for s in sets)))
+            extras[f"triton-eager{suffix}"] = extras[f"triton-graph{suffix}"] = {
+                "mode": mode, "max_rel_err": err, "graph_equal": all(torch.equal(a, b) for a, b in zip(eager, captured))}
     rows = []
     for path, fn in calls.items():
         seconds = (cuda_median_s if device.type == "cuda" else cpu_median_s)(fn, args.repeats) / args.sets
         rows.append({"device": device_name(device), "bits": bits, "shape": name, "path": path,
                      "us_per_expert": seconds / k * 1e6, "gbps": expert_bytes(pool) * k / seconds / 1e9,
-                     "expert_bytes": expert_bytes(pool), "top_k": k, **(extra if path.startswith("triton") else {})})
+                     "expert_bytes": expert_bytes(pool), "top_k": k, **extras.get(path, {})})
     del pool, calls  # the pool (and the closures over it) before the next shape's
     return rows
 
@@ -212,10 +214,21 @@ def table(rows: list[dict]) -> str:
 
 # ---- ahead-of-time compilation for a GPU this machine does not have -----------------------------
 
-def compile_only(arch: int, shapes: list[str]) -> int:
+def tiles(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 6 or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not six positive integers R1,BK1,R2,BK2,B3,WARPS")
+    return values
+
+
+def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: list[int], bits: list[int]) -> int:
     """Compile the three kernels for CUDA sm_`arch` with the arguments a mixed-precision call at
-    batch 1 launches (every stored precision in one launch) and print each one's registers and
-    spills (cuobjdump). Uses Triton's compiler entry points directly (no driver, no GPU)."""
+    batch 1 launches (the `bits` pools in one launch), per accumulation mode, and print each
+    one's registers and spills (cuobjdump). Uses Triton's compiler entry points directly (no
+    driver, no GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -227,11 +240,11 @@ def compile_only(arch: int, shapes: list[str]) -> int:
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    config = list(kexperts.default_config(torch.device("cuda")))
-    for name in shapes:
+    for name, mode in ((n, m) for n in shapes for m in modes):
+        config = [*tiles, mode]
         s = SHAPES[name]
         k, hidden, inter = s["top_k"], s["hidden"], s["width"]
-        pools = [make_pool(b, dict(s, width=inter), 2, torch.device("cpu"), distinct=1) for b in (16, 8, 4, 2)]
+        pools = [make_pool(b, dict(s, width=inter), 2, torch.device("cpu"), distinct=1) for b in sorted(bits, reverse=True)]
         layouts = [v for p in pools for v in kexperts.layout_ints(p.layout)]
         data, ids = [p.data for p in pools], [torch.zeros(1, k, dtype=torch.int32) for _ in pools]
         x, w = torch.zeros(1, hidden, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16)
@@ -247,13 +260,15 @@ def compile_only(arch: int, shapes: list[str]) -> int:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                       options=opts.__dict__)
             usage = ""
+            if os.environ.get("MOETOOL_DUMP_IR"):
+                Path(f"/tmp/moetool-{kernel.__name__}-m{mode}.ttgir").write_text(compiled.asm["ttgir"])
             if cuobjdump.exists():
                 path = Path(f"/tmp/moetool-{kernel.__name__}.cubin")
                 path.write_bytes(compiled.asm["cubin"])
                 res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
                 found = re.search(r"REG:(\d+).*LOCAL:(\d+)", res)
                 usage = f"registers {found.group(1)}, spilled bytes {found.group(2)}" if found else ""
-            print(f"{name:<20}{kernel.__name__:<16} grid {str(grid):<12} sm_{arch} "
+            print(f"{name:<20}{kernel.__name__:<16} bits {','.join(map(str, sorted(bits, reverse=True)))} mode {mode} grid {str(grid):<12} sm_{arch} "
                   f"{time.perf_counter() - t0:5.1f} s  {usage}")
     return 0
 
@@ -265,13 +280,15 @@ def main() -> int:
     ap.add_argument("--sets", type=int, default=32, help="routings per timed call (different experts each)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cpu-slots", type=int, default=8, help="pool slots on a CPU (host memory on a shared machine)")
-    ap.add_argument("--config", type=lambda v: tuple(int(x) for x in v.split(",")), default=(),
+    ap.add_argument("--config", type=tiles, default=kexperts.default_config(torch.device("cuda"))[:6],
                     metavar="R1,BK1,R2,BK2,B3,WARPS", help="the kernels' tiles (moetool.kernels.experts.default_config)")
+    ap.add_argument("--modes", nargs="+", type=int, choices=kexperts.MODES, default=list(kexperts.MODES),
+                    help="accumulation modes to time, each in this run (default: all; 0 is the default)")
     ap.add_argument("--out", type=Path, help="directory for bench_kernels.json")
     ap.add_argument("--compile-only", type=int, metavar="SM", help="compile for CUDA sm_SM without a GPU, and stop")
     args = ap.parse_args()
     if args.compile_only:
-        return compile_only(args.compile_only, args.shapes)
+        return compile_only(args.compile_only, args.shapes, args.config, args.modes, args.bits)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         print("no CUDA device: the Triton kernels need CUDA to be timed (under TRITON_INTERPRET=1 they run "

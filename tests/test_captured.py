@@ -13,8 +13,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import copy
+from tiny import MORE_CONFIGS, TINY_CONFIGS, save_tiny
+
 from moetool.engine import build_engine
-from moetool.engine.decode import DecodeProgram, choose_path
+from moetool.engine.decode import DIFFERENT_MODEL_TYPES, VERIFIED_MODEL_TYPES, DecodeProgram, choose_path
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
 from moetool.model import load_model, load_reference
@@ -254,6 +257,101 @@ def test_run_records_the_captured_path_and_its_tokens_equal_the_host_paths(tiny_
     assert host.summary["path"] == "host"
     assert captured.tokens == host.tokens
     assert captured.tpot_s["n"] == host.tpot_s["n"] == 2 * 4
+
+
+def _with_generation_config(src, dst, **fields):
+    """A copy of checkpoint `src` whose generation_config.json sets `fields` (as a real checkpoint's does)."""
+    from transformers import GenerationConfig
+
+    copy(src, dst)
+    GenerationConfig(**fields).save_pretrained(dst)
+    return dst
+
+
+def test_the_captured_step_never_picks_an_end_of_sequence_id_as_the_host_path_never_does(tiny_ckpt, tmp_path):
+    """A run decodes all of --max-new-tokens: the host path's generate suppresses the checkpoint's eos
+    ids (min_new_tokens), and so must the captured step's argmax, or the two runs part at the first
+    step whose greedy token is an eos id. Here eos is the plain argmax of the third new token."""
+    from moetool.run import RunConfig, run
+
+    free = run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), policy="resident", budget="100%", prompts=("hello",), max_new_tokens=6,
+                         decode="host")).tokens[0]
+    path = _with_generation_config(tiny_ckpt("qwen2_moe"), tmp_path / "m", eos_token_id=[free[2], 100000])
+    common = dict(model=str(path), policy="lru", budget="50%", prompts=("hello",), max_new_tokens=6)
+    captured, host = run(RunConfig(**common, decode="captured")), run(RunConfig(**common, decode="host"))
+    assert captured.summary["path"] == "captured"
+    assert captured.tokens == host.tokens
+    assert captured.tokens[0][:2] == free[:2] and free[2] not in captured.tokens[0]
+
+
+def test_a_generation_config_the_captured_step_does_not_apply_falls_back_in_the_open(tiny_ckpt, tmp_path):
+    from moetool.run import RunConfig, run
+
+    path = _with_generation_config(tiny_ckpt("qwen2_moe"), tmp_path / "m", repetition_penalty=1.3)
+    common = dict(model=str(path), policy="lru", budget="50%", prompts=("hello",), max_new_tokens=4)
+    captured, host = run(RunConfig(**common, decode="captured")), run(RunConfig(**common, decode="host"))
+    assert captured.summary["path"] == "host"
+    assert "RepetitionPenaltyLogitsProcessor" in captured.summary["path_reason"]
+    assert captured.tokens == host.tokens
+
+
+@pytest.mark.parametrize("arch", ["afmoe", "zaya"])
+def test_a_look_ahead_through_a_batched_router_compiles_in_a_fresh_process(tmp_path, monkeypatch, arch):
+    """afmoe's and ZAYA's routers read [1, T, H]. The captured step's look-ahead calls a later
+    layer's router in traced code, which cannot try a shape and catch: the form is found before the
+    compile, also where no host-path call found it first (a fresh process: the cache emptied)."""
+    from moetool import inference
+
+    monkeypatch.setattr(inference, "_ROUTER_FORM", {})
+    ckpt = save_tiny(arch, tmp_path / arch)
+    ref = load_reference(ckpt, experts_impl="batched_mm")
+    want = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=NEW, min_new_tokens=NEW,
+                        do_sample=False)[0, IDS.shape[1]:].tolist()
+    lm = load_model(ckpt)
+    engine, _, program = _program(lm, HostStore.from_experts(lm.experts, torch.float32), "fate",
+                                  {"cache_bits": "16", "low_bits": "16", "p": "0"}, "50%")
+    assert program.layers.routers and all(batched for _, _, batched in program.layers.routers.values())
+    assert program.generate(IDS, NEW) == want
+    first = min(program.layers.layers)
+    assert program.layers.prefetch_bits.get(first) == 16  # the first layer's look-ahead ran in the step
+
+
+ALL_ARCHS = sorted({*TINY_CONFIGS, *MORE_CONFIGS})
+
+
+def test_the_captured_architecture_lists_name_real_model_types():
+    assert VERIFIED_MODEL_TYPES <= set(ALL_ARCHS) and set(DIFFERENT_MODEL_TYPES) <= set(ALL_ARCHS)
+    assert not VERIFIED_MODEL_TYPES & set(DIFFERENT_MODEL_TYPES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_every_architecture_decodes_transformers_tokens_or_falls_back(tmp_path, arch):
+    """Every fused-experts architecture of transformers: a verified model type's captured step
+    decodes plain transformers' greedy tokens (over its default dynamic cache, with a run's
+    min_new_tokens); any other falls back with one reason, never a traceback, even when asked for;
+    and a type listed as different does differ (else it belongs among the verified)."""
+    ckpt = save_tiny(arch, tmp_path / arch)
+    ref = load_reference(ckpt, experts_impl="batched_mm")
+    want = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=NEW, min_new_tokens=NEW,
+                        do_sample=False)[0, IDS.shape[1]:].tolist()
+    lm = load_model(ckpt)
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", budget="50%",
+                             captured=True, max_tokens=32)
+    model_type = lm.model.config.model_type
+    try:
+        program = DecodeProgram(engine, max_tokens=32, backend="eager", unverified_ok=True)
+    except MoetoolError as e:
+        assert model_type not in VERIFIED_MODEL_TYPES, e
+        assert "\n" not in str(e) and engine.captured is None
+        if model_type in DIFFERENT_MODEL_TYPES:  # refused before any work: check the claim with the bare step
+            assert str(e) == DIFFERENT_MODEL_TYPES[model_type]
+            static = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=NEW, min_new_tokens=NEW,
+                                  do_sample=False, cache_implementation="static")[0, IDS.shape[1]:].tolist()
+            assert static != want
+        return
+    assert model_type in VERIFIED_MODEL_TYPES, f"{model_type} decodes through the captured step: verify it"
+    assert program.generate(IDS, NEW) == want
 
 
 def test_auto_is_the_host_path_on_a_cpu_and_the_captured_step_on_cuda():

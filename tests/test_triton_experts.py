@@ -91,6 +91,29 @@ def test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, 
     assert_close(got, reference_forward(x, w, [pool], SILU))
 
 
+# Mode 1 (`kexperts.MODES`): the next K tile's codes read before this tile's math, each tile reduced
+# as it is done. K tiles of 32 and 64: several tiles a group (128) and several groups a tile (32),
+# the last tile partial (1408, 768) or alone (32); and the GPU's own tiles.
+WIDE = (64, 32, 64, 32, 256, 4, 1)
+MODE1_CASES = [
+    (16, 0, 128, 1408, 1, 4, WIDE), (8, 128, 128, 1408, 2, 2, WIDE), (8, 32, 64, 32, 3, 8, WIDE),
+    (4, 128, 256, 1408, 1, 3, WIDE), (4, 32, 128, 768, 4, 8, (64, 64, 64, 64, 256, 4, 1)),
+    (2, 64, 256, 1408, 2, 2, WIDE), (2, 32, 576, 32, 1, 6, WIDE), (4, 64, 128, 768, 2, 4, (*CUDA_CONFIG[:6], 1)),
+]
+
+
+@pytest.mark.parametrize("bits,group,hidden,width,T,k,config", MODE1_CASES)
+def test_the_prefetching_mode_matches_the_dequantize_reference(bits, group, hidden, width, T, k, config):
+    test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, k, config)
+
+
+def test_a_kernel_config_is_six_tiles_and_a_known_mode():
+    assert kexperts._config([16, 256, 16, 256, 1024, 4], torch.device("cpu"))[-1] == 0  # mode 0 unless named
+    for bad in ([16, 256, 16, 256, 1024, 4, 2], [16, 256, 16, 256]):
+        with pytest.raises(ValueError, match="MODE"):
+            kexperts._config(bad, torch.device("cpu"))
+
+
 def test_per_channel_int8_and_bf16_activations():
     """INT8 with one group per row (its group is the whole 1408-column input) under bf16 hidden rows:
     the output is bf16, one rounding away from the fp32 reference on the same bf16 inputs."""
@@ -138,6 +161,7 @@ def test_every_precision_in_one_call_in_three_launches(monkeypatch):
     got = experts_forward(x, w, pools, SILU)
     assert launches.n == 3
     assert_close(got, reference_forward(x, w, pools, SILU))
+    assert_close(experts_forward(x, w, pools, SILU, WIDE), got)  # mode 1: every precision in one launch too
 
 
 def test_a_layer_with_no_slot_anywhere_adds_nothing():

@@ -142,20 +142,25 @@ class CapturedLayers:
         return self.policy.device_misses(bits)
 
     def prepare(self) -> None:
-        """Before the first compile: each router's call outside its block, as the host path found it
-        (`inference.call_router`: which extra arguments, flat or batched hidden states)."""
-        from moetool.inference import _ROUTER_FORM
+        """Before the first compile: each router's call outside its block, as the host path makes it
+        (`inference.call_router`: which extra arguments, flat or batched hidden states, found here
+        for a router class the process has not called yet)."""
+        from moetool.inference import router_form
 
         lm = self.engine.lm
         for g in lm.geometry.layers:
             block = lm.model.get_submodule(g.path)
             router = block.get_submodule(g.router)
             params = _router_extra_args(type(router))
-            form = _ROUTER_FORM.get(type(router), "flat")
-            if params is None or form == "none" or any(req and not hasattr(block, n) for n, req in params):
+            if params is None or any(req and not hasattr(block, n) for n, req in params):
                 continue
             extra = {name: getattr(block, name) for name, _ in params if hasattr(block, name)}
-            self.routers[g.index] = (router, extra, form == "batched")
+            param = next(router.parameters(), None)
+            probe = torch.zeros(1, g.hidden_size, device=self.device,
+                                dtype=param.dtype if param is not None else torch.float32)
+            form = router_form(router, extra, probe)  # found here: the traced step cannot try one and catch
+            if form != "none":
+                self.routers[g.index] = (router, extra, form == "batched")
 
     # -- inside the step -------------------------------------------------------------------------------
     def router_output(self, layer: int, output: Any) -> None:

@@ -58,6 +58,73 @@ def choose_path(requested: str, device: torch.device, batch: int, experts_impl: 
     return "host", "auto: on a CPU the host path (the captured step's compile costs more than it saves on a short run)"
 
 
+# Model types whose captured step decodes plain transformers' greedy tokens, each checked on a tiny
+# random checkpoint by tests/test_captured.py::test_every_architecture_decodes_transformers_tokens_or_falls_back
+# (transformers 5.24). The step runs the model's own attention over transformers' StaticCache, and
+# a static cache is not the dynamic one for every architecture: `auto` takes the captured step only
+# for these; `--decode captured` runs another (a newer transformers' model) and says it is unchecked.
+VERIFIED_MODEL_TYPES = frozenset({
+    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text", "glm4_moe",
+    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
+    "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax_m2",
+    "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
+    "qwen3_next", "solar_open", "zaya",
+})
+
+# Model types whose step compiles but whose tokens over a StaticCache are not transformers' own
+# (over its default dynamic cache): refused even when asked for. Both select keys with a
+# sparse-attention indexer, and plain transformers' `generate(cache_implementation="static")`
+# parts from its default the same way a few tokens in, on a tiny checkpoint (tests/test_captured.py
+# checks that each still differs; why is transformers' to say). deepseek_v32, whose indexer code
+# reads the same, decodes the same tokens over both.
+_STATIC_DIFFERS = ("plain transformers decodes other tokens over its StaticCache than over its default cache for "
+                   "{} (its sparse-attention indexer), so the captured step would too")
+DIFFERENT_MODEL_TYPES = {t: _STATIC_DIFFERS.format(t) for t in ("dots3_note_text", "glm_moe_dsa")}
+
+
+def architecture_refusal(model_type: str, unverified_ok: bool) -> str | None:
+    """Why the captured step does not run a model of `model_type`, or None: one whose static cache is
+    known to decode other tokens, or (unless `unverified_ok`) one not checked (`VERIFIED_MODEL_TYPES`)."""
+    if model_type in DIFFERENT_MODEL_TYPES:
+        return DIFFERENT_MODEL_TYPES[model_type]
+    if model_type not in VERIFIED_MODEL_TYPES and not unverified_ok:
+        return (f"the captured step's tokens are not checked against transformers' for model type "
+                f"'{model_type or 'unknown'}' (--decode captured runs it anyway)")
+    return None
+
+
+# What `generate` applies before its greedy argmax that the captured step reproduces: a run decodes
+# all of --max-new-tokens (min_new_tokens), so end-of-sequence ids are never picked (MinNewTokens),
+# which covers any min_length too. Any other processor (a checkpoint's repetition_penalty,
+# suppress_tokens, ...) is the host path's alone.
+_EOS_PROCESSORS = ("MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor")
+
+
+def greedy_rule(model: Any) -> list[int] | str:
+    """The token ids the captured step must never pick, as the host path's greedy `generate(...,
+    min_new_tokens=max_new_tokens)` with the checkpoint's generation config never does, or why the
+    step cannot decode as it does (a logits processor it does not apply). Read from transformers'
+    own preparation of that call, so the same config gives the same rule."""
+    try:
+        config, _ = model._prepare_generation_config(None, do_sample=False, max_new_tokens=2, min_new_tokens=2)
+        model._prepare_special_tokens(config, True, device=torch.device("cpu"))
+        processors = model._get_logits_processor(config, input_ids_seq_length=1, device="cpu", model_kwargs={})
+    except Exception as e:  # noqa: BLE001 - a generation config transformers cannot prepare is the host path's
+        return f"transformers cannot prepare greedy decoding for this model ({type(e).__name__}: {str(e)[:160]})"
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
+    suppressed: set[int] = set()
+    for proc in processors:
+        name = type(proc).__name__
+        if name not in _EOS_PROCESSORS:
+            return (f"the model's generation config turns on {name}, which the captured step does not apply "
+                    "(the host path's generate does)")
+        ids = torch.as_tensor(proc.eos_token_id).reshape(-1).tolist()
+        suppressed.update(int(i) for i in ids if i >= 0 and (vocab is None or i < vocab))  # generate ignores the rest
+    return sorted(suppressed)
+
+
 def unavailable(engine: Any) -> str | None:
     """Why a built `engine` cannot decode on the captured path (checked before any work), or None."""
     if not engine.grouped:
@@ -84,14 +151,41 @@ class DecodeProgram:
     """
 
     def __init__(self, engine: Any, max_tokens: int, host_budget: int | None = None,
-                 backend: str | None = None, graph: bool | None = None, kernels: bool | None = None):
-        from transformers import StaticCache
-
+                 backend: str | None = None, graph: bool | None = None, kernels: bool | None = None,
+                 unverified_ok: bool = False):
         self.engine, self.device = engine, engine.device
+        self._graph_wanted = graph
         lm = engine.lm
         reason = unavailable(engine)
         if reason:
             raise MoetoolError(reason)
+        self.model_type = str(getattr(lm.model.config, "model_type", "") or "")
+        reason = architecture_refusal(self.model_type, unverified_ok)
+        if reason:
+            raise MoetoolError(reason)
+        self.verified = self.model_type in VERIFIED_MODEL_TYPES
+        self.compile_s = 0.0
+        engine.captured = self.layers = None
+        try:
+            self._prepare(lm, max_tokens, host_budget, kernels)
+            t0 = time.perf_counter()
+            self._build(backend)
+            self.compile_s = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - whatever the model, the compiler or the capture refuses is a fallback
+            engine.captured = None
+            engine.capturing = False
+            if isinstance(e, MoetoolError):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise MoetoolError(f"{self._stage} failed ({type(e).__name__}: {first[:200]})") from None
+
+    def _prepare(self, lm: Any, max_tokens: int, host_budget: int | None, kernels: bool | None) -> None:
+        """What the step reads, set up before it is compiled: the host mirrors, the captured layers,
+        the static cache, the step's inputs and the host's copies of its log."""
+        from transformers import StaticCache
+
+        engine = self.engine
+        self._stage = "setting up the host mirrors"
         if host_budget is None and self.device.type == "cuda":
             from moetool.engine import default_host_budget
 
@@ -103,6 +197,12 @@ class DecodeProgram:
         self.layers = CapturedLayers(engine, mirrors, kernels)
         self.layers.prepare()
         self._check_plan()
+        self._stage = "reading the greedy rule of the model's generation config"
+        suppressed = greedy_rule(lm.model)
+        if isinstance(suppressed, str):
+            raise MoetoolError(suppressed)
+        self.suppressed = torch.tensor(suppressed, dtype=torch.long, device=self.device) if suppressed else None
+        self._stage = "building transformers' StaticCache for the model"
         self.cache = StaticCache(config=lm.model.config, max_cache_len=max_tokens)
         self._cache_keyword = next(iter(with_cache(lm.model, None)))  # read here, not inside the traced step
         self.max_tokens = max_tokens
@@ -111,22 +211,12 @@ class DecodeProgram:
         pin = self.device.type == "cuda"
         self.host_logs = [{k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in
                            self.layers.log.tensors().items()} for _ in range(2)]
-        self.graph = graph if graph is not None else self.device.type == "cuda"
+        self.graph = self._graph_wanted if self._graph_wanted is not None else self.device.type == "cuda"
         self._cuda_graph = None
         self.steps = 0  # decode steps run, over every prompt
         self.zero_copy_bytes = 0
         engine.captured = self.layers
-        t0 = time.perf_counter()
-        try:
-            self._build(backend)
-        except MoetoolError:
-            raise
-        except Exception as e:  # noqa: BLE001 - anything the compiler or the capture refuses is a fallback reason
-            engine.captured = None
-            engine.capturing = False
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise MoetoolError(f"the decode step does not compile ({type(e).__name__}: {first[:200]})") from None
-        self.compile_s = time.perf_counter() - t0
+        self._stage = "compiling the decode step"
 
     def _check_plan(self) -> None:
         """The step gathers each routed expert's blob (and, where it may miss, its host row) and
@@ -140,10 +230,17 @@ class DecodeProgram:
         model = self.engine.lm.model
         out = model(input_ids=self.tok, cache_position=self.pos, position_ids=self.pos.view(1, 1), use_cache=True,
                     **{self._cache_keyword: self.cache})
-        nxt = out.logits[:, -1].argmax(-1)  # [1] greedy, on the device
+        nxt = self._pick(out.logits[:, -1])  # [1] greedy, on the device
         self.layers.log.token.copy_(nxt)
         self.tok.copy_(nxt.view(1, 1))
         self.pos.add_(1)
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of `logits` [1, V] as the host path's `generate` picks it: the argmax, with
+        the ids `greedy_rule` names never picked (a run decodes all of --max-new-tokens)."""
+        if self.suppressed is not None:
+            logits = logits.index_fill(-1, self.suppressed, float("-inf"))
+        return logits.argmax(-1)
 
     def _build(self, backend: str | None) -> None:
         """One eager step (the static cache allocates its tensors outside any graph), the compile, and
@@ -171,6 +268,23 @@ class DecodeProgram:
         finally:
             engine.capturing = False
         self.cache.reset()
+        self._check_peak()
+
+    def _check_peak(self) -> None:
+        """On CUDA the budget's margin plans the compile's and the capture's own workspaces
+        (`budget.capture_workspace`); what the allocator really held is checked here too, so a build
+        that went past the budget is not kept (the caller falls back to the host path and says so)."""
+        if self.device.type != "cuda":
+            return
+        from moetool.errors import size_text
+
+        engine = self.engine
+        peak = torch.cuda.max_memory_allocated(self.device) - engine.stats.foreign_bytes
+        total = engine.residency.budget.total
+        if peak > total:
+            self._cuda_graph = self.compiled = None
+            raise MoetoolError(f"compiling and capturing the decode step took {size_text(peak - total)} of device "
+                               f"memory past the budget of {size_text(total)} (a larger --budget holds it)")
 
     @torch.no_grad()  # compiled without grad: a call with grad on would recompile (and AOT refuses the in-place updates)
     def _launch(self) -> None:
@@ -193,7 +307,7 @@ class DecodeProgram:
         self.cache.reset()
         logits = model(input_ids=ids.to(self.device), cache_position=torch.arange(T, device=self.device),
                        use_cache=True, **with_cache(model, self.cache)).logits
-        first = logits[:, -1].argmax(-1)  # [1]
+        first = self._pick(logits[:, -1])  # [1]
         tokens = [int(first)]
         tell = progress or (lambda n: None)
         tell(1)
@@ -343,7 +457,7 @@ class DecodeProgram:
 
     def summary(self) -> dict[str, Any]:
         return {"compile_s": self.compile_s, "captured_steps": self.steps, "bytes_zero_copy": self.zero_copy_bytes,
-                "cuda_graph": self._cuda_graph is not None}
+                "cuda_graph": self._cuda_graph is not None, "verified_model_type": self.verified}
 
 
 def _own_code(method: Any) -> Any:
@@ -355,4 +469,5 @@ def _own_code(method: Any) -> Any:
     return types.MethodType(own, method.__self__)
 
 
-__all__ = ["DecodeProgram", "PATHS", "choose_path", "unavailable"]
+__all__ = ["DIFFERENT_MODEL_TYPES", "DecodeProgram", "PATHS", "VERIFIED_MODEL_TYPES", "architecture_refusal",
+           "choose_path", "greedy_rule", "unavailable"]

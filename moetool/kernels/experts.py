@@ -168,8 +168,9 @@ def _slices(bits: int, span: int) -> int:
 
 
 @lru_cache(maxsize=256)
-def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bool, bk1: int, bk2: int) -> tuple:
-    """The kernels' compile-time constants for one precision (`triton_experts`' M[0..22])."""
+def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bool, bk1: int, bk2: int,
+                mode: int = 0) -> tuple:
+    """The kernels' compile-time constants for one precision (`triton_experts`' M[0..25])."""
     bits, wdt, bdt, has_bias, gq, gsc, gz, ggs, dq, dsc, dz, dgs, gb, db, n1, inter = ints
     gw1 = bk1 if bits == 16 else _pow2_divisor(ggs, bk1)
     gw2 = bk2 if bits == 16 else _pow2_divisor(dgs, bk2)
@@ -181,30 +182,46 @@ def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bo
     sl2 = _slices(bits, hidden)
     shared = int(bits != 16 and gated and not interleaved and per >= 2)
     return (bits, wdt, bdt, has_bias, gq, gsc, gz, ggs or 1, dq, dsc, dz, dgs or 1, gb, db,
-            gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per)
+            gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per, bk1, bk2, int(mode == 1))
 
 
-def default_config(device: torch.device) -> tuple[int, int, int, int, int, int]:
+# The kernels' loop modes (`default_config`'s last field). 0: each program reads a K tile, waits
+# for it, and adds its products into an [rows, K tile] fp32 tile reduced after the loop (measured
+# on an H200, docs/benchmarks.md: every precision took the same ~6 us an expert, as a chain of
+# dependent reads would). 1: the next tile's codes are loaded before this tile's math, so two
+# tiles' reads are in flight a program, and each tile is reduced as it is done (fewer registers:
+# 109 against 128 for INT4's gate_up on sm_90, `bench_kernels.py --compile-only 90 --bits 4`).
+# Mode 1 is the candidate for low-bit experts at their bytes' speed; it has not run on a GPU yet.
+MODES = (0, 1)
+
+
+def default_config(device: torch.device) -> tuple[int, int, int, int, int, int, int]:
     """(rows a gate_up program computes, its K tile, rows a down program computes, its K tile,
-    columns a combine program sums, warps). On CUDA: GEMV tiles of 16 rows and 256 columns, so one
-    (token, slot) pair of a 1408-wide expert is ~88 gate_up and ~128 down programs (a few per SM
-    with top-4 at batch 1). Under the interpreter each program costs Python time: few, large ones."""
+    columns a combine program sums, warps, accumulation mode `MODES`). On CUDA: GEMV tiles of 16 rows
+    and 256 columns, so one (token, slot) pair of a 1408-wide expert is ~88 gate_up and ~128 down
+    programs (a few per SM with top-4 at batch 1). Under the interpreter each program costs Python
+    time: few, large ones."""
     if device.type == "cuda":
-        return 16, 256, 16, 256, 1024, 4
-    return 128, 256, 128, 256, 1024, 4
+        return 16, 256, 16, 256, 1024, 4, 0
+    return 128, 256, 128, 256, 1024, 4, 0
 
 
 # ---- the ops -------------------------------------------------------------------------------------
 
 
-def _metas(layouts: list[int], hidden: int, gated: bool, interleaved: bool, bk1: int, bk2: int) -> tuple:
+def _metas(layouts: list[int], hidden: int, gated: bool, interleaved: bool, bk1: int, bk2: int, mode: int) -> tuple:
     n = LAYOUT_INTS
-    return tuple(kernel_meta(tuple(layouts[i:i + n]), hidden, gated, interleaved, bk1, bk2)
+    return tuple(kernel_meta(tuple(layouts[i:i + n]), hidden, gated, interleaved, bk1, bk2, mode)
                  for i in range(0, len(layouts), n))
 
 
 def _config(config: list[int], device: torch.device) -> tuple[int, ...]:
-    return tuple(config) if config else default_config(device)
+    """`config` (six fields, or seven with the mode), or `default_config`."""
+    if not config:
+        return default_config(device)
+    if len(config) not in (6, 7) or (len(config) == 7 and config[6] not in MODES):
+        raise ValueError(f"a kernel config is R1,BK1,R2,BK2,B3,WARPS[,MODE in {MODES}], not {list(config)}")
+    return (*config, 0) if len(config) == 6 else tuple(config)
 
 
 def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.Tensor], layouts: list[int], topk: int,
@@ -215,8 +232,8 @@ def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.T
     from moetool.kernels import triton_experts as tk
 
     hidden, (n1, inter) = x.shape[1], layouts[14:16]
-    r1, bk1, _, bk2, _, warps = _config(config, x.device)
-    metas = _metas(layouts, hidden, gated, interleaved, bk1, bk2)
+    r1, bk1, _, bk2, _, warps, mode = _config(config, x.device)
+    metas = _metas(layouts, hidden, gated, interleaved, bk1, bk2, mode)
     span = inter if gated else n1
     blocks = max(-(-(span // m[18]) // (r1 // m[18])) for m in metas)
     args = (x, x.stride(0), tuple(pools), tuple(p.stride(0) for p in pools), tuple(ids), h, topk, hidden, inter, n1,
@@ -231,8 +248,8 @@ def down_launches(h: torch.Tensor, routing_weights: torch.Tensor, pools: list[to
 
     T, topk = routing_weights.shape
     inter = layouts[15]
-    _, bk1, r2, bk2, b3, warps = _config(config, h.device)
-    metas = _metas(layouts, hidden, False, False, bk1, bk2)  # down's constants do not depend on the gate
+    _, bk1, r2, bk2, b3, warps, mode = _config(config, h.device)
+    metas = _metas(layouts, hidden, False, False, bk1, bk2, mode)  # down's constants do not depend on the gate
     blocks = max(-(-(hidden // m[19]) // (r2 // m[19])) for m in metas)
     pool_args = (tuple(pools), tuple(p.stride(0) for p in pools), tuple(ids))
     return [(tk.down_kernel, (T * topk, blocks), (h, routing_weights, *pool_args, y, hidden, inter, metas, r2, bk2),

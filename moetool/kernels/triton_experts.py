@@ -105,6 +105,98 @@ def _dequant(raw, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, NQ
 
 
 @triton.jit
+def _load_raw(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: tl.constexpr, NQ: tl.constexpr,
+              Q_OFF: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """`_load_w`'s tile as stored (16-bit weights stay 16-bit): what mode 1 holds while the
+    previous tile's math runs, so it costs half or less of an fp32 tile's registers."""
+    g = tl.arange(0, NG)[None, :, None]
+    c = tl.arange(0, GW)[None, None, :]
+    kk = k0 + g * GW + c  # [1, NG, GW]
+    r3 = rows[:, None, None]  # [R, 1, 1]
+    mask = rmask[:, None, None] & (kk < K)
+    if BITS == 16:
+        return tl.load(_ptr(blob, Q_OFF, WDT) + r3 * K + kk, mask=mask, other=0.0)
+    else:
+        return tl.load(blob + Q_OFF + (r3 % NQ) * K + kk, mask=mask, other=0)
+
+
+@triton.jit
+def _load_sz(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, S_OFF: tl.constexpr,
+             Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """Scale and zero [R, NG, 1] (fp16, as stored) of `rows`' groups in the tile at k0; zeros of no
+    meaning for a 16-bit projection (never read)."""
+    r3 = rows[:, None, None]
+    col = k0 + tl.arange(0, NG)[None, :, None] * GW  # [1, NG, 1]
+    if BITS == 16:
+        none = (r3 + col) * 0.0
+        return none, none
+    else:
+        grp = r3 * (K // GS) + col // GS
+        mask = rmask[:, None, None] & (col < K)
+        scale = tl.load(_ptr(blob, S_OFF, 1) + grp, mask=mask, other=0.0)
+        zero = tl.load(_ptr(blob, Z_OFF, 1) + grp, mask=mask, other=0.0)
+        return scale, zero
+
+
+@triton.jit
+def _weights(raw, scale, zero, rows, BITS: tl.constexpr, NQ: tl.constexpr):
+    """fp32 weights from `_load_raw`'s tile and `_load_sz`'s scale and zero, as `_dequant` computes them."""
+    if BITS == 16:
+        return raw.to(tl.float32)
+    else:
+        shift = 8 - BITS * (rows[:, None, None] // NQ + 1)
+        code = (raw.to(tl.int32) >> shift) & ((1 << BITS) - 1)
+        return (code.to(tl.float32) - zero.to(tl.float32)) * scale.to(tl.float32)
+
+
+@triton.jit
+def _tile_x(x_row, k0, K: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+    return tl.load(x_row + kk, mask=kk < K, other=0.0)  # [1, NG, GW], as stored
+
+
+@triton.jit
+def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+                   WDT: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr, S_OFF: tl.constexpr,
+                   Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
+                   TWO: tl.constexpr, SHARED: tl.constexpr):
+    """Mode 1 (`experts.MODES`): the dot products with x over K of `rows` and, with TWO, of `rows2`
+    ([R] fp32 each; the second 0 without TWO). The next K tile's codes and x are loaded before this
+    tile's math, so a program keeps two tiles' reads in flight, not one (a loop of dependent reads
+    is latency-bound whatever the precision), and each tile is reduced as it is done (an [R]
+    accumulator, not an [R, BK] one). SHARED: rows2's codes are in rows' bytes (hqq packs [gate;
+    up] 2+ rows a byte), read once."""
+    acc = tl.full((R,), 0.0, tl.float32)
+    acc2 = tl.full((R,), 0.0, tl.float32)
+    raw_n = _load_raw(blob, rows, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    raw2_n = raw_n
+    if TWO:
+        if not SHARED:
+            raw2_n = _load_raw(blob, rows2, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    x_n = _tile_x(x_row, 0, K, GW, NG)
+    for k0 in range(0, K, BK):
+        raw = raw_n
+        raw2 = raw2_n
+        xk = x_n
+        # the next tile's codes (masked past K: nothing is read), then this one's scales (a row's
+        # scales share cache lines: after the first tile they come from L1) and math
+        raw_n = _load_raw(blob, rows, rmask, k0 + BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+        if TWO:
+            if SHARED:
+                raw2_n = raw_n
+            else:
+                raw2_n = _load_raw(blob, rows2, rmask, k0 + BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+        x_n = _tile_x(x_row, k0 + BK, K, GW, NG)
+        xf = xk.to(tl.float32)
+        s, z = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+        acc += _sum(_sum(_weights(raw, s, z, rows, BITS, NQ) * xf, 2), 1)
+        if TWO:
+            s2, z2 = _load_sz(blob, rows2, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+            acc2 += _sum(_sum(_weights(raw2, s2, z2, rows2, BITS, NQ) * xf, 2), 1)
+    return acc, acc2
+
+
+@triton.jit
 def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
     """The epilogue's activation (codes: `activation.Act`) on gate rows g and up rows u (fp32)."""
     if ACT == 5:  # gpt_oss's clamped SwiGLU
@@ -144,6 +236,8 @@ def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl
     SL: tl.constexpr = M[18]
     SHARED: tl.constexpr = M[20]
     NQ: tl.constexpr = M[22]
+    BK1: tl.constexpr = M[23]
+    MODE: tl.constexpr = M[25]
     if GATED:
         n, nmask = _lanes(b, SL, I // SL, R)  # the neurons this block computes
         if INTERLEAVED:
@@ -156,21 +250,25 @@ def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl
         n, nmask = _lanes(b, SL, N1 // SL, R)
         grow = n
         urow = n
-    acc_g = tl.full((R, NG, GW), 0.0, tl.float32)
-    acc_u = tl.full((R, NG, GW), 0.0, tl.float32)
-    for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
-        xk = tl.load(x_row + kk, mask=kk < H, other=0.0).to(tl.float32)  # [1, NG, GW]
-        raw_g = _load_w(blob, grow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
-        acc_g += _dequant(raw_g, blob, grow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
-        if GATED:
-            if SHARED:  # [gate; up] packed 2+ rows a byte: up's codes are in gate's bytes
-                raw_u = raw_g
-            else:
-                raw_u = _load_w(blob, urow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
-            acc_u += _dequant(raw_u, blob, urow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
-    g = _sum(_sum(acc_g, 2), 1)  # [R]
-    u = _sum(_sum(acc_u, 2), 1)
+    if MODE == 1:
+        g, u = _gemv_prefetch(x_row, blob, grow, urow, nmask, H, R, BITS, WDT, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, NG,
+                              BK1, GATED, SHARED)
+    else:
+        acc_g = tl.full((R, NG, GW), 0.0, tl.float32)
+        acc_u = tl.full((R, NG, GW), 0.0, tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+            xk = tl.load(x_row + kk, mask=kk < H, other=0.0).to(tl.float32)  # [1, NG, GW]
+            raw_g = _load_w(blob, grow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
+            acc_g += _dequant(raw_g, blob, grow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
+            if GATED:
+                if SHARED:  # [gate; up] packed 2+ rows a byte: up's codes are in gate's bytes
+                    raw_u = raw_g
+                else:
+                    raw_u = _load_w(blob, urow, nmask, k0, H, BITS, WDT, NQ, Q_OFF, GW, NG)
+                acc_u += _dequant(raw_u, blob, urow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
+        g = _sum(_sum(acc_g, 2), 1)  # [R]
+        u = _sum(_sum(acc_u, 2), 1)
     if HAS_BIAS:
         g += tl.load(_ptr(blob, B_OFF, BDT) + grow, mask=nmask, other=0.0).to(tl.float32)
         if GATED:
@@ -218,14 +316,20 @@ def _down_one(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr, M
     NG: tl.constexpr = M[17]
     SL: tl.constexpr = M[19]
     NQ: tl.constexpr = M[21]
+    BK2: tl.constexpr = M[24]
+    MODE: tl.constexpr = M[25]
     rows, rmask = _lanes(b, SL, H // SL, R)
-    acc = tl.full((R, NG, GW), 0.0, tl.float32)
-    for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
-        hk = tl.load(h_row + kk, mask=kk < I, other=0.0)  # [1, NG, GW] fp32
-        raw = _load_w(blob, rows, rmask, k0, I, BITS, WDT, NQ, Q_OFF, GW, NG)
-        acc += _dequant(raw, blob, rows, rmask, k0, I, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * hk
-    y = _sum(_sum(acc, 2), 1)  # [R]
+    if MODE == 1:
+        y, _ = _gemv_prefetch(h_row, blob, rows, rows, rmask, I, R, BITS, WDT, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, NG,
+                              BK2, False, False)
+    else:
+        acc = tl.full((R, NG, GW), 0.0, tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, NG)[None, :, None] * GW + tl.arange(0, GW)[None, None, :]
+            hk = tl.load(h_row + kk, mask=kk < I, other=0.0)  # [1, NG, GW] fp32
+            raw = _load_w(blob, rows, rmask, k0, I, BITS, WDT, NQ, Q_OFF, GW, NG)
+            acc += _dequant(raw, blob, rows, rmask, k0, I, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * hk
+        y = _sum(_sum(acc, 2), 1)  # [R]
     if HAS_BIAS:
         y += tl.load(_ptr(blob, B_OFF, BDT) + rows, mask=rmask, other=0.0).to(tl.float32)
     tl.store(y_row + rows, y * weight, mask=rmask)
