@@ -92,13 +92,13 @@ def test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, 
 
 
 # Mode 1 (`kexperts.MODES`): the next K tile's codes read before this tile's math, each tile reduced
-# as it is done. K tiles of 32 and 64: several tiles a group (128) and several groups a tile (32),
-# the last tile partial (1408, 768) or alone (32); and the GPU's own tiles.
-WIDE = (64, 32, 64, 32, 256, 4, 1)
+# as it is done. K tiles of 64: two groups of 32 a tile, a group of 128 over two tiles, the last tile
+# partial (96, 160) or the only one (32); then the GPU's own tiles.
+WIDE = (128, 64, 128, 64, 256, 4, 1)
 MODE1_CASES = [
-    (16, 0, 128, 1408, 1, 4, WIDE), (8, 128, 128, 1408, 2, 2, WIDE), (8, 32, 64, 32, 3, 8, WIDE),
-    (4, 128, 256, 1408, 1, 3, WIDE), (4, 32, 128, 768, 4, 8, (64, 64, 64, 64, 256, 4, 1)),
-    (2, 64, 256, 1408, 2, 2, WIDE), (2, 32, 576, 32, 1, 6, WIDE), (4, 64, 128, 768, 2, 4, (*CUDA_CONFIG[:6], 1)),
+    (16, 0, 128, 160, 1, 4, WIDE), (8, 128, 128, 256, 2, 2, WIDE), (8, 32, 64, 32, 3, 8, WIDE),
+    (4, 32, 192, 96, 4, 8, WIDE), (2, 32, 128, 160, 2, 3, WIDE), (2, 32, 576, 32, 1, 6, WIDE),
+    (4, 64, 128, 768, 2, 4, (*CUDA_CONFIG[:6], 1)),
 ]
 
 

@@ -113,7 +113,8 @@ def greedy_rule(model: Any) -> list[int] | str:
         processors = model._get_logits_processor(config, input_ids_seq_length=1, device="cpu", model_kwargs={})
     except Exception as e:  # noqa: BLE001 - a generation config transformers cannot prepare is the host path's
         return f"transformers cannot prepare greedy decoding for this model ({type(e).__name__}: {str(e)[:160]})"
-    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    vocab = int(head.shape[0]) if isinstance(head, torch.Tensor) else None  # the logits' width
     suppressed: set[int] = set()
     for proc in processors:
         name = type(proc).__name__
