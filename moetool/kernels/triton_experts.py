@@ -69,46 +69,10 @@ def _lanes(b, SL: tl.constexpr, SPAN: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _load_w(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: tl.constexpr, NQ: tl.constexpr,
-            Q_OFF: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
-    """The raw tile of rows `rows` [R] and input columns k0 .. k0 + NG*GW as [R, NG, GW]: code bytes
-    (uint8) for a packed projection, fp32 weights for a 16-bit one."""
-    g = tl.arange(0, NG)[None, :, None]
-    c = tl.arange(0, GW)[None, None, :]
-    kk = k0 + g * GW + c  # [1, NG, GW]
-    r3 = rows[:, None, None]  # [R, 1, 1]
-    mask = rmask[:, None, None] & (kk < K)
-    if BITS == 16:
-        return tl.load(_ptr(blob, Q_OFF, WDT) + r3 * K + kk, mask=mask, other=0.0).to(tl.float32)
-    else:
-        return tl.load(blob + Q_OFF + (r3 % NQ) * K + kk, mask=mask, other=0)
-
-
-@triton.jit
-def _dequant(raw, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, NQ: tl.constexpr,
-             S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
-    """Weights [R, NG, GW] fp32 from `_load_w`'s tile: (code - zero) * scale, the code being the
-    row's slice of its byte, scale and zero those of the row's group (GW divides GS)."""
-    if BITS == 16:
-        return raw
-    else:
-        r3 = rows[:, None, None]
-        shift = 8 - BITS * (r3 // NQ + 1)  # [R, 1, 1]: where the row's slice sits in its byte
-        code = (raw.to(tl.int32) >> shift) & ((1 << BITS) - 1)
-        g = tl.arange(0, NG)[None, :, None]
-        col = k0 + g * GW  # [1, NG, 1]: first input column of each group slice
-        grp = r3 * (K // GS) + col // GS  # [R, NG, 1]
-        mask = rmask[:, None, None] & (col < K)
-        scale = tl.load(_ptr(blob, S_OFF, 1) + grp, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(_ptr(blob, Z_OFF, 1) + grp, mask=mask, other=0.0).to(tl.float32)
-        return (code.to(tl.float32) - zero) * scale
-
-
-@triton.jit
 def _load_raw(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: tl.constexpr, NQ: tl.constexpr,
               Q_OFF: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
-    """`_load_w`'s tile as stored (16-bit weights stay 16-bit): what mode 1 holds while the
-    previous tile's math runs, so it costs half or less of an fp32 tile's registers."""
+    """The tile of rows `rows` [R] and input columns k0 .. k0 + NG*GW as [R, NG, GW], as stored:
+    code bytes (uint8) for a packed projection, 16-bit (or fp32) weights for a 16-bit one."""
     g = tl.arange(0, NG)[None, :, None]
     c = tl.arange(0, GW)[None, None, :]
     kk = k0 + g * GW + c  # [1, NG, GW]
@@ -121,17 +85,29 @@ def _load_raw(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: t
 
 
 @triton.jit
+def _load_w(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: tl.constexpr, NQ: tl.constexpr,
+            Q_OFF: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """`_load_raw`'s tile with 16-bit weights in fp32 (mode 0's tile; mode 1 holds the stored
+    dtype while the previous tile's math runs: half the registers)."""
+    raw = _load_raw(blob, rows, rmask, k0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    if BITS == 16:
+        return raw.to(tl.float32)
+    else:
+        return raw
+
+
+@triton.jit
 def _load_sz(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, S_OFF: tl.constexpr,
              Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
-    """Scale and zero [R, NG, 1] (fp16, as stored) of `rows`' groups in the tile at k0; zeros of no
-    meaning for a 16-bit projection (never read)."""
+    """Scale and zero [R, NG, 1] (fp16, as stored) of `rows`' groups in the tile at k0 (GW divides
+    GS); zeros of no meaning for a 16-bit projection (never read)."""
     r3 = rows[:, None, None]
-    col = k0 + tl.arange(0, NG)[None, :, None] * GW  # [1, NG, 1]
+    col = k0 + tl.arange(0, NG)[None, :, None] * GW  # [1, NG, 1]: first input column of each group slice
     if BITS == 16:
         none = (r3 + col) * 0.0
         return none, none
     else:
-        grp = r3 * (K // GS) + col // GS
+        grp = r3 * (K // GS) + col // GS  # [R, NG, 1]
         mask = rmask[:, None, None] & (col < K)
         scale = tl.load(_ptr(blob, S_OFF, 1) + grp, mask=mask, other=0.0)
         zero = tl.load(_ptr(blob, Z_OFF, 1) + grp, mask=mask, other=0.0)
@@ -140,13 +116,22 @@ def _load_sz(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, S_OFF: 
 
 @triton.jit
 def _weights(raw, scale, zero, rows, BITS: tl.constexpr, NQ: tl.constexpr):
-    """fp32 weights from `_load_raw`'s tile and `_load_sz`'s scale and zero, as `_dequant` computes them."""
+    """fp32 weights [R, NG, GW] from a tile and its scale and zero: (code - zero) * scale, the code
+    being the row's slice of its byte; a 16-bit tile as it is, in fp32."""
     if BITS == 16:
         return raw.to(tl.float32)
     else:
-        shift = 8 - BITS * (rows[:, None, None] // NQ + 1)
+        shift = 8 - BITS * (rows[:, None, None] // NQ + 1)  # [R, 1, 1]: where the row's slice sits in its byte
         code = (raw.to(tl.int32) >> shift) & ((1 << BITS) - 1)
         return (code.to(tl.float32) - zero.to(tl.float32)) * scale.to(tl.float32)
+
+
+@triton.jit
+def _dequant(raw, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, NQ: tl.constexpr,
+             S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """Weights [R, NG, GW] fp32 from `_load_w`'s tile, with its groups' scales and zeros loaded."""
+    scale, zero = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+    return _weights(raw, scale, zero, rows, BITS, NQ)
 
 
 @triton.jit
