@@ -148,7 +148,8 @@ class DecodeProgram:
     """The captured decode step of one engine, its static cache and its loop (see the module docstring).
 
     Built once (compiled, and captured on CUDA); `generate` runs one prompt. Raises MoetoolError with
-    the reason where the model or the policy cannot be captured (the caller falls back to the host path).
+    the reason where the model or the policy cannot be captured (the caller falls back to the host path),
+    also for a model type outside `VERIFIED_MODEL_TYPES` unless `unverified_ok` (`--decode captured`).
     """
 
     def __init__(self, engine: Any, max_tokens: int, host_budget: int | None = None,
