@@ -138,8 +138,8 @@ def _profile_tables(path: Path, prof: Profile) -> str:
                   f"t_dense {t.t_dense_s * 1e3:.3f} ms.\n\n")
         md.append(_table(["layer", "t_attn ms", "t_gate ms", "t_moe ms", "t_experts ms"],
                          [[x.layer, x.t_attn * 1e3, x.t_gate * 1e3, x.t_moe * 1e3, x.t_experts * 1e3] for x in t.layers]))
-        md.append("\n" + _table(["bits", "bytes", "load µs", "dequant µs", "compute µs (1 token)"],
-                                [[e.bits, e.nbytes, e.load_s * 1e6, e.dequant_s * 1e6, e.compute_s * 1e6]
+        md.append("\n" + _table(["bits", "bytes", "path", "load µs", "dequant µs", "compute µs (1 token)"],
+                                [[e.bits, e.nbytes, e.path, e.load_s * 1e6, e.dequant_s * 1e6, e.compute_s * 1e6]
                                  for e in t.experts]))
     return "".join(md)
 

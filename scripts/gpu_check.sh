@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: moetool's CUDA tests, then its GPU benchmarks, logged under $OUT
 # (default gpu-out/). The CPU suite (make test) runs these tests too but skips them without a GPU.
-#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [model] [decode] [bench]
+#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [model] [timing] [decode] [bench]
 #         tests:   the tests marked cuda (tests/test_cuda.py: engine, captured step, fused kernels)
 #         kernels: scripts/bench_kernels.py (the fused low-bit experts kernels against dequantize + GEMM)
 #         model:   the 4-layer Qwen1.5-MoE checkpoint and its 16/8/4/2-bit bundle (scripts/bench_gpu.py's)
+#         timing:  `moetool profile --what timing` on it: hw-profile.json, each precision timed on the
+#                  engine's path there (the fused kernels in a CUDA graph), to recalibrate profiles/hw
 #         decode:  scripts/bench_decode.py on it (captured step vs host-driven vs plain transformers)
 #         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
-#     T_TESTS=240 T_KERNELS=120 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
+#     T_TESTS=240 T_KERNELS=120 T_TIMING=300 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
 #     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
 # A GPU image without this project's pins: wheels put in `.whl/` (e.g. `pip download --no-deps -d .whl
 # transformers==5.24.0 hqq termcolor`) are installed first, into a directory ahead of the image's packages.
@@ -41,6 +43,11 @@ if [[ $what == *model* ]]; then
     # Only the checkpoint and its bundle (GBs, to $WORK, not under $out).
     $py scripts/bench_gpu.py --out "$work/model-only" --work "$work" \
         --skip bandwidth,p1,policies,timing,sim,accelerate ${BENCH_ARGS:-} 2>&1 | tee "$out/model.log" || rc=1
+fi
+if [[ $what == *timing* ]]; then
+    # Only the timing profile, on the model part's checkpoint and bundle (issue 42's recalibration).
+    timeout "${T_TIMING:-300}" $py scripts/bench_gpu.py --out "$out" --work "$work" \
+        --skip bandwidth,p1,policies,sim,accelerate ${BENCH_ARGS:-} 2>&1 | tee "$out/timing.log" || rc=1
 fi
 if [[ $what == *bench* ]]; then
     $py scripts/bench_gpu.py --out "$out" --work "$work" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench-gpu.log" || rc=1

@@ -1,6 +1,12 @@
 """Timings on this machine: per layer t_attn, t_gate, t_moe in decode; per precision the load, dequant
 and compute time of one expert; C_CPU (SMoE); host-to-device bandwidth (CUDA only).
 
+An expert is timed on the path the engine runs it on for a decode token on this device
+(`expert_path`): the fused Triton kernels on CUDA (inside a CUDA graph, as the captured step
+replays them), torch's INT4/INT8 CPU kernels where they take the layout, else dequantize then one
+grouped GEMM. A profile that timed another path would calibrate the sim clock to a cost no run pays
+(on an H200 a dequantized INT4 expert takes 24x the kernel's time, docs/benchmarks.md).
+
 `hw_profile` turns them into a hardware profile JSON for `moetool run --clock sim --hw FILE`: the
 measured `t_dense_s`, `t_expert_s` and `c_cpu_s` (and `h2d_gbps` on CUDA) over a shipped preset's
 throughputs, each field's origin written in `sources`.
@@ -41,8 +47,10 @@ class ExpertTiming:
     bits: int
     nbytes: int  # one expert's blob
     load_s: float  # host -> compute device copy of the blob (a host memcpy on CPU)
-    dequant_s: float  # blob -> weights in the compute dtype
-    compute_s: float  # one token through the expert, its share of a layer's top-k in one grouped GEMM
+    dequant_s: float  # blob -> weights in the compute dtype (0 where the path reads the codes as stored)
+    compute_s: float  # one token through the expert: its share of a layer's top-k, as the path runs them
+    path: str = "grouped"  # the engine's path that was timed (`PATHS`)
+    convert_s: float = 0.0  # once per fill, not per use: a CPU kernel's rewrite of a blob as it lands
 
 
 @dataclass(frozen=True)
@@ -127,44 +135,139 @@ def layer_timings(lm: LoadedModel, ids: torch.Tensor, steps: int) -> tuple[Layer
                  for g in lm.geometry.layers)
 
 
+# The engine's paths for one decode token's experts at one precision (`expert_path`).
+PATHS = {
+    "triton": "the fused Triton experts kernels, codes read as stored, timed in a CUDA graph",
+    "int4-cpu-fused": "torch's packed-int4 CPU kernel, the top-k experts in one call a projection",
+    "int4-cpu": "torch's packed-int4 CPU kernel, one expert a call",
+    "int8-cpu-fused": "torch's int8 weight-only CPU kernel, gate_up of the top-k in one call",
+    "int8-cpu": "torch's int8 weight-only CPU kernel, one expert a call",
+    "grouped": "dequantized (bf16: read as stored), one grouped GEMM a projection over the top-k",
+}
+
+
+def expert_path(layout: Any, activation: Any, bits: int, top_k: int, device: torch.device, dtype: torch.dtype,
+                captured: bool) -> str:
+    """The path (`PATHS`) the engine takes for one decode token's experts of `layout` at `bits` on
+    `device`, from the same predicates it asks at build time: the Triton kernels on CUDA where they
+    take the layout (low bits on either decode path; the reference precision too when `captured`,
+    the step `--decode auto` takes there, engine/decode.py), torch's CPU kernels where they take it
+    (`quant.kernels.layers_on_kernel`, fused over the top-k where `fusable`), else grouped GEMMs."""
+    from moetool.quant import int4_kernel, int8_kernel
+    from moetool.quant.kernels import MODULES
+
+    if device.type == "cuda" and (bits != 16 or captured):
+        from moetool.kernels import supported
+
+        if supported(layout, activation, device) is None:
+            return "triton"
+    module = MODULES.get(bits)
+    if module is not None and module.unsupported(layout, device, dtype) is None:
+        name = "int4-cpu" if module is int4_kernel else "int8-cpu"
+        fused = int4_kernel.fusable(layout, top_k) if module is int4_kernel else int8_kernel.fusable(layout)
+        return f"{name}-fused" if fused else name
+    return "grouped"
+
+
 @torch.no_grad()
 def expert_timings(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]]) -> tuple[ExpertTiming, ...]:
-    """Per precision: copy `blob` to the device, dequantize it, run one token through it.
+    """Per precision: copy `blob` to the device, then one token through the layer's top-k copies of
+    it on the engine's path for this device (`expert_path`), per expert.
 
     `blobs` maps bits -> (host uint8 blob, quant.format.Layout) of one expert of the first MoE layer.
     """
-    from moetool.quant.format import dequantize_into, empty_weights
+    from moetool.engine.decode import VERIFIED_MODEL_TYPES
+    from moetool.kernels import activation_of
 
     p = next(lm.model.parameters())
     device, dtype = p.device, p.dtype
     g = lm.geometry.layers[0]
     module = lm.model.get_submodule(g.path).experts
+    activation = activation_of(module)
+    captured = lm.fingerprint.model_type in VERIFIED_MODEL_TYPES
     x = torch.randn(1, g.hidden_size, device=device, dtype=dtype)  # [1, H]
+    weight = torch.full((1, g.top_k), 1.0 / g.top_k, device=device, dtype=dtype)  # [1, k] routing weights
     out = []
     for bits, (blob, layout) in sorted(blobs.items(), reverse=True):
         src = blob.pin_memory() if device.type == "cuda" else blob
         dst = torch.empty_like(src, device=device)
-        w = empty_weights(layout, dtype, device)
         load = timed(lambda: dst.copy_(src, non_blocking=True), device)
-        deq = timed(lambda: dequantize_into(dst, layout, w), device)
-        comp = grouped_compute(module, w, x, g.top_k, device)
+        path = expert_path(layout, activation, int(bits), g.top_k, device, dtype, captured)
+        call, deq, convert = path_call(path, module, activation, dst, layout, int(bits), x, weight)
+        per_call = graph_timed(call, device) if path == "triton" else timed(call, device)
         out.append(ExpertTiming(bits=int(bits), nbytes=int(blob.numel()), load_s=load, dequant_s=deq,
-                                compute_s=comp))
+                                compute_s=per_call / g.top_k, path=path, convert_s=convert))
     return tuple(out)
 
 
-def grouped_compute(module: torch.nn.Module, w: Any, x: torch.Tensor, k: int, device: torch.device) -> float:
-    """Seconds per expert of one token through `k` experts in one grouped GEMM per projection, as the
-    engine runs a layer's experts (`engine.groups.grouped_mlp`): timing one expert alone would charge
-    each of them a whole launch and sync."""
+def path_call(path: str, module: torch.nn.Module, activation: Any, blob: torch.Tensor, layout: Any, bits: int,
+              x: torch.Tensor, weight: torch.Tensor) -> tuple[Callable[[], torch.Tensor], float, float]:
+    """(call, dequant seconds, convert seconds) for one token `x` [1, H] through k = weight.shape[1]
+    copies of the expert `blob` (on the device) on `path`. The call returns the weighted sum over
+    the k experts [1, H] in x's dtype, as the engine's layer adds it; the copies sit in a pool of k
+    slots, as the residency holds experts. `blob` is left as it was."""
+    from moetool.quant.format import dequantize_into, empty_weights
+    from moetool.quant.kernels import MODULES
+
+    k, device, dtype = weight.shape[1], blob.device, x.dtype
+    pool = blob.unsqueeze(0).repeat(k, 1)  # [k, blob bytes]
+    if path == "triton":
+        from moetool.kernels import SlotPool, experts_forward
+
+        slots = SlotPool(pool, layout, torch.arange(k, dtype=torch.int32, device=device).view(1, k))
+        return (lambda: experts_forward(x, weight, [slots], activation)), 0.0, 0.0
+    if path != "grouped":
+        kernel = MODULES[bits]
+        convert = timed(lambda: kernel.convert_(blob.clone(), layout), device, repeats=3)
+        for row in pool:
+            kernel.convert_(row, layout)  # as a blob lands in a CPU pool slot (engine/loads.py)
+        ws = [kernel.kernel_weights(row, layout) for row in pool]
+        if path.endswith("-fused"):
+            gate_up, down = (_stacked([getattr(w, name) for w in ws], bits) for name in ("gate_up", "down"))
+            flat = weight.view(-1)
+            return (lambda: kernel.fused_forward(x, gate_up, down, flat, module.activation).to(dtype)), 0.0, convert
+
+        def per_expert() -> torch.Tensor:
+            return sum(w_i * kernel.expert_forward(x, w, module.activation).to(dtype)
+                       for w_i, w in zip(weight.view(-1), ws))
+        return per_expert, 0.0, convert
     from moetool.engine.groups import grouped_mlp
     from moetool.quant.format import ExpertStack
 
+    w = empty_weights(layout, dtype, device)
+    deq = timed(lambda: dequantize_into(blob, layout, w), device)
     stack = ExpertStack(*(None if t is None else t.unsqueeze(0).expand(k, *t.shape).contiguous()
                           for t in (w.gate_up, w.down, w.gate_up_bias, w.down_bias)))
-    rows = x.expand(k, -1).contiguous()  # [k, H]: one row per expert
+    rows = x.expand(k, -1).contiguous()  # [k, H]: one row per expert, as the engine gathers a token's
     offs = torch.arange(1, k + 1, dtype=torch.int32, device=device)
-    return timed(lambda: grouped_mlp(module, rows, stack, offs, [1] * k), device) / k
+    return (lambda: (grouped_mlp(module, rows, stack, offs, [1] * k) * weight.view(k, 1)).sum(0, keepdim=True)), \
+        deq, 0.0
+
+
+def _stacked(per_expert: list[tuple], bits: int) -> tuple:
+    """One projection's kernel tensors of k converted experts, stacked as the engine's pool views
+    hand them to `fused_forward` (`engine.weights.PoolWeights.kernel_stack`, `int8_stack`)."""
+    from moetool.quant import int4_kernel
+
+    if bits == 8:
+        codes, scale, offset = zip(*per_expert)
+        return torch.stack(codes), torch.stack(scale), torch.stack(offset)
+    codes, group, sz = zip(*per_expert)
+    stacked = torch.stack(codes)
+    return (int4_kernel.expand(stacked) if bits == 2 else stacked), group[0], torch.stack(sz)
+
+
+def graph_timed(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn` replayed from one CUDA graph (what the captured decode step pays: no
+    launch from the host), after an eager warm-up that compiles its kernels; `timed` off CUDA."""
+    if device.type != "cuda":
+        return timed(fn, device, repeats)
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, device, repeats)
 
 
 @torch.no_grad()
@@ -208,7 +311,8 @@ def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
                 c_cpu_s=t.c_cpu_s)
     sources.update(t_dense_s=f"{where}: mean over MoE layers of t_attn + t_gate + shared/other MoE-block time, "
                              "one decode token",
-                   t_expert_s=f"{where}: dequantize + one token through one expert, per precision",
+                   t_expert_s=f"{where}: one token through one expert (its share of the top-k), per precision, "
+                              "on the engine's path there: " + ", ".join(f"{e.bits}-bit {e.path}" for e in t.experts),
                    c_cpu_s=f"{where}: one reference-precision expert on one token on the host CPU")
     if t.h2d_gbps is not None:
         data["h2d_gbps"] = t.h2d_gbps

@@ -1,0 +1,93 @@
+"""`profile --what timing` times each precision's expert on the path the engine runs it on for a
+decode token on this device (`profile.timing.expert_path`), and the call it times computes the
+layer's experts: a profile that timed another path would calibrate the sim clock to a cost no run
+pays (the dequantize path's INT4 expert took 24x the fused kernel's time on an H200).
+
+Tolerance for the CPU kernels' calls: the low-bit kernels' stated 2% of the largest magnitude
+(tests/test_int4_kernel.py), against the dequantized weights in fp32."""
+
+import pytest
+import torch
+
+from moetool.engine import build_engine
+from moetool.engine.store import HostStore
+from moetool.kernels import activation_of
+from moetool.model import load_model
+from moetool.profile import _timing_blobs
+from moetool.profile.timing import PATHS, expert_path, expert_timings, path_call
+from moetool.quant.bundle import Bundle
+from moetool.quant.format import dequantize
+from moetool.quant.quantize import QuantizeConfig, quantize
+from helpers import close
+from tiny import save_tiny
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def kernel_bundle(tmp_path_factory):
+    """A tiny qwen2_moe whose experts every CPU kernel takes (rows multiples of 128, groups of 32,
+    per-channel INT8), and its 16/8/4/2-bit bundle."""
+    tmp = tmp_path_factory.mktemp("timing")
+    path = save_tiny("qwen2_moe", tmp / "m", hidden_size=128, moe_intermediate_size=64)
+    quantize(QuantizeConfig(model=str(path), out=tmp / "b", bits=(16, 8, 4, 2), group_size=32, dtype="bfloat16",
+                            int8_per_channel=True))
+    return path, tmp / "b"
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_each_precision_is_timed_on_the_path_the_engine_takes(kernel_bundle, dtype):
+    path, bundle = kernel_bundle
+    lm = load_model(path, dtype=dtype)
+    b = Bundle.open(bundle, model=lm.fingerprint)
+    timings = {e.bits: e for e in expert_timings(lm, _timing_blobs(lm, b))}
+    engine, _ = build_engine(lm, HostStore.from_bundle(b, dtype), "resident", budget="100%")
+    layer = lm.geometry.layers[0].index
+    for bits, e in timings.items():
+        if layer in engine.kernel_layers.get(bits, ()):
+            want = ("int8-cpu" if bits == 8 else "int4-cpu") + ("-fused" if layer in engine.fused_layers[bits] else "")
+        else:
+            want = "grouped"
+        assert e.path == want, f"{bits}-bit expert timed on {e.path}, the engine runs {want}"
+        assert e.path in PATHS and e.compute_s > 0
+        assert (e.dequant_s > 0) == (e.path == "grouped") and (e.convert_s > 0) == (e.path != "grouped")
+    assert {timings[b].path for b in (8, 4, 2)} <= {"int8-cpu-fused", "int4-cpu-fused"}  # the kernels were timed
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+def test_the_timed_call_computes_the_layers_experts(kernel_bundle, bits):
+    """Each path's call returns sum_i w_i expert_i(x) over the top-k copies, as the engine adds a
+    layer's experts, and leaves the profiled blob as it was."""
+    path, bundle = kernel_bundle
+    lm = load_model(path, dtype=BF16)
+    blob, layout = _timing_blobs(lm, Bundle.open(bundle, model=lm.fingerprint))[bits]
+    g = lm.geometry.layers[0]
+    module = lm.model.get_submodule(g.path).experts
+    act = activation_of(module)
+    route = expert_path(layout, act, bits, g.top_k, torch.device("cpu"), BF16, captured=True)
+    x = torch.randn(1, g.hidden_size, generator=torch.Generator().manual_seed(0)).to(BF16)
+    weight = torch.softmax(torch.randn(1, g.top_k, generator=torch.Generator().manual_seed(1)), -1).to(BF16)
+    before = blob.clone()
+    call, _, _ = path_call(route, module, act, blob, layout, bits, x, weight)
+    got = call()
+    assert torch.equal(blob, before)
+    w = dequantize(blob, layout, FP32)
+    want = weight.float().sum() * module.expert_forward(x.float(), w)  # k copies of one expert
+    assert got.shape == (1, g.hidden_size) and got.dtype == BF16
+    close(got, want)
+
+
+def test_on_cuda_the_kernels_take_low_bits_and_the_captured_steps_reference_precision(kernel_bundle):
+    """The path on a CUDA device (asked of the predicates only: no device needed): the Triton kernels
+    for INT8/INT4/INT2 on either decode path, for bf16 where the captured step runs (it reads every
+    precision through them), grouped GEMMs for bf16 on the host path."""
+    path, bundle = kernel_bundle
+    lm = load_model(path, dtype=BF16)
+    blobs = _timing_blobs(lm, Bundle.open(bundle, model=lm.fingerprint))
+    g = lm.geometry.layers[0]
+    act = activation_of(lm.model.get_submodule(g.path).experts)
+    cuda = torch.device("cuda")
+    for bits, (_, layout) in blobs.items():
+        for captured in (True, False):
+            want = "grouped" if bits == 16 and not captured else "triton"
+            assert expert_path(layout, act, bits, g.top_k, cuda, BF16, captured) == want
