@@ -497,3 +497,26 @@ def test_the_benchmark_writes_its_rows_on_a_cpu(tmp_path):
         assert r["gbps"] == pytest.approx(r["expert_bytes"] / (r["us_per_expert"] * 1e3))
     assert rows[0]["ratio_to_bf16"] == 1.0 and rows[1]["ratio_to_bf16"] == pytest.approx(
         rows[1]["us_per_expert"] / rows[0]["us_per_expert"])
+
+
+@pytest.mark.parametrize("arch,bits", [("qwen2_moe", 4), ("gpt_oss", 2), ("qwen2_moe", 16)])
+def test_the_call_profile_timing_times_on_cuda_computes_the_layers_experts(tmp_path, arch, bits):
+    """`profile --what timing` times the kernels' call on CUDA (`profile.timing.path_call`): run here
+    by the interpreter, it returns sum_i w_i expert_i(x) over the top-k copies of the profiled expert
+    (the model's own activation, gpt_oss's biases and clamp), as the engine adds a layer's experts."""
+    from moetool.profile import _timing_blobs
+    from moetool.profile.timing import path_call
+    from moetool.quant.format import dequantize
+
+    lm = load_model(save_tiny(arch, tmp_path / arch))
+    blob, layout = _timing_blobs(lm, None)[bits]
+    g = lm.geometry.layers[0]
+    module = lm.model.get_submodule(g.path).experts
+    act = activation_of(module)
+    assert kexperts.supported(layout, act, "cpu") is None
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(1, g.hidden_size, generator=gen), torch.softmax(torch.randn(1, g.top_k, generator=gen), -1)
+    call, dequant_s, _ = path_call("triton", module, act, blob, layout, bits, x, weight)
+    want = weight.sum() * module.expert_forward(x, dequantize(blob, layout, torch.float32))  # k copies of one expert
+    assert_close(call(), want)
+    assert dequant_s == 0.0  # the kernels read the codes as stored
