@@ -42,7 +42,8 @@ from moetool.model import ExpertWeights
 from moetool.quant.format import QTensor, dequantize_parts, encode, make_layout, stack_views
 
 SHAPES = {"qwen1.5-moe-a2.7b": dict(hidden=2048, width=1408, experts=60, top_k=4),
-          "qwen3-30b-a3b": dict(hidden=2048, width=768, experts=128, top_k=8)}
+          "qwen3-30b-a3b": dict(hidden=2048, width=768, experts=128, top_k=8),
+          "tiny": dict(hidden=128, width=64, experts=8, top_k=2)}  # the interpreter's: checks, not timings
 GROUP = 64
 SILU = Activation(Act.SILU, gated=True)  # both models' experts: SiLU(gate) * up, [gate; up] rows
 
@@ -273,9 +274,148 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
     return 0
 
 
+# ---- the kernels' configs tuned on this device ----------------------------------------------------
+
+# The fields a tune varies (index into R1,BK1,R2,BK2,B3,WARPS,MODE) and the values it tries: rows a
+# program (more, smaller programs hide latency at batch 1), K tiles, warps, the loop mode.
+TUNE_FIELDS = {0: (8, 16, 32, 64), 1: (64, 128, 256, 512), 2: (8, 16, 32, 64), 3: (64, 128, 256, 512),
+               5: (1, 2, 4, 8), 6: kexperts.MODES}
+TUNE_TOLERANCE = 1e-2  # of the reference's largest magnitude (bf16 output; the kernels measured ~4e-3)
+
+
+def mixed_pools(name: str, bits_set: list[int], args, device: torch.device) -> tuple:
+    """One pool per precision, the routings, and per routing the pools with their ids: a routing's
+    k slots dealt to the precisions in turn (a DyMoE-like mix in one launch), -1 elsewhere."""
+    shape = SHAPES[name]
+    k = shape["top_k"]
+    slots = shape["experts"] if device.type == "cuda" else min(shape["experts"], args.cpu_slots)
+    pools = [make_pool(b, shape, slots, device) for b in bits_set]
+    sets = routings(args.sets, slots, k, device)
+    calls = []
+    for s in sets:
+        ids = []
+        for p in range(len(pools)):
+            mine = torch.tensor([j % len(pools) == p for j in range(k)], device=device)
+            ids.append(torch.where(mine, s, -1).int().view(1, k))
+        calls.append([SlotPool(pool.data, pool.layout, i) for pool, i in zip(pools, ids)])
+    return pools, sets, calls
+
+
+def tune_one(name: str, bits_set: list[int], args, device: torch.device, seconds: float) -> dict:
+    """A coordinate search from the default config over `TUNE_FIELDS`, two rounds or `seconds`: each
+    candidate's output checked against the fp32 dequantize reference first (a config that fails it,
+    or cannot launch, is recorded and never chosen), then timed (median; a CUDA graph on CUDA)."""
+    shape = SHAPES[name]
+    k = shape["top_k"]
+    pools, sets, calls = mixed_pools(name, bits_set, args, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, shape["hidden"], generator=gen).to(device, dtype)
+    w = torch.softmax(torch.randn(1, k, generator=gen), -1).to(device, dtype)
+    wants = []
+    for s, call in zip(sets, calls):
+        want = 0
+        for pool, slot_pool in zip(pools, call):
+            mine = slot_pool.ids.view(-1) >= 0
+            if bool(mine.any()):
+                want = want + reference_out(pool, x, w[:, mine], s[mine])
+        wants.append(want)
+    tried: dict[tuple, dict] = {}
+
+    def measure(config: tuple) -> float | None:
+        if config in tried:
+            return tried[config].get("us_per_expert")
+        row = tried[config] = {"config": list(config)}
+        fn = lambda: [experts_forward(x, w, call, SILU, config) for call in calls]  # noqa: E731
+        try:
+            got = fn()
+            err = max(((g.float() - want).abs().max() / want.abs().max()).item() for g, want in zip(got, wants))
+            row["max_rel_err"] = err
+            if not err <= TUNE_TOLERANCE:
+                row["refused"] = f"output off the reference by {err:.2g}"
+                return None
+            if device.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                seconds_ = cuda_median_s(graph.replay, args.repeats)
+            else:
+                seconds_ = cpu_median_s(fn, args.repeats)
+        except Exception as e:  # a config the compiler or the launch refuses: recorded, never chosen
+            row["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            return None
+        row["us_per_expert"] = seconds_ / (len(calls) * k) * 1e6
+        return row["us_per_expert"]
+
+    deadline = time.perf_counter() + seconds
+    default = kexperts.default_config(device) if device.type == "cuda" else (*args.config, 0)
+    best, best_us = tuple(default), measure(tuple(default))
+    for _ in range(2):
+        for field, values in TUNE_FIELDS.items():
+            for v in values:
+                if time.perf_counter() > deadline:
+                    break
+                cand = best[:field] + (v,) + best[field + 1:]
+                us = measure(cand)
+                if us is not None and (best_us is None or us < 0.98 * best_us):  # 2%: over timing noise
+                    best, best_us = cand, us
+    return {"shape": name, "bits": bits_set, "default": list(default), "default_us": tried[tuple(default)].get("us_per_expert"),
+            "best": list(best), "best_us": best_us, "tried": list(tried.values())}
+
+
+def tune(args, device: torch.device) -> int:
+    """Tune every shape and precision set in `--tune-sets`; write kernel-configs-<device>.json (the
+    form `moetool.kernels.experts` reads: copy it to moetool/kernels/configs/<device>.json, or name it
+    in MOETOOL_KERNEL_CONFIGS) and print default against best."""
+    import triton
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--tune times the Triton kernels on CUDA (on a CPU only under TRITON_INTERPRET=1, as a check "
+              "of the search, not a timing)", file=sys.stderr)
+        return 2
+    if device.type != "cuda":
+        args.repeats, args.sets = min(args.repeats, 2), min(args.sets, 1)
+    sets = [sorted({int(b) for b in s.split(",")}, reverse=True) for s in args.tune_sets]
+    jobs = [(name, s) for name in args.shapes for s in sets]
+    results = []
+    for i, (name, bits_set) in enumerate(jobs):
+        share = args.tune_seconds / len(jobs)
+        print(f"tuning {name} bits {','.join(map(str, bits_set))} ({share:.0f} s)", flush=True)
+        results.append(tune_one(name, bits_set, args, device, share))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    name = device_name(device)
+    configs: dict[str, dict[str, list[int]]] = {}
+    for r in results:
+        if r["best_us"] is not None:
+            s = SHAPES[r["shape"]]
+            configs.setdefault(f"{s['hidden']}x{s['width']}", {})[kexperts.precisions_key(r["bits"])] = r["best"]
+    doc = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+           "source": "scripts/bench_kernels.py --tune (best of the configs checked against the fp32 "
+                     "dequantize reference, median us per expert in a CUDA graph)",
+           "configs": configs, "measured": results}
+    print(f"{'shape':<20}{'bits':<10}{'default us':>11}{'best us':>9}{'ratio':>7}  best config (tried)")
+    for r in results:
+        d, b = r["default_us"], r["best_us"]
+        ratio = f"{b / d:.2f}" if d and b else "-"
+        print(f"{r['shape']:<20}{','.join(map(str, r['bits'])):<10}{d or float('nan'):>11.2f}{b or float('nan'):>9.2f}"
+              f"{ratio:>7}  {r['best']} ({len(r['tried'])})")
+    out = args.out or Path(".")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernel-configs-{kexperts.device_slug(name)}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    kexperts.load_tuned.cache_clear()
+    kexperts.load_tuned(str(path))  # the file the engine would read: checked before it is shown
+    print(f"wrote {path}: copy it to moetool/kernels/configs/{kexperts.device_slug(name)}.json, or "
+          f"export {kexperts.CONFIGS_ENV}={path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=[s for s in SHAPES if s != "tiny"])
     ap.add_argument("--bits", nargs="+", type=int, choices=(16, 8, 4, 2), default=[16, 8, 4, 2])
     ap.add_argument("--sets", type=int, default=32, help="routings per timed call (different experts each)")
     ap.add_argument("--repeats", type=int, default=20)
@@ -286,10 +426,17 @@ def main() -> int:
                     help="accumulation modes to time, each in this run (default: all; 0 is the default)")
     ap.add_argument("--out", type=Path, help="directory for bench_kernels.json")
     ap.add_argument("--compile-only", type=int, metavar="SM", help="compile for CUDA sm_SM without a GPU, and stop")
+    ap.add_argument("--tune", action="store_true",
+                    help="search the kernels' configs per shape and precision set, write kernel-configs-<device>.json")
+    ap.add_argument("--tune-sets", nargs="+", default=["16", "8", "4", "2", "4,2"], metavar="BITS[,BITS]",
+                    help="precision sets to tune, each one launch (default: each precision, and DyMoE's 4,2)")
+    ap.add_argument("--tune-seconds", type=float, default=240, help="the whole tune's time, shared by its jobs")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only(args.compile_only, args.shapes, args.config, args.modes, args.bits)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tune:
+        return tune(args, device)
     if device.type == "cpu":
         print("no CUDA device: the Triton kernels need CUDA to be timed (under TRITON_INTERPRET=1 they run "
               "on a CPU as a check, not a timing); timing the engine's dequantize path only", file=sys.stderr)

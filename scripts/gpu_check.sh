@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: moetool's CUDA tests, then its GPU benchmarks, logged under $OUT
 # (default gpu-out/). The CPU suite (make test) runs these tests too but skips them without a GPU.
-#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [model] [timing] [decode] [bench]
+#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [tune] [model] [timing] [decode] [bench]
 #         tests:   the tests marked cuda (tests/test_cuda.py: engine, captured step, fused kernels)
 #         kernels: scripts/bench_kernels.py (the fused low-bit experts kernels against dequantize + GEMM)
+#         tune:    scripts/bench_kernels.py --tune: the kernels' configs searched on this device, written
+#                  to kernel-configs-<device>.json and used by the parts after it (MOETOOL_KERNEL_CONFIGS)
 #         model:   the 4-layer Qwen1.5-MoE checkpoint and its 16/8/4/2-bit bundle (scripts/bench_gpu.py's)
 #         timing:  `moetool profile --what timing` on it: hw-profile.json, each precision timed on the
 #                  engine's path there (the fused kernels in a CUDA graph), to recalibrate profiles/hw
 #         decode:  scripts/bench_decode.py on it (captured step vs host-driven vs plain transformers)
 #         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
-#     T_TESTS=240 T_KERNELS=120 T_TIMING=300 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
+#     T_TESTS=240 T_KERNELS=120 T_TUNE=300 T_TIMING=300 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
 #     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
 # A GPU image without this project's pins: wheels put in `.whl/` (e.g. `pip download --no-deps -d .whl
 # transformers==5.24.0 hqq termcolor`) are installed first, into a directory ahead of the image's packages.
@@ -38,6 +40,13 @@ fi
 if [[ $what == *kernels* ]]; then
     # The fused low-bit experts kernels against dequantize-then-GEMM, per precision (issue 42's rows).
     timeout "${T_KERNELS:-300}" $py scripts/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench-kernels.log" || rc=1
+fi
+if [[ $what == *tune* ]]; then
+    # The search stops itself at TUNE_SECONDS and writes what it found; the timeout is a backstop.
+    timeout "${T_TUNE:-420}" $py scripts/bench_kernels.py --tune --tune-seconds "${TUNE_SECONDS:-300}" \
+        --shapes qwen1.5-moe-a2.7b --out "$out" 2>&1 | tee "$out/tune.log" || rc=1
+    tuned=$(ls "$out"/kernel-configs-*.json 2>/dev/null | head -1)
+    [[ -n $tuned ]] && export MOETOOL_KERNEL_CONFIGS="$(realpath "$tuned")"
 fi
 if [[ $what == *model* ]]; then
     # Only the checkpoint and its bundle (GBs, to $WORK, not under $out).

@@ -108,10 +108,11 @@ def test_the_prefetching_mode_matches_the_dequantize_reference(bits, group, hidd
 
 
 def test_a_kernel_config_is_six_tiles_and_a_known_mode():
-    assert kexperts._config([16, 256, 16, 256, 1024, 4], torch.device("cpu"))[-1] == 0  # mode 0 unless named
-    for bad in ([16, 256, 16, 256, 1024, 4, 2], [16, 256, 16, 256]):
+    assert kexperts.checked_config([16, 256, 16, 256, 1024, 4])[-1] == 0  # mode 0 unless named
+    for bad in ([16, 256, 16, 256, 1024, 4, 2], [16, 256, 16, 256], [16, 200, 16, 256, 1024, 4],
+                [16, 256, 16, 256, 1024, 3], [16, 256, 16, 256, 1024, 4.0], [0, 256, 16, 256, 1024, 4]):
         with pytest.raises(ValueError, match="MODE"):
-            kexperts._config(bad, torch.device("cpu"))
+            kexperts.checked_config(bad)
 
 
 def test_per_channel_int8_and_bf16_activations():
@@ -469,8 +470,8 @@ def test_what_the_kernels_refuse():
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, not interpreted
+def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}  # compiled unless named
     return subprocess.run([sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -497,6 +498,27 @@ def test_the_benchmark_writes_its_rows_on_a_cpu(tmp_path):
         assert r["gbps"] == pytest.approx(r["expert_bytes"] / (r["us_per_expert"] * 1e3))
     assert rows[0]["ratio_to_bf16"] == 1.0 and rows[1]["ratio_to_bf16"] == pytest.approx(
         rows[1]["us_per_expert"] / rows[0]["us_per_expert"])
+
+
+def test_the_tuner_writes_configs_the_kernels_read_each_checked_against_the_reference(tmp_path):
+    """`bench_kernels.py --tune` under the interpreter (a check of the search, its times are the
+    interpreter's): a configs file `moetool.kernels.experts` loads, for this shape and precision set,
+    whose chosen config passed the reference check; off CUDA and the interpreter, one sentence, exit 2."""
+    run = _bench("--tune", "--shapes", "tiny", "--tune-sets", "4,2", "--tune-seconds", "8", "--repeats", "1",
+                 "--config", "32,64,32,64,256,4", "--out", str(tmp_path), env={"TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    (path,) = tmp_path.glob("kernel-configs-*.json")
+    kexperts.load_tuned.cache_clear()
+    device, table = kexperts.load_tuned(str(path))
+    best = table["128x64"]["4,2"]
+    (job,) = json.loads(path.read_text())["measured"]
+    assert job["default"] == [32, 64, 32, 64, 256, 4, 0] and len(job["tried"]) >= 2  # the default, then others
+    chosen = next(t for t in job["tried"] if tuple(t["config"]) == best)
+    assert chosen["max_rel_err"] <= 1e-2 and "refused" not in chosen
+    assert all(("us_per_expert" in t) != ("refused" in t) for t in job["tried"])
+    assert chosen["us_per_expert"] <= job["default_us"]
+    refused = _bench("--tune", "--shapes", "tiny", "--out", str(tmp_path / "no"))
+    assert refused.returncode == 2 and "on CUDA" in refused.stderr and not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("arch,bits", [("qwen2_moe", 4), ("gpt_oss", 2), ("qwen2_moe", 16)])
