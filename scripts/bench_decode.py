@@ -20,10 +20,11 @@ simulated TPOT and tokens, side by side.
     .venv/bin/python scripts/bench_decode.py --policies resident,lru --budgets 100%,25% --tokens 16
     .venv/bin/python scripts/bench_decode.py --device cuda --model /ckpt --bundle /b --json decode.json
     .venv/bin/python scripts/bench_decode.py --clock sim --hw rtx3090 --budgets 25% --bundle out/demo/bundle
+    .venv/bin/python scripts/bench_decode.py --device cuda ... --clock sim --hw measured.hw.json --against decode.json
 
 Prints one table and, with --json, writes the rows (fields: device, model, policy, budget, path,
 tpot_p50_ms, tpot_p99_ms, compile_s, ops_per_layer_step, syncs_per_step, peak_rss_mib, same_tokens,
-hit_rate, bytes_per_token, roofline_ms).
+hit_rate, bytes_per_token, roofline_ms; with --against, wall_tpot_p50_ms and sim_over_wall).
 """
 
 from __future__ import annotations
@@ -324,9 +325,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hw", default="rtx3090")
     ap.add_argument("--paper-knobs", action="store_true",
                     help="each paper's own defaults (Fate's INT4 cache and INT2 prefill) instead of lossless 16-bit settings")
+    ap.add_argument("--against", type=Path, metavar="WALL_JSON",
+                    help="with --clock sim: the --json rows of a wall-clock run on this device; each row gets "
+                         "wall_tpot_p50_ms and sim_over_wall (the sim clock's error, per policy, budget and path)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    wall = None
+    if args.against is not None:
+        if args.clock != "sim":
+            print("--against compares the simulated clock with a wall-clock run: give --clock sim", file=sys.stderr)
+            return 2
+        wall = wall_rows(args.against)
+        if wall is None:
+            print(f"--against {args.against}: not the --json rows of a bench_decode run", file=sys.stderr)
+            return 2
     args.model = resolve_source(args.model)
     if args.paper_knobs:
         POLICIES["fate"] = {}
@@ -364,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                 _write(args.json, rows, device, args.model, bw)  # each row as it comes: a run cut short keeps its rows
     for r in rows:
         r.update(same_tokens=None if reference is None else r["tokens"] == reference)
+        if wall is not None and (r["policy"], r["budget"], r["path"]) in wall:
+            r["wall_tpot_p50_ms"] = wall[r["policy"], r["budget"], r["path"]]
+            r["sim_over_wall"] = r["tpot_p50_ms"] / r["wall_tpot_p50_ms"]
     host = {(r["policy"], r["budget"]): r["tpot_p50_ms"] for r in rows if r["path"] == "host"}
     host_tokens = {(r["policy"], r["budget"]): r["tokens"] for r in rows if r["path"] == "host"}
     print(f"\n{'policy':9s} {'budget':6s} {'path':12s} {'p50 ms':>8s} {'p99 ms':>8s} {'x host':>7s} {'compile s':>9s} "
@@ -383,10 +399,25 @@ def main(argv: list[str] | None = None) -> int:
               "(rows measured one after the other)")
         ours, theirs = interleaved(args, ids, device)
         print(f"the same, their steps interleaved in one process: {ours:.2f} / {theirs:.2f} ms = {ours / theirs:.3f}x")
+    compared = [r for r in rows if "sim_over_wall" in r]
+    if compared:
+        print(f"\nsimulated ({args.hw}) against the wall clock of {args.against}:")
+        for r in compared:
+            print(f"{r['policy']:9s} {r['budget']:6s} {r['path']:12s} sim {r['tpot_p50_ms']:8.3f} ms  "
+                  f"wall {r['wall_tpot_p50_ms']:8.3f} ms  sim/wall {r['sim_over_wall']:.2f}")
     if bw:
         print(f"measured: pinned H2D {bw['h2d_gbps']:.1f} GB/s, HBM {bw['hbm_gbps']:.0f} GB/s")
     _write(args.json, rows, device, args.model, bw)
     return 0
+
+
+def wall_rows(path: Path) -> dict[tuple[str, str, str], float] | None:
+    """(policy, budget, path) -> TPOT p50 ms of a wall-clock run's --json rows, or None if it is not one."""
+    try:
+        rows = json.loads(path.read_text())
+        return {(r["policy"], r["budget"], r["path"]): float(r["tpot_p50_ms"]) for r in rows}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _write(path: Path | None, rows: list[dict], device: torch.device, model: str, bw: dict) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: moetool's CUDA tests, then its GPU benchmarks, logged under $OUT
 # (default gpu-out/). The CPU suite (make test) runs these tests too but skips them without a GPU.
-#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [tune] [model] [timing] [decode] [bench]
+#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [tune] [model] [timing] [decode] [sim] [bench]
 #         tests:   the tests marked cuda (tests/test_cuda.py: engine, captured step, fused kernels)
 #         kernels: scripts/bench_kernels.py (the fused low-bit experts kernels against dequantize + GEMM)
 #         tune:    scripts/bench_kernels.py --tune: the kernels' configs searched on this device, written
@@ -10,8 +10,10 @@
 #         timing:  `moetool profile --what timing` on it: hw-profile.json, each precision timed on the
 #                  engine's path there (the fused kernels in a CUDA graph), to recalibrate profiles/hw
 #         decode:  scripts/bench_decode.py on it (captured step vs host-driven vs plain transformers)
+#         sim:     the decode part's rows again on the simulated clock of the timing part's profile,
+#                  each against its wall-clock row (sim_over_wall: issue 41's "sim within 10% of wall")
 #         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
-#     T_TESTS=240 T_KERNELS=120 T_TUNE=300 T_TIMING=300 T_DECODE=300 ...   each part's time limit in seconds (it is cut, not the rest)
+#     T_TESTS=240 T_KERNELS=120 T_TUNE=300 T_TIMING=300 T_DECODE=300 T_SIM=300 ...   each part's time limit in seconds (it is cut, not the rest)
 #     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
 # A GPU image without this project's pins: wheels put in `.whl/` (e.g. `pip download --no-deps -d .whl
 # transformers==5.24.0 hqq termcolor`) are installed first, into a directory ahead of the image's packages.
@@ -69,6 +71,17 @@ if [[ $what == *decode* ]]; then
             --bundle-all --tokens 64 --json "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-decode.log" || rc=1
     else
         echo "decode: no checkpoint under $work (run the model or bench part first)" | tee "$out/bench-decode.log"
+        rc=1
+    fi
+fi
+if [[ $what == *sim* ]]; then
+    ckpt=$(ls -d "$work"/qwen1.5-moe-x* 2>/dev/null | head -1)
+    if [[ -n $ckpt && -f $out/hw-profile.json && -f $out/decode.json ]]; then
+        timeout "${T_SIM:-300}" $py scripts/bench_decode.py --device cuda --model "$ckpt" --bundle "$work/bundle" \
+            --bundle-all --tokens 64 --clock sim --hw "$out/hw-profile.json" --against "$out/decode.json" \
+            --json "$out/decode-sim.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-sim.log" || rc=1
+    else
+        echo "sim: needs the model, timing and decode parts' outputs first" | tee "$out/bench-sim.log"
         rc=1
     fi
 fi

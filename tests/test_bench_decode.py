@@ -1,0 +1,43 @@
+"""scripts/bench_decode.py's comparison of the simulated clock with a wall-clock run (`--against`,
+what a lent GPU runs for "sim within 10% of wall"), on a tiny checkpoint on a CPU. No timing is
+asserted: which rows get compared and with what, and the refusals."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from tiny import save_tiny
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_sim_run_is_set_against_the_wall_clock_rows_of_the_same_settings(tmp_path, capsys):
+    bench = _bench()
+    model = save_tiny("qwen2_moe", tmp_path / "m")
+    common = ["--model", str(model), "--policies", "lru", "--budgets", "25%,100%", "--paths", "host",
+              "--tokens", "2", "--no-plain"]
+    assert bench.main([*common, "--json", str(tmp_path / "wall.json")]) == 0
+    wall = {(r["policy"], r["budget"]): r for r in json.loads((tmp_path / "wall.json").read_text())}
+    assert bench.main([*common, "--budgets", "25%", "--clock", "sim", "--against", str(tmp_path / "wall.json"),
+                       "--json", str(tmp_path / "sim.json")]) == 0
+    (row,) = json.loads((tmp_path / "sim.json").read_text())
+    assert row["wall_tpot_p50_ms"] == wall["lru", "25%"]["tpot_p50_ms"]  # its own settings' row, not 100%'s
+    assert row["sim_over_wall"] == row["tpot_p50_ms"] / row["wall_tpot_p50_ms"]
+    assert "sim/wall" in capsys.readouterr().out
+
+
+def test_against_needs_the_sim_clock_and_a_wall_runs_rows(tmp_path, capsys):
+    bench = _bench()
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    assert bench.main(["--against", str(tmp_path / "other.json")]) == 2
+    assert "give --clock sim" in capsys.readouterr().err
+    for bad in (tmp_path / "other.json", tmp_path / "absent.json"):
+        assert bench.main(["--clock", "sim", "--against", str(bad)]) == 2
+        assert "not the --json rows" in capsys.readouterr().err
