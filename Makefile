@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml
 lint: install
 	$(PY) -m ruff check moetool tests scripts lab
 
+# One worker per core, at most 4 (each holds its own models; 2 on the 2-core CI machine).
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n auto --maxprocesses 4
 
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -n auto --maxprocesses 4 -m "not slow"
 
 demo: install
 	$(VENV)/bin/moetool demo
