@@ -107,9 +107,16 @@ def test_the_prefetching_mode_matches_the_dequantize_reference(bits, group, hidd
     test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, k, config)
 
 
+# Mode 2: three tiles ahead, so K of one tile (32) or fewer tiles than the ring (96, 160) read only
+# masked tiles ahead; the same cases as mode 1's.
+@pytest.mark.parametrize("bits,group,hidden,width,T,k,config", MODE1_CASES)
+def test_the_ring_mode_matches_the_dequantize_reference(bits, group, hidden, width, T, k, config):
+    test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, k, (*config[:6], 2))
+
+
 def test_a_kernel_config_is_six_tiles_and_a_known_mode():
     assert kexperts.checked_config([16, 256, 16, 256, 1024, 4])[-1] == 0  # mode 0 unless named
-    for bad in ([16, 256, 16, 256, 1024, 4, 2], [16, 256, 16, 256], [16, 200, 16, 256, 1024, 4],
+    for bad in ([16, 256, 16, 256, 1024, 4, 3], [16, 256, 16, 256], [16, 200, 16, 256, 1024, 4],
                 [16, 256, 16, 256, 1024, 3], [16, 256, 16, 256, 1024, 4.0], [0, 256, 16, 256, 1024, 4]):
         with pytest.raises(ValueError, match="MODE"):
             kexperts.checked_config(bad)

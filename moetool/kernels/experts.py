@@ -188,7 +188,7 @@ def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bo
     sl2 = _slices(bits, hidden)
     shared = int(bits != 16 and gated and not interleaved and per >= 2)
     return (bits, wdt, bdt, has_bias, gq, gsc, gz, ggs or 1, dq, dsc, dz, dgs or 1, gb, db,
-            gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per, bk1, bk2, int(mode == 1))
+            gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per, bk1, bk2, int(mode))
 
 
 # The kernels' loop modes (`default_config`'s last field). 0: each program reads a K tile, waits
@@ -197,8 +197,11 @@ def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bo
 # dependent reads would). 1: the next tile's codes are loaded before this tile's math, so two
 # tiles' reads are in flight a program, and each tile is reduced as it is done (fewer registers:
 # 109 against 128 for INT4's gate_up on sm_90, `bench_kernels.py --compile-only 90 --bits 4`).
-# Mode 1 is the candidate for low-bit experts at their bytes' speed; it has not run on a GPU yet.
-MODES = (0, 1)
+# 2: three tiles' codes in flight while one tile's math runs (codes wait as stored, a byte a byte, so
+# the reads in flight grow without the fp32 tile growing). Modes 1 and 2 are the candidates for
+# low-bit experts at their bytes' speed; neither has run on a GPU yet (`bench_kernels.py --tune`
+# picks among all three on the device).
+MODES = (0, 1, 2)
 
 
 def default_config(device: torch.device) -> tuple[int, int, int, int, int, int, int]:

@@ -182,6 +182,59 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
 
 
 @triton.jit
+def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+               WDT: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr, S_OFF: tl.constexpr,
+               Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
+               TWO: tl.constexpr, SHARED: tl.constexpr):
+    """Mode 2 (`experts.MODES`): `_gemv_prefetch` with three tiles' codes and x in flight while a
+    tile's math runs, not one. Codes wait in registers as stored (a byte a byte at INT8/4/2) and only
+    the tile being computed is dequantized, so the bytes a program keeps in flight grow without the
+    fp32 tile growing: at batch 1 a layer's programs are too few to fill the device's register
+    files, so a low-bit GEMV is bound by reads in flight, not by bytes (docs/benchmarks.md)."""
+    acc = tl.full((R,), 0.0, tl.float32)
+    acc2 = tl.full((R,), 0.0, tl.float32)
+    r0 = _load_raw(blob, rows, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    r1 = _load_raw(blob, rows, rmask, BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    r2 = _load_raw(blob, rows, rmask, 2 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    u0 = r0
+    u1 = r1
+    u2 = r2
+    if TWO:
+        if not SHARED:
+            u0 = _load_raw(blob, rows2, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+            u1 = _load_raw(blob, rows2, rmask, BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+            u2 = _load_raw(blob, rows2, rmask, 2 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+    x0 = _tile_x(x_row, 0, K, GW, NG)
+    x1 = _tile_x(x_row, BK, K, GW, NG)
+    x2 = _tile_x(x_row, 2 * BK, K, GW, NG)
+    for k0 in range(0, K, BK):
+        raw = r0
+        raw2 = u0
+        xk = x0
+        r0 = r1
+        r1 = r2
+        u0 = u1
+        u1 = u2
+        x0 = x1
+        x1 = x2
+        # three tiles ahead (masked past K: nothing is read), then this tile's scales and math
+        r2 = _load_raw(blob, rows, rmask, k0 + 3 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+        if TWO:
+            if SHARED:
+                u2 = r2
+            else:
+                u2 = _load_raw(blob, rows2, rmask, k0 + 3 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
+        x2 = _tile_x(x_row, k0 + 3 * BK, K, GW, NG)
+        xf = xk.to(tl.float32)
+        s, z = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+        acc += _sum(_sum(_weights(raw, s, z, rows, BITS, NQ) * xf, 2), 1)
+        if TWO:
+            s2, z2 = _load_sz(blob, rows2, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+            acc2 += _sum(_sum(_weights(raw2, s2, z2, rows2, BITS, NQ) * xf, 2), 1)
+    return acc, acc2
+
+
+@triton.jit
 def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
     """The epilogue's activation (codes: `activation.Act`) on gate rows g and up rows u (fp32)."""
     if ACT == 5:  # gpt_oss's clamped SwiGLU
@@ -235,7 +288,10 @@ def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl
         n, nmask = _lanes(b, SL, N1 // SL, R)
         grow = n
         urow = n
-    if MODE == 1:
+    if MODE == 2:
+        g, u = _gemv_ring(x_row, blob, grow, urow, nmask, H, R, BITS, WDT, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, NG,
+                          BK1, GATED, SHARED)
+    elif MODE == 1:
         g, u = _gemv_prefetch(x_row, blob, grow, urow, nmask, H, R, BITS, WDT, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, NG,
                               BK1, GATED, SHARED)
     else:
@@ -304,7 +360,10 @@ def _down_one(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr, M
     BK2: tl.constexpr = M[24]
     MODE: tl.constexpr = M[25]
     rows, rmask = _lanes(b, SL, H // SL, R)
-    if MODE == 1:
+    if MODE == 2:
+        y, _ = _gemv_ring(h_row, blob, rows, rows, rmask, I, R, BITS, WDT, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, NG,
+                          BK2, False, False)
+    elif MODE == 1:
         y, _ = _gemv_prefetch(h_row, blob, rows, rows, rmask, I, R, BITS, WDT, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, NG,
                               BK2, False, False)
     else:
