@@ -17,7 +17,7 @@ a policy's host half one step behind changes against the host path: hit rate, by
 simulated TPOT and tokens, side by side.
 
     .venv/bin/python scripts/bench_decode.py                                    # demo, CPU, all policies
-    .venv/bin/python scripts/bench_decode.py --policies resident,lru --budgets 100%,25% --tokens 16
+    .venv/bin/python scripts/bench_decode.py --policies resident,lru,fate,fate-paper --budgets 100%,25% --tokens 16
     .venv/bin/python scripts/bench_decode.py --device cuda --model /ckpt --bundle /b --json decode.json
     .venv/bin/python scripts/bench_decode.py --clock sim --hw rtx3090 --budgets 25% --bundle out/demo/bundle
     .venv/bin/python scripts/bench_decode.py --device cuda ... --clock sim --hw measured.hw.json --against decode.json
@@ -52,7 +52,10 @@ POLICIES = {  # name -> knobs: every shipped policy, lossless ones at 16 bits
     "static": {"bits": "4"},
 }
 LOSSLESS = {"resident", "lod", "lru", "eap", "fate"}
-QUANTIZED = {"dymoe", "dynaexq", "static"}  # need a bundle with 4 and 2 bits
+# Rows under another name: a policy at its paper's own defaults beside its lossless row (Fate's INT4
+# cache and INT2 for unpopular experts: what its speed claim rests on; its tokens differ).
+VARIANTS = {"fate-paper": ("fate", {})}
+QUANTIZED = {"dymoe", "dynaexq", "static", "fate-paper"}  # need a bundle with 4 and 2 bits
 
 
 class PeakRss:
@@ -191,7 +194,8 @@ def moetool_path(args, path: str, policy: str, budget: str, ids: torch.Tensor, d
             lm = load_model(args.model, device=device, dtype=_dtype(device))
             store = HostStore.from_experts(lm.experts, _dtype(device))
         captured = path == "captured"
-        engine, plan = build_engine(lm, store, policy, settings=POLICIES[policy], budget=budget, device=device,
+        name, knobs = VARIANTS.get(policy, (policy, POLICIES.get(policy)))
+        engine, plan = build_engine(lm, store, name, settings=knobs, budget=budget, device=device,
                                     clock=args.clock, hw=args.hw, max_tokens=ids.shape[1] + args.tokens + 1,
                                     captured=captured)
         compile_s = 0.0
@@ -313,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--bundle", type=Path, help="a bundle (16/4/2 bits) for the quantized policies; else they are skipped")
     ap.add_argument("--bundle-all", action="store_true", help="every policy reads the bundle (not the checkpoint)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join([*POLICIES, *VARIANTS]),
+                    help=f"comma list among {', '.join([*POLICIES, *VARIANTS])}")
     ap.add_argument("--budgets", default="100%,25%")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cpu")
@@ -340,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         if wall is None:
             print(f"--against {args.against}: not the --json rows of a bench_decode run", file=sys.stderr)
             return 2
+    unknown = [p for p in args.policies.split(",") if p not in POLICIES and p not in VARIANTS]
+    if unknown:
+        print(f"--policies: {', '.join(unknown)} not among {', '.join([*POLICIES, *VARIANTS])}", file=sys.stderr)
+        return 2
     args.model = resolve_source(args.model)
     if args.paper_knobs:
         POLICIES["fate"] = {}
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{policy} {budget} {path}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 rows.append(dict(policy=policy, budget=budget, roofline_ms=roofline_ms(row, hbm_bytes, bw), **row))
-                print(f"{policy:9s} {budget:5s} {path:9s} p50 {row['tpot_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+                print(f"{policy:10s} {budget:5s} {path:9s} p50 {row['tpot_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
                 _write(args.json, rows, device, args.model, bw)  # each row as it comes: a run cut short keeps its rows
     for r in rows:
         r.update(same_tokens=None if reference is None else r["tokens"] == reference)
@@ -382,12 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             r["sim_over_wall"] = r["tpot_p50_ms"] / r["wall_tpot_p50_ms"]
     host = {(r["policy"], r["budget"]): r["tpot_p50_ms"] for r in rows if r["path"] == "host"}
     host_tokens = {(r["policy"], r["budget"]): r["tokens"] for r in rows if r["path"] == "host"}
-    print(f"\n{'policy':9s} {'budget':6s} {'path':12s} {'p50 ms':>8s} {'p99 ms':>8s} {'x host':>7s} {'compile s':>9s} "
+    print(f"\n{'policy':10s} {'budget':6s} {'path':12s} {'p50 ms':>8s} {'p99 ms':>8s} {'x host':>7s} {'compile s':>9s} "
           f"{'ops/layer':>9s} {'syncs':>6s} {'RSS MiB':>8s} {'hit':>5s} {'MiB/tok':>8s} {'=hf':>5s} {'=host':>5s}")
     for r in rows:
         base = host.get((r["policy"], r["budget"]))
         same_host = host_tokens.get((r["policy"], r["budget"]))
-        print(f"{r['policy']:9s} {r['budget']:6s} {r['path']:12s} {r['tpot_p50_ms']:8.3f} {r['tpot_p99_ms']:8.3f} "
+        print(f"{r['policy']:10s} {r['budget']:6s} {r['path']:12s} {r['tpot_p50_ms']:8.3f} {r['tpot_p99_ms']:8.3f} "
               f"{(r['tpot_p50_ms'] / base) if base else float('nan'):7.2f} {r['compile_s']:9.1f} "
               f"{r['ops_per_layer_step']:9.1f} {r['syncs_per_step']:6.0f} {r['peak_rss_mib']:8.0f} "
               f"{r.get('hit_rate') or 0:5.2f} {(r.get('bytes_per_token') or 0) / 2**20:8.3f} "
@@ -403,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if compared:
         print(f"\nsimulated ({args.hw}) against the wall clock of {args.against}:")
         for r in compared:
-            print(f"{r['policy']:9s} {r['budget']:6s} {r['path']:12s} sim {r['tpot_p50_ms']:8.3f} ms  "
+            print(f"{r['policy']:10s} {r['budget']:6s} {r['path']:12s} sim {r['tpot_p50_ms']:8.3f} ms  "
                   f"wall {r['wall_tpot_p50_ms']:8.3f} ms  sim/wall {r['sim_over_wall']:.2f}")
     if bw:
         print(f"measured: pinned H2D {bw['h2d_gbps']:.1f} GB/s, HBM {bw['hbm_gbps']:.0f} GB/s")

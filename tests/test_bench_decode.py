@@ -33,8 +33,10 @@ def test_a_sim_run_is_set_against_the_wall_clock_rows_of_the_same_settings(tmp_p
     assert "sim/wall" in capsys.readouterr().out
 
 
-def test_against_needs_the_sim_clock_and_a_wall_runs_rows(tmp_path, capsys):
+def test_against_needs_the_sim_clock_and_a_wall_runs_rows_and_policies_are_known(tmp_path, capsys):
     bench = _bench()
+    assert bench.main(["--policies", "lru,fate-papr"]) == 2
+    assert "fate-papr not among" in capsys.readouterr().err
     (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
     assert bench.main(["--against", str(tmp_path / "other.json")]) == 2
     assert "give --clock sim" in capsys.readouterr().err
