@@ -68,6 +68,10 @@ def test_a_file_named_by_the_environment_must_be_this_devices(tmp_path, package_
     monkeypatch.setenv(kexperts.CONFIGS_ENV, str(tmp_path / "absent.json"))
     with pytest.raises(ValueError, match="absent.json, which is not a file"):
         kexperts.tuned_for(H200, 2048, 1408, (4,))
+    monkeypatch.setattr(kexperts, "_cuda_name", lambda index: H200)  # what an engine on CUDA asks at build
+    with pytest.raises(ValueError, match="absent.json, which is not a file"):
+        kexperts.check_tuned(torch.device("cuda", 0))
+    kexperts.check_tuned(torch.device("cpu"))  # nothing is read off CUDA
 
 
 @pytest.mark.parametrize("text,match", [

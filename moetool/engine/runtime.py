@@ -105,6 +105,12 @@ class Engine(Loads):
         # kernels on CUDA at decode sizes (`moetool.kernels`, slots read as stored); the reference
         # precision keeps grouped_mm, bit for bit transformers'.
         self.triton_layers: dict[tuple[int, int], Any] = {}
+        if self.device.type == "cuda":  # the kernels' tuned configs (either decode path) refused now, not mid-run
+            from moetool.kernels.experts import check_tuned
+            try:
+                check_tuned(self.device)
+            except ValueError as e:
+                raise MoetoolError(f"{e}.") from None
         if kernels and self.grouped and self.device.type == "cuda":
             from moetool.kernels import activation_of, supported
             for g in self.layers:

@@ -300,6 +300,12 @@ def tuned_config(device: torch.device, hidden: int, width: int, bits: Sequence[i
                      hidden, width, bits)
 
 
+def check_tuned(device: torch.device) -> None:
+    """ValueError now, naming the file, if the tuned configs this CUDA device would read cannot be
+    used (unreadable, malformed, another device's, or MOETOOL_KERNEL_CONFIGS naming no file)."""
+    tuned_config(device, 0, 0, (16,))
+
+
 def tuned_for(name: str, hidden: int, width: int, bits: Sequence[int]) -> tuple[int, ...] | None:
     """`tuned_config` for the device called `name`: from the file MOETOOL_KERNEL_CONFIGS names (it
     must be this device's), else from the package's file for the device, else None."""
