@@ -96,3 +96,29 @@ def test_on_cuda_the_kernels_take_low_bits_and_the_captured_steps_reference_prec
         for captured in (True, False):
             want = "grouped" if bits == 16 and not captured else "triton"
             assert expert_path(layout, act, bits, g.top_k, cuda, BF16, captured) == want
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_c_cpu_times_the_reference_expert_decoded_and_run_on_the_host_in_the_runs_dtype(kernel_bundle, dtype,
+                                                                                         monkeypatch):
+    """SMoE's C_CPU as the engine's CPU-assisted experts pay it: the reference blob decoded on the host
+    in the compute dtype (bf16 on a GPU run), then the block's MLP, and that expert's own output."""
+    from moetool.profile.timing import c_cpu
+
+    path, bundle = kernel_bundle
+    lm = load_model(path, dtype=dtype)
+    blobs = _timing_blobs(lm, Bundle.open(bundle, model=lm.fingerprint))
+    module = lm.model.get_submodule(lm.geometry.layers[0].path).experts
+    seen, forward = [], module.expert_forward
+
+    def spy(x, w):
+        y = forward(x, w)
+        seen.append((x.dtype, w.gate_up.dtype, w.gate_up.device.type, x, y))
+        return y
+
+    monkeypatch.setattr(module, "expert_forward", spy)
+    assert c_cpu(lm, blobs) > 0
+    assert {s[:3] for s in seen} == {(dtype, dtype, "cpu")}
+    blob, layout = blobs[16]
+    x, y = seen[-1][3:]
+    assert torch.equal(y, forward(x, dequantize(blob, layout, dtype)))  # the reference-precision expert itself

@@ -271,13 +271,21 @@ def graph_timed(fn: Callable[[], Any], device: torch.device, repeats: int = REPE
 
 
 @torch.no_grad()
-def c_cpu(lm: LoadedModel) -> float:
-    """SMoE's C_CPU: one expert at the reference precision on one token, on the host."""
+def c_cpu(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]]) -> float:
+    """SMoE's C_CPU: one token through one expert on the host, as the engine's CPU-assisted experts
+    run it (`engine.runtime._compute_on_host`): the reference-precision blob decoded on the host in
+    the run's compute dtype (bf16 on a GPU run: a host without native bf16 pays for it), then the
+    block's own MLP. `blobs` as `expert_timings` takes them."""
+    from moetool.quant.format import dequantize_into, empty_weights
+
     g = lm.geometry.layers[0]
     module = lm.model.get_submodule(g.path).experts
-    w = lm.experts.get(g.index, 0).to("cpu", torch.float32)
-    x = torch.randn(1, g.hidden_size)  # [1, H]; the activation holds no weights, so it runs on the host too
-    return timed(lambda: module.expert_forward(x, w), torch.device("cpu"))
+    dtype, cpu = next(lm.model.parameters()).dtype, torch.device("cpu")
+    blob, layout = blobs[max(blobs)]
+    blob = blob.to(cpu)
+    w = empty_weights(layout, dtype, cpu)
+    x = torch.randn(1, g.hidden_size, dtype=dtype)  # [1, H]; the activation holds no weights, so it runs on the host too
+    return timed(lambda: module.expert_forward(x, dequantize_into(blob, layout, w)), cpu)
 
 
 def h2d_bandwidth(device: torch.device) -> float | None:
@@ -295,7 +303,7 @@ def measure_timing(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]], 
     layers = layer_timings(lm, ids, steps)
     t_dense = sum(t.t_attn + t.t_gate + max(0.0, t.t_moe - t.t_experts) for t in layers) / max(1, len(layers))
     return TimingProfile(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""), steps=steps,
-                         layers=layers, experts=expert_timings(lm, blobs), c_cpu_s=c_cpu(lm),
+                         layers=layers, experts=expert_timings(lm, blobs), c_cpu_s=c_cpu(lm, blobs),
                          h2d_gbps=h2d_bandwidth(p.device), t_dense_s=t_dense)
 
 
@@ -313,7 +321,8 @@ def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
                              "one decode token",
                    t_expert_s=f"{where}: one token through one expert (its share of the top-k), per precision, "
                               "on the engine's path there: " + ", ".join(f"{e.bits}-bit {e.path}" for e in t.experts),
-                   c_cpu_s=f"{where}: one reference-precision expert on one token on the host CPU")
+                   c_cpu_s=f"{where}: one reference-precision expert on one token on the host CPU, decoded "
+                           f"and computed in {t.dtype} as the engine's CPU-assisted experts run")
     if t.h2d_gbps is not None:
         data["h2d_gbps"] = t.h2d_gbps
         sources["h2d_gbps"] = f"{where}: pinned {H2D_BYTES >> 20} MiB copies, median"
