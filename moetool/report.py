@@ -135,7 +135,9 @@ def _profile_tables(path: Path, prof: Profile) -> str:
     if t:
         md.append(f"\n### Timing on {t.device} ({t.dtype}), decode medians\n\nC_CPU {t.c_cpu_s * 1e6:.1f} µs; "
                   f"H2D {'%.2f GB/s' % t.h2d_gbps if t.h2d_gbps else 'not measured (no CUDA)'}; "
-                  f"t_dense {t.t_dense_s * 1e3:.3f} ms.\n\n")
+                  f"t_dense {t.t_dense_s * 1e3:.3f} ms"
+                  + (f", {t.t_dense_captured_s * 1e3:.3f} ms in the captured step" if t.t_dense_captured_s is not None
+                     else "") + ".\n\n")
         md.append(_table(["layer", "t_attn ms", "t_gate ms", "t_moe ms", "t_experts ms"],
                          [[x.layer, x.t_attn * 1e3, x.t_gate * 1e3, x.t_moe * 1e3, x.t_experts * 1e3] for x in t.layers]))
         md.append("\n" + _table(["bits", "bytes", "path", "load µs", "dequant µs", "compute µs (1 token)"],

@@ -122,3 +122,45 @@ def test_c_cpu_times_the_reference_expert_decoded_and_run_on_the_host_in_the_run
     blob, layout = blobs[16]
     x, y = seen[-1][3:]
     assert torch.equal(y, forward(x, dequantize(blob, layout, dtype)))  # the reference-precision expert itself
+
+
+def test_the_captured_steps_dense_time_is_measured_and_the_sim_clock_charges_it_there(kernel_bundle, tmp_path):
+    """`captured_dense`: the captured step with every expert resident less its experts' timed cost,
+    per MoE layer; written to the hardware profile as t_dense_captured_s, which the simulated clock
+    charges each layer of a captured step (and t_dense_s on the host path): two profiles that differ
+    only there give captured steps that differ by layers x the difference, host steps that do not."""
+    import json
+
+    from moetool.engine.decode import DecodeProgram
+    from moetool.engine.store import HostStore
+    from moetool.profile.timing import TimingProfile, captured_dense, hw_profile
+
+    path, bundle = kernel_bundle
+    lm = load_model(path, dtype=FP32)
+    b = Bundle.open(bundle, model=lm.fingerprint)
+    store = HostStore.from_bundle(b, FP32)
+    ids = torch.arange(8).view(1, -1)
+    timings = expert_timings(lm, _timing_blobs(lm, b))
+    dense, note = captured_dense(lm, store, ids, 3, {e.bits: e.compute_s for e in timings}, backend="eager")
+    assert dense is not None and dense >= 0 and "static at 2 bits" in note
+    t = TimingProfile(device="cpu", dtype="float32", steps=3, layers=(), experts=timings, c_cpu_s=1e-4,
+                      h2d_gbps=None, t_dense_s=1e-3, t_dense_captured_s=dense, captured_note=note)
+    hw = hw_profile(t, "rtx3090", "measured")
+    assert hw["t_dense_captured_s"] == dense and note in hw["sources"]["t_dense_captured_s"]
+    step = {}
+    for name, value in (("low", 1e-4), ("high", 6e-4)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**hw, "t_dense_captured_s": value}))
+        for captured in (True, False):
+            lm = load_model(path, dtype=FP32)
+            engine, _ = build_engine(lm, HostStore.from_bundle(b, FP32), "resident", budget="100%", clock="sim",
+                                     hw=str(tmp_path / f"{name}.json"), captured=captured, max_tokens=16)
+            with torch.no_grad():
+                if captured:
+                    DecodeProgram(engine, max_tokens=16, backend="eager").generate(ids, 4)
+                else:
+                    lm.model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            step[name, captured] = [x.seconds for x in engine.stats.steps if x.phase == "decode"]
+    layers = len(lm.geometry.layers)
+    for low, high in zip(step["low", True], step["high", True]):
+        assert high - low == pytest.approx(layers * 5e-4)
+    assert step["low", False] == step["high", False]

@@ -41,6 +41,7 @@ class HwProfile:
     # Measured on a machine by `moetool profile --what timing`; each one, when present, replaces
     # the throughput-derived estimate (so a profile calibrates the sim clock for one model).
     t_dense_s: float | None = None  # attention + router + shared experts of one MoE layer, one token
+    t_dense_captured_s: float | None = None  # the same inside the captured decode step (one graph replay)
     t_expert_s: dict[int, float] | None = None  # bits -> one expert on one token, on the device
     c_cpu_s: float | None = None  # one reference-precision expert on one token, on the host CPU
 
@@ -67,6 +68,7 @@ PLAUSIBLE: dict[str, tuple[float, float, str]] = {
     "cpu_tflops": (1e-5, 1e5, "TFLOP/s"), "cpu_mem_gbps": (1e-3, 1e5, "GB/s"),
     "kernel_s": (0.0, 1.0, "s"), "copy_latency_s": (0.0, 1.0, "s"),
     "t_dense_s": (0.0, 60.0, "s"), "t_expert_s": (0.0, 60.0, "s"), "c_cpu_s": (0.0, 60.0, "s"),
+    "t_dense_captured_s": (0.0, 60.0, "s"),
 }
 
 
@@ -106,11 +108,13 @@ class CostModel:
     dense_bytes_per_layer: float  # non-expert weights per MoE layer (attention, router, shared experts, share of head)
     dense_flops_per_token_per_layer: float
 
-    def t_dense(self, tokens: int) -> float:
-        """Attention + router + shared experts of one layer (and its share of embeddings / lm_head)."""
-        if self.hw.t_dense_s is not None:
+    def t_dense(self, tokens: int, captured: bool = False) -> float:
+        """Attention + router + shared experts of one layer (and its share of embeddings / lm_head);
+        `captured`: inside the captured decode step, where the profile measured it there."""
+        measured = self.hw.t_dense_captured_s if captured and self.hw.t_dense_captured_s is not None else self.hw.t_dense_s
+        if measured is not None:
             # Measured at one token (the weight-read floor); more tokens cost compute beyond it.
-            return max(self.hw.t_dense_s, self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12))
+            return max(measured, self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12))
         return max(self.dense_bytes_per_layer / (self.hw.gpu_mem_gbps * 1e9),
                    self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
 

@@ -379,7 +379,7 @@ class DecodeProgram:
         for pos, layer in enumerate(self.layers.layers):
             st = stats.layer(layer)
             if sim:
-                clock.compute(cost.t_dense(1))
+                clock.compute(cost.t_dense(1, captured=True))
             routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
             run = bits > 0
             st.skips += int((~run).sum())

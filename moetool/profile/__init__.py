@@ -240,17 +240,30 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
         parts["sensitivity"] = measure_sensitivity(
             lm, source, chunks, tuple(cfg.sensitivity_bits), tuple(cfg.int2_shares), cfg.ppl_data, name,
             progress=lambda d, t: tick("sensitivity", d, t))
+    info = _info(lm, bundle, dtype, str(dtype).removeprefix("torch."))  # before timing installs an engine in lm
     if "timing" in what:
         tick("timing", 0, 1)
         ids = next(iter(data.values()))[0][:, :32]
-        parts["timing"] = measure_timing(lm, _timing_blobs(lm, bundle), ids, cfg.timing_steps)
+        parts["timing"] = measure_timing(lm, _timing_blobs(lm, bundle), ids, cfg.timing_steps,
+                                         store=_captured_store(lm, bundle, dtype))
         from moetool.profile.timing import hw_profile
 
         parts["hw"] = hw_profile(parts["timing"], cfg.hw_base,
                                  name=f"{lm.fingerprint.model_type}-{parts['timing'].device}-measured")
         tick("timing", 1, 1)
     return Profile(model=lm.fingerprint, inputs=inputs, what=what, data={k: len(v) for k, v in data.items()},
-                   settings=cfg.recorded(), info=_info(lm, bundle, dtype, str(dtype).removeprefix("torch.")), **parts)
+                   settings=cfg.recorded(), info=info, **parts)
+
+
+def _captured_store(lm: LoadedModel, bundle, dtype: torch.dtype):
+    """The store whose captured step the timing part measures, where `--decode auto` takes that step:
+    on CUDA, for the model types it is checked on (engine/decode.py). None elsewhere."""
+    from moetool.engine.decode import VERIFIED_MODEL_TYPES
+    from moetool.engine.store import HostStore
+
+    if next(lm.model.parameters()).device.type != "cuda" or lm.fingerprint.model_type not in VERIFIED_MODEL_TYPES:
+        return None
+    return HostStore.from_bundle(bundle, dtype) if bundle is not None else HostStore.from_experts(lm.experts, dtype)
 
 
 def _trace_parts(lm: LoadedModel, cfg: ProfileConfig, what: tuple[str, ...], data: dict[str, list[torch.Tensor]],

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -63,6 +63,11 @@ class TimingProfile:
     c_cpu_s: float  # one reference-precision expert, one token, on the host CPU (SMoE's C_CPU)
     h2d_gbps: float | None  # measured pinned host-to-device bandwidth; None without CUDA
     t_dense_s: float  # mean over MoE layers of t_attn + t_gate + (t_moe - t_experts)
+    # The same inside the captured decode step (one graph replay on CUDA: no launches from the host,
+    # so far below t_dense_s there): a captured step with every expert resident, less its experts'
+    # time, per MoE layer. None where it was not measured (`captured_note` says why).
+    t_dense_captured_s: float | None = None
+    captured_note: str = ""
 
 
 def _sync(device: torch.device) -> None:
@@ -298,13 +303,55 @@ def h2d_bandwidth(device: torch.device) -> float | None:
 
 
 def measure_timing(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]], ids: torch.Tensor,
-                   steps: int = 8) -> TimingProfile:
+                   steps: int = 8, store: Any = None, backend: str | None = None) -> TimingProfile:
+    """The timings of `lm` on its device. With `store` (the run's HostStore), also the captured
+    step's dense time (`captured_dense`), last: it installs an engine in `lm`."""
     p = next(lm.model.parameters())
     layers = layer_timings(lm, ids, steps)
     t_dense = sum(t.t_attn + t.t_gate + max(0.0, t.t_moe - t.t_experts) for t in layers) / max(1, len(layers))
-    return TimingProfile(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""), steps=steps,
-                         layers=layers, experts=expert_timings(lm, blobs), c_cpu_s=c_cpu(lm, blobs),
-                         h2d_gbps=h2d_bandwidth(p.device), t_dense_s=t_dense)
+    experts = expert_timings(lm, blobs)
+    t = TimingProfile(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""), steps=steps,
+                      layers=layers, experts=experts, c_cpu_s=c_cpu(lm, blobs),
+                      h2d_gbps=h2d_bandwidth(p.device), t_dense_s=t_dense)
+    if store is not None:
+        dense, note = captured_dense(lm, store, ids, steps, {e.bits: e.compute_s for e in experts}, backend)
+        t = replace(t, t_dense_captured_s=dense, captured_note=note)
+    return t
+
+
+def captured_dense(lm: LoadedModel, store: Any, ids: torch.Tensor, steps: int, t_expert: dict[int, float],
+                   backend: str | None = None) -> tuple[float | None, str]:
+    """(seconds, how) of one MoE layer's non-expert work inside the captured decode step: the median
+    captured step with every expert resident (the store's lowest precision, the likeliest to fit the
+    device; `resident` at the reference one) less each layer's top-k experts at their timed cost
+    (`t_expert`, the kernels' time in a CUDA graph), per MoE layer. (None, why) where the step
+    cannot be built here (the experts do not fit the device, the model does not capture)."""
+    from moetool.engine import build_engine
+    from moetool.engine.decode import DecodeProgram
+    from moetool.errors import MoetoolError
+
+    bits = min(store.bits)
+    policy, settings = ("resident", {}) if bits == 16 else ("static", {"bits": str(bits)})
+    device = next(lm.model.parameters()).device
+    max_tokens = ids.shape[1] + steps + 2
+    engine = None
+    try:
+        engine, _ = build_engine(lm, store, policy, settings=settings, budget="100%", device=device,
+                                 max_tokens=max_tokens, captured=True)
+        program = DecodeProgram(engine, max_tokens=max_tokens, backend=backend, unverified_ok=True)
+        program.generate(ids, steps + 2)
+    except MoetoolError as e:
+        return None, f"not measured: {e}"
+    finally:
+        if engine is not None:
+            engine.close()
+    decode = [x.seconds for x in engine.stats.steps if x.phase == "decode"][1:]  # the first after the prefill warms
+    g = lm.geometry.layers[0]
+    n = len(lm.geometry.layers)
+    step = statistics.median(decode)
+    dense = max(0.0, (step - n * g.top_k * t_expert[bits]) / n)
+    return dense, (f"{policy} at {bits} bits, every expert resident: median captured step {step * 1e3:.3f} ms "
+                   f"less {n} x {g.top_k} experts at {t_expert[bits] * 1e6:.1f} us, per MoE layer")
 
 
 def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
@@ -317,6 +364,12 @@ def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
     data.update(name=name, description=f"{raw.get('description', base)}; per-layer and per-expert times {where}",
                 t_dense_s=t.t_dense_s, t_expert_s={str(e.bits): e.dequant_s + e.compute_s for e in t.experts},
                 c_cpu_s=t.c_cpu_s)
+    data.pop("t_dense_captured_s", None)
+    if t.t_dense_captured_s is not None:
+        data["t_dense_captured_s"] = t.t_dense_captured_s
+        sources["t_dense_captured_s"] = f"{where}: {t.captured_note}"
+    elif t.captured_note:
+        sources["t_dense_captured_s"] = f"{where}: {t.captured_note} (the captured step is charged t_dense_s)"
     sources.update(t_dense_s=f"{where}: mean over MoE layers of t_attn + t_gate + shared/other MoE-block time, "
                              "one decode token",
                    t_expert_s=f"{where}: one token through one expert (its share of the top-k), per precision, "
