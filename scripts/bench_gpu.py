@@ -381,6 +381,8 @@ def main() -> None:
                                      hw_base="h100pcie", data=("heldout",), seqs_per_data=1))
         hw.write_text(json.dumps(prof.hw, indent=1))
         results["timing"] = {"hw_profile": str(hw), "t_dense_s": prof.hw.get("t_dense_s"),
+                             "t_dense_captured_s": prof.hw.get("t_dense_captured_s"),
+                             "t_dense_captured_source": prof.hw["sources"].get("t_dense_captured_s"),
                              "t_expert_s": prof.hw.get("t_expert_s"), "h2d_gbps": prof.hw.get("h2d_gbps")}
         write(args.out, results)
     if hw.is_file() and part("sim", 20):
