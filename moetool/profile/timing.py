@@ -215,7 +215,7 @@ def path_call(path: str, module: torch.nn.Module, activation: Any, blob: torch.T
     from moetool.quant.kernels import MODULES
 
     k, device, dtype = weight.shape[1], blob.device, x.dtype
-    pool = blob.unsqueeze(0).repeat(k, 1)  # [k, blob bytes]
+    pool = blob.unsqueeze(0).repeat(k, 1) if path != "grouped" else None  # [k, blob bytes]: k slots
     if path == "triton":
         from moetool.kernels import SlotPool, experts_forward
 
