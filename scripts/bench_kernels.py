@@ -225,6 +225,27 @@ def tiles(text: str) -> tuple[int, ...]:
     return values
 
 
+def precision_set(text: str) -> str:
+    """A --tune-sets entry: stored precisions, comma-separated ("4,2")."""
+    try:
+        bits = [int(b) for b in text.split(",")]
+    except ValueError:
+        bits = []
+    if not bits or any(b not in (16, 8, 4, 2) for b in bits):
+        raise argparse.ArgumentTypeError(f"'{text}' is not precisions among 16, 8, 4, 2, comma-separated")
+    return text
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive number of seconds")
+    return value
+
+
 def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: list[int], bits: list[int]) -> int:
     """Compile the three kernels for CUDA sm_`arch` with the arguments a mixed-precision call at
     batch 1 launches (the `bits` pools in one launch), per accumulation mode, and print each
@@ -437,9 +458,9 @@ def main() -> int:
     ap.add_argument("--compile-only", type=int, metavar="SM", help="compile for CUDA sm_SM without a GPU, and stop")
     ap.add_argument("--tune", action="store_true",
                     help="search the kernels' configs per shape and precision set, write kernel-configs-<device>.json")
-    ap.add_argument("--tune-sets", nargs="+", default=["16", "8", "4", "2", "4,2"], metavar="BITS[,BITS]",
+    ap.add_argument("--tune-sets", nargs="+", type=precision_set, default=["16", "8", "4", "2", "4,2"], metavar="BITS[,BITS]",
                     help="precision sets to tune, each one launch (default: each precision, and DyMoE's 4,2)")
-    ap.add_argument("--tune-seconds", type=float, default=240, help="the whole tune's time, shared by its jobs")
+    ap.add_argument("--tune-seconds", type=positive_seconds, default=240, help="the whole tune's time, shared by its jobs")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only(args.compile_only, args.shapes, args.config, args.modes, args.bits)
