@@ -221,9 +221,15 @@ def moetool_path(args, path: str, policy: str, budget: str, ids: torch.Tensor, d
             ops, syncs = _profile_host(lm, ids, device)
         engine.close()
     p50, p99 = _dist(decode)
+    # The experts a token reads on the device at the precisions it ran them at (the precision mix
+    # counts the prompt's rows too, and the last token is never fed back): a low-bit policy's
+    # roofline reads its low-bit bytes, not bf16's.
+    sizes = {b: store.slot_bytes(b) for b in store.bits}
+    read = sum(int(n) * sizes.get(int(b), 0) for b, n in (s.get("precision_mix") or {}).items())
     return dict(path=path, tpot_p50_ms=p50, tpot_p99_ms=p99, compile_s=compile_s, ops_per_layer_step=ops,
                 syncs_per_step=syncs, peak_rss_mib=mem.mib, tokens=out, hit_rate=s["hit_rate"],
                 bytes_per_token=s["bytes_per_token"], bytes_h2d=s["bytes_h2d"], steps=len(decode),
+                expert_read_bytes=read / (ids.shape[1] + args.tokens - 1),
                 path_reason="DecodeProgram, compiled" + (" and captured" if device.type == "cuda" else "") if captured
                 else engine.decode_info.get("path_reason"))
 
@@ -303,13 +309,14 @@ def bandwidths(device: torch.device) -> dict:
     return out
 
 
-def roofline_ms(row: dict, hbm_bytes: float, bw: dict) -> float | None:
+def roofline_ms(row: dict, dense_bytes: float, bw: dict) -> float | None:
     """The step's floor: what it moved over the bus at the measured pinned bandwidth, plus the bytes a
-    step reads from HBM (non-expert weights and the routed experts) at the measured HBM bandwidth."""
+    step reads from HBM (the non-expert weights, and the routed experts at the precisions they ran at)
+    at the measured HBM bandwidth."""
     if not bw or row.get("steps") is None:
         return None
     bus = row["bytes_h2d"] / max(1, row["steps"]) / (bw["h2d_gbps"] * 1e9)
-    return (bus + hbm_bytes / (bw["hbm_gbps"] * 1e9)) * 1e3
+    return (bus + (dense_bytes + row["expert_read_bytes"]) / (bw["hbm_gbps"] * 1e9)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     lm = load_model(args.model)
     ids = lm.tokenizer(PROMPT, return_tensors="pt").input_ids if lm.tokenizer else torch.arange(16).view(1, -1)
-    g = lm.geometry.layers[0]
-    expert_bytes = 2 * g.hidden_size * g.intermediate_size * (3 if g.gated else 2)
-    hbm_bytes = lm.non_expert_bytes() / 2 + len(lm.geometry.layers) * g.top_k * expert_bytes  # bf16 weights a step reads
+    dense_bytes = lm.non_expert_bytes() / 2  # the non-expert bf16 weights a step reads
     del lm
     bw = bandwidths(device)
     rows = []
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - a benchmark row that fails is reported, not fatal
                     print(f"{policy} {budget} {path}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
-                rows.append(dict(policy=policy, budget=budget, roofline_ms=roofline_ms(row, hbm_bytes, bw), **row))
+                rows.append(dict(policy=policy, budget=budget, roofline_ms=roofline_ms(row, dense_bytes, bw), **row))
                 print(f"{policy:10s} {budget:5s} {path:9s} p50 {row['tpot_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
                 _write(args.json, rows, device, args.model, bw)  # each row as it comes: a run cut short keeps its rows
     for r in rows:

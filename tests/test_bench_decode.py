@@ -6,6 +6,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
+
+from moetool.engine.store import HostStore
+from moetool.model import load_model
 from tiny import save_tiny
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
@@ -25,6 +29,10 @@ def test_a_sim_run_is_set_against_the_wall_clock_rows_of_the_same_settings(tmp_p
               "--tokens", "2", "--no-plain"]
     assert bench.main([*common, "--json", str(tmp_path / "wall.json")]) == 0
     wall = {(r["policy"], r["budget"]): r for r in json.loads((tmp_path / "wall.json").read_text())}
+    lm = load_model(model)  # a token reads its layers' top-k bf16 experts (the roofline's device bytes)
+    store = HostStore.from_experts(lm.experts, torch.float32)
+    g = lm.geometry.layers[0]
+    assert wall["lru", "25%"]["expert_read_bytes"] == len(lm.geometry.layers) * g.top_k * store.slot_bytes(16)
     assert bench.main([*common, "--budgets", "25%", "--clock", "sim", "--against", str(tmp_path / "wall.json"),
                        "--json", str(tmp_path / "sim.json")]) == 0
     (row,) = json.loads((tmp_path / "sim.json").read_text())
