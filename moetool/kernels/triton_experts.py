@@ -141,6 +141,16 @@ def _tile_x(x_row, k0, K: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
+def _tile_dot(raw, xf, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, NQ: tl.constexpr,
+              S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
+    """One K tile's dot products [R] (fp32) of `rows` (codes `raw`, loaded ahead by modes 1 and 2) with
+    x (`xf`), the groups' scales loaded now: a row's scales share cache lines, so after the first
+    tile they come from L1."""
+    s, z = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+    return _sum(_sum(_weights(raw, s, z, rows, BITS, NQ) * xf, 2), 1)
+
+
+@triton.jit
 def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
                    WDT: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr, S_OFF: tl.constexpr,
                    Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
@@ -163,8 +173,7 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
         raw = raw_n
         raw2 = raw2_n
         xk = x_n
-        # the next tile's codes (masked past K: nothing is read), then this one's scales (a row's
-        # scales share cache lines: after the first tile they come from L1) and math
+        # the next tile's codes (masked past K: nothing is read), then this one's scales and math
         raw_n = _load_raw(blob, rows, rmask, k0 + BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
         if TWO:
             if SHARED:
@@ -173,11 +182,9 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
                 raw2_n = _load_raw(blob, rows2, rmask, k0 + BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
         x_n = _tile_x(x_row, k0 + BK, K, GW, NG)
         xf = xk.to(tl.float32)
-        s, z = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
-        acc += _sum(_sum(_weights(raw, s, z, rows, BITS, NQ) * xf, 2), 1)
+        acc += _tile_dot(raw, xf, blob, rows, rmask, k0, K, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG)
         if TWO:
-            s2, z2 = _load_sz(blob, rows2, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
-            acc2 += _sum(_sum(_weights(raw2, s2, z2, rows2, BITS, NQ) * xf, 2), 1)
+            acc2 += _tile_dot(raw2, xf, blob, rows2, rmask, k0, K, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG)
     return acc, acc2
 
 
@@ -226,11 +233,9 @@ def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr
                 u2 = _load_raw(blob, rows2, rmask, k0 + 3 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
         x2 = _tile_x(x_row, k0 + 3 * BK, K, GW, NG)
         xf = xk.to(tl.float32)
-        s, z = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
-        acc += _sum(_sum(_weights(raw, s, z, rows, BITS, NQ) * xf, 2), 1)
+        acc += _tile_dot(raw, xf, blob, rows, rmask, k0, K, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG)
         if TWO:
-            s2, z2 = _load_sz(blob, rows2, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
-            acc2 += _sum(_sum(_weights(raw2, s2, z2, rows2, BITS, NQ) * xf, 2), 1)
+            acc2 += _tile_dot(raw2, xf, blob, rows2, rmask, k0, K, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG)
     return acc, acc2
 
 
