@@ -36,6 +36,7 @@ import torch
 from transformers.integrations.moe import _grouped_mm  # what the engine's grouped GEMMs call
 
 from moetool.kernels import Act, Activation, SlotPool, experts_forward
+from moetool.kernels import config as kconfig
 from moetool.kernels import experts as kexperts
 from moetool.kernels.activation import reference
 from moetool.model import ExpertWeights
@@ -165,7 +166,7 @@ def bench_one(name: str, shape: dict, bits: int, args, device: torch.device) -> 
     calls["dequant-gemm-eager"] = lambda: [engine(x, w, s, o) for s, o in zip(sets, offs)]
     if device.type == "cuda":
         pools = [SlotPool(pool.data, pool.layout, s.int().view(1, k)) for s in sets]
-        for mode in args.modes:  # each accumulation mode (kexperts.MODES) timed in this same run
+        for mode in args.modes:  # each accumulation mode (kconfig.MODES) timed in this same run
             suffix, config = ("" if mode == 0 else f"-m{mode}"), (*args.config, mode)
             calls[f"triton-eager{suffix}"] = eager_fn = (
                 lambda config=config: [experts_forward(x, w, [p], SILU, config) for p in pools])
@@ -300,7 +301,7 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
 # The fields a tune varies (index into R1,BK1,R2,BK2,B3,WARPS,MODE) and the values it tries: rows a
 # program (more, smaller programs hide latency at batch 1), K tiles, warps, the loop mode.
 TUNE_FIELDS = {0: (8, 16, 32, 64), 1: (64, 128, 256, 512), 2: (8, 16, 32, 64), 3: (64, 128, 256, 512),
-               5: (1, 2, 4, 8), 6: kexperts.MODES}
+               5: (1, 2, 4, 8), 6: kconfig.MODES}
 TUNE_TOLERANCE = 1e-2  # of the reference's largest magnitude (bf16 output; the kernels measured ~4e-3)
 
 
@@ -369,7 +370,7 @@ def tune_one(name: str, bits_set: list[int], args, device: torch.device, seconds
         return row["us_per_expert"]
 
     deadline = time.perf_counter() + seconds
-    default = kexperts.default_config(device) if device.type == "cuda" else (*args.config, 0)
+    default = kconfig.default_config(device) if device.type == "cuda" else (*args.config, 0)
     best, best_us = tuple(default), measure(tuple(default))
     for _ in range(2):
         for field, values in TUNE_FIELDS.items():
@@ -388,7 +389,7 @@ def tune_one(name: str, bits_set: list[int], args, device: torch.device, seconds
 
 def tune(args, device: torch.device) -> int:
     """Tune every shape and precision set in `--tune-sets`; write kernel-configs-<device>.json (the
-    form `moetool.kernels.experts` reads: copy it to moetool/kernels/configs/<device>.json, or name it
+    form `moetool.kernels.config` reads: copy it to moetool/kernels/configs/<device>.json, or name it
     in MOETOOL_KERNEL_CONFIGS) and print default against best."""
     import triton
 
@@ -412,7 +413,7 @@ def tune(args, device: torch.device) -> int:
     for r in results:
         if r["best_us"] is not None:
             s = SHAPES[r["shape"]]
-            configs.setdefault(f"{s['hidden']}x{s['width']}", {})[kexperts.precisions_key(r["bits"])] = r["best"]
+            configs.setdefault(f"{s['hidden']}x{s['width']}", {})[kconfig.precisions_key(r["bits"])] = r["best"]
     doc = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
            "source": "scripts/bench_kernels.py --tune (best of the configs checked against the fp32 "
                      "dequantize reference, median us per expert in a CUDA graph)",
@@ -432,14 +433,14 @@ def tune(args, device: torch.device) -> int:
               f"{cols[4]:>8}  {r['best']} ({len(r['tried'])})")
     out = args.out or Path(".")
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernel-configs-{kexperts.device_slug(name)}.json"
+    path = out / f"kernel-configs-{kconfig.device_slug(name)}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
-    kexperts.load_tuned.cache_clear()
-    kexperts.load_tuned(str(path))  # the file the engine would read: checked before it is shown
-    print(f"wrote {path}: copy it to moetool/kernels/configs/{kexperts.device_slug(name)}.json, or "
-          f"export {kexperts.CONFIGS_ENV}={path}")
+    kconfig.load_tuned.cache_clear()
+    kconfig.load_tuned(str(path))  # the file the engine would read: checked before it is shown
+    print(f"wrote {path}: copy it to moetool/kernels/configs/{kconfig.device_slug(name)}.json, or "
+          f"export {kconfig.CONFIGS_ENV}={path}")
     return 0
 
 
@@ -450,9 +451,9 @@ def main() -> int:
     ap.add_argument("--sets", type=int, default=32, help="routings per timed call (different experts each)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cpu-slots", type=int, default=8, help="pool slots on a CPU (host memory on a shared machine)")
-    ap.add_argument("--config", type=tiles, default=kexperts.default_config(torch.device("cuda"))[:6],
-                    metavar="R1,BK1,R2,BK2,B3,WARPS", help="the kernels' tiles (moetool.kernels.experts.default_config)")
-    ap.add_argument("--modes", nargs="+", type=int, choices=kexperts.MODES, default=list(kexperts.MODES),
+    ap.add_argument("--config", type=tiles, default=kconfig.default_config(torch.device("cuda"))[:6],
+                    metavar="R1,BK1,R2,BK2,B3,WARPS", help="the kernels' tiles (moetool.kernels.config.default_config)")
+    ap.add_argument("--modes", nargs="+", type=int, choices=kconfig.MODES, default=list(kconfig.MODES),
                     help="accumulation modes to time, each in this run (default: all; 0 is the default)")
     ap.add_argument("--out", type=Path, help="directory for bench_kernels.json")
     ap.add_argument("--compile-only", type=int, metavar="SM", help="compile for CUDA sm_SM without a GPU, and stop")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from moetool.kernels import Act, Activation, SlotPool, activation_of, experts_forward, supported  # noqa: E402
+from moetool.kernels import config as kconfig
 from moetool.kernels import experts as kexperts  # noqa: E402
 from moetool.kernels.activation import reference  # noqa: E402
 from moetool.model import ExpertWeights, ProviderExperts, fused_expert, inspect_geometry, load_model  # noqa: E402
@@ -59,7 +60,7 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter reads it when a kernel runs too
 
 
-CUDA_CONFIG = kexperts.default_config(torch.device("cuda"))  # the GPU's tiles, run by the interpreter
+CUDA_CONFIG = kconfig.default_config(torch.device("cuda"))  # the GPU's tiles, run by the interpreter
 # (gate_up rows, K tile, down rows, K tile, combine columns, warps): K tiles of 64 under groups of 128
 # (a group spans tiles); the GPU's down tiles beside few gate_up programs (the interpreter's time).
 SMALL_K = (128, 64, 32, 64, 256, 4)
@@ -91,7 +92,7 @@ def test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, 
     assert_close(got, reference_forward(x, w, [pool], SILU))
 
 
-# Mode 1 (`kexperts.MODES`): the next K tile's codes read before this tile's math, each tile reduced
+# Mode 1 (`kconfig.MODES`): the next K tile's codes read before this tile's math, each tile reduced
 # as it is done. K tiles of 64: two groups of 32 a tile, a group of 128 over two tiles, the last tile
 # partial (96, 160) or the only one (32); then the GPU's own tiles.
 WIDE = (128, 64, 128, 64, 256, 4, 1)
@@ -115,11 +116,11 @@ def test_the_ring_mode_matches_the_dequantize_reference(bits, group, hidden, wid
 
 
 def test_a_kernel_config_is_six_tiles_and_a_known_mode():
-    assert kexperts.checked_config([16, 256, 16, 256, 1024, 4])[-1] == 0  # mode 0 unless named
+    assert kconfig.checked_config([16, 256, 16, 256, 1024, 4])[-1] == 0  # mode 0 unless named
     for bad in ([16, 256, 16, 256, 1024, 4, 3], [16, 256, 16, 256], [16, 200, 16, 256, 1024, 4],
                 [16, 256, 16, 256, 1024, 3], [16, 256, 16, 256, 1024, 4.0], [0, 256, 16, 256, 1024, 4]):
         with pytest.raises(ValueError, match="MODE"):
-            kexperts.checked_config(bad)
+            kconfig.checked_config(bad)
 
 
 def test_per_channel_int8_and_bf16_activations():
@@ -515,8 +516,8 @@ def test_the_tuner_writes_configs_the_kernels_read_each_checked_against_the_refe
                  "--config", "32,64,32,64,256,4", "--out", str(tmp_path), env={"TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     (path,) = tmp_path.glob("kernel-configs-*.json")
-    kexperts.load_tuned.cache_clear()
-    device, table = kexperts.load_tuned(str(path))
+    kconfig.load_tuned.cache_clear()
+    device, table = kconfig.load_tuned(str(path))
     best = table["128x64"]["4,2"]
     (job,) = json.loads(path.read_text())["measured"]
     assert job["default"] == [32, 64, 32, 64, 256, 4, 0] and len(job["tried"]) >= 2  # the default, then others

@@ -106,7 +106,7 @@ class Engine(Loads):
         # precision keeps grouped_mm, bit for bit transformers'.
         self.triton_layers: dict[tuple[int, int], Any] = {}
         if self.device.type == "cuda":  # the kernels' tuned configs (either decode path) refused now, not mid-run
-            from moetool.kernels.experts import check_tuned
+            from moetool.kernels.config import check_tuned
             try:
                 check_tuned(self.device)
             except ValueError as e:

@@ -39,23 +39,20 @@ Contract:
 
 `supported(layout, activation, device)` says why a layout cannot go through, or None; on a CPU the
 kernels run only under `TRITON_INTERPRET=1` (tests; the interpreter is a checker, not a timing).
-Tiles, warps and loop mode: the caller's `config`, else the device's tuned file (`tuned_config`,
+Tiles, warps and loop mode: the caller's `config`, else the device's tuned file (`config.tuned_config`,
 written by `scripts/bench_kernels.py --tune`), else `default_config`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
 from moetool.kernels.activation import Act, Activation
+from moetool.kernels.config import checked_config, default_config, tuned_config
 from moetool.quant.format import PACKING_BY_NAME, Layout
 
 NO_PART = 0  # offset given for a part a layout lacks (never read: its flag is off)
@@ -191,30 +188,6 @@ def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bo
             gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per, bk1, bk2, int(mode))
 
 
-# The kernels' loop modes (`default_config`'s last field). 0: each program reads a K tile, waits
-# for it, and adds its products into an [rows, K tile] fp32 tile reduced after the loop (measured
-# on an H200, docs/benchmarks.md: every precision took the same ~6 us an expert, as a chain of
-# dependent reads would). 1: the next tile's codes are loaded before this tile's math, so two
-# tiles' reads are in flight a program, and each tile is reduced as it is done (fewer registers:
-# 109 against 128 for INT4's gate_up on sm_90, `bench_kernels.py --compile-only 90 --bits 4`).
-# 2: three tiles' codes in flight while one tile's math runs (codes wait as stored, a byte a byte, so
-# the reads in flight grow without the fp32 tile growing). Modes 1 and 2 are the candidates for
-# low-bit experts at their bytes' speed; neither has run on a GPU yet (`bench_kernels.py --tune`
-# picks among all three on the device).
-MODES = (0, 1, 2)
-
-
-def default_config(device: torch.device) -> tuple[int, int, int, int, int, int, int]:
-    """(rows a gate_up program computes, its K tile, rows a down program computes, its K tile,
-    columns a combine program sums, warps, accumulation mode `MODES`). On CUDA: GEMV tiles of 16 rows
-    and 256 columns, so one (token, slot) pair of a 1408-wide expert is ~88 gate_up and ~128 down
-    programs (a few per SM with top-4 at batch 1). Under the interpreter each program costs Python
-    time: few, large ones."""
-    if device.type == "cuda":
-        return 16, 256, 16, 256, 1024, 4, 0
-    return 128, 256, 128, 256, 1024, 4, 0
-
-
 # ---- the ops -------------------------------------------------------------------------------------
 
 
@@ -231,101 +204,6 @@ def _config(config: list[int], device: torch.device, layouts: list[int], hidden:
         bits = tuple(layouts[i] for i in range(0, len(layouts), LAYOUT_INTS))
         return tuned_config(device, hidden, layouts[15], bits) or default_config(device)
     return checked_config(config)
-
-
-def checked_config(config: Sequence[int], where: str = "a kernel config") -> tuple[int, ...]:
-    """A config as seven ints (a six-field one gets mode 0), or ValueError naming what is wrong."""
-    ok = len(config) in (6, 7) and all(isinstance(v, int) and not isinstance(v, bool) for v in config)
-    ok = ok and all(v > 0 for v in config[:6]) and (len(config) == 6 or config[6] in MODES)
-    if not (ok and all(v & (v - 1) == 0 for v in config[:6])):
-        raise ValueError(f"{where} is R1,BK1,R2,BK2,B3,WARPS[,MODE in {MODES}] with powers of two for "
-                         f"the tiles and warps, not {list(config)}")
-    return (*config, 0) if len(config) == 6 else tuple(config)
-
-
-# ---- tuned configs, per device --------------------------------------------------------------------
-# What `scripts/bench_kernels.py --tune` measured fastest on one device (every candidate checked
-# against the dequantize reference first), as vLLM ships fused_moe configs per device name: one JSON
-# file per device in `configs/` (package data), or the file MOETOOL_KERNEL_CONFIGS names (a device
-# this package has no file for). Keys: the experts' shape "HIDDENxWIDTH", then the precisions of one
-# launch, highest first ("4,2"); a launch whose precisions have no entry takes its lowest
-# precision's (the latency-bound case the tuning is for), else `default_config`.
-CONFIGS_ENV = "MOETOOL_KERNEL_CONFIGS"
-CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-def device_slug(name: str) -> str:
-    """A device name as a file name: 'NVIDIA H200' -> 'nvidia-h200'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def precisions_key(bits: Sequence[int]) -> str:
-    return ",".join(str(b) for b in sorted(set(bits), reverse=True))
-
-
-@lru_cache(maxsize=16)
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-@lru_cache(maxsize=16)
-def load_tuned(path: str) -> tuple[str, dict[str, dict[str, tuple[int, ...]]]]:
-    """(device name, {shape: {precisions: config}}) of a tuned-configs file, or ValueError naming
-    the file and what is wrong with it."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the kernel configs {path}: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("device"), str) or \
-            not isinstance(data.get("configs"), dict):
-        raise ValueError(f"the kernel configs {path} are not an object with 'device' and 'configs'")
-    table = {}
-    for shape, entries in data["configs"].items():
-        if not re.fullmatch(r"\d+x\d+", shape) or not isinstance(entries, dict):
-            raise ValueError(f"the kernel configs {path}: '{shape}' is not HIDDENxWIDTH with an object of configs")
-        table[shape] = {}
-        for key, config in entries.items():
-            if not re.fullmatch(r"\d+(,\d+)*", key) or not isinstance(config, list):
-                raise ValueError(f"the kernel configs {path}: {shape} '{key}' is not precisions with a list")
-            table[shape][precisions_key(int(b) for b in key.split(","))] = checked_config(
-                config, f"the kernel configs {path}: {shape} {key}")
-    return data["device"], table
-
-
-def tuned_config(device: torch.device, hidden: int, width: int, bits: Sequence[int]) -> tuple[int, ...] | None:
-    """The config tuned on this CUDA device for experts of hidden x width at these precisions, or None."""
-    if device.type != "cuda":
-        return None
-    return tuned_for(_cuda_name(device.index if device.index is not None else torch.cuda.current_device()),
-                     hidden, width, bits)
-
-
-def check_tuned(device: torch.device) -> None:
-    """ValueError now, naming the file, if the tuned configs this CUDA device would read cannot be
-    used (unreadable, malformed, another device's, or MOETOOL_KERNEL_CONFIGS naming no file)."""
-    tuned_config(device, 0, 0, (16,))
-
-
-def tuned_for(name: str, hidden: int, width: int, bits: Sequence[int]) -> tuple[int, ...] | None:
-    """`tuned_config` for the device called `name`: from the file MOETOOL_KERNEL_CONFIGS names (it
-    must be this device's), else from the package's file for the device, else None."""
-    return _tuned(name, hidden, width, precisions_key(bits), os.environ.get(CONFIGS_ENV), str(CONFIG_DIR))
-
-
-@lru_cache(maxsize=256)
-def _tuned(name: str, hidden: int, width: int, key: str, chosen: str | None, config_dir: str) -> tuple[int, ...] | None:
-    """Resolved once per kind of launch (a kernel call on the host path pays a dict lookup, not a stat)."""
-    path = Path(chosen) if chosen else Path(config_dir) / f"{device_slug(name)}.json"
-    if not path.is_file():
-        if chosen:
-            raise ValueError(f"{CONFIGS_ENV} names {chosen}, which is not a file")
-        return None
-    tuned_on, table = load_tuned(str(path))
-    if tuned_on != name:
-        raise ValueError(f"the kernel configs {path} were tuned on {tuned_on}, not this {name}: "
-                         f"unset {CONFIGS_ENV} or tune this device (scripts/bench_kernels.py --tune)")
-    entries = table.get(f"{hidden}x{width}", {})
-    return entries.get(key) or entries.get(key.split(",")[-1])
 
 
 def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.Tensor], layouts: list[int], topk: int,

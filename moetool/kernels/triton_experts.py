@@ -155,7 +155,7 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
                    WDT: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr, S_OFF: tl.constexpr,
                    Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
                    TWO: tl.constexpr, SHARED: tl.constexpr):
-    """Mode 1 (`experts.MODES`): the dot products with x over K of `rows` and, with TWO, of `rows2`
+    """Mode 1 (`config.MODES`): the dot products with x over K of `rows` and, with TWO, of `rows2`
     ([R] fp32 each; the second 0 without TWO). The next K tile's codes and x are loaded before this
     tile's math, so a program keeps two tiles' reads in flight, not one (a loop of dependent reads
     is latency-bound whatever the precision), and each tile is reduced as it is done (an [R]
@@ -193,7 +193,7 @@ def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr
                WDT: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr, S_OFF: tl.constexpr,
                Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
                TWO: tl.constexpr, SHARED: tl.constexpr):
-    """Mode 2 (`experts.MODES`): `_gemv_prefetch` with three tiles' codes and x in flight while a
+    """Mode 2 (`config.MODES`): `_gemv_prefetch` with three tiles' codes and x in flight while a
     tile's math runs, not one. Codes wait in registers as stored (a byte a byte at INT8/4/2) and only
     the tile being computed is dequantized, so the bytes a program keeps in flight grow without the
     fp32 tile growing: at batch 1 a layer's programs are too few to fill the device's register
