@@ -90,13 +90,16 @@ def test_a_killed_sweep_finishes_only_the_missing_cells(tiny_ckpt, tmp_path):
     proc.wait()
     first = mtimes(out)
     index = json.loads((out / INDEX).read_text())["cells"]
-    done = {n for n, c in index.items() if c["status"] == "done"}
-    assert {f"{n}.run.json" for n in done} == {n for n in first if n.endswith(".run.json")}
-    assert len(done) < len(index)  # killed half-way: some cells never ran
+    done = {f"{n}.run.json" for n, c in index.items() if c["status"] == "done"}
+    written = {n for n in first if n.endswith(".run.json")}
+    # An artifact is saved before the index says so: the kill may land between the two, leaving
+    # one artifact the index does not list yet, which the next run must reuse all the same.
+    assert done <= written and len(written - done) <= 1
+    assert len(written) < len(index)  # killed half-way: some cells never ran
 
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert f"{len(done) + sum(c['status'] == 'refused' for c in index.values())} reused" in result.stderr
+    assert f"{len(written) + sum(c['status'] == 'refused' for c in index.values())} reused" in result.stderr
     assert all(first[n] == (out / n).stat().st_mtime_ns for n in first if n.endswith(".run.json"))
     final = json.loads((out / INDEX).read_text())["cells"]
     assert sorted(c["status"] for c in final.values()) == ["done"] * 10 + ["refused"] * 2
