@@ -155,6 +155,7 @@ def test_cli_profile_writes_artifact_and_hw(tiny_ckpt, tmp_path):
     assert result.exit_code == 0, result.output
     assert Profile.load(out).what == ("routing", "timing")
     assert load_hw(str(tmp_path / "t.hw.json"))[0].t_expert_s
+    assert "one expert, one token, on cpu" in result.output and "grouped" in result.output  # each precision's path
     help_text = runner.invoke(app, ["profile", "--help"]).output
     assert "Example" in help_text
 

@@ -111,4 +111,19 @@ def profile(
     for i, layer in enumerate(result.info.moe_layers):
         table.add_row(str(layer), *[fn(i) for _, fn in cols])
     out.print(table)
+    if result.timing:
+        out.print(_experts_table(result.timing))
     err.print(f"profile written to {save}", highlight=False)
+
+
+def _experts_table(t) -> Table:
+    """One expert per precision as the timing part measured it, on the path a run takes there."""
+    dense = f"t_dense {t.t_dense_s * 1e3:.3f} ms"
+    if t.t_dense_captured_s is not None:
+        dense += f", {t.t_dense_captured_s * 1e3:.3f} ms in the captured step"
+    table = Table(title=f"one expert, one token, on {t.device} ({t.dtype})", caption=dense)
+    for name in ("bits", "path", "load µs", "dequant µs", "compute µs"):
+        table.add_column(name, justify="left" if name == "path" else "right")
+    for e in t.experts:
+        table.add_row(str(e.bits), e.path, f"{e.load_s * 1e6:.1f}", f"{e.dequant_s * 1e6:.1f}", f"{e.compute_s * 1e6:.1f}")
+    return table
