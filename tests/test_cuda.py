@@ -341,6 +341,28 @@ def test_the_fused_experts_kernels_on_the_gpu_match_the_dequantize_reference(bit
     assert ((got.float() - want).abs() <= tol).all(), f"max error {(got.float() - want).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("bits,group,hidden,width,T,k", [GPU_KERNEL_CASES[i] for i in (0, 2, 4, 6, 7, 9)])
+@pytest.mark.parametrize("mode", [1, 2])
+def test_each_loop_mode_on_the_gpu_matches_the_dequantize_reference(bits, group, hidden, width, T, k, mode):
+    """The loop modes the tuner may pick (`kernels.config.MODES`), compiled for this GPU, in bf16."""
+    from kernel_cases import RTOL, random_ids, random_pool, reference_forward
+
+    from moetool.kernels import Act, Activation, SlotPool, experts_forward
+    from moetool.kernels.config import default_config
+
+    silu = Activation(Act.SILU, gated=True)
+    gen = torch.Generator().manual_seed(bits * 100 + T + mode)
+    pool = random_pool(bits, hidden, width, group, slots=k + 3, gen=gen)
+    pool = SlotPool(pool.data, pool.layout, random_ids(T, k, k + 3, gen).contiguous())
+    x, w = torch.randn(T, hidden, generator=gen).bfloat16(), torch.rand(T, k, generator=gen).bfloat16()
+    want = reference_forward(x.float(), w.float(), [pool], silu)
+    on_gpu = SlotPool(pool.data.to(CUDA), pool.layout, pool.ids.to(CUDA))
+    config = (*default_config(torch.device("cuda"))[:6], mode)
+    got = experts_forward(x.to(CUDA), w.to(CUDA), [on_gpu], silu, config).cpu().float()
+    tol = RTOL * want.abs().max() + 2 ** -8 * want.abs()
+    assert ((got - want).abs() <= tol).all(), f"max error {(got - want).abs().max():.3g}"
+
+
 def test_the_fused_experts_kernels_replay_in_a_cuda_graph():
     """Captured once, replayed on new inputs written in place: the kernels read their slot ids and
     rows from the device each replay (no value of them is baked into the graph)."""
