@@ -45,7 +45,7 @@ from moetool.quant.format import QTensor, dequantize_parts, encode, make_layout,
 SHAPES = {"qwen1.5-moe-a2.7b": dict(hidden=2048, width=1408, experts=60, top_k=4),
           "qwen3-30b-a3b": dict(hidden=2048, width=768, experts=128, top_k=8),
           "tiny": dict(hidden=128, width=64, experts=8, top_k=2)}  # the interpreter's: checks, not timings
-GROUP = 64
+GROUP = 64  # HQQ's group size for every pool; --group sets it (moetool quantize's default is 64)
 SILU = Activation(Act.SILU, gated=True)  # both models' experts: SiLU(gate) * up, [gate; up] rows
 
 
@@ -247,11 +247,49 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: list[int], bits: list[int]) -> int:
-    """Compile the three kernels for CUDA sm_`arch` with the arguments a mixed-precision call at
-    batch 1 launches (the `bits` pools in one launch), per accumulation mode, and print each
-    one's registers and spills (cuobjdump). Uses Triton's compiler entry points directly (no
-    driver, no GPU)."""
+# PTX: a global load (vector width, address register, offset), and an instruction's written registers.
+_PTX_LOAD = re.compile(r"ld\.global(\.v\d)?\.\w+\s+(?:\{[^}]*\}|%\w+),\s*\[\s*(%\w+)\s*(?:\+\s*(-?\d+))?\s*\]")
+_PTX_WRITE = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(\{[^}]*\}|%\w+)")
+_PTX_NO_DEST = ("st.", "bra", "bar", "ret", "red.", "prefetch", "membar", "fence")
+# TTGIR: a layout conversion of a weight tile, [rows, NG, GW] with both > 1 (x's tiles are 1 x NG x GW,
+# a tile of scales R x NG x 1).
+_TILE_SHUFFLE = re.compile(r"ttg\.convert_layout %\S+ : tensor<(\d+)x\d+x(\d+)x")
+
+
+def ptx_traffic(ptx: str, ttgir: str) -> dict:
+    """How a compiled kernel reads memory, from its PTX and TTGIR (no GPU needed): global load
+    instructions, the vector ones among them, redundant loads (a thread loading an address it has
+    loaded, its address register not written in between: a tensor whose layout replicates it, as a
+    [R, NG, 1] scale tile in the [R, NG, GW] tile's layout did, 16 times at GW 64), weight tiles
+    moved between layouts (through shared memory), and shared-memory instructions."""
+    written: dict[str, int] = {}
+    seen: set[tuple] = set()
+    loads = vector = redundant = 0
+    for line in ptx.splitlines():
+        line = line.strip()
+        m = _PTX_LOAD.search(line)
+        if m:
+            loads += 1
+            vector += m.group(1) is not None
+            key = (m.group(2), written.get(m.group(2), 0), int(m.group(3) or 0))
+            redundant += key in seen
+            seen.add(key)
+        w = _PTX_WRITE.match(line)
+        if w and not w.group(1).startswith(_PTX_NO_DEST):
+            for reg in re.findall(r"%\w+", w.group(2)):
+                written[reg] = written.get(reg, 0) + 1
+    shuffles = sum(int(m.group(1)) > 1 and int(m.group(2)) > 1 for m in _TILE_SHUFFLE.finditer(ttgir))
+    shared = len(re.findall(r"\b(?:ld|st)\.shared", ptx))
+    return dict(global_loads=loads, vector_loads=vector, redundant_loads=redundant, tile_shuffles=shuffles,
+                shared_ops=shared)
+
+
+def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: list[int], sets: list[str],
+                 out: Path | None) -> int:
+    """Compile the three kernels for CUDA sm_`arch` with the arguments a call at batch 1 launches (each
+    precision set's pools in one launch), per loop mode, and print each one's registers and spills
+    (cuobjdump) and how it reads memory (`ptx_traffic`). Uses Triton's compiler entry points directly
+    (no driver, no GPU). With `out`, the rows also go to compile_only.json there."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -263,36 +301,51 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for name, mode in ((n, m) for n in shapes for m in modes):
+    rows = []
+    print(f"{'shape':<20}{'kernel':<16}{'bits':<10}{'mode':>4}  {'regs':>5}{'spill':>6}{'loads':>7}{'vec':>5}"
+          f"{'redund':>7}{'shuffle':>8}{'shared':>7}  (sm_{arch}, Triton {triton.__version__})")
+    for name, text, mode in ((n, t, m) for n in shapes for t in sets for m in modes):
+        bits = sorted({int(b) for b in text.split(",")}, reverse=True)
         config = [*tiles, mode]
         s = SHAPES[name]
         k, hidden, inter = s["top_k"], s["hidden"], s["width"]
-        pools = [make_pool(b, dict(s, width=inter), 2, torch.device("cpu"), distinct=1) for b in sorted(bits, reverse=True)]
+        pools = [make_pool(b, dict(s, width=inter), 2, torch.device("cpu"), distinct=1) for b in bits]
         layouts = [v for p in pools for v in kexperts.layout_ints(p.layout)]
         data, ids = [p.data for p in pools], [torch.zeros(1, k, dtype=torch.int32) for _ in pools]
         x, w = torch.zeros(1, hidden, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16)
         h = torch.empty(len(pools), k, inter)
-        y, out = torch.empty(len(pools), k, hidden), torch.empty(1, hidden, dtype=torch.bfloat16)
+        y, out_t = torch.empty(len(pools), k, hidden), torch.empty(1, hidden, dtype=torch.bfloat16)
         launches = [kexperts.gate_up_launch(x, data, ids, layouts, k, int(Act.SILU), True, False, 0.0, 0.0, config, h),
-                    *kexperts.down_launches(h, w, data, ids, layouts, hidden, config, y, out)]
+                    *kexperts.down_launches(h, w, data, ids, layouts, hidden, config, y, out_t)]
         for kernel, grid, kargs, options in launches:
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             bound, spec, opts = binder(*kargs, **options)
             opts, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, spec, opts)
-            t0 = time.perf_counter()
             compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                       options=opts.__dict__)
-            usage = ""
+            row = dict(shape=name, kernel=kernel.__name__, bits=bits, group=GROUP, mode=mode, sm=arch, triton=triton.__version__,
+                       config=config, registers=None, spilled_bytes=None,
+                       **ptx_traffic(compiled.asm["ptx"], compiled.asm["ttgir"]))
             if os.environ.get("MOETOOL_DUMP_IR"):
-                Path(f"/tmp/moetool-{kernel.__name__}-m{mode}.ttgir").write_text(compiled.asm["ttgir"])
+                stem = f"/tmp/moetool-{kernel.__name__}-{'_'.join(map(str, bits))}-m{mode}"
+                Path(f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
+                Path(f"{stem}.ptx").write_text(compiled.asm["ptx"])
             if cuobjdump.exists():
-                path = Path(f"/tmp/moetool-{kernel.__name__}.cubin")
+                path = Path(f"/tmp/moetool-{os.getpid()}-{kernel.__name__}.cubin")
                 path.write_bytes(compiled.asm["cubin"])
                 res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
+                path.unlink()
                 found = re.search(r"REG:(\d+).*LOCAL:(\d+)", res)
-                usage = f"registers {found.group(1)}, spilled bytes {found.group(2)}" if found else ""
-            print(f"{name:<20}{kernel.__name__:<16} bits {','.join(map(str, sorted(bits, reverse=True)))} mode {mode} grid {str(grid):<12} sm_{arch} "
-                  f"{time.perf_counter() - t0:5.1f} s  {usage}")
+                if found:
+                    row.update(registers=int(found.group(1)), spilled_bytes=int(found.group(2)))
+            rows.append(row)
+            na = lambda v: "-" if v is None else v  # noqa: E731
+            print(f"{name:<20}{kernel.__name__:<16}{','.join(map(str, bits)):<10}{mode:>4}  {na(row['registers']):>5}"
+                  f"{na(row['spilled_bytes']):>6}{row['global_loads']:>7}{row['vector_loads']:>5}"
+                  f"{row['redundant_loads']:>7}{row['tile_shuffles']:>8}{row['shared_ops']:>7}")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compile_only.json").write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
@@ -445,6 +498,7 @@ def tune(args, device: torch.device) -> int:
 
 
 def main() -> int:
+    global GROUP
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=[s for s in SHAPES if s != "tiny"])
     ap.add_argument("--bits", nargs="+", type=int, choices=(16, 8, 4, 2), default=[16, 8, 4, 2])
@@ -456,15 +510,20 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", type=int, choices=kconfig.MODES, default=list(kconfig.MODES),
                     help="accumulation modes to time, each in this run (default: all; 0 is the default)")
     ap.add_argument("--out", type=Path, help="directory for bench_kernels.json")
+    ap.add_argument("--group", type=int, choices=(32, 64, 128), default=64, help="HQQ group size of the pools")
     ap.add_argument("--compile-only", type=int, metavar="SM", help="compile for CUDA sm_SM without a GPU, and stop")
+    ap.add_argument("--compile-sets", nargs="+", type=precision_set, metavar="BITS[,BITS]",
+                    help="with --compile-only: precision sets, each compiled as one launch (default: --bits together)")
     ap.add_argument("--tune", action="store_true",
                     help="search the kernels' configs per shape and precision set, write kernel-configs-<device>.json")
     ap.add_argument("--tune-sets", nargs="+", type=precision_set, default=["16", "8", "4", "2", "4,2"], metavar="BITS[,BITS]",
                     help="precision sets to tune, each one launch (default: each precision, and DyMoE's 4,2)")
     ap.add_argument("--tune-seconds", type=positive_seconds, default=240, help="the whole tune's time, shared by its jobs")
     args = ap.parse_args()
+    GROUP = args.group
     if args.compile_only:
-        return compile_only(args.compile_only, args.shapes, args.config, args.modes, args.bits)
+        sets = args.compile_sets or [",".join(map(str, args.bits))]
+        return compile_only(args.compile_only, args.shapes, args.config, args.modes, sets, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tune:
         return tune(args, device)

@@ -60,12 +60,15 @@ def _ptr(base, off, DT: tl.constexpr):
 
 @triton.jit
 def _lanes(b, SL: tl.constexpr, SPAN: tl.constexpr, R: tl.constexpr):
-    """Block b's R rows out of SL * SPAN: lane l is row (l // (R/SL)) * SPAN + b * (R/SL) + l % (R/SL).
-    With SPAN = N / per (SL = per), the rows that share byte rows land in one program."""
+    """Block b's R rows out of SL * SPAN: lane l is row (l % SL) * SPAN + b * (R/SL) + l // SL.
+    With SPAN = N / per (SL = per), the rows that share byte rows land in one program, on adjacent
+    lanes: a tile's layout gives a thread rows a few lanes apart, and two of them sharing a byte row
+    made that thread load the same bytes twice (sm_90 PTX of the INT4 down kernel, Triton 3.9); on
+    adjacent lanes they are other threads of one warp, whose loads of one address are one request."""
     RP: tl.constexpr = R // SL
     lane = tl.arange(0, R)
-    p = b * RP + lane % RP
-    return (lane // RP) * SPAN + p, p < SPAN
+    p = b * RP + lane // SL
+    return (lane % SL) * SPAN + p, p < SPAN
 
 
 @triton.jit
@@ -101,17 +104,21 @@ def _load_sz(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, S_OFF: 
              Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
     """Scale and zero [R, NG, 1] (fp16, as stored) of `rows`' groups in the tile at k0 (GW divides
     GS); zeros of no meaning for a 16-bit projection (never read)."""
-    r3 = rows[:, None, None]
-    col = k0 + tl.arange(0, NG)[None, :, None] * GW  # [1, NG, 1]: first input column of each group slice
+    r2 = rows[:, None]
+    col = k0 + tl.arange(0, NG)[None, :] * GW  # [1, NG]: first input column of each group slice
     if BITS == 16:
-        none = (r3 + col) * 0.0
+        none = ((r2 + col) * 0.0)[:, :, None]
         return none, none
     else:
-        grp = r3 * (K // GS) + col // GS  # [R, NG, 1]
-        mask = rmask[:, None, None] & (col < K)
+        # Loaded as [R, NG] and only then given the tile's broadcast axis: a load of an [R, NG, 1]
+        # tensor takes the tile's layout, which spreads GW over each thread's registers, so every
+        # thread loaded each scale and zero once per register of that axis (16x at GW 64, 128 scalar
+        # loads a tile for gate and up: sm_90 PTX of the INT4 gate_up kernel).
+        grp = r2 * (K // GS) + col // GS  # [R, NG]
+        mask = rmask[:, None] & (col < K)
         scale = tl.load(_ptr(blob, S_OFF, 1) + grp, mask=mask, other=0.0)
         zero = tl.load(_ptr(blob, Z_OFF, 1) + grp, mask=mask, other=0.0)
-        return scale, zero
+        return scale[:, :, None], zero[:, :, None]
 
 
 @triton.jit
@@ -156,11 +163,13 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
                    Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
                    TWO: tl.constexpr, SHARED: tl.constexpr):
     """Mode 1 (`config.MODES`): the dot products with x over K of `rows` and, with TWO, of `rows2`
-    ([R] fp32 each; the second 0 without TWO). The next K tile's codes and x are loaded before this
+    ([R] fp32 each; the second 0 without TWO). The next K tile's codes are loaded before this
     tile's math, so a program keeps two tiles' reads in flight, not one (a loop of dependent reads
     is latency-bound whatever the precision), and each tile is reduced as it is done (an [R]
     accumulator, not an [R, BK] one). SHARED: rows2's codes are in rows' bytes (hqq packs [gate;
-    up] 2+ rows a byte), read once."""
+    up] 2+ rows a byte), read once. x is loaded in the iteration that uses it (every program reads
+    it, so it is in cache): carried ahead beside the codes, its tile's layout won, and the compiler
+    moved every codes tile into it through shared memory (sm_90 TTGIR)."""
     acc = tl.full((R,), 0.0, tl.float32)
     acc2 = tl.full((R,), 0.0, tl.float32)
     raw_n = _load_raw(blob, rows, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
@@ -168,11 +177,10 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
     if TWO:
         if not SHARED:
             raw2_n = _load_raw(blob, rows2, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
-    x_n = _tile_x(x_row, 0, K, GW, NG)
     for k0 in range(0, K, BK):
         raw = raw_n
         raw2 = raw2_n
-        xk = x_n
+        xk = _tile_x(x_row, k0, K, GW, NG)
         # the next tile's codes (masked past K: nothing is read), then this one's scales and math
         raw_n = _load_raw(blob, rows, rmask, k0 + BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
         if TWO:
@@ -180,7 +188,6 @@ def _gemv_prefetch(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.const
                 raw2_n = raw_n
             else:
                 raw2_n = _load_raw(blob, rows2, rmask, k0 + BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
-        x_n = _tile_x(x_row, k0 + BK, K, GW, NG)
         xf = xk.to(tl.float32)
         acc += _tile_dot(raw, xf, blob, rows, rmask, k0, K, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG)
         if TWO:
@@ -193,8 +200,8 @@ def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr
                WDT: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr, S_OFF: tl.constexpr,
                Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr, BK: tl.constexpr,
                TWO: tl.constexpr, SHARED: tl.constexpr):
-    """Mode 2 (`config.MODES`): `_gemv_prefetch` with three tiles' codes and x in flight while a
-    tile's math runs, not one. Codes wait in registers as stored (a byte a byte at INT8/4/2) and only
+    """Mode 2 (`config.MODES`): `_gemv_prefetch` with three tiles' codes in flight while a tile's
+    math runs, not one. Codes wait in registers as stored (a byte a byte at INT8/4/2) and only
     the tile being computed is dequantized, so the bytes a program keeps in flight grow without the
     fp32 tile growing: at batch 1 a layer's programs are too few to fill the device's register
     files, so a low-bit GEMV is bound by reads in flight, not by bytes (docs/benchmarks.md)."""
@@ -211,19 +218,14 @@ def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr
             u0 = _load_raw(blob, rows2, rmask, 0, K, BITS, WDT, NQ, Q_OFF, GW, NG)
             u1 = _load_raw(blob, rows2, rmask, BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
             u2 = _load_raw(blob, rows2, rmask, 2 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
-    x0 = _tile_x(x_row, 0, K, GW, NG)
-    x1 = _tile_x(x_row, BK, K, GW, NG)
-    x2 = _tile_x(x_row, 2 * BK, K, GW, NG)
     for k0 in range(0, K, BK):
         raw = r0
         raw2 = u0
-        xk = x0
+        xk = _tile_x(x_row, k0, K, GW, NG)
         r0 = r1
         r1 = r2
         u0 = u1
         u1 = u2
-        x0 = x1
-        x1 = x2
         # three tiles ahead (masked past K: nothing is read), then this tile's scales and math
         r2 = _load_raw(blob, rows, rmask, k0 + 3 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
         if TWO:
@@ -231,7 +233,6 @@ def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr
                 u2 = r2
             else:
                 u2 = _load_raw(blob, rows2, rmask, k0 + 3 * BK, K, BITS, WDT, NQ, Q_OFF, GW, NG)
-        x2 = _tile_x(x_row, k0 + 3 * BK, K, GW, NG)
         xf = xk.to(tl.float32)
         acc += _tile_dot(raw, xf, blob, rows, rmask, k0, K, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG)
         if TWO:
