@@ -247,48 +247,30 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-# PTX: a global load (vector width, address register, offset), and an instruction's written registers.
-_PTX_LOAD = re.compile(r"ld\.global(\.v\d)?\.\w+\s+(?:\{[^}]*\}|%\w+),\s*\[\s*(%\w+)\s*(?:\+\s*(-?\d+))?\s*\]")
-_PTX_WRITE = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(\{[^}]*\}|%\w+)")
-_PTX_NO_DEST = ("st.", "bra", "bar", "ret", "red.", "prefetch", "membar", "fence")
+# SASS (cuobjdump -sass): an instruction's opcode, after its address comment and any predicate.
+_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
 # TTGIR: a layout conversion of a weight tile, [rows, NG, GW] with both > 1 (x's tiles are 1 x NG x GW,
 # a tile of scales R x NG x 1).
 _TILE_SHUFFLE = re.compile(r"ttg\.convert_layout %\S+ : tensor<(\d+)x\d+x(\d+)x")
 
 
-def ptx_traffic(ptx: str, ttgir: str) -> dict:
-    """How a compiled kernel reads memory, from its PTX and TTGIR (no GPU needed): global load
-    instructions, the vector ones among them, redundant loads (a thread loading an address it has
-    loaded, its address register not written in between: a tensor whose layout replicates it, as a
-    [R, NG, 1] scale tile in the [R, NG, GW] tile's layout did, 16 times at GW 64), weight tiles
-    moved between layouts (through shared memory), and shared-memory instructions."""
-    written: dict[str, int] = {}
-    seen: set[tuple] = set()
-    loads = vector = redundant = 0
-    for line in ptx.splitlines():
-        line = line.strip()
-        m = _PTX_LOAD.search(line)
-        if m:
-            loads += 1
-            vector += m.group(1) is not None
-            key = (m.group(2), written.get(m.group(2), 0), int(m.group(3) or 0))
-            redundant += key in seen
-            seen.add(key)
-        w = _PTX_WRITE.match(line)
-        if w and not w.group(1).startswith(_PTX_NO_DEST):
-            for reg in re.findall(r"%\w+", w.group(2)):
-                written[reg] = written.get(reg, 0) + 1
+def machine_traffic(sass: str, ttgir: str) -> dict:
+    """What a compiled kernel's machine code does (each instruction once, the loop body's too):
+    instructions in all, global loads (LDG), shared-memory loads and stores (LDS, STS), barriers,
+    int -> float conversions (I2F*), and from Triton's IR the weight tiles it moves between register
+    layouts (through shared memory)."""
+    ops = _SASS_OP.findall(sass)
+    count = lambda *names: sum(op.startswith(names) for op in ops)  # noqa: E731
     shuffles = sum(int(m.group(1)) > 1 and int(m.group(2)) > 1 for m in _TILE_SHUFFLE.finditer(ttgir))
-    shared = len(re.findall(r"\b(?:ld|st)\.shared", ptx))
-    return dict(global_loads=loads, vector_loads=vector, redundant_loads=redundant, tile_shuffles=shuffles,
-                shared_ops=shared)
+    return dict(sass_ops=len(ops), global_loads=count("LDG"), shared_ops=count("LDS", "STS"), barriers=count("BAR"),
+                int_to_float=count("I2F"), tile_shuffles=shuffles)
 
 
 def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: list[int], sets: list[str],
                  out: Path | None) -> int:
     """Compile the three kernels for CUDA sm_`arch` with the arguments a call at batch 1 launches (each
     precision set's pools in one launch), per loop mode, and print each one's registers and spills
-    (cuobjdump) and how it reads memory (`ptx_traffic`). Uses Triton's compiler entry points directly
+    and what its machine code does (`machine_traffic`, cuobjdump). Uses Triton's compiler entry points directly
     (no driver, no GPU). With `out`, the rows also go to compile_only.json there."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -302,8 +284,8 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
     backend = make_backend(target)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     rows = []
-    print(f"{'shape':<20}{'kernel':<16}{'bits':<10}{'mode':>4}  {'regs':>5}{'spill':>6}{'loads':>7}{'vec':>5}"
-          f"{'redund':>7}{'shuffle':>8}{'shared':>7}  (sm_{arch}, Triton {triton.__version__})")
+    print(f"{'shape':<20}{'kernel':<16}{'bits':<10}{'mode':>4}  {'regs':>5}{'spill':>6}{'sass':>6}{'LDG':>5}"
+          f"{'LDS/STS':>8}{'BAR':>5}{'I2F':>5}{'shuffle':>8}  (sm_{arch}, Triton {triton.__version__})")
     for name, text, mode in ((n, t, m) for n in shapes for t in sets for m in modes):
         bits = sorted({int(b) for b in text.split(",")}, reverse=True)
         config = [*tiles, mode]
@@ -323,26 +305,32 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
             opts, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, spec, opts)
             compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                       options=opts.__dict__)
-            row = dict(shape=name, kernel=kernel.__name__, bits=bits, group=GROUP, mode=mode, sm=arch, triton=triton.__version__,
-                       config=config, registers=None, spilled_bytes=None,
-                       **ptx_traffic(compiled.asm["ptx"], compiled.asm["ttgir"]))
+            row = dict(shape=name, kernel=kernel.__name__, bits=bits, group=GROUP, mode=mode, sm=arch,
+                       triton=triton.__version__, config=config)
             if os.environ.get("MOETOOL_DUMP_IR"):
                 stem = f"/tmp/moetool-{kernel.__name__}-{'_'.join(map(str, bits))}-m{mode}"
                 Path(f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
                 Path(f"{stem}.ptx").write_text(compiled.asm["ptx"])
-            if cuobjdump.exists():
-                path = Path(f"/tmp/moetool-{os.getpid()}-{kernel.__name__}.cubin")
-                path.write_bytes(compiled.asm["cubin"])
+                Path(f"{stem}.cubin").write_bytes(compiled.asm["cubin"])
+            if not cuobjdump.exists():
+                print(f"{cuobjdump} is missing (it comes with Triton's CUDA backend): no registers or machine "
+                      "code to read", file=sys.stderr)
+                return 1
+            path = Path(f"/tmp/moetool-{os.getpid()}-{kernel.__name__}.cubin")
+            path.write_bytes(compiled.asm["cubin"])
+            try:
                 res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
+                sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True).stdout
+            finally:
                 path.unlink()
-                found = re.search(r"REG:(\d+).*LOCAL:(\d+)", res)
-                if found:
-                    row.update(registers=int(found.group(1)), spilled_bytes=int(found.group(2)))
+            found = re.search(r"REG:(\d+).*LOCAL:(\d+)", res)
+            row.update(registers=int(found.group(1)) if found else None,
+                       spilled_bytes=int(found.group(2)) if found else None,
+                       **machine_traffic(sass, compiled.asm["ttgir"]))
             rows.append(row)
-            na = lambda v: "-" if v is None else v  # noqa: E731
-            print(f"{name:<20}{kernel.__name__:<16}{','.join(map(str, bits)):<10}{mode:>4}  {na(row['registers']):>5}"
-                  f"{na(row['spilled_bytes']):>6}{row['global_loads']:>7}{row['vector_loads']:>5}"
-                  f"{row['redundant_loads']:>7}{row['tile_shuffles']:>8}{row['shared_ops']:>7}")
+            print(f"{name:<20}{kernel.__name__:<16}{','.join(map(str, bits)):<10}{mode:>4}  {row['registers']!s:>5}"
+                  f"{row['spilled_bytes']!s:>6}{row['sass_ops']:>6}{row['global_loads']:>5}{row['shared_ops']:>8}"
+                  f"{row['barriers']:>5}{row['int_to_float']:>5}{row['tile_shuffles']:>8}")
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compile_only.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -42,6 +42,11 @@ fi
 if [[ $what == *kernels* ]]; then
     # The fused low-bit experts kernels against dequantize-then-GEMM, per precision (issue 42's rows).
     timeout "${T_KERNELS:-300}" $py scripts/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench-kernels.log" || rc=1
+    # The same kernels' machine code for this device's arch and this image's Triton (registers,
+    # loads, conversions: what the timings above ran), into compile_only.json.
+    sm=$($py -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
+    timeout 120 $py scripts/bench_kernels.py --compile-only "$sm" --compile-sets 16 8 4 2 4,2 --out "$out" \
+        2>&1 | tee "$out/compile-only.log" || rc=1
 fi
 if [[ $what == *tune* ]]; then
     # The search stops itself at TUNE_SECONDS and writes what it found; the timeout is a backstop.

@@ -22,12 +22,11 @@ import torch
 
 # The kernels' loop modes (`default_config`'s last field). 0: each program reads a K tile, waits
 # for it, and adds its products into an [rows, K tile] fp32 tile reduced after the loop (measured
-# on an H200, docs/benchmarks.md: every precision took the same ~6 us an expert, with the low-bit
-# kernels then issuing 13x bf16's load instructions, since fixed). 1: the next tile's codes are
+# on an H200, docs/benchmarks.md: every precision took the same ~6 us an expert). 1: the next tile's codes are
 # loaded before this tile's math, so two tiles' reads are in flight a program, and each tile is
 # reduced as it is done. 2: three tiles' codes in flight while one tile's math runs (codes wait as
 # stored, a byte a byte, so the reads in flight grow without the fp32 tile growing). Registers and
-# loads per mode: `bench_kernels.py --compile-only 90`. Modes 1 and 2 are the candidates for
+# machine code per mode: `bench_kernels.py --compile-only 90`. Modes 1 and 2 are the candidates for
 # low-bit experts at their bytes' speed; neither has run on a GPU yet (`bench_kernels.py --tune`
 # picks among all three on the device).
 MODES = (0, 1, 2)

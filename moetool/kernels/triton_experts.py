@@ -60,15 +60,12 @@ def _ptr(base, off, DT: tl.constexpr):
 
 @triton.jit
 def _lanes(b, SL: tl.constexpr, SPAN: tl.constexpr, R: tl.constexpr):
-    """Block b's R rows out of SL * SPAN: lane l is row (l % SL) * SPAN + b * (R/SL) + l // SL.
-    With SPAN = N / per (SL = per), the rows that share byte rows land in one program, on adjacent
-    lanes: a tile's layout gives a thread rows a few lanes apart, and two of them sharing a byte row
-    made that thread load the same bytes twice (sm_90 PTX of the INT4 down kernel, Triton 3.9); on
-    adjacent lanes they are other threads of one warp, whose loads of one address are one request."""
+    """Block b's R rows out of SL * SPAN: lane l is row (l // (R/SL)) * SPAN + b * (R/SL) + l % (R/SL).
+    With SPAN = N / per (SL = per), the rows that share byte rows land in one program."""
     RP: tl.constexpr = R // SL
     lane = tl.arange(0, R)
-    p = b * RP + lane // SL
-    return (lane % SL) * SPAN + p, p < SPAN
+    p = b * RP + lane % RP
+    return (lane // RP) * SPAN + p, p < SPAN
 
 
 @triton.jit
@@ -102,35 +99,55 @@ def _load_w(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, WDT: tl.
 @triton.jit
 def _load_sz(blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexpr, S_OFF: tl.constexpr,
              Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
-    """Scale and zero [R, NG, 1] (fp16, as stored) of `rows`' groups in the tile at k0 (GW divides
-    GS); zeros of no meaning for a 16-bit projection (never read)."""
+    """Scale and zero [R, NG] (fp16, as stored) of `rows`' groups in the tile at k0 (GW divides GS);
+    zeros of no meaning for a 16-bit projection (never read)."""
     r2 = rows[:, None]
     col = k0 + tl.arange(0, NG)[None, :] * GW  # [1, NG]: first input column of each group slice
     if BITS == 16:
-        none = ((r2 + col) * 0.0)[:, :, None]
+        none = (r2 + col) * 0.0
         return none, none
     else:
-        # Loaded as [R, NG] and only then given the tile's broadcast axis: a load of an [R, NG, 1]
+        # Loaded as [R, NG], given the tile's broadcast axis only where used: a load of an [R, NG, 1]
         # tensor takes the tile's layout, which spreads GW over each thread's registers, so every
-        # thread loaded each scale and zero once per register of that axis (16x at GW 64, 128 scalar
-        # loads a tile for gate and up: sm_90 PTX of the INT4 gate_up kernel).
+        # thread loaded each scale and zero once per register of that axis (16x at GW 64 in the PTX;
+        # ptxas removed the repeats in mode 0, not in mode 1: 71 global loads against 14, Triton 3.6).
         grp = r2 * (K // GS) + col // GS  # [R, NG]
         mask = rmask[:, None] & (col < K)
         scale = tl.load(_ptr(blob, S_OFF, 1) + grp, mask=mask, other=0.0)
         zero = tl.load(_ptr(blob, Z_OFF, 1) + grp, mask=mask, other=0.0)
-        return scale[:, :, None], zero[:, :, None]
+        return scale, zero
+
+
+@triton.jit
+def _codes(raw, rows, BITS: tl.constexpr, NQ: tl.constexpr):
+    """The row's code in each byte of a tile [R, NG, GW] as the fp32 1 + code / 2^BITS, exactly,
+    in two integer ops and no int-to-float conversion: the row's bits shifted to the top of a
+    float's mantissa and or-ed into 1.0's bits. A weight is then (that - (1 + zero / 2^BITS)) *
+    (scale * 2^BITS), the zero and scale rescaled once a group (`_unit_sz`), the difference exact
+    (two floats within 2x of each other). A conversion (I2F) issues at a fraction of the fp32
+    add's rate (the CUDA guide's throughput table) and was one a weight, with its own shift and
+    mask; FasterTransformer's and Marlin's int4 -> fp16 conversions use the same trick in fp16."""
+    shift = 8 - BITS * (rows[:, None, None] // NQ + 1)  # [R, 1, 1]: where the row's slice sits in its byte
+    top = (raw.to(tl.int32) << (23 - BITS - shift)) & (((1 << BITS) - 1) << (23 - BITS))
+    return (top | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unit_sz(scale, zero, BITS: tl.constexpr):
+    """A group's scale and zero [R, NG] (fp16) for `_codes`' 1 + code / 2^BITS: (scale * 2^BITS,
+    1 + zero / 2^BITS) in fp32 (both exact but for the last add's rounding, ~1e-7 of a code)."""
+    return scale.to(tl.float32) * (1 << BITS), 1.0 + zero.to(tl.float32) * (1.0 / (1 << BITS))
 
 
 @triton.jit
 def _weights(raw, scale, zero, rows, BITS: tl.constexpr, NQ: tl.constexpr):
-    """fp32 weights [R, NG, GW] from a tile and its scale and zero: (code - zero) * scale, the code
-    being the row's slice of its byte; a 16-bit tile as it is, in fp32."""
+    """fp32 weights [R, NG, GW] from a tile and its groups' scale and zero [R, NG]: (code - zero) *
+    scale, the code being the row's slice of its byte; a 16-bit tile as it is, in fp32."""
     if BITS == 16:
         return raw.to(tl.float32)
     else:
-        shift = 8 - BITS * (rows[:, None, None] // NQ + 1)  # [R, 1, 1]: where the row's slice sits in its byte
-        code = (raw.to(tl.int32) >> shift) & ((1 << BITS) - 1)
-        return (code.to(tl.float32) - zero.to(tl.float32)) * scale.to(tl.float32)
+        s, z = _unit_sz(scale, zero, BITS)
+        return (_codes(raw, rows, BITS, NQ) - z[:, :, None]) * s[:, :, None]
 
 
 @triton.jit
@@ -152,9 +169,17 @@ def _tile_dot(raw, xf, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexp
               S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
     """One K tile's dot products [R] (fp32) of `rows` (codes `raw`, loaded ahead by modes 1 and 2) with
     x (`xf`), the groups' scales loaded now: a row's scales share cache lines, so after the first
-    tile they come from L1."""
-    s, z = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
-    return _sum(_sum(_weights(raw, s, z, rows, BITS, NQ) * xf, 2), 1)
+    tile they come from L1. Low-bit rows as the sum over groups of scale * ((codes - zero) . x): the
+    scale applied once a group, not once a weight. (codes . x - zero * sum(x) would save the zero's
+    add too, but its [1, NG] sum of x and the zeros it multiplies took layouts of their own, moved
+    through shared memory behind a barrier every tile: sm_90 TTGIR.)"""
+    scale, zero = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
+    if BITS == 16:
+        return _sum(_sum(raw.to(tl.float32) * xf, 2), 1)
+    else:
+        s, z = _unit_sz(scale, zero, BITS)
+        dots = _sum((_codes(raw, rows, BITS, NQ) - z[:, :, None]) * xf, 2)  # [R, NG]
+        return _sum(s * dots, 1)
 
 
 @triton.jit
