@@ -170,6 +170,12 @@ class Checkpoint:
     _files: ExitStack = field(repr=False)
     _shells: dict[int, nn.Module] = field(default_factory=dict, repr=False)
 
+    def stored_dtypes(self) -> set[str]:
+        """The dtypes the checkpoint stores its expert tensors in, as safetensors names them ("BF16",
+        "F16", "F32", ...), read from the shards' headers."""
+        return {t.get_dtype() for keys in self.expert_keys.values() for t in keys.values()
+                if hasattr(t, "get_dtype")}
+
     def layer_experts(self, path: str, start: int = 0, stop: int | None = None) -> dict[str, torch.Tensor]:
         """Experts [start, stop) of the experts module at `path` as fused tensors, read from disk now.
 

@@ -457,3 +457,47 @@ def test_a_full_disk_during_quantize_says_what_is_kept(fail_at, tmp_path, monkey
         assert "no layer was finished, so nothing is kept" in line and not out.exists()
     else:
         assert "finished layers are kept" in line and list(out.glob("layer-*.safetensors"))
+
+
+def test_a_group_size_refused_suggests_one_that_divides_every_expert_width(tmp_path):
+    """The suggestion is tried as given: it divides both projections' input widths (hidden 40 and
+    expert width 20: 8 divides the first only, 4 both), so following it is not refused next."""
+    from tiny import save_tiny
+
+    model = save_tiny("qwen2_moe", tmp_path / "m", hidden_size=40, moe_intermediate_size=20,
+                      shared_expert_intermediate_size=24, intermediate_size=48)
+    line = _one_error_line(runner.invoke(app, ["quantize", str(model), "--bits", "4", "--group-size", "8",
+                                               "--no-hqq-optimize", "--out", str(tmp_path / "q")]))
+    suggested = int(line.rsplit("e.g. ", 1)[1].split(")")[0])
+    assert "does not divide" in line and 40 % suggested == 0 and 20 % suggested == 0
+    result = runner.invoke(app, ["quantize", str(model), "--bits", "4", "--group-size", str(suggested),
+                                 "--no-hqq-optimize", "--out", str(tmp_path / "q")])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("dtype,says", [(torch.float16, "float16"), (torch.float32, "float32"),
+                                        (torch.bfloat16, None)])
+def test_quantize_says_when_the_bundle_rounds_the_checkpoints_numbers(tmp_path, dtype, says):
+    """A bundle keeps its 16-bit experts in bf16: an fp16 or fp32 checkpoint's numbers are rounded
+    (its lossless runs then decode the bf16 model), which quantize says once; a bf16 checkpoint's
+    are not, and nothing is said."""
+    from tiny import save_tiny
+
+    model = save_tiny("qwen2_moe", tmp_path / "m", dtype=dtype)
+    result = runner.invoke(app, ["quantize", str(model), "--bits", "4", "--no-hqq-optimize",
+                                 "--out", str(tmp_path / "q")])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    if says is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"experts are {says}" in notes[0] and "bfloat16" in notes[0]
+
+
+def test_profile_names_a_text_too_short_to_profile_as_such(tiny_bundle, tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("a")
+    line = _one_error_line(runner.invoke(app, ["profile", "--bundle", str(tiny_bundle), "--data", str(one), "--what",
+                                               "routing", "--seqs", "1", "--seq-len", "8",
+                                               "--out", str(tmp_path / "p.json")]))
+    assert "fewer than 2 tokens" in line and not (tmp_path / "p.json").exists()

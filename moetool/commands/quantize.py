@@ -70,7 +70,9 @@ def quantize(
                        description=p.stage if p.layer is None else f"layer {p.layer}",
                        rate=f"{speed:.1f} experts/s" if speed else "")
 
-        bundle = quantize_stage(cfg, progress=progress)
+        bundle = quantize_stage(cfg, progress=progress,
+                                note=lambda text: err.print(f"[yellow]note:[/yellow] {text}", highlight=False,
+                                                            soft_wrap=True))
     if as_json:
         out.print_json(json.dumps(bundle.to_json()))
         return

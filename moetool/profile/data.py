@@ -63,5 +63,6 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
     else:
         seqs = spread_chunks(_ids(lm, text), n, seq_len)
     if not seqs:
-        raise MoetoolError(f"{path} holds no text to profile on.")
+        what = "no prompt" if path.suffix == ".jsonl" else "fewer than 2 tokens"
+        raise MoetoolError(f"{path} holds {what}: nothing to profile on.")
     return seqs, sha

@@ -257,8 +257,10 @@ def make_layout(bits: Bits | int, gate_up_shape: tuple[int, ...], down_shape: tu
             if bits == Bits.INT8 and int8_per_channel:
                 group_size = shape[1]
             if group_size <= 0 or shape[1] % group_size:
+                both = math.gcd(64, gate_up_shape[1], down_shape[1])  # divides both projections' widths
                 raise MoetoolError(f"group size {group_size} does not divide the {name} projection's input width "
-                                   f"{shape[1]}; pick one that does (e.g. {math.gcd(64, shape[1])}).")
+                                   f"{shape[1]}; pick one that divides both input widths, {gate_up_shape[1]} and "
+                                   f"{down_shape[1]} (e.g. {both}).")
             proj = Projection(name, shape, packing.name, group_size, axis)
             rows, cols = proj.grouped_shape()
             if rows % packing.per_byte:

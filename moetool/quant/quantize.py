@@ -84,8 +84,29 @@ class Progress:
     layer: int | None = None
 
 
-def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None) -> Bundle:
-    """Quantize every expert of `cfg.model` at `cfg.bits` into a self-contained bundle in `cfg.out`."""
+# Safetensors dtypes a bundle's bf16 reference and --dtype weights round (fewer mantissa bits).
+_ROUNDED = {"F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def precision_note(stored: set[str], dtype: str) -> str | None:
+    """What storing a checkpoint whose experts are in `stored` (safetensors dtype names) as a bundle
+    does to its numbers, or None where nothing is rounded: a bundle keeps its 16-bit experts in
+    bfloat16 (`format.REF_DTYPE`, the papers' reference precision) and its other weights in
+    `dtype`, so an fp16 or fp32 checkpoint's lossless runs over the bundle decode the model rounded
+    to those, not the checkpoint's own numbers."""
+    rounded = sorted(_ROUNDED[d] for d in stored if d in _ROUNDED)
+    if not rounded:
+        return None
+    return (f"the checkpoint's experts are {' and '.join(rounded)}; the bundle keeps its 16-bit experts in "
+            f"bfloat16 and its other weights in {dtype}, so runs over it (lossless ones included) decode the "
+            f"model rounded to those, as plain transformers does with dtype={dtype}, not the checkpoint's own "
+            "numbers.")
+
+
+def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None,
+             note: Callable[[str], None] | None = None) -> Bundle:
+    """Quantize every expert of `cfg.model` at `cfg.bits` into a self-contained bundle in `cfg.out`;
+    `note` gets what the bundle changes in the model's numbers (`precision_note`), once it is done."""
     report = progress or (lambda p: None)
     bits = _check(cfg)
     out = Path(cfg.out)
@@ -137,6 +158,9 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
         if created and not any(out.glob("layer-*.safetensors")):
             shutil.rmtree(out, ignore_errors=True)
         raise
+    said = precision_note(lm.experts.checkpoint.stored_dtypes(), cfg.dtype)  # said of a finished bundle only
+    if said and note is not None:
+        note(said)
     return bundle
 
 
