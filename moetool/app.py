@@ -23,12 +23,55 @@ from typing import Any
 
 import click
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 
 from moetool.errors import MoetoolError
 
+# Typer runs on a vendored click (typer._click) since 0.2x, whose exceptions are not click's own;
+# its Abort is typer.exceptions'.
+_clicks = tuple({click.exceptions, getattr(getattr(typer.core, "_click", None), "exceptions", click.exceptions)})
+_USAGE = tuple(m.UsageError for m in _clicks)
+_NO_ARGS = tuple(getattr(m, "NoArgsIsHelpError", m.UsageError) for m in _clicks)
+_CLICK = tuple(m.ClickException for m in _clicks)
+_ABORT = (click.exceptions.Abort, typer.Abort)
+
+
+class _Group(typer.core.TyperGroup):
+    """moetool's command group: a usage error (an option value outside its choices, an unknown option,
+    a missing argument, an unreadable path argument) is bad input like any other, so it is one
+    sentence and exit code 1 (click's default is a boxed usage text and code 2). Everything else
+    is click's and Typer's own handling."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS as e:  # `moetool` alone: the error's making printed the help (Typer's rich help)
+            raise SystemExit(e.exit_code) from None
+        except _USAGE as e:
+            command = f"{e.ctx.command_path} --help" if e.ctx is not None else "moetool --help"
+            text = e.format_message().replace("Value error, ", "").rstrip(".")
+            raise SystemExit(_usage_failure(f"{text} (`{command}` lists the options).")) from None
+        except _CLICK as e:
+            e.show()
+            raise SystemExit(e.exit_code) from None
+        except _ABORT:
+            err.print("Aborted!", highlight=False)
+            raise SystemExit(1) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _usage_failure(sentence: str) -> int:
+    err.print(f"[red]error:[/red] {escape(sentence)}", highlight=False, soft_wrap=True)
+    return 1
+
+
 app = typer.Typer(
+    cls=_Group,
     name="moetool",
     help="Run Mixture-of-Experts models on one memory-limited GPU.\n\nExample: moetool check ./my-moe-checkpoint",
     no_args_is_help=True,

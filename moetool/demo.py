@@ -333,9 +333,12 @@ def build_demo_model(out: Path | None = None, *, conversion: Path | None = None,
     params_sha = sha256_file(params_path)
     if out.exists() and not out.is_dir():
         raise MoetoolError(f"{out} is a file, not a directory; choose another --out")
-    if out.exists() and not (out / MARKER).exists() and not (out / "config.json").exists() \
-            and any(out.iterdir()):
-        raise MoetoolError(f"{out} exists and is not a moetool demo model; choose another --out or remove it")
+    # Only a directory carrying the demo's marker is ours to rebuild: every build puts it in place
+    # with the weights (one rename), so a model directory without it (a user's checkpoint: a
+    # config.json and weights) is someone else's and is never overwritten.
+    if out.exists() and not (out / MARKER).exists() and any(out.iterdir()):
+        raise MoetoolError(f"{out} exists and is not a moetool demo model (no {MARKER} in it); choose another "
+                           "--out or remove it")
     marker = _marker_ok(out, params_sha)
     if marker is not None:
         return _info(out, marker, False, t0)

@@ -312,3 +312,28 @@ def test_profile_data_that_is_not_text(tiny_ckpt, tmp_path):
     line = _one_error_line(runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--data",
                                                str(binary), "--out", str(tmp_path / "p.json")]))
     assert str(binary) in line and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    (["run", "--clock", "simm", "--prompt", "hi"], "'simm' is not one of 'wall', 'sim'"),
+    (["run", "--dtype", "int8", "--prompt", "hi"], "'int8' is not one of"),
+    (["eval", "ppl", "--mmlu-source", "xyz"], "'xyz' is not one of"),
+    (["run", "--no-such-option"], "No such option: --no-such-option"),
+    (["fit"], "Missing argument 'profile'"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+])
+def test_a_usage_error_is_one_sentence_and_exit_code_1(args, says):
+    """An option value outside its choices, an unknown option or command, a missing argument: bad
+    input like any other (one sentence naming the command's --help, exit 1), not click's boxed usage
+    text and exit 2. The console script goes through the same group as CliRunner."""
+    line = _one_error_line(runner.invoke(app, args))
+    assert says in line and "--help` lists the options" in line
+    script = subprocess.run([sys.executable, "-m", "moetool.cli", *args], capture_output=True, text=True, timeout=300)
+    assert script.returncode == 1 and says in script.stderr and len(script.stderr.strip().splitlines()) == 1
+
+
+def test_help_and_no_command_still_show_the_help():
+    assert runner.invoke(app, ["--help"]).exit_code == 0
+    assert runner.invoke(app, ["run", "--help"]).exit_code == 0
+    bare = runner.invoke(app, [])
+    assert bare.exit_code == 2 and "Usage" in bare.output

@@ -218,6 +218,18 @@ def test_foreign_directory_is_refused(tmp_path):
         demo.build_demo_model(tmp_path)
 
 
+def test_a_users_model_directory_is_never_overwritten(tmp_path):
+    """A checkpoint (config.json and weights, no demo marker) given as --out is refused before any
+    work, its files untouched: only a directory a demo build made is rebuilt."""
+    from tiny import save_tiny
+
+    model = save_tiny("qwen2_moe", tmp_path / "mine")
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    with pytest.raises(MoetoolError, match="not a moetool demo model"):
+        demo.build_demo_model(model)
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
 def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_RETRIES", "0")
