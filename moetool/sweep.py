@@ -341,6 +341,11 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
         _probe(cfg.address)  # before the grid is expanded: models can take a while to open
     grid, base, inputs = _resolve(cfg)
     plan = expand(grid, base, cfg.only)
+    for cell in plan.cells:  # what no model could run with (a device, a budget's text, a dtype): before any work
+        try:
+            cell.config().check()
+        except MoetoolError as e:
+            raise MoetoolError(f"cell {cell.name}: {str(e)[0].lower()}{str(e)[1:]}") from None
     out = Path(cfg.out)
     previous = _previous(out, plan.model)
     cells: dict[str, dict[str, Any]] = {}

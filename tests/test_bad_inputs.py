@@ -501,3 +501,32 @@ def test_profile_names_a_text_too_short_to_profile_as_such(tiny_bundle, tmp_path
                                                "routing", "--seqs", "1", "--seq-len", "8",
                                                "--out", str(tmp_path / "p.json")]))
     assert "fewer than 2 tokens" in line and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda p: p["info"].__setitem__("expert_bytes", {}), "expert_bytes"),
+    (lambda p: p["sensitivity"].__setitem__("int2_share", {"abc": 11.0}), "int2_share['abc']"),
+    (lambda p: p["sensitivity"].__setitem__("int2_share", {"0": float("nan")}), "int2_share['0']"),
+    (lambda p: p["sensitivity"].__setitem__("base_ppl", float("inf")), "base_ppl"),
+    (lambda p: p["sensitivity"].__setitem__("base_ppl", -5.0), "base_ppl"),
+    (lambda p: p["sensitivity"]["layers"][0]["ppl"].__setitem__("2", float("nan")), "layers[0].ppl"),
+    (lambda p: p["prefetch"]["layers"][0]["recall_topk"].__setitem__("decode", 5.0), "recall_topk"),
+    (lambda p: p["prefetch"]["layers"][0]["recall_topk"].__setitem__("decode", float("nan")), "recall_topk"),
+])
+def test_a_profile_with_measurements_no_run_gives_is_refused_by_fit_and_report(tmp_path, edit, field):
+    """NaN, infinite or impossible measurements (a perplexity under 1, a recall over 1, a share that
+    is not a number, no expert sizes) are refused where the profile is read, in one sentence naming
+    the field, by fit and report alike; they used to reach fit's arithmetic (a traceback, or NaN
+    written into the fit artifact)."""
+    from helpers import synthetic_profile
+
+    good = synthetic_profile().save(tmp_path / "good.profile.json")
+    data = json.loads(good.read_text())
+    edit(data)
+    bad = tmp_path / "in" / "bad.profile.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps(data))  # NaN and Infinity as Python's json writes them
+    line = _one_error_line(runner.invoke(app, ["fit", str(bad), "--out", str(tmp_path / "f.fit.json")]))
+    assert field in line and not (tmp_path / "f.fit.json").exists()
+    line = _one_error_line(runner.invoke(app, ["report", str(bad.parent), "--out", str(tmp_path / "r")]))
+    assert field in line and not (tmp_path / "r").exists()

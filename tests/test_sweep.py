@@ -227,3 +227,16 @@ def test_an_eval_grid_on_ray_equals_moetool_eval(tiny_ckpt, ray_local, tmp_path)
                                   context=32, clock="sim")).to_json()
         got = json.loads((tmp_path / "sweep" / cell["artifact"]).read_text())
         assert got["metrics"] == ref["metrics"] and got["samples"] == ref["samples"] and got["summary"] == ref["summary"]
+
+
+@pytest.mark.parametrize("extra,says", [(["--device", "gpu"], "gpu"), (["--with", "budget=abc"], "abc")])
+def test_settings_no_model_could_run_are_refused_before_any_cell(tiny_ckpt, tmp_path, extra, says):
+    """A setting every cell gets from the command line (a device this machine lacks, a budget that is
+    not a size) is refused in one sentence naming a cell, before any cell runs or the output exists."""
+    grid = tmp_path / "g.yaml"
+    grid.write_text(yaml.safe_dump({"model": str(tiny_ckpt("qwen2_moe")), "prompts": ["Hello"], "max_new_tokens": 2,
+                                    "grid": {"policy": ["lru", "resident"]}}))
+    line = _one_error_line(runner.invoke(app, ["sweep", str(grid), "--workers", "0", *extra,
+                                               "--out", str(tmp_path / "out")]))
+    assert line.startswith("error: cell ") and says in line
+    assert not (tmp_path / "out").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,8 @@ class ModelInfo:
         if not 1 <= self.top_k <= self.num_experts:
             raise SchemaError("top_k", f"is {self.top_k}, not between 1 and the {self.num_experts} experts")
         stored = {int(b) for b in Bits}
+        if not self.expert_bytes:
+            raise SchemaError("expert_bytes", "is empty; it gives an expert's size at each stored precision")
         for bits, nbytes in self.expert_bytes.items():
             if bits not in stored:
                 raise SchemaError(f"expert_bytes[{bits!r}]", "is not a stored precision "
@@ -141,15 +144,50 @@ class Profile(Artifact):
                 if len(counts) != len(r.score_bins) - 1:
                     raise SchemaError(f"routing.score_hist[{name!r}]", f"holds {len(counts)} counts, not one per "
                                                                        f"bin ({len(r.score_bins) - 1})")
+            _finite("routing.score_bins", r.score_bins, low=0.0)
+            _finite("routing.jaccard", r.jaccard, low=0.0, high=1.0)
         s = self.sensitivity
         if s is not None:
             if not s.bits or any(b not in (2, 4, 8) for b in s.bits):
                 raise SchemaError("sensitivity.bits", f"is {list(s.bits)}, not a choice among 2, 4, 8")
+            _finite("sensitivity.base_ppl", [s.base_ppl], low=1.0)
             for i, ls in enumerate(s.layers):
                 for name in ("ppl", "delta"):
                     lacking = [b for b in s.bits if b not in getattr(ls, name)]
                     if lacking:
                         raise SchemaError(f"sensitivity.layers[{i}].{name}", f"lacks the {lacking[0]}-bit value")
+                _finite(f"sensitivity.layers[{i}].ppl", ls.ppl, low=1.0)
+                _finite(f"sensitivity.layers[{i}].delta", ls.delta)
+            for share in s.int2_share:
+                try:
+                    ok = 0.0 <= float(share) <= 1.0
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise SchemaError(f"sensitivity.int2_share[{share!r}]", "is keyed by a share of the experts "
+                                                                            "at INT2, a number in [0, 1]")
+            _finite("sensitivity.int2_share", s.int2_share, low=1.0)
+        if self.prefetch is not None:
+            for i, lp in enumerate(self.prefetch.layers):
+                for name in ("recall_topk", "recall_p75"):
+                    _finite(f"prefetch.layers[{i}].{name}", getattr(lp, name), low=0.0, high=1.0)
+            for position, phases in self.prefetch.positions.items():
+                _finite(f"prefetch.positions[{position!r}]", phases, low=0.0, high=1.0)
+
+
+def _finite(field: str, values: Any, low: float | None = None, high: float | None = None) -> None:
+    """Refuse, naming the field, a value of `values` (a list or a dict's values) that is NaN or
+    infinite, or outside [low, high]: measurements fit and report compute with (a perplexity is at
+    least 1, a recall or a Jaccard index lies in [0, 1])."""
+    items = values.items() if isinstance(values, dict) else enumerate(values)
+    for key, v in items:
+        where = f"{field}[{key!r}]"
+        if not math.isfinite(v):
+            raise SchemaError(where, f"is {v}; a measurement is a finite number")
+        if low is not None and v < low:
+            raise SchemaError(where, f"is {v}; it must be at least {low}" + (f" (and at most {high})" if high else ""))
+        if high is not None and v > high:
+            raise SchemaError(where, f"is {v}; it must be at most {high}")
 
 
 def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -187,8 +225,13 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
 def _check(cfg: ProfileConfig) -> None:
     check_device(cfg.device)  # before the model loads: a device this machine lacks is one sentence
     resolve_dtype(cfg.dtype, cfg.device)  # refuses an unknown dtype in one sentence
-    if cfg.seqs_per_data < 1 or cfg.seq_len < 2 or cfg.decode_tokens < 0 or cfg.ppl_tokens < 2:
-        raise MoetoolError("sequence counts and lengths must be positive.")
+    if cfg.seqs_per_data < 1:
+        raise MoetoolError(f"--seqs must be at least 1, not {cfg.seqs_per_data}.")
+    if cfg.seq_len < 2 or cfg.ppl_tokens < 2:
+        raise MoetoolError(f"--seq-len and --ppl-tokens must be at least 2 tokens (a prediction needs one token "
+                           f"before it), not {cfg.seq_len} and {cfg.ppl_tokens}.")
+    if cfg.decode_tokens < 0:
+        raise MoetoolError(f"--decode-tokens must not be negative, not {cfg.decode_tokens}.")
     if not 0 < cfg.hh_ratio <= 1:
         raise MoetoolError("the heavy-hitter ratio must be in (0, 1].")
     if any(b not in (2, 4, 8) for b in cfg.sensitivity_bits):
