@@ -44,6 +44,10 @@ def find_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, for one sentence; a KeyError (whose message is only
+    the key, `'metadata'`) says that a key was missing."""
+    if isinstance(e, KeyError) and len(e.args) == 1:
+        return f"no {e.args[0]!r} key where one was expected"
     text = str(e).strip()
     return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")
 
@@ -72,6 +76,9 @@ def weight_files(directory: Path) -> list[Path]:
             files = [directory / n for n in names]
         except (KeyError, TypeError, AttributeError):
             raise MoetoolError(f"{index} is not a valid safetensors index (no weight_map).") from None
+        outside = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
+        if outside:  # a shard is a file of the checkpoint's own directory, never a path out of it
+            raise MoetoolError(f"{index} lists the shard {outside[0]!r}, which is not a file name in {directory}.")
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise MoetoolError(f"checkpoint shard {missing[0]} listed in {index} is missing.")

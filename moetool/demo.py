@@ -329,7 +329,8 @@ def build_demo_model(out: Path | None = None, *, conversion: Path | None = None,
     params_path = committed_params_path() if conversion is None else Path(conversion).expanduser()
     if not params_path.is_file():
         raise MoetoolError(f"the committed demo conversion parameters {params_path} are missing; reinstall moetool"
-                           if conversion is None else f"the demo conversion file {params_path} does not exist")
+                           if conversion is None else f"the demo conversion file {params_path} "
+                           f"{'is a directory, not a file' if params_path.is_dir() else 'does not exist'}")
     params_sha = sha256_file(params_path)
     if out.exists() and not out.is_dir():
         raise MoetoolError(f"{out} is a file, not a directory; choose another --out")
@@ -346,10 +347,10 @@ def build_demo_model(out: Path | None = None, *, conversion: Path | None = None,
         _say(progress, f"the demo model in {out} is incomplete, damaged or outdated; rebuilding it")
     _remove_stale_partials(out)
 
+    params = load_params(params_path)  # a conversion file that is not one: refused before the download
     gguf = fetch_dense_gguf(progress=progress)
     _say(progress, "loading the dense SmolLM2-135M-Instruct GGUF")
     dense, tok = load_dense(gguf)
-    params = load_params(params_path)
     layers = dense.config.num_hidden_layers
     if params.perm.shape[0] != layers:
         raise MoetoolError("the demo conversion parameters do not match the dense model's layer count")

@@ -91,7 +91,19 @@ class Eval(EngineRecord, Artifact):
 
     def validate(self) -> None:
         super().validate()
+        Eval.check_present({"task": self.task, "metrics": self.metrics, "n": self.n})
         Eval.check_metrics(self.metrics)
+
+    @staticmethod
+    def check_present(fields: dict[str, Any]) -> None:
+        """On read, of those of these fields present (report takes hand-made records of a few): a
+        task is named, at least one metric is reported, at least one example or token scored."""
+        if "task" in fields and not str(fields["task"]).strip():
+            raise SchemaError("task", "is empty; an evaluation names its task")
+        if "metrics" in fields and not fields["metrics"]:
+            raise SchemaError("metrics", "is empty; an evaluation reports at least one metric")
+        if "n" in fields and fields["n"] < 1:
+            raise SchemaError("n", f"is {fields['n']}; an evaluation scores at least one example or token")
 
     @staticmethod
     def check_metrics(metrics: dict[str, Any]) -> None:

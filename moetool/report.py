@@ -39,6 +39,7 @@ def _read_eval(data: Any, where: str) -> dict[str, Any]:
     Eval.check_header(data, where)
     try:
         fields = build_fields(Eval, data, required=("model",))
+        Eval.check_present(fields)
         Eval.check_metrics(fields.get("metrics", {}))
         Eval.check_params(fields.get("policy"), fields.get("params"))
     except SchemaError as e:

@@ -62,6 +62,10 @@ class Run(EngineRecord, Artifact):
                                   missing=v is None)
             if not math.isfinite(v) or v < 0:
                 raise SchemaError(f"tpot_s['{key}']", f"is {v}; a time or count is finite and not negative")
+        for name in ("bytes_per_token", "stall_s", "ttft_s"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise SchemaError(name, f"is {v}; a measurement is a finite number")
 
 
 @dataclass(frozen=True, kw_only=True)

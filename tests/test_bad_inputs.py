@@ -218,13 +218,16 @@ def test_a_binary_grid_file_is_one_sentence(tmp_path):
     assert "is not UTF-8 text" in line
 
 
-def test_a_sweep_whose_every_cell_is_refused_exits_1(tiny_bundle, tmp_path):
+def test_a_sweep_whose_cells_no_model_could_run_is_refused_before_any_cell(tiny_bundle, tmp_path):
+    """An empty prompt is wrong whatever the model: the sweep is refused in one sentence naming a
+    cell, before any runs or its output exists (a refusal that depends on the model, an impossible
+    budget, is a cell's recorded result instead: test_sweep.py)."""
     grid = tmp_path / "g.yaml"
     grid.write_text(yaml.safe_dump({"bundle": str(tiny_bundle), "stage": "run", "clock": "sim", "prompts": [""],
                                     "max_new_tokens": 2, "grid": {"policy": ["lru", "lod"]}}))
-    result = runner.invoke(app, ["sweep", str(grid), "--workers", "0", "--out", str(tmp_path / "o")])
-    assert result.exit_code == 1 and "all 2 cells were refused" in result.stderr
-    assert "prompt 1 of 1 is empty" in result.stderr
+    line = _one_error_line(runner.invoke(app, ["sweep", str(grid), "--workers", "0", "--out", str(tmp_path / "o")]))
+    assert line.startswith("error: cell lru: ") and "prompt 1 of 1 is empty" in line
+    assert not (tmp_path / "o").exists()
 
 
 # ---- the sentences themselves ---------------------------------------------------------------------
@@ -530,3 +533,75 @@ def test_a_profile_with_measurements_no_run_gives_is_refused_by_fit_and_report(t
     assert field in line and not (tmp_path / "f.fit.json").exists()
     line = _one_error_line(runner.invoke(app, ["report", str(bad.parent), "--out", str(tmp_path / "r")]))
     assert field in line and not (tmp_path / "r").exists()
+
+
+def _with(doc: dict, path: str, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    *keys, last = path.split(".")
+    node = doc
+    for k in keys:
+        node = node[k]
+    node[last] = value
+    return doc
+
+
+@pytest.mark.parametrize("kind,edit,field", [
+    ("run", {"policy": "lru", "params": {"eviction": 3}}, "params"),
+    ("run", {"bytes_per_token": float("inf")}, "bytes_per_token"),
+    ("fit", {"params": {"fate": {"L": "x"}}}, "params['fate']"),
+    ("eval", {"metrics": {}}, "metrics"),
+    ("eval", {"task": " "}, "task"),
+    ("eval", {"n": 0}, "n "),
+])
+def test_report_refuses_what_the_commands_that_use_it_refuse(tmp_path, kind, edit, field):
+    """A run's knob of the wrong type, a non-finite measurement, a fit's knob of the wrong type, an
+    evaluation of nothing: report reads artifacts as run --fit and fit do, so it refuses them too,
+    in one sentence naming the field."""
+    doc = VALID[kind]
+    for key, value in edit.items():
+        doc = _with(doc, key, value)
+    (tmp_path / "in").mkdir()
+    write(tmp_path / "in" / f"x.{kind}.json", doc)
+    line = _one_error_line(runner.invoke(app, ["report", str(tmp_path / "in"), "--out", str(tmp_path / "r")]))
+    assert field in line and not (tmp_path / "r").exists()
+
+
+def test_a_safetensors_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    from tiny import save_tiny
+
+    model = save_tiny("qwen2_moe", tmp_path / "m")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../../etc/passwd"}}))
+    line = _one_error_line(runner.invoke(app, ["check", str(model)]))
+    assert "'../../etc/passwd'" in line and "not a file name" in line
+
+
+def test_a_demo_conversion_that_is_a_directory_or_not_one_is_refused_before_any_download(tmp_path, monkeypatch):
+    from moetool import demo
+
+    monkeypatch.setattr(demo, "fetch_dense_gguf", lambda **kw: pytest.fail("downloaded before the refusal"))
+    line = _one_error_line(runner.invoke(app, ["demo-model", "--conversion", str(tmp_path), "--out",
+                                               str(tmp_path / "d")]))
+    assert "is a directory, not a file" in line
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    line = _one_error_line(runner.invoke(app, ["demo-model", "--conversion", str(junk), "--out", str(tmp_path / "d")]))
+    assert "cannot read the demo conversion parameters" in line
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: d.__setitem__("group_size", d["group_size"] * 2), "group_size"),
+    (lambda d: d.__setitem__("method", "zzz"), "method"),
+    (lambda d: d["entries"][0].__setitem__("method", "zzz"), "entries[0].method"),
+    (lambda d: d["entries"][0]["rel_error"].__setitem__("down", float("nan")), "rel_error"),
+])
+def test_a_manifest_edited_with_its_checksum_redone_is_still_checked_for_sense(tiny_bundle, tmp_path, edit, says):
+    """The checksum catches an accidental edit; a deliberate one (checksum recomputed) is still read
+    for consistency: a group size its layouts do not have, an unknown method, a NaN error."""
+    from helpers import copy, manifest, rewrite
+
+    bundle = copy(tiny_bundle, tmp_path / "b")
+    doc = manifest(bundle)
+    edit(doc)
+    rewrite(bundle, doc)
+    line = _one_error_line(runner.invoke(app, ["verify", str(bundle)]))
+    assert says in line

@@ -233,7 +233,8 @@ def test_fit_refuses_nonsense_values_in_one_sentence(profile_file, tmp_path, arg
     (["eval", "ppl", "--context", "1"], "--context must be at least 2 tokens"),
     (["eval", "mmlu", "--num-fewshot", "-1"], "--num-fewshot must be 0 or more"),
     (["eval", "ppl", "--policy", "fastest"], "unknown policy 'fastest' (known: "),
-    (["profile", "--seqs", "0"], "must be positive"),
+    (["profile", "--seqs", "0"], "--seqs must be at least 1, not 0"),
+    (["profile", "--seq-len", "1"], "--seq-len and --ppl-tokens must be at least 2 tokens"),
     (["profile", "--bits", "two"], "--bits takes comma-separated integers"),
 ])
 def test_nonsense_values_are_refused_before_the_model_loads(tiny_ckpt, tmp_path, args, says, monkeypatch):

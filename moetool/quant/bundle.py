@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from moetool.quant.shards import (MODEL_DIR, NON_EXPERT, ModelFile, Shard, blob_
 from moetool.schema import SchemaError
 
 MANIFEST = "bundle.json"
+METHODS = ("hqq", "gptq")  # what quantizes a bundle's low-bit experts
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,27 @@ class Bundle(Artifact):
         stored = ", ".join(map(str, self.bits))
         if self.axis not in (0, 1):
             raise SchemaError("axis", f"is {self.axis}, not an hqq quantization axis (0 or 1)")
+        if self.method not in METHODS:
+            raise SchemaError("method", f"is {_quote(self.method)}, not one of {', '.join(METHODS)}")
+        if self.settings.get("group_size", self.group_size) != self.group_size:
+            raise SchemaError("settings.group_size", f"is {self.settings.get('group_size')!r}, but the bundle's "
+                                                     f"group_size is {self.group_size}")
         for key, layout in self.layouts.items():
             if layout.bits not in self.bits:
                 raise SchemaError(f"layouts[{key!r}].bits", f"is {layout.bits}, a precision the bundle does not "
                                                             f"store ({stored})")
+            for proj in layout.projections:  # each low-bit projection in the bundle's groups, or per channel at INT8
+                if proj.group_size and proj.group_size != self.group_size and not layout.per_channel():
+                    raise SchemaError(f"layouts[{key!r}]", f"groups its {proj.name} projection by {proj.group_size} "
+                                                           f"columns, but the bundle's group_size is {self.group_size}")
+        for i, entry in enumerate(self.entries):
+            if entry.method not in (*METHODS, "bf16"):
+                raise SchemaError(f"entries[{i}].method", f"is {_quote(entry.method)}, not one of bf16, "
+                                                          f"{', '.join(METHODS)}")
+            for name, err in entry.rel_error.items():
+                if not math.isfinite(err) or err < 0:
+                    raise SchemaError(f"entries[{i}].rel_error[{name!r}]", f"is {err}; an error is finite and "
+                                                                            "not negative")
         self._check_entries(self._check_files(), stored)
 
     def _check_files(self) -> dict[str, Shard]:

@@ -40,13 +40,12 @@ from moetool.files import not_inside_a_model, temp_file_of
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.quant import gptq, hqq
-from moetool.quant.bundle import MANIFEST, Bundle, Entry
+from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
 from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.format import (DTYPES, Bits, Layout, QTensor, auto_group_size, dequantize, dequantize_qtensor,
                                    encode, make_layout, relative_error)
 
-METHODS = ("hqq", "gptq")
 READ_CHUNK = 8  # experts read from the checkpoint at once: memory stays flat in the number of experts
 JOURNAL = ".quantize-journal.json"
 LOCK = ".quantize.lock"  # flock'ed while a quantize writes the directory
