@@ -176,6 +176,11 @@ def _range(name: str, value: Any, path: str) -> Any:
     return value
 
 
+def check_named_number(name: str, value: Any, path: str) -> Any:
+    """`_range`'s rules for a number in a free-form object (an engine counter named like a field)."""
+    return _range(name, value, path)
+
+
 def _union(args: tuple[Any, ...], value: Any, path: str) -> Any:
     if value is None and type(None) in args:
         return None
@@ -237,4 +242,4 @@ def _scalar(tp: Any, value: Any, path: str) -> Any:
     return int(value) if tp is int else value
 
 
-__all__ = ["NEVER_NEGATIVE", "SchemaError", "build", "build_fields", "describe"]
+__all__ = ["NEVER_NEGATIVE", "SchemaError", "build", "build_fields", "check_named_number", "describe"]

@@ -13,6 +13,7 @@ here once and reaches every stage, grid cell and artifact that runs the engine.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,29 @@ class EngineRecord:
 
     def validate(self) -> None:
         EngineRecord.check_params(self.policy, self.params)
+        EngineRecord.check_counters(self.summary, "summary")
+
+    @staticmethod
+    def check_counters(counters: Any, where: str) -> None:
+        """On read: the engine's counters follow the rules every artifact's fields do (`schema`: a
+        rate or share in [0, 1]; a size, count or time not negative), and none is NaN or infinite,
+        nested objects and lists included (the TPOT statistics, the precision mix)."""
+        from moetool.schema import SchemaError, check_named_number
+
+        if isinstance(counters, dict):
+            for key, value in counters.items():
+                path = f"{where}[{key!r}]"
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    if not math.isfinite(value):
+                        raise SchemaError(path, f"is {value}; a counter is a finite number")
+                    check_named_number(str(key), value, path)
+                else:
+                    EngineRecord.check_counters(value, path)
+        elif isinstance(counters, list):
+            for i, value in enumerate(counters):
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise SchemaError(f"{where}[{i}]", f"is {value}; a counter is a finite number")
+                EngineRecord.check_counters(value, f"{where}[{i}]")
 
     @staticmethod
     def check_params(policy: Any, params: Any) -> None:

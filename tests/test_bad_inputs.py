@@ -548,6 +548,8 @@ def _with(doc: dict, path: str, value) -> dict:
 @pytest.mark.parametrize("kind,edit,field", [
     ("run", {"policy": "lru", "params": {"eviction": 3}}, "params"),
     ("run", {"bytes_per_token": float("inf")}, "bytes_per_token"),
+    ("run", {"summary": {"hit_rate": 1.5}}, "summary['hit_rate']"),
+    ("run", {"summary": {"tpot_s": {"mean": float("nan")}}}, "summary['tpot_s']['mean']"),
     ("fit", {"params": {"fate": {"L": "x"}}}, "params['fate']"),
     ("eval", {"metrics": {}}, "metrics"),
     ("eval", {"task": " "}, "task"),
