@@ -133,7 +133,7 @@ class Bundle(Artifact):
                 raise SchemaError(f"layouts[{key!r}].bits", f"is {layout.bits}, a precision the bundle does not "
                                                             f"store ({stored})")
             for proj in layout.projections:  # each low-bit projection in the bundle's groups, or per channel at INT8
-                if proj.group_size and proj.group_size != self.group_size and not layout.per_channel():
+                if proj.group_size and proj.group_size != self.group_size and not layout.per_channel:
                     raise SchemaError(f"layouts[{key!r}]", f"groups its {proj.name} projection by {proj.group_size} "
                                                            f"columns, but the bundle's group_size is {self.group_size}")
         for i, entry in enumerate(self.entries):
