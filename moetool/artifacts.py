@@ -365,17 +365,3 @@ class Fit(Artifact):
 
     params: dict[str, dict[str, Any]]  # policy -> knob -> value
     evidence: dict[str, Any] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        """On read: each known policy's knobs are of the types and in the ranges `--fit` takes, so
-        `report` shows what `run --fit` would run (a policy this version does not know is left)."""
-        from moetool.policies import POLICIES
-        from moetool.policies.base import parse_params
-
-        for policy, knobs in self.params.items():
-            if policy in POLICIES:
-                try:
-                    parse_params(POLICIES[policy], {}, knobs)
-                except MoetoolError as e:
-                    raise SchemaError(f"params[{policy!r}]", f"holds a knob the policy refuses: "
-                                                             f"{str(e).rstrip('.')}") from None

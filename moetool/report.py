@@ -27,6 +27,7 @@ from moetool.policies.stages import table as _table
 from moetool.profile import Profile
 from moetool.run import Run
 from moetool.schema import SchemaError, build, build_fields
+from moetool.spec import EngineRecord
 from moetool.sweep import Sweep
 
 
@@ -47,7 +48,20 @@ def _read_eval(data: Any, where: str) -> dict[str, Any]:
     return data
 
 
-READERS = {"profile": Profile.from_json, "fit": Fit.from_json, "run": Run.from_json, "eval": _read_eval,
+def _read_fit(data: Any, where: str) -> Fit:
+    """A fit whose knobs are what `run --fit` takes (types, the papers' ranges), so the report shows
+    what would run; a policy this version does not know is left as it is."""
+    fit = Fit.from_json(data, where=where)
+    for policy, knobs in fit.params.items():
+        try:
+            EngineRecord.check_params(policy, knobs)
+        except SchemaError as e:
+            raise MoetoolError(f"{where} is not a valid fit artifact: params[{policy!r}] "
+                               f"{e.problem}.") from None
+    return fit
+
+
+READERS = {"profile": Profile.from_json, "fit": _read_fit, "run": Run.from_json, "eval": _read_eval,
            "sweep": Sweep.from_json}  # a sweep index: its cells without artifacts
 ARTIFACT_NAMES = tuple(f".{schema}.json" for schema in READERS)  # what moetool names the files it writes
 
