@@ -55,7 +55,7 @@ class _Group(typer.core.TyperGroup):
         except _USAGE as e:
             command = f"{e.ctx.command_path} --help" if e.ctx is not None else "moetool --help"
             text = e.format_message().replace("Value error, ", "").rstrip(".")
-            raise SystemExit(_usage_failure(f"{text} (`{command}` lists the options).")) from None
+            raise SystemExit(_fail(f"{text} (`{command}` lists the options).").exit_code) from None
         except _CLICK as e:
             e.show()
             raise SystemExit(e.exit_code) from None
@@ -63,11 +63,6 @@ class _Group(typer.core.TyperGroup):
             err.print("Aborted!", highlight=False)
             raise SystemExit(1) from None
         raise SystemExit(code if isinstance(code, int) else 0)
-
-
-def _usage_failure(sentence: str) -> int:
-    err.print(f"[red]error:[/red] {escape(sentence)}", highlight=False, soft_wrap=True)
-    return 1
 
 
 app = typer.Typer(

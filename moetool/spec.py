@@ -167,10 +167,7 @@ class EngineRecord:
                 else:
                     EngineRecord.check_counters(value, path)
         elif isinstance(counters, list):
-            for i, value in enumerate(counters):
-                if isinstance(value, float) and not math.isfinite(value):
-                    raise SchemaError(f"{where}[{i}]", f"is {value}; a counter is a finite number")
-                EngineRecord.check_counters(value, f"{where}[{i}]")
+            EngineRecord.check_counters({i: v for i, v in enumerate(counters)}, where)
 
     @staticmethod
     def check_params(policy: Any, params: Any) -> None:

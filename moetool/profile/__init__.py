@@ -185,7 +185,7 @@ def _finite(field: str, values: Any, low: float | None = None, high: float | Non
         if not math.isfinite(v):
             raise SchemaError(where, f"is {v}; a measurement is a finite number")
         if low is not None and v < low:
-            raise SchemaError(where, f"is {v}; it must be at least {low}" + (f" (and at most {high})" if high else ""))
+            raise SchemaError(where, f"is {v}; it must be at least {low}" + (f" (and at most {high})" if high is not None else ""))
         if high is not None and v > high:
             raise SchemaError(where, f"is {v}; it must be at most {high}")
 
