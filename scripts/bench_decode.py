@@ -377,9 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         if policy in QUANTIZED and not args.bundle:
             print(f"{policy}: skipped (needs --bundle with 4 and 2 bits)", file=sys.stderr)
             continue
-        for budget in args.budgets.split(","):
-            if policy in ("resident", "static") and budget != "100%":
-                continue
+        # Every expert resident is 100% by definition: the reference row runs once, whatever --budgets lists.
+        for budget in ["100%"] if policy in ("resident", "static") else args.budgets.split(","):
             for path in args.paths.split(","):
                 try:
                     row = moetool_path(args, path, policy, budget, ids, device)

@@ -15,6 +15,8 @@
 #         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
 #     T_TESTS=240 T_KERNELS=120 T_TUNE=300 T_TIMING=300 T_DECODE=300 T_SIM=300 ...   each part's time limit in seconds (it is cut, not the rest)
 #     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
+#     KERNELS_ARGS: bench_kernels.py's arguments in the kernels part (e.g. "--shapes qwen1.5-moe-a2.7b")
+#     SIM_ARGS: the sim part's bench_decode arguments (default DECODE_ARGS), e.g. fewer rows: "--paths captured"
 # A GPU image without this project's pins: wheels put in `.whl/` (e.g. `pip download --no-deps -d .whl
 # transformers==5.24.0 hqq termcolor`) are installed first, into a directory ahead of the image's packages.
 set -uo pipefail
@@ -36,17 +38,23 @@ rc=0
 work=${WORK:-/tmp/moetool-bench}
 if [[ $what == *tests* ]]; then
     # Only the modules with CUDA tests: the others need packages a bare GPU image may lack (lm-eval, ray).
-    timeout "${T_TESTS:-600}" $py -m pytest -q -ra -m cuda -p no:cacheprovider --durations=15 \
+    # Spread over worker processes where pytest-xdist is there (it can come from .whl/): each worker has
+    # its own CUDA context and allocator, so the budget tests still read their own peaks.
+    workers=$($py -c "import xdist" 2>/dev/null && echo "-n ${T_WORKERS:-6}")
+    timeout "${T_TESTS:-600}" $py -m pytest -q -ra -m cuda -p no:cacheprovider --durations=15 $workers \
         $(grep -l "mark.cuda" tests/test_*.py) 2>&1 | tee "$out/cuda-tests.log" || rc=1
 fi
 if [[ $what == *kernels* ]]; then
     # The fused low-bit experts kernels against dequantize-then-GEMM, per precision (issue 42's rows).
-    timeout "${T_KERNELS:-300}" $py scripts/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench-kernels.log" || rc=1
+    timeout "${T_KERNELS:-300}" $py scripts/bench_kernels.py --out "$out" ${KERNELS_ARGS:-} 2>&1 | tee "$out/bench-kernels.log" || rc=1
     # The same kernels' machine code for this device's arch and this image's Triton (registers,
-    # loads, conversions: what the timings above ran), into compile_only.json.
-    sm=$($py -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
-    timeout 120 $py scripts/bench_kernels.py --compile-only "$sm" --compile-sets 16 8 4 2 4,2 --out "$out" \
-        2>&1 | tee "$out/compile-only.log" || rc=1
+    # loads, conversions: what the timings above ran), into compile_only.json. SASS=0 skips it
+    # (it needs no GPU: `bench_kernels.py --compile-only SM` gives the same rows on any machine).
+    if [[ ${SASS:-1} != 0 ]]; then
+        sm=$($py -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
+        timeout 120 $py scripts/bench_kernels.py --compile-only "$sm" --compile-sets 16 8 4 2 4,2 --out "$out" \
+            2>&1 | tee "$out/compile-only.log" || rc=1
+    fi
 fi
 if [[ $what == *tune* ]]; then
     # The search stops itself at TUNE_SECONDS and writes what it found; the timeout is a backstop.
@@ -84,7 +92,7 @@ if [[ $what == *sim* ]]; then
     if [[ -n $ckpt && -f $out/hw-profile.json && -f $out/decode.json ]]; then
         timeout "${T_SIM:-300}" $py scripts/bench_decode.py --device cuda --model "$ckpt" --bundle "$work/bundle" \
             --bundle-all --tokens 64 --clock sim --hw "$out/hw-profile.json" --against "$out/decode.json" \
-            --json "$out/decode-sim.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-sim.log" || rc=1
+            --json "$out/decode-sim.json" ${SIM_ARGS:-${DECODE_ARGS:-}} 2>&1 | tee "$out/bench-sim.log" || rc=1
     else
         echo "sim: needs the model, timing and decode parts' outputs first" | tee "$out/bench-sim.log"
         rc=1
