@@ -108,6 +108,13 @@ def bandwidth() -> dict[str, float]:
     return {"h2d_pinned_gbps": h2d, "device_gbps": d2d}
 
 
+def hw_base(device_name: str) -> str:
+    """The shipped preset whose datasheet throughputs the measured profile keeps: an H100's SXM part
+    ('NVIDIA H100 80GB HBM3') or PCIe part; h100sxm for the other HBM3 parts this was lent (H200)."""
+    name = device_name.upper()
+    return "h100pcie" if "PCIE" in name or ("H100" in name and "HBM3" not in name) else "h100sxm"
+
+
 def build_checkpoint(path: Path, layers: int, geometry: dict, seed: int = 0) -> Path:
     """The random Qwen1.5-MoE-shaped checkpoint, built on the device (seconds, not minutes on a CPU)."""
     if (path / "config.json").is_file():
@@ -378,7 +385,8 @@ def main() -> None:
         from moetool.profile import ProfileConfig, profile
 
         prof = profile(ProfileConfig(model=str(ckpt), bundle=bundle, what=("timing",), device=DEV.type,
-                                     hw_base="h100pcie", data=("heldout",), seqs_per_data=1))
+                                     hw_base=hw_base(torch.cuda.get_device_name() if DEV.type == "cuda" else ""),
+                                     data=("heldout",), seqs_per_data=1))
         hw.write_text(json.dumps(prof.hw, indent=1))
         results["timing"] = {"hw_profile": str(hw), "t_dense_s": prof.hw.get("t_dense_s"),
                              "t_dense_captured_s": prof.hw.get("t_dense_captured_s"),

@@ -11,7 +11,7 @@ from moetool.errors import MoetoolError
 
 def test_presets_are_files_of_the_package_not_a_link():
     assert HW_DIR.is_dir() and not HW_DIR.is_symlink()
-    assert {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm-qwen15moe"} <= set(packaged_hw_names())
+    assert {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm", "h100sxm-qwen15moe"} <= set(packaged_hw_names())
     assert load_hw("rtx3090")[0].name
 
 
