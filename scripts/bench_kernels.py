@@ -254,16 +254,26 @@ _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)
 _TILE_SHUFFLE = re.compile(r"ttg\.convert_layout %\S+ : tensor<(\d+)x\d+x(\d+)x")
 
 
+# SASS: an instruction's address, and a branch's target (a loop closes with a branch back).
+_SASS_AT = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?);", re.M)
+_BRANCH_TO = re.compile(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)")
+
+
 def machine_traffic(sass: str, ttgir: str) -> dict:
     """What a compiled kernel's machine code does (each instruction once, the loop body's too):
     instructions in all, global loads (LDG), shared-memory loads and stores (LDS, STS), barriers,
-    int -> float conversions (I2F*), and from Triton's IR the weight tiles it moves between register
-    layouts (through shared memory)."""
+    int -> float conversions (I2F*), from Triton's IR the weight tiles it moves between register
+    layouts (through shared memory), and the K loops: how many, and the instructions of their
+    bodies (what a thread issues per K tile: at batch 1 a low-bit kernel's time, once its bytes are
+    few, is these instructions, not its loads)."""
     ops = _SASS_OP.findall(sass)
     count = lambda *names: sum(op.startswith(names) for op in ops)  # noqa: E731
     shuffles = sum(int(m.group(1)) > 1 and int(m.group(2)) > 1 for m in _TILE_SHUFFLE.finditer(ttgir))
+    at = [(int(a, 16), text) for a, text in _SASS_AT.findall(sass)]
+    loops = [(int(m.group(1), 16), a) for a, text in at if (m := _BRANCH_TO.search(text)) and int(m.group(1), 16) < a]
+    body = sum(1 for a, _ in at if any(lo <= a <= hi for lo, hi in loops))
     return dict(sass_ops=len(ops), global_loads=count("LDG"), shared_ops=count("LDS", "STS"), barriers=count("BAR"),
-                int_to_float=count("I2F"), tile_shuffles=shuffles)
+                int_to_float=count("I2F"), tile_shuffles=shuffles, loops=len(loops), loop_ops=body)
 
 
 def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: list[int], sets: list[str],
@@ -285,7 +295,7 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     rows = []
     print(f"{'shape':<20}{'kernel':<16}{'bits':<10}{'mode':>4}  {'regs':>5}{'spill':>6}{'sass':>6}{'LDG':>5}"
-          f"{'LDS/STS':>8}{'BAR':>5}{'I2F':>5}{'shuffle':>8}  (sm_{arch}, Triton {triton.__version__})")
+          f"{'LDS/STS':>8}{'BAR':>5}{'I2F':>5}{'shuffle':>8}{'loop':>6}{'/weight':>8}  (sm_{arch}, Triton {triton.__version__})")
     for name, text, mode in ((n, t, m) for n in shapes for t in sets for m in modes):
         bits = sorted({int(b) for b in text.split(",")}, reverse=True)
         config = [*tiles, mode]
@@ -327,10 +337,16 @@ def compile_only(arch: int, shapes: list[str], tiles: tuple[int, ...], modes: li
             row.update(registers=int(found.group(1)) if found else None,
                        spilled_bytes=int(found.group(2)) if found else None,
                        **machine_traffic(sass, compiled.asm["ttgir"]))
+            # Instructions a thread issues per weight in its K loops (one loop a pool: a program's tile
+            # is rows x K tile weights of each pool, gate and up rows both for gate_up).
+            tile = {"gate_up_kernel": 2 * tiles[0] * tiles[1], "down_kernel": tiles[2] * tiles[3]}.get(kernel.__name__)
+            row["loop_ops_per_weight"] = (row["loop_ops"] * 32 * tiles[5] / (tile * len(pools))
+                                          if tile and row["loops"] == len(pools) else None)
             rows.append(row)
             print(f"{name:<20}{kernel.__name__:<16}{','.join(map(str, bits)):<10}{mode:>4}  {row['registers']!s:>5}"
                   f"{row['spilled_bytes']!s:>6}{row['sass_ops']:>6}{row['global_loads']:>5}{row['shared_ops']:>8}"
-                  f"{row['barriers']:>5}{row['int_to_float']:>5}{row['tile_shuffles']:>8}")
+                  f"{row['barriers']:>5}{row['int_to_float']:>5}{row['tile_shuffles']:>8}{row['loop_ops']:>6}"
+                  f"{'-' if row['loop_ops_per_weight'] is None else format(row['loop_ops_per_weight'], '.1f'):>8}")
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compile_only.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -505,7 +505,7 @@ def _bench_module():
 def test_the_machine_code_reading_counts_loads_conversions_and_tiles_moved_between_layouts():
     """`machine_traffic` on hand-written SASS and TTGIR: opcodes counted whatever their predicate or
     modifiers; a convert_layout of a many-row, many-column tile counts, x's one-row tile and a tile
-    of scales (one column) do not."""
+    of scales (one column) do not; a loop is a branch back, and its body what lies between."""
     sass = """
         /*0040*/                   LDG.E.128 R4, desc[UR6][R2.64] ;
         /*0050*/              @P0 LDG.E.U16 R8, desc[UR6][R10.64] ;
@@ -515,6 +515,9 @@ def test_the_machine_code_reading_counts_loads_conversions_and_tiles_moved_betwe
         /*0090*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*00a0*/                   LDS.64 R6, [R1] ;
         /*00b0*/                   FFMA R3, R4, R5, R3 ;
+        /*00c0*/              @!P0 BRA 0x40 ;
+        /*00d0*/                   EXIT ;
+        /*00e0*/                   BRA 0xe0;
     """
     ttgir = """
         %a = ttg.convert_layout %raw_n_103 : tensor<16x4x64xi8, #blocked2> -> tensor<16x4x64xi8, #blocked>
@@ -522,7 +525,10 @@ def test_the_machine_code_reading_counts_loads_conversions_and_tiles_moved_betwe
         %c = ttg.convert_layout %acc : tensor<16x8x1xf32, #blocked4> -> tensor<16x8x1xf32, #blocked1>
     """
     traffic = _bench_module().machine_traffic(sass, ttgir)
-    assert traffic == dict(sass_ops=8, global_loads=2, shared_ops=2, barriers=1, int_to_float=2, tile_shuffles=1)
+    # One loop: the branch back from 0xc0 to 0x40 (its body is 0x40..0xc0, nine instructions); the
+    # branch to itself at the end (the trap after EXIT) is not a loop.
+    assert traffic == dict(sass_ops=11, global_loads=2, shared_ops=2, barriers=1, int_to_float=2, tile_shuffles=1,
+                           loops=1, loop_ops=9)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

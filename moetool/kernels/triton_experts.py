@@ -169,17 +169,20 @@ def _tile_dot(raw, xf, blob, rows, rmask, k0, K: tl.constexpr, BITS: tl.constexp
               S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, NG: tl.constexpr):
     """One K tile's dot products [R] (fp32) of `rows` (codes `raw`, loaded ahead by modes 1 and 2) with
     x (`xf`), the groups' scales loaded now: a row's scales share cache lines, so after the first
-    tile they come from L1. Low-bit rows as the sum over groups of scale * ((codes - zero) . x): the
-    scale applied once a group, not once a weight. (codes . x - zero * sum(x) would save the zero's
-    add too, but its [1, NG] sum of x and the zeros it multiplies took layouts of their own, moved
-    through shared memory behind a barrier every tile: sm_90 TTGIR.)"""
+    tile they come from L1. Low-bit rows as the sum over groups of scale * (codes . x - zero *
+    sum(x)): scale and zero applied once a group, not once a weight, so a weight costs its code's
+    bits and one FMA. At batch 1 these kernels are bound by the instructions a weight costs, not by
+    its bytes (docs/benchmarks.md, the H100's tune): the zero's add per weight was 1 of 8.1 loop
+    instructions a weight (INT4 gate_up, sm_90, Triton 3.6), now 7.4. The [1, NG] sum of x takes a
+    layout of its own (two more barriers a tile through shared memory), a weight tile does not."""
     scale, zero = _load_sz(blob, rows, rmask, k0, K, BITS, S_OFF, Z_OFF, GS, GW, NG)
     if BITS == 16:
         return _sum(_sum(raw.to(tl.float32) * xf, 2), 1)
     else:
         s, z = _unit_sz(scale, zero, BITS)
-        dots = _sum((_codes(raw, rows, BITS, NQ) - z[:, :, None]) * xf, 2)  # [R, NG]
-        return _sum(s * dots, 1)
+        dots = _sum(_codes(raw, rows, BITS, NQ) * xf, 2)  # [R, NG]
+        xs = _sum(xf, 2)  # [1, NG]
+        return _sum(s * (dots - z * xs), 1)
 
 
 @triton.jit
