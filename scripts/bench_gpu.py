@@ -50,6 +50,7 @@ from moetool.engine.stats import Stats
 from moetool.engine.store import HostStore
 from moetool.model import attention_for_decode, load_model
 from moetool.quant.bundle import MANIFEST, Bundle
+from moetool.engine.clock import preset_for_device
 from moetool.quant.quantize import QuantizeConfig, quantize
 
 from bench_engine import interleaved, note  # a sibling file (scripts/ is on sys.path when run)
@@ -106,13 +107,6 @@ def bandwidth() -> dict[str, float]:
     d2d = 2 * big / timed_copy(b, a) / 1e9  # read + write
     del a, b, src, dst
     return {"h2d_pinned_gbps": h2d, "device_gbps": d2d}
-
-
-def hw_base(device_name: str) -> str:
-    """The shipped preset whose datasheet throughputs the measured profile keeps: an H100's SXM part
-    ('NVIDIA H100 80GB HBM3') or PCIe part; h100sxm for the other HBM3 parts this was lent (H200)."""
-    name = device_name.upper()
-    return "h100pcie" if "PCIE" in name or ("H100" in name and "HBM3" not in name) else "h100sxm"
 
 
 def build_checkpoint(path: Path, layers: int, geometry: dict, seed: int = 0) -> Path:
@@ -385,7 +379,8 @@ def main() -> None:
         from moetool.profile import ProfileConfig, profile
 
         prof = profile(ProfileConfig(model=str(ckpt), bundle=bundle, what=("timing",), device=DEV.type,
-                                     hw_base=hw_base(torch.cuda.get_device_name() if DEV.type == "cuda" else ""),
+                                     hw_base=preset_for_device(torch.cuda.get_device_name()) or "h100sxm"
+                                     if DEV.type == "cuda" else "h100pcie",
                                      data=("heldout",), seqs_per_data=1))
         hw.write_text(json.dumps(prof.hw, indent=1))
         results["timing"] = {"hw_profile": str(hw), "t_dense_s": prof.hw.get("t_dense_s"),

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from moetool.engine.clock import HW_DIR, USER_HW_DIR, load_hw, packaged_hw_names
+from moetool.engine.clock import HW_DIR, USER_HW_DIR, load_hw, packaged_hw_names, preset_for_device
 from moetool.errors import MoetoolError
 
 
@@ -13,6 +13,32 @@ def test_presets_are_files_of_the_package_not_a_link():
     assert HW_DIR.is_dir() and not HW_DIR.is_symlink()
     assert {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm", "h100sxm-qwen15moe"} <= set(packaged_hw_names())
     assert load_hw("rtx3090")[0].name
+
+
+@pytest.mark.parametrize("device,preset", [
+    ("NVIDIA H100 80GB HBM3", "h100sxm"), ("NVIDIA H100 PCIe", "h100pcie"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
+    ("NVIDIA GeForce RTX 4060 Ti", "rtx4060ti"), ("NVIDIA RTX A6000", "a6000"), ("NVIDIA H200", None),
+    ("NVIDIA GeForce RTX 3090 Ti", "rtx3090"), ("Tesla T4", None)])
+def test_a_cuda_device_is_matched_to_the_preset_made_for_it_by_its_name(device, preset):
+    """What `profile --what timing` keeps the throughputs of on that device (no --hw-base): the H100's
+    SXM part (its CUDA name says HBM3) is not its PCIe part, whose memory is 40% slower; a device no
+    preset is made for matches none (profile then says it keeps rtx3090's)."""
+    assert preset_for_device(device) == preset
+
+
+def test_only_the_device_presets_name_devices_and_a_measured_profile_does_not_inherit_them():
+    """A profile measured on an H100 SXM for one model keeps h100sxm's throughputs but not its
+    device names: the calibrated file is one model's, not the preset a device should match."""
+    from moetool.profile.timing import ExpertTiming, TimingProfile, hw_profile
+
+    named = {n for n in packaged_hw_names() if json.loads((HW_DIR / f"{n}.json").read_text()).get("devices")}
+    assert named == {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm"}
+    t = TimingProfile(device="cuda:0", dtype="bfloat16", steps=4, layers=(), c_cpu_s=1e-3, h2d_gbps=52.0,
+                      t_dense_s=1e-4, experts=(ExpertTiming(bits=4, nbytes=1 << 20, load_s=2e-5, dequant_s=0.0,
+                                                            compute_s=8e-6, path="triton"),))
+    measured = hw_profile(t, "h100sxm", "mine")
+    assert "devices" not in measured and measured["gpu_mem_gbps"] == load_hw("h100sxm")[0].gpu_mem_gbps
+    assert measured["t_expert_s"] == {"4": 8e-6} and measured["h2d_gbps"] == 52.0
 
 
 def _mine(**edit) -> dict:

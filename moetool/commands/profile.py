@@ -20,6 +20,28 @@ def _split(values: list[str] | None) -> tuple[str, ...]:
     return tuple(v.strip() for item in values or [] for v in item.split(",") if v.strip())
 
 
+def _device_preset(device: str, what: tuple[str, ...]) -> str:
+    """--hw-base's default: on a CUDA device the shipped preset made for it (the throughputs a
+    measured profile keeps are then that GPU's), said on stderr; else DEFAULT_HW."""
+    if not {"timing", "all"} & set(what) or not str(device).startswith("cuda"):
+        return DEFAULT_HW
+    import torch
+
+    if not torch.cuda.is_available():
+        return DEFAULT_HW  # the device check refuses this run later, in its own words
+    from moetool.engine.clock import preset_for_device
+
+    name = torch.cuda.get_device_name(torch.device(device))
+    preset = preset_for_device(name)
+    if preset is None:
+        err.print(f"note: no shipped hardware preset is made for the {name}; the hardware profile keeps "
+                  f"{DEFAULT_HW}'s throughputs where it measures none (--hw-base chooses another)", highlight=False)
+        return DEFAULT_HW
+    err.print(f"note: the hardware profile keeps preset {preset}'s throughputs where it measures none "
+              f"(made for the {name}; --hw-base chooses another)", highlight=False)
+    return preset
+
+
 @command
 def profile(
     save: Annotated[Path, typer.Option("--out", help="Where to write the profile artifact (NAME.profile.json).")],
@@ -32,7 +54,7 @@ def profile(
     decode_tokens: Annotated[int, typer.Option(help="Greedy decode steps traced after each prompt.")] = 16,
     bits: Annotated[str, typer.Option(help="Sensitivity precisions, comma-separated (DyMoE Fig. 5 uses 2).")] = "2",
     ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens scored per perplexity.")] = 512,
-    hw_base: Annotated[str, typer.Option(help="Preset whose throughputs the written hardware profile keeps.")] = DEFAULT_HW,
+    hw_base: Annotated[str | None, typer.Option(help=f"Preset whose throughputs the written hardware profile keeps (default: the shipped preset made for this CUDA device, else {DEFAULT_HW}).")] = None,
     hw_out: Annotated[Path | None, typer.Option(help="Hardware profile JSON to write from the timings (default: NAME.hw.json beside --out).")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = Dtype.auto,
@@ -60,6 +82,8 @@ def profile(
         raise MoetoolError(f"--hw-out {hw_out} is the same file as --out; give the hardware profile another path.")
     from moetool.engine.clock import load_hw
 
+    if hw_base is None:
+        hw_base = _device_preset(device, _split(what) or ("all",))
     load_hw(hw_base)  # an unknown preset is refused before the measuring, not after it
     sens_bits = parse_numbers(bits, "--bits", int)
     cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,

@@ -223,6 +223,20 @@ class WallClock:
         return time.perf_counter() - self._t0
 
 
+def preset_for_device(device_name: str) -> str | None:
+    """The shipped preset made for the device named `device_name` (torch.cuda.get_device_name): the
+    first whose `devices` list has a name that the device's contains (case-insensitive), else None."""
+    from moetool.artifacts import read_json
+    from moetool.files import GRID_BYTES
+
+    name = device_name.lower()
+    for preset in packaged_hw_names():
+        devices = read_json(HW_DIR / f"{preset}.json", GRID_BYTES, "hardware profile").get("devices") or []
+        if any(isinstance(d, str) and d and d.lower() in name for d in devices):
+            return preset
+    return None
+
+
 def packaged_hw_names() -> list[str]:
     """The presets shipped in moetool/hw_presets (what `--hw NAME` accepts besides profiles/hw/NAME.json)."""
     return sorted(p.stem for p in HW_DIR.glob("*.json")) if HW_DIR.is_dir() else []

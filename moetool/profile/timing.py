@@ -357,7 +357,8 @@ def captured_dense(lm: LoadedModel, store: Any, ids: torch.Tensor, steps: int, t
 def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
     """A hardware profile JSON: `base`'s throughputs, overridden by what `t` measured."""
     _, raw = load_hw(base)
-    data = {k: v for k, v in raw.items() if k not in ("t_dense_s", "t_expert_s", "c_cpu_s")}
+    # Not `devices`: a measured profile is one model on one machine, not the preset a device is matched to.
+    data = {k: v for k, v in raw.items() if k not in ("t_dense_s", "t_expert_s", "c_cpu_s", "devices")}
     sources = dict(raw.get("sources", {}))
     where = f"measured by moetool profile --what timing on {t.device} ({t.dtype})"
     # t_expert_s keyed by bits as text: this is the profile's JSON form (load_hw reads the keys as ints).
