@@ -231,6 +231,7 @@ def moetool_path(args, path: str, policy: str, budget: str, ids: torch.Tensor, d
     return dict(path=path, tpot_p50_ms=p50, tpot_p99_ms=p99, compile_s=compile_s, ops_per_layer_step=ops,
                 syncs_per_step=syncs, peak_rss_mib=mem.mib, tokens=out, hit_rate=s["hit_rate"],
                 bytes_per_token=s["bytes_per_token"], bytes_h2d=s["bytes_h2d"], steps=len(decode),
+                policy_hw=s.get("policy_hw"),
                 expert_read_bytes=read / (ids.shape[1] + args.tokens - 1),
                 path_reason="DecodeProgram, compiled" + (" and captured" if device.type == "cuda" else "") if captured
                 else engine.decode_info.get("path_reason"))
@@ -336,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plain", action="store_true", help="skip plain transformers")
     ap.add_argument("--clock", default="wall", choices=("wall", "sim"),
                     help="sim: TPOT on the --hw profile's cost model (deterministic; plain transformers skipped)")
-    ap.add_argument("--hw", default="rtx3090")
+    ap.add_argument("--hw", default="rtx3090",
+                    help="hardware profile: the sim clock's, and what cost-aware policies (Fate's prefetch "
+                         "size, SMoE) read on either clock; set against a wall run, give both the same")
     ap.add_argument("--paper-knobs", action="store_true",
                     help="each paper's own defaults (Fate's INT4 cache and INT2 prefill) instead of lossless 16-bit settings")
     ap.add_argument("--against", type=Path, metavar="WALL_JSON",
@@ -393,8 +396,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r.update(same_tokens=None if reference is None else r["tokens"] == reference)
         if wall is not None and (r["policy"], r["budget"], r["path"]) in wall:
-            r["wall_tpot_p50_ms"] = wall[r["policy"], r["budget"], r["path"]]
-            r["sim_over_wall"] = r["tpot_p50_ms"] / r["wall_tpot_p50_ms"]
+            r["wall_tpot_p50_ms"], wall_hw = wall[r["policy"], r["budget"], r["path"]]
+            if wall_hw is not None and r.get("policy_hw") is not None and wall_hw != r["policy_hw"]:
+                # A cost-aware policy (Fate's n, SMoE's choice) decided on another machine's costs
+                # there: its rows moved other bytes, and their times do not measure the clock.
+                r["not_compared"] = (f"the wall run's policy read {wall_hw}'s costs, this one {r['policy_hw']}'s: "
+                                     "give both runs the same --hw")
+            else:
+                r["sim_over_wall"] = r["tpot_p50_ms"] / r["wall_tpot_p50_ms"]
     host = {(r["policy"], r["budget"]): r["tpot_p50_ms"] for r in rows if r["path"] == "host"}
     host_tokens = {(r["policy"], r["budget"]): r["tokens"] for r in rows if r["path"] == "host"}
     print(f"\n{'policy':10s} {'budget':6s} {'path':12s} {'p50 ms':>8s} {'p99 ms':>8s} {'x host':>7s} {'compile s':>9s} "
@@ -414,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
               "(rows measured one after the other)")
         ours, theirs = interleaved(args, ids, device)
         print(f"the same, their steps interleaved in one process: {ours:.2f} / {theirs:.2f} ms = {ours / theirs:.3f}x")
+    for r in rows:
+        if "not_compared" in r:
+            print(f"{r['policy']} {r['budget']} {r['path']}: not set against the wall clock: {r['not_compared']}",
+                  file=sys.stderr)
     compared = [r for r in rows if "sim_over_wall" in r]
     if compared:
         print(f"\nsimulated ({args.hw}) against the wall clock of {args.against}:")
@@ -426,11 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def wall_rows(path: Path) -> dict[tuple[str, str, str], float] | None:
-    """(policy, budget, path) -> TPOT p50 ms of a wall-clock run's --json rows, or None if it is not one."""
+def wall_rows(path: Path) -> dict[tuple[str, str, str], tuple[float, str | None]] | None:
+    """(policy, budget, path) -> (TPOT p50 ms, the hardware profile its policy read) of a wall-clock
+    run's --json rows, or None if it is not one."""
     try:
         rows = json.loads(path.read_text())
-        return {(r["policy"], r["budget"], r["path"]): float(r["tpot_p50_ms"]) for r in rows}
+        return {(r["policy"], r["budget"], r["path"]): (float(r["tpot_p50_ms"]), r.get("policy_hw")) for r in rows}
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

@@ -80,8 +80,12 @@ if [[ $what == *decode* ]]; then
     # The captured step against the host-driven one and plain transformers, on bench_gpu's model.
     ckpt=$(ls -d "$work"/qwen1.5-moe-x* 2>/dev/null | head -1)
     if [[ -n $ckpt ]]; then
+        # The timing part's profile, where it ran, for what cost-aware policies read (Fate's n): the sim
+        # part reads the same, so the two runs make the same decisions and only their clocks differ.
+        hw=()
+        [[ -f $out/hw-profile.json ]] && hw=(--hw "$out/hw-profile.json")
         timeout "${T_DECODE:-600}" $py scripts/bench_decode.py --device cuda --model "$ckpt" --bundle "$work/bundle" \
-            --bundle-all --tokens 64 --json "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-decode.log" || rc=1
+            --bundle-all --tokens 64 ${hw[@]+"${hw[@]}"} --json "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/bench-decode.log" || rc=1
     else
         echo "decode: no checkpoint under $work (run the model or bench part first)" | tee "$out/bench-decode.log"
         rc=1

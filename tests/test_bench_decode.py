@@ -39,6 +39,15 @@ def test_a_sim_run_is_set_against_the_wall_clock_rows_of_the_same_settings(tmp_p
     assert row["wall_tpot_p50_ms"] == wall["lru", "25%"]["tpot_p50_ms"]  # its own settings' row, not 100%'s
     assert row["sim_over_wall"] == row["tpot_p50_ms"] / row["wall_tpot_p50_ms"]
     assert "sim/wall" in capsys.readouterr().out
+    # Both runs' policies read rtx3090's costs (the default --hw); a sim run whose policies read another
+    # machine's (Fate sizes its prefetch from them) moved other bytes: not set against that wall row.
+    assert row["policy_hw"] == wall["lru", "25%"]["policy_hw"] == "rtx3090"
+    assert bench.main([*common, "--budgets", "25%", "--clock", "sim", "--hw", "a6000", "--against",
+                       str(tmp_path / "wall.json"), "--json", str(tmp_path / "sim2.json")]) == 0
+    (row,) = json.loads((tmp_path / "sim2.json").read_text())
+    assert row["policy_hw"] == "a6000" and "sim_over_wall" not in row
+    assert "give both runs the same --hw" in row["not_compared"]
+    assert "not set against the wall clock" in capsys.readouterr().err
 
 
 def test_against_needs_the_sim_clock_and_a_wall_runs_rows_and_policies_are_known(tmp_path, capsys):

@@ -226,3 +226,23 @@ def test_fate_composes_with_other_evictions():
 
 def test_popularity_ignores_dropped_slots():
     assert popularity(torch.tensor([[0, 8], [1, -1]]), 8).tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_the_captured_steps_n_counts_the_copies_that_fit_in_its_own_shorter_layer():
+    """Fate §4.3's window T = t_moe + t_attn + t_gate on the captured path is the captured step's
+    layer: with the H100 profile's dense time (1.61 ms a layer driven from the host, 0.164 ms in one
+    graph replay) 2 INT4 copies fit, not 17: a sim run of the captured step on the H100 read the host
+    path's time and prefetched up to 17 experts a layer."""
+    from moetool.engine.clock import CostModel, load_hw
+
+    hw, _ = load_hw("h100sxm-qwen15moe")
+    int4 = 4_589_568  # an INT4 Qwen1.5-MoE expert's blob at group 64
+    cost = CostModel(hw=hw, expert_bytes={4: int4}, expert_flops_per_token=2 * 3 * 2048 * 1408,
+                     reference_bytes=2 * 3 * 2048 * 1408, dense_bytes_per_layer=60e6, dense_flops_per_token_per_layer=60e6)
+    host, captured = cost.policy_view(), cost.policy_view(captured=True)
+    assert host["t_attn"] == hw.t_dense_s and captured["t_attn"] == hw.t_dense_captured_s
+    t_load = int4 / (hw.h2d_gbps * 1e9) + hw.copy_latency_s
+    for view in (host, captured):
+        window = 4 * hw.t_expert_s[4] + view["t_attn"] + hw.kernel_s
+        assert transfer_cap(make_ctx(hw=view, k=4, E=60), 4) == min(60, int(window // t_load))
+    assert transfer_cap(make_ctx(hw=host, k=4, E=60), 4) >= 5 * transfer_cap(make_ctx(hw=captured, k=4, E=60), 4)

@@ -89,10 +89,21 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
         kernels, host_tiers = False, False
     split = split_budget_for(budget, lm, store, max_tokens, batch, device, captured)
     cost, _ = cost_model(lm, store, hw)
+    # What cost-aware policies read (Fate's n, SMoE's load-or-compute): the sim clock's machine, and on
+    # the wall clock the machine the run is on. `--hw` names the sim clock's; left at its default on a
+    # CUDA device that a shipped preset is made for, the wall clock's policies read that preset, not
+    # an RTX 3090's (a wall run on an H100 sized Fate's prefetch for a 3090).
+    policy_cost = cost
+    if clock == "wall" and device.type == "cuda" and hw == DEFAULT_HW:
+        from moetool.engine.clock import preset_for_device
+
+        matched = preset_for_device(torch.cuda.get_device_name(device))
+        if matched is not None:
+            policy_cost, _ = cost_model(lm, store, matched)
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
-                        available_bits=store.bits, hw=cost.policy_view())
+                        available_bits=store.bits, hw=policy_cost.policy_view(captured))
     pol = make_policy(policy, settings or {}, ctx, fitted)
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
@@ -115,5 +126,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     engine.planned_captured = captured  # the budget holds the captured step's workspace
     dtype = str(store.compute_dtype).removeprefix("torch.")
     kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}
-    engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, **store.host_stats()}
+    policy_hw = policy_cost.hw.name  # recorded: which machine's costs the policy's decisions assumed
+    engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, "policy_hw": policy_hw,
+                                    **store.host_stats()}
     return engine, split
