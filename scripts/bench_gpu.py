@@ -379,7 +379,7 @@ def main() -> None:
         from moetool.profile import ProfileConfig, profile
 
         prof = profile(ProfileConfig(model=str(ckpt), bundle=bundle, what=("timing",), device=DEV.type,
-                                     hw_base=preset_for_device(torch.cuda.get_device_name()) or "h100sxm"
+                                     hw_base=preset_for_device(torch.cuda.get_device_name()) or "h100pcie"
                                      if DEV.type == "cuda" else "h100pcie",
                                      data=("heldout",), seqs_per_data=1))
         hw.write_text(json.dumps(prof.hw, indent=1))

@@ -11,13 +11,13 @@ from moetool.errors import MoetoolError
 
 def test_presets_are_files_of_the_package_not_a_link():
     assert HW_DIR.is_dir() and not HW_DIR.is_symlink()
-    assert {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm", "h100sxm-qwen15moe"} <= set(packaged_hw_names())
+    assert {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm", "h200", "h100sxm-qwen15moe"} <= set(packaged_hw_names())
     assert load_hw("rtx3090")[0].name
 
 
 @pytest.mark.parametrize("device,preset", [
     ("NVIDIA H100 80GB HBM3", "h100sxm"), ("NVIDIA H100 PCIe", "h100pcie"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
-    ("NVIDIA GeForce RTX 4060 Ti", "rtx4060ti"), ("NVIDIA RTX A6000", "a6000"), ("NVIDIA H200", None),
+    ("NVIDIA GeForce RTX 4060 Ti", "rtx4060ti"), ("NVIDIA RTX A6000", "a6000"), ("NVIDIA H200", "h200"),
     ("NVIDIA GeForce RTX 3090 Ti", "rtx3090"), ("Tesla T4", None)])
 def test_a_cuda_device_is_matched_to_the_preset_made_for_it_by_its_name(device, preset):
     """What `profile --what timing` keeps the throughputs of on that device (no --hw-base): the H100's
@@ -32,7 +32,7 @@ def test_only_the_device_presets_name_devices_and_a_measured_profile_does_not_in
     from moetool.profile.timing import ExpertTiming, TimingProfile, hw_profile
 
     named = {n for n in packaged_hw_names() if json.loads((HW_DIR / f"{n}.json").read_text()).get("devices")}
-    assert named == {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm"}
+    assert named == {"rtx3090", "rtx4060ti", "a6000", "h100pcie", "h100sxm", "h200"}
     t = TimingProfile(device="cuda:0", dtype="bfloat16", steps=4, layers=(), c_cpu_s=1e-3, h2d_gbps=52.0,
                       t_dense_s=1e-4, experts=(ExpertTiming(bits=4, nbytes=1 << 20, load_s=2e-5, dequant_s=0.0,
                                                             compute_s=8e-6, path="triton"),))
