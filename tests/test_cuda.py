@@ -342,13 +342,14 @@ def test_the_fused_experts_kernels_on_the_gpu_match_the_dequantize_reference(bit
 
 
 @pytest.mark.parametrize("bits,group,hidden,width,T,k", [GPU_KERNEL_CASES[i] for i in (0, 2, 4, 6, 7, 9)])
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 def test_each_loop_mode_on_the_gpu_matches_the_dequantize_reference(bits, group, hidden, width, T, k, mode):
-    """The loop modes the tuner may pick (`kernels.config.MODES`), compiled for this GPU, in bf16."""
+    """The loop modes the tuner may pick (`kernels.config.MODES`), compiled for this GPU, in bf16,
+    mode 3 at its own tiles (its tolerance: tests/test_triton_experts.py's RTOL_WORDS)."""
     from kernel_cases import RTOL, random_ids, random_pool, reference_forward
 
     from moetool.kernels import Act, Activation, SlotPool, experts_forward
-    from moetool.kernels.config import default_config
+    from moetool.kernels.config import mode_tiles
 
     silu = Activation(Act.SILU, gated=True)
     gen = torch.Generator().manual_seed(bits * 100 + T + mode)
@@ -357,9 +358,9 @@ def test_each_loop_mode_on_the_gpu_matches_the_dequantize_reference(bits, group,
     x, w = torch.randn(T, hidden, generator=gen).bfloat16(), torch.rand(T, k, generator=gen).bfloat16()
     want = reference_forward(x.float(), w.float(), [pool], silu)
     on_gpu = SlotPool(pool.data.to(CUDA), pool.layout, pool.ids.to(CUDA))
-    config = (*default_config(torch.device("cuda"))[:6], mode)
+    config = (*mode_tiles(mode, torch.device("cuda")), mode)
     got = experts_forward(x.to(CUDA), w.to(CUDA), [on_gpu], silu, config).cpu().float()
-    tol = RTOL * want.abs().max() + 2 ** -8 * want.abs()
+    tol = (1e-4 if mode == 3 else RTOL) * want.abs().max() + 2 ** -8 * want.abs()
     assert ((got - want).abs() <= tol).all(), f"max error {(got - want).abs().max():.3g}"
 
 

@@ -28,8 +28,12 @@ import torch
 # stored, a byte a byte, so the reads in flight grow without the fp32 tile growing). Registers and
 # machine code per mode: `bench_kernels.py --compile-only 90`. Modes 1 and 2 are the candidates for
 # low-bit experts at their bytes' speed; neither has run on a GPU yet (`bench_kernels.py --tune`
-# picks among all three on the device).
-MODES = (0, 1, 2)
+# picks among all of them on the device). 3: packed codes read as 32-bit words and turned into
+# floats in place: 3.1-4.3 loop instructions a weight at INT4/INT2 where the others take 7.4-10
+# (sm_90, `triton_experts._gemv_words`, docs/benchmarks.md); 16-bit projections, interleaved
+# gate_up rows and layouts off 4-byte boundaries take mode 1's loop within the same launch. Not
+# timed on a GPU yet, so not the default.
+MODES = (0, 1, 2, 3)
 
 
 def default_config(device: torch.device) -> tuple[int, int, int, int, int, int, int]:
@@ -41,6 +45,18 @@ def default_config(device: torch.device) -> tuple[int, int, int, int, int, int, 
     if device.type == "cuda":
         return 16, 256, 16, 256, 1024, 4, 0
     return 128, 256, 128, 256, 1024, 4, 0
+
+
+# Mode 3's own starting tiles on CUDA: its loop tile is [K tile / 64 chunks, rows, 4 words], and
+# 32 rows under 2 warps give each thread two rows of one chunk (one x load serves 4 INT4 weights);
+# the default tiles' 16 rows under 4 warps leave threads with no rows of their own. Not the default
+# until a GPU has timed it (`bench_kernels.py` times each mode at its tiles; `--tune` starts here too).
+WORDS_TILES = (32, 256, 32, 256, 1024, 2)
+
+
+def mode_tiles(mode: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """The six tiles a mode starts from on `device` (`default_config`'s, or mode 3's on CUDA)."""
+    return WORDS_TILES if mode == 3 and device.type == "cuda" else default_config(device)[:6]
 
 
 def checked_config(config: Sequence[int], where: str = "a kernel config") -> tuple[int, ...]:

@@ -173,7 +173,7 @@ def _slices(bits: int, span: int) -> int:
 @lru_cache(maxsize=256)
 def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bool, bk1: int, bk2: int,
                 mode: int = 0) -> tuple:
-    """The kernels' compile-time constants for one precision (`triton_experts`' M[0..25])."""
+    """The kernels' compile-time constants for one precision (`triton_experts`' M[0..30])."""
     bits, wdt, bdt, has_bias, gq, gsc, gz, ggs, dq, dsc, dz, dgs, gb, db, n1, inter = ints
     gw1 = bk1 if bits == 16 else _pow2_divisor(ggs, bk1)
     gw2 = bk2 if bits == 16 else _pow2_divisor(dgs, bk2)
@@ -184,8 +184,25 @@ def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bo
         sl1 = _slices(bits, inter if gated else n1)
     sl2 = _slices(bits, hidden)
     shared = int(bits != 16 and gated and not interleaved and per >= 2)
+    # Mode 3 reads packed codes as 32-bit words in chunks of GW columns of one group (16, 32 or 64:
+    # 1-4 sub-tiles of 16 columns a thread), so a projection goes that way only where its codes and
+    # rows sit on 4-byte boundaries and whole chunks tile its input; else modes 1's loop reads it.
+    # (Interleaved gate_up rows, gpt_oss's, put a neuron's gate and up in two byte rows: mode 1.)
+    ww1 = _words_chunk(bits, gq, ggs, hidden, bk1) if mode == 3 and not interleaved else 0
+    ww2 = _words_chunk(bits, dq, dgs, inter, bk2) if mode == 3 else 0
+    fallback = 1 if mode == 3 else mode
     return (bits, wdt, bdt, has_bias, gq, gsc, gz, ggs or 1, dq, dsc, dz, dgs or 1, gb, db,
-            gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per, bk1, bk2, int(mode))
+            gw1, bk1 // gw1, gw2, bk2 // gw2, sl1, sl2, shared, hidden // per, n1 // per, bk1, bk2, fallback,
+            int(ww1 > 0), ww1, ww2, 15, int(ww2 > 0))
+
+
+def _words_chunk(bits: int, offset: int, group: int, width: int, bk: int) -> int:
+    """Mode 3's chunk of input columns for a packed projection at byte `offset` with groups of `group`
+    over `width` inputs and K tiles of `bk`: the largest of 64, 32, 16 dividing all three, or 0 (then
+    the projection takes mode 1's loop)."""
+    if bits == 16 or offset % 4:
+        return 0
+    return next((gw for gw in (64, 32, 16) if group % gw == 0 and width % gw == 0 and bk % gw == 0), 0)
 
 
 # ---- the ops -------------------------------------------------------------------------------------
@@ -206,6 +223,20 @@ def _config(config: list[int], device: torch.device, layouts: list[int], hidden:
     return checked_config(config)
 
 
+# 0.5's fp32 bits: mode 3 or-s codes into them (`triton_experts._field`). An argument, not a
+# constant, so the GPU's and-or is one instruction (a register operand where an immediate would be
+# a second one).
+HALF_BITS = 0x3F000000
+
+
+def _aligned_mode(mode: int, pools: list[torch.Tensor]) -> int:
+    """Mode 3 reads codes as 4-byte words: a pool whose slots do not start on 4-byte boundaries takes
+    mode 1 instead (what the slot addresses are is known here without reading the device)."""
+    if mode == 3 and any(p.data_ptr() % 4 or p.stride(0) % 4 for p in pools):
+        return 1
+    return mode
+
+
 def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.Tensor], layouts: list[int], topk: int,
                    act: int, gated: bool, interleaved: bool, alpha: float, limit: float, config: list[int],
                    h: torch.Tensor) -> tuple:
@@ -215,11 +246,14 @@ def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.T
 
     hidden, (n1, inter) = x.shape[1], layouts[14:16]
     r1, bk1, _, bk2, _, warps, mode = _config(config, x.device, layouts, hidden)
+    mode = _aligned_mode(mode, pools)
+    if mode == 3:  # its x tiles are read four columns a load, in fp32 (one conversion here, not one a thread)
+        x = x.float()
     metas = _metas(layouts, hidden, gated, interleaved, bk1, bk2, mode)
     span = inter if gated else n1
     blocks = max(-(-(span // m[18]) // (r1 // m[18])) for m in metas)
     args = (x, x.stride(0), tuple(pools), tuple(p.stride(0) for p in pools), tuple(ids), h, topk, hidden, inter, n1,
-            h.shape[-1], metas, act, gated, interleaved, alpha, limit, r1, bk1)
+            h.shape[-1], metas, act, gated, interleaved, alpha, limit, r1, bk1, HALF_BITS)
     return tk.gate_up_kernel, (x.shape[0] * topk, blocks), args, {"num_warps": warps}
 
 
@@ -231,11 +265,12 @@ def down_launches(h: torch.Tensor, routing_weights: torch.Tensor, pools: list[to
     T, topk = routing_weights.shape
     inter = layouts[15]
     _, bk1, r2, bk2, b3, warps, mode = _config(config, h.device, layouts, hidden)
+    mode = _aligned_mode(mode, pools)
     metas = _metas(layouts, hidden, False, False, bk1, bk2, mode)  # down's constants do not depend on the gate
     blocks = max(-(-(hidden // m[19]) // (r2 // m[19])) for m in metas)
     pool_args = (tuple(pools), tuple(p.stride(0) for p in pools), tuple(ids))
-    return [(tk.down_kernel, (T * topk, blocks), (h, routing_weights, *pool_args, y, hidden, inter, metas, r2, bk2),
-             {"num_warps": warps}),
+    return [(tk.down_kernel, (T * topk, blocks),
+             (h, routing_weights, *pool_args, y, hidden, inter, metas, r2, bk2, HALF_BITS), {"num_warps": warps}),
             (tk.combine_kernel, (T, -(-hidden // b3)), (y, tuple(ids), out, topk, T * topk, hidden, len(pools), b3),
              {"num_warps": warps})]
 
