@@ -1,14 +1,18 @@
 """The engine: lossless policies reproduce transformers exactly; budgets hold; the sim clock adds up."""
 
+import types
+
 import pytest
 import torch
 
 from moetool.engine import build_engine, split_budget_for
 from moetool.engine.clock import CostModel, HwProfile, SimClock
+from moetool.engine.residency import Residency, State
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
 from moetool.model import load_model, load_reference
-from moetool.policies.base import Phase
+from moetool.policies.base import Fetch, Phase, Pool
+from policy_fakes import make_ctx, residency_for
 from tiny import TINY_CONFIGS
 
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
@@ -119,6 +123,75 @@ def test_random_routing_traces_never_exceed_the_budget(tiny_ckpt, policy):
         engine.end_step()
     assert engine.residency.budget.peak <= plan.total_bytes
     assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
+
+
+def _admit(res, want, shield=(), demand=False, publish=True):
+    """What the engine does with the generic rule: make room, take the slot, publish once landed."""
+    victims = res.make_room(want, set(shield), demand)
+    if victims is not None:
+        res.begin_load(want, victims, prefetched=not demand)
+        if publish:
+            res.publish(want.layer, want.expert, want.bits)
+    return victims
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc", "lfu"])
+def test_a_copy_in_flight_is_never_an_eviction_victim(eviction):
+    """A full layer quota whose oldest holder is still being copied: the next admission takes the
+    resident one; with every holder in flight it is refused (a demand load then streams through a
+    staging buffer), the pool unchanged; once the copy is published it may go."""
+    res = residency_for(types.SimpleNamespace(ctx=make_ctx()), [Pool(16, 2, quota={0: 2, 1: 2}, eviction=eviction)])
+    _admit(res, Fetch(0, 0, 16), publish=False)  # a prefetch still in flight, the order's oldest
+    _admit(res, Fetch(0, 1, 16))
+    assert res.make_room(Fetch(0, 2, 16), set(), demand=True) == [Fetch(0, 1, 16)]
+    res.begin_load(Fetch(0, 2, 16), [Fetch(0, 1, 16)])  # in flight too: layer 0 holds only copies in flight
+    assert res.loading_bits(0, 0) == (16,) and res.loading_bits(0, 2) == (16,)
+    assert res.make_room(Fetch(0, 3, 16), set(), demand=True) is None
+    assert res.make_room(Fetch(0, 3, 16), set(), demand=False) is None
+    assert set(res.residents(16)) == {(0, 0), (0, 2)} and res.free(16) == 0
+    res.publish(0, 0, 16)
+    assert res.make_room(Fetch(0, 3, 16), set(), demand=True) == [Fetch(0, 0, 16)]
+
+
+def test_a_layer_under_its_quota_does_not_take_another_layers_copy_in_flight():
+    """A full pool, layer 0 under its quota: the victim comes from another layer, never its copy in flight."""
+    res = residency_for(types.SimpleNamespace(ctx=make_ctx()), [Pool(16, 2, quota={0: 2, 1: 2}, eviction="lru")])
+    _admit(res, Fetch(1, 0, 16), publish=False)  # first in admission order: what an unknown order falls back to
+    _admit(res, Fetch(1, 1, 16))
+    assert res.make_room(Fetch(0, 0, 16), set(), demand=True) == [Fetch(1, 1, 16)]
+    res.begin_load(Fetch(0, 0, 16), [Fetch(1, 1, 16)])
+    assert res.make_room(Fetch(0, 1, 16), set(), demand=True) is None  # (1, 0) and (0, 0) both in flight
+
+
+@pytest.mark.parametrize("clock", ["sim", "wall"])
+@pytest.mark.parametrize("policy,settings", [("eap", {}), ("smoe", {}), ("dymoe", {"config": "16/0"})])
+def test_prefetches_and_demand_loads_never_evict_a_copy_in_flight(tiny_ckpt, monkeypatch, policy, settings, clock):
+    """Random routing through the host path: a layer's prefetches beyond its quota used to evict the
+    ones issued just before them (and, on the sim clock, copies not yet landed), throwing away their
+    bytes. Every eviction now takes a published copy."""
+    lm, engine, plan = _engine(tiny_ckpt("qwen2_moe"), policy, "30%", clock=clock, batch=1, **settings)
+    evicted, in_flight = [], []
+    evict = Residency.evict
+
+    def recording(self, layer, expert, bits):
+        h = self.table.get((layer, expert, bits))
+        (in_flight if h is not None and h.state == State.LOADING else evicted).append((layer, expert, bits))
+        evict(self, layer, expert, bits)
+
+    monkeypatch.setattr(Residency, "evict", recording)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, lm.geometry.layers[0].hidden_size, generator=gen)
+    for step in range(100):
+        engine.begin_step(Phase.DECODE, 1)
+        for g in lm.geometry.layers:
+            idx = torch.randperm(g.num_experts, generator=gen)[: g.top_k].view(1, -1)
+            engine._logits[g.index] = torch.randn(1, g.num_experts, generator=gen)
+            lm.model.get_submodule(f"{g.path}.experts")(hidden, idx, torch.full((1, g.top_k), 1.0 / g.top_k))
+        engine.end_step()
+    s = engine.stats.summary()
+    assert in_flight == []
+    assert evicted and s["prefetch_issued"] > 0  # the cache did turn over, prefetches included
+    assert s["peak_device_bytes"] <= plan.total_bytes
 
 
 def test_staged_misses_beyond_two_buffers_stay_correct(tiny_ckpt):

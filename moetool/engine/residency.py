@@ -138,9 +138,9 @@ class Residency:
 
         Within the layer's quota (or the whole pool without quotas) a free slot is taken; otherwise the
         pool's eviction order picks a victim among the unshielded holders of the layer (of the pool when
-        the layer is under its quota but the pool is full). The order is told in the sequence ARC needs:
-        the request, the victim's removal, then the insertion. A pool without an eviction order only
-        admits into free slots.
+        the layer is under its quota but the pool is full), never a copy still in flight. The order is
+        told in the sequence ARC needs: the request, the victim's removal, then the insertion. A pool
+        without an eviction order only admits into free slots.
         """
         pool = self.pools.get(want.bits)
         if pool is None:
@@ -163,7 +163,11 @@ class Residency:
             candidates = None if pool.free else list(pool.holders)
         victims = []
         if candidates is not None:
-            candidates = [k for k in candidates if k not in shield]
+            # Only a RESIDENT copy is a victim: one in flight has already spent its bytes and link
+            # time and would be dropped unused (a layer's prefetches beyond its quota evicted one
+            # another), its slot still being written. None when only such copies are left: a demand
+            # load then streams through a staging buffer, a prefetch is skipped; the pool never grows.
+            candidates = [k for k in candidates if k not in shield and self._settled((*k, want.bits))]
             if not candidates:
                 return None
             victim = order.victim(candidates)
@@ -205,6 +209,11 @@ class Residency:
     def wants_scores(self) -> bool:
         """Whether some pool's eviction order ranks by router scores (then the engine calls `observe`)."""
         return self._reads_scores
+
+    def _settled(self, key: tuple[int, int, int]) -> bool:
+        """Whether `key`'s copy has been published (not LOADING): the only kind an eviction may take."""
+        h = self.table.get(key)
+        return h is not None and h.state == State.RESIDENT
 
     def _forget(self, key: tuple[int, int, int]) -> None:
         """Take `key` out of its eviction order (once) and out of the fresh set."""
