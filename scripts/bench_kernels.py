@@ -343,11 +343,12 @@ def compile_only(arch: int, shapes: list[str], args, modes: list[int], sets: lis
             row.update(registers=int(found.group(1)) if found else None,
                        spilled_bytes=int(found.group(2)) if found else None,
                        **machine_traffic(sass, compiled.asm["ttgir"]))
-            # Instructions a thread issues per weight in its K loops (one loop a pool: a program's tile
-            # is rows x K tile weights of each pool, gate and up rows both for gate_up).
+            # Instructions a thread issues per weight in its K loops (one loop a pool, or the same number
+            # each, as mode 3's gate and up loops at INT8: a program's tile is rows x K tile weights of
+            # each pool, gate and up rows both for gate_up).
             tile = {"gate_up_kernel": 2 * tiles[0] * tiles[1], "down_kernel": tiles[2] * tiles[3]}.get(kernel.__name__)
             row["loop_ops_per_weight"] = (row["loop_ops"] * 32 * tiles[5] / (tile * len(pools))
-                                          if tile and row["loops"] == len(pools) else None)
+                                          if tile and row["loops"] and row["loops"] % len(pools) == 0 else None)
             rows.append(row)
             print(f"{name:<20}{kernel.__name__:<16}{','.join(map(str, bits)):<10}{mode:>4}  {row['registers']!s:>5}"
                   f"{row['spilled_bytes']!s:>6}{row['sass_ops']:>6}{row['global_loads']:>5}{row['shared_ops']:>8}"

@@ -284,6 +284,9 @@ def test_an_unknown_activation_runs_between_two_launches(monkeypatch):
     got = experts_forward(x, w, pools, spec)
     assert launches.n == 3
     assert_close(got, reference_forward(x, w, pools, spec))
+    pools = [with_ids(random_pool(b, 64, 48, 16, slots=3, gen=gen, bias=True), random_ids(2, 2, 3, gen))
+             for b in (8, 4, 2)]  # mode 3 stores raw rows from byte rows: INT8's own, INT4's and INT2's shared
+    assert_close(experts_forward(x, w, pools, spec, WORDS), reference_forward(x, w, pools, spec), RTOL_WORDS)
 
 
 # ---- the model's own activation ----------------------------------------------------------------
