@@ -1,5 +1,6 @@
 """The engine: lossless policies reproduce transformers exactly; budgets hold; the sim clock adds up."""
 
+import copy
 import types
 
 import pytest
@@ -146,9 +147,12 @@ def test_a_copy_in_flight_is_never_an_eviction_victim(eviction):
     assert res.make_room(Fetch(0, 2, 16), set(), demand=True) == [Fetch(0, 1, 16)]
     res.begin_load(Fetch(0, 2, 16), [Fetch(0, 1, 16)])  # in flight too: layer 0 holds only copies in flight
     assert res.loading_bits(0, 0) == (16,) and res.loading_bits(0, 2) == (16,)
+    order = res.order(16, 0)
+    before = copy.deepcopy(vars(order))
     assert res.make_room(Fetch(0, 3, 16), set(), demand=True) is None
     assert res.make_room(Fetch(0, 3, 16), set(), demand=False) is None
     assert set(res.residents(16)) == {(0, 0), (0, 2)} and res.free(16) == 0
+    assert vars(order) == before  # a refused miss is not told to the order (ARC would adapt p to it)
     res.publish(0, 0, 16)
     assert res.make_room(Fetch(0, 3, 16), set(), demand=True) == [Fetch(0, 0, 16)]
 

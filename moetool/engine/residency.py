@@ -152,7 +152,6 @@ class Residency:
         if limit <= 0:
             return None
         order = self.order(want.bits, want.layer)
-        order.request(key)
         if spec.quota is not None:
             mine = [k for k in pool.holders if k[0] == want.layer]
             if len(mine) < limit and pool.free:
@@ -169,7 +168,9 @@ class Residency:
             # load then streams through a staging buffer, a prefetch is skipped; the pool never grows.
             candidates = [k for k in candidates if k not in shield and self._settled((*k, want.bits))]
             if not candidates:
-                return None
+                return None  # refused before the order hears of it: ARC adapts only to admitted misses
+        order.request(key)
+        if candidates is not None:
             victim = order.victim(candidates)
             self._forget((*victim, want.bits))
             victims.append(Fetch(victim[0], victim[1], want.bits))
