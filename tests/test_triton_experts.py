@@ -115,7 +115,7 @@ def test_the_ring_mode_matches_the_dequantize_reference(bits, group, hidden, wid
     test_kernel_matches_the_dequantize_reference(bits, group, hidden, width, T, k, (*config[:6], 2))
 
 
-# Mode 3 (`triton_experts._gemv_words`): packed codes as 32-bit words, each code a float 0.5 + code *
+# Mode 3 (`triton_words._gemv_words`): packed codes as 32-bit words, each code a float 0.5 + code *
 # 2^(P-24) (P = 15..22) whose sums carry the 0.5 for every weight until a chunk's sum of x takes it
 # off: up to ~2^(23-P) / code of the fp32 precision of a product goes to that offset, so its
 # tolerance is 1e-4 of the largest output (measured 0.6-2.7e-5 on these cases), 40x under one bf16

@@ -30,7 +30,7 @@ import torch
 # low-bit experts at their bytes' speed; neither has run on a GPU yet (`bench_kernels.py --tune`
 # picks among all of them on the device). 3: packed codes read as 32-bit words and turned into
 # floats in place: 3.1-4.3 loop instructions a weight at INT4/INT2 where the others take 7.4-10
-# (sm_90, `triton_experts._gemv_words`, docs/benchmarks.md); 16-bit projections, interleaved
+# (sm_90, `triton_words._gemv_words`, docs/benchmarks.md); 16-bit projections, interleaved
 # gate_up rows and layouts off 4-byte boundaries take mode 1's loop within the same launch. Not
 # timed on a GPU yet, so not the default.
 MODES = (0, 1, 2, 3)

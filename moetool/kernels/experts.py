@@ -125,7 +125,7 @@ def _layout_refusal(layout: Layout) -> str | None:
 
 
 def _wdtypes() -> dict[str, int]:
-    from moetool.kernels.triton_experts import WDTYPES
+    from moetool.kernels.triton_parts import WDTYPES
 
     return WDTYPES
 
@@ -223,7 +223,7 @@ def _config(config: list[int], device: torch.device, layouts: list[int], hidden:
     return checked_config(config)
 
 
-# 0.5's fp32 bits: mode 3 or-s codes into them (`triton_experts._field`). An argument, not a
+# 0.5's fp32 bits: mode 3 or-s codes into them (`triton_words._field`). An argument, not a
 # constant, so the GPU's and-or is one instruction (a register operand where an immediate would be
 # a second one).
 HALF_BITS = 0x3F000000
