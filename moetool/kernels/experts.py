@@ -186,7 +186,7 @@ def kernel_meta(ints: tuple[int, ...], hidden: int, gated: bool, interleaved: bo
     shared = int(bits != 16 and gated and not interleaved and per >= 2)
     # Mode 3 reads packed codes as 32-bit words in chunks of GW columns of one group (16, 32 or 64:
     # 1-4 sub-tiles of 16 columns a thread), so a projection goes that way only where its codes and
-    # rows sit on 4-byte boundaries and whole chunks tile its input; else modes 1's loop reads it.
+    # rows sit on 4-byte boundaries and whole chunks tile its input; else mode 1's loop reads it.
     # (Interleaved gate_up rows, gpt_oss's, put a neuron's gate and up in two byte rows: mode 1.)
     ww1 = _words_chunk(bits, gq, ggs, hidden, bk1) if mode == 3 and not interleaved else 0
     ww2 = _words_chunk(bits, dq, dgs, inter, bk2) if mode == 3 else 0
