@@ -195,3 +195,23 @@ def test_default_group_size_is_the_largest_that_tiles_every_projection(tmp_path,
     bundle = quantize(config(model, tmp_path / "b", bits=(16, 4), group_size=0, calibrate=False))
     assert bundle.group_size == group
     assert {p.group_size for lay in bundle.layouts.values() if lay.bits == 4 for p in lay.projections} == {group}
+
+
+@pytest.mark.parametrize("hidden,moe_width,said", [(40, 20, "--group-size 20"), (48, 24, "--group-size 24"),
+                                                   (64, 16, None)])
+def test_a_group_too_small_to_save_bytes_is_said_with_the_group_that_would(tmp_path, hidden, moe_width, said):
+    """Widths with few factors of two give groups of 4 or 8, where scales and zeros outweigh the codes
+    (INT8 larger than bf16); quantize says so before the work, naming a group that divides every width."""
+    model = tiny_moe(tmp_path / "m", hidden_size=hidden, moe_intermediate_size=moe_width)
+    notes = []
+    bundle = quantize(config(model, tmp_path / "b", group_size=0, calibrate=False, dtype="bfloat16"), note=notes.append)
+    sizes = bundle.sizes()
+    size_notes = [n for n in notes if "scale and a zero" in n]
+    if said is None:
+        assert not size_notes and sizes[2] < 0.3 * sizes[16]
+    else:
+        assert len(size_notes) == 1 and said in size_notes[0] and f"group size {bundle.group_size}" in size_notes[0]
+        assert sizes[8] > 0.9 * sizes[16] or sizes[2] > 2.9 * sizes[16] / 8  # what the note is about, measured
+        wider = quantize(config(model, tmp_path / "b2", group_size=int(said.split()[-1]), calibrate=False,
+                                bits=(16, 2)))
+        assert wider.sizes()[2] < sizes[2]  # the group it names saves bytes

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -102,10 +103,39 @@ def precision_note(stored: set[str], dtype: str) -> str | None:
             "numbers.")
 
 
+# A quantized precision is worth a note when its blobs keep over 0.9 of bf16's bytes, or take over
+# 2.9x what its codes alone take (scales and zeros twice the codes: INT4 at group 4, INT2 at group 8).
+WORTH, OVERHEAD = 0.9, 2.9
+
+
+def size_note(layers: list[MoeLayer], layouts: dict[int, dict[Bits, Layout]], group_size: int) -> str | None:
+    """What a low-bit precision fails to save, or None: at a small group (widths with few factors of
+    two, `auto_group_size`) each group's scale and zero can outweigh its codes, so a blob may keep most
+    of the bf16 expert's bytes, or exceed them, while still losing precision."""
+    def total(bits: Bits) -> int:
+        return sum(g.num_experts * (layouts[g.index][bits] if bits in layouts[g.index] else make_layout(
+            bits, _gate_up_shape(g), (g.hidden_size, g.intermediate_size), g.has_bias)).nbytes for g in layers)
+
+    ref = total(Bits.BF16)
+    share = {b: total(b) / ref for b in layouts[layers[0].index] if b != Bits.BF16}
+    poor = sorted((b for b, r in share.items() if r > WORTH or r > OVERHEAD * int(b) / 16), reverse=True)
+    if not poor:
+        return None
+    said = ", ".join(f"INT{int(b)} {share[b]:.2f}x where its codes alone are {int(b) / 16:.3g}x" for b in poor)
+    widths = math.gcd(*(w for g in layers for w in (g.hidden_size, g.intermediate_size)))
+    larger = max(d for d in range(1, min(widths, 128) + 1) if widths % d == 0)  # groups must divide every width
+    fix = (f"--group-size {larger} (the largest group up to 128 that divides every expert's input width) saves more"
+           if larger > group_size else f"no larger group divides the experts' input widths; --bits without "
+           f"{', '.join(str(int(b)) for b in poor)} skips what saves little")
+    return (f"at group size {group_size} the quantized experts keep much of the bf16 experts' bytes ({said}), "
+            f"since each group of {group_size} input columns stores a scale and a zero beside its codes; {fix}.")
+
+
 def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None,
              note: Callable[[str], None] | None = None) -> Bundle:
     """Quantize every expert of `cfg.model` at `cfg.bits` into a self-contained bundle in `cfg.out`;
-    `note` gets what the bundle changes in the model's numbers (`precision_note`), once it is done."""
+    `note` gets what its settings fail to save (`size_note`) before the work, and what the bundle
+    changes in the model's numbers (`precision_note`) once it is done."""
     report = progress or (lambda p: None)
     bits = _check(cfg)
     out = Path(cfg.out)
@@ -132,6 +162,9 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     layouts = {layer.index: {b: make_layout(b, _gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
                                             layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
+    said = size_note(layers, layouts, cfg.group_size)
+    if said and note is not None:
+        note(said)
 
     # The calibration text is read before anything is written: a text the tokenizer cannot use is
     # refused without a directory left behind.
