@@ -129,3 +129,33 @@ def test_rank_and_best_first_follow_the_host_tie_rules():
 
     want = host(scores, 0.75)
     assert best_first(best, mask, 4)[: len(want)].tolist() == want
+
+
+EDGE_TRACES = [  # (routing [1, k], weights [1, k], look-ahead logits [E]): the cases random traces rarely hit
+    ([[3]], [[0.7]], [2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),  # k = 1: t = ceil(r) = 1, always critical
+    ([[E, E, E]], [[0.2, 0.2, 0.2]], [0.0] * E),  # every slot dropped: M = 0, t = 0; predicted scores all tied
+    ([[5, 2, 7]], [[0.3, 0.3, 0.3]], [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]),  # weights tied: lower id first;
+    # four tied top scores: none exceeds Fate's 75th percentile (it equals them), DyMoE's top-t by lower id
+    ([[6, E, 1]], [[0.1, 0.5, 0.1]], [0.5, 3.0, 3.0, 0.5, 0.5, 2.0, 0.5, 0.5]),  # a dropped slot among ties
+]
+
+
+@pytest.mark.parametrize("name,knobs", [p for p in POLICIES if p[0] in ("dymoe", "fate")], ids=lambda x: str(x))
+def test_in_step_plan_decides_as_the_host_plan_on_edge_traces(name, knobs):
+    """k = 1, a token whose every slot is dropped, exact ties in routing weights and in predicted
+    scores (at DyMoE's t_l boundary and at Fate's percentile), at every MoE position."""
+    for idx, w, ahead_row in EDGE_TRACES:
+        k = len(idx[0])
+        ctx = make_ctx(layers=LAYERS, E=E, k=k, cache_bytes=10**9, hw=CTX_HW)
+        ahead = {layer: torch.tensor([ahead_row]) for layer in LAYERS}
+        for pos in range(len(LAYERS)):
+            for held in ({}, {4: torch.ones(len(LAYERS), E, dtype=torch.bool)}):  # nothing / everything at 4 bits
+                pol = make_policy(name, dict(knobs), ctx)
+                cache = _cache(pol, held)
+                view = make_view(idx, cache, pos=pos, E=E, weights=torch.tensor(w), predict=lambda later: ahead[later])
+                host = _host_decisions(pol, view)
+                dev = _device_decisions(pol, view, cache, ahead, pos)
+                where = f"{name} {knobs}, routing {idx}, position {pos}, held {sorted(held)}"
+                for h, d in zip(host[:3], dev[:3]):
+                    assert torch.equal(h, d), where
+                assert host[3] == dev[3], where

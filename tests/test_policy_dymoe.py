@@ -189,3 +189,21 @@ def test_set_r_overrides_a_fitted_lambda():
     pol = make_policy("dymoe", {"r": "0.9"}, make_ctx(), fitted)
     assert pol.lam == pytest.approx(0.8) and math.isclose(sum(pol.describe()["retention"]) / 4, 0.9)
     assert make_policy("dymoe", {"r": "0.9", "lam": "0.2"}, make_ctx(), fitted).lam == 0.2  # both set: lam wins
+
+
+def test_lookahead_prefill_ties_go_to_the_larger_mean_score_at_any_prompt_length():
+    """Eq. 7 ranks by c_e; equal counts go to the larger mean predicted score (the code's stated tie
+    rule). Folded into one float32 key c + 1e-3 * score, that tie-break vanished once c_e reached a
+    few hundred tokens (the float's step at 300 is 3e-5), and the lower id won instead."""
+    pol = make_policy("dymoe", {"lam": "0.5"}, make_ctx(k=1))
+    for n in (3, 300):
+        # n tokens predict expert 2 (logit 4) with expert 5 second (0.1); n predict 5 (4) with 2 second (0).
+        logits = torch.full((2 * n, 8), -30.0)
+        logits[:n, 2], logits[:n, 5] = 4.0, 0.1
+        logits[n:, 5], logits[n:, 2] = 4.0, 0.0
+        # c_2 = c_5 = n, M = 2; layer 3 (r = 0.5): t = ceil(0.5 * 2) = 1. Mean g_hat: expert 5
+        # (e^.1 / (e^4 + e^.1) + e^4 / (e^4 + 1)) / 2 = (.01984 + .98201) / 2 = .50093, expert 2
+        # (.98016 + .01799) / 2 = .49907: the tie goes to 5.
+        view = make_view([[0]] * (2 * n), FakeCache(pol.pools()), pos=2, phase=Phase.PREFILL,
+                         predict=lambda later: logits)
+        assert pol.prefetch(view) == [Fetch(3, 5, 4)], f"{n} tokens per expert"

@@ -120,6 +120,11 @@ def test_75th_percentile_rule():
     two = torch.tensor([[0.30, 0.20, 0.15, 0.10, 0.10, 0.05, 0.05, 0.05],
                         [0.05, 0.05, 0.05, 0.10, 0.10, 0.15, 0.20, 0.30]])
     assert above_percentile(two, 0.75) == [0, 7, 1, 6]  # united over tokens, best score first
+    # the literal rule at its edges (documented in above_percentile): E = 8 keeps 7 - floor(5.25) = 2
+    # experts, fewer than a top-4's; scores tied with the quantile do not exceed it
+    eight = torch.softmax(torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), -1)
+    assert above_percentile(eight, 0.75) == [0, 1]
+    assert above_percentile(torch.tensor([[0.2, 0.2, 0.2, 0.2, 0.05, 0.05, 0.05, 0.05]]), 0.75) == []
 
 
 def test_transfer_cap_n_is_T_over_t_expert():
@@ -246,3 +251,31 @@ def test_the_captured_steps_n_counts_the_copies_that_fit_in_its_own_shorter_laye
         window = 4 * hw.t_expert_s[4] + view["t_attn"] + hw.kernel_s
         assert transfer_cap(make_ctx(hw=view, k=4, E=60), 4) == min(60, int(window // t_load))
     assert transfer_cap(make_ctx(hw=host, k=4, E=60), 4) >= 5 * transfer_cap(make_ctx(hw=captured, k=4, E=60), 4)
+
+
+def test_prefill_int2_experts_are_the_tail_of_the_transfer_order():
+    """§4.3 transfers most popular first, §4.5 moves the least popular p at INT2: on a tie in
+    popularity both follow one ranking (the higher summed score first), so the INT2 expert is the
+    last transfer. Before, the INT2 set broke ties by index and could send an expert at INT2 ahead of
+    an equally popular one at INT4."""
+    policy = make_policy("fate", {"p": "0.25"}, make_ctx(k=1))
+    # predicted top-1 of 8 tokens: 3 x4, 5 x2, 1 x1, 6 x1 -> M = 4, floor(0.25 * 4) = 1 at INT2.
+    top = [3, 3, 3, 3, 5, 5, 1, 6]
+    logits = torch.full((8, 8), -5.0)
+    logits[torch.arange(8), torch.tensor(top)] = 5.0
+    logits[6, 6] = 0.0  # token 6 (predicting 1) also leans to 6: 6 outranks 1 on the tie, 1 is last
+    view = make_view([[0]] * 8, FakeCache(policy.pools()), phase=Phase.PREFILL, predict=lambda later: logits)
+    assert policy.prefetch(view) == [Fetch(1, 3, 4), Fetch(1, 5, 4), Fetch(1, 6, 4), Fetch(1, 1, 2)]
+
+
+def test_prefill_int2_share_holds_without_an_int2_pool():
+    """§4.5's INT2 for the least popular p of a prefill does not depend on caching INT2 copies: at a
+    budget under two INT2 experts the policy has no INT2 pool (they stream through staging), and the
+    least popular expert still runs at INT2. Before, no pool meant no INT2 at all."""
+    policy = make_policy("fate", {"p": "0.25"}, make_ctx(k=2, cache_bytes=399))
+    assert policy.low_slots == 0 and policy.precisions() == (4, 2)
+    idx = [[0, 1], [0, 2], [0, 1], [0, 3]]  # popularity: 0 x4, 1 x2, 2 x1, 3 x1; M = 4 -> 1 at INT2 (3)
+    plan = policy.plan(make_view(idx, FakeCache(policy.pools()), phase=Phase.PREFILL))
+    assert plan.bits.tolist() == [[4, 4], [4, 4], [4, 4], [4, 2]]
+    same = make_policy("fate", {"p": "0.25", "low_bits": "4"}, make_ctx(k=2, cache_bytes=399))
+    assert (same.plan(make_view(idx, FakeCache(same.pools()), phase=Phase.PREFILL)).bits == 4).all()

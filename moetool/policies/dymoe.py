@@ -50,7 +50,7 @@ ABLATION = ("1. Load on Demand", "2. Cache", "3. Cache + Prefetch", "4. Cache+Dy
 
 def retention(l: int, L: int, lam: float) -> float:
     """DyMoE eq. 4: r(l) = (1 - lam) * (cos(pi * l / (L - 1)) + 1) / 2 + lam, l = 0 .. L-1 MoE layers."""
-    x = l / (L - 1) if L > 1 else 0.0
+    x = l / (L - 1) if L > 1 else 0.0  # eq. 4 is undefined for L = 1; our choice: r(0) = 1, keep everything
     return (1.0 - lam) * (math.cos(math.pi * x) + 1.0) / 2.0 + lam
 
 
@@ -163,14 +163,19 @@ class LookAhead:
         r_next = self.schedule[view.moe_pos + 1]
         k = min(self.ctx.top_k, g_hat.shape[1])
         if view.step.phase == Phase.PREFILL:
-            c = popularity(torch.topk(g_hat, k, dim=-1).indices, g_hat.shape[1]).float()  # eq. 7: c_e
+            c = popularity(torch.topk(g_hat, k, dim=-1).indices, g_hat.shape[1])  # [E] eq. 7: c_e
             M = int((c > 0).sum())
-            key = c + g_hat.mean(0) * 1e-3  # ties: the larger mean predicted score (it is < 1)
+            # Eq. 7 ranks by c_e alone; ties (ours): the larger mean predicted score, then the lower id.
+            # Two stable sorts, not one key c + eps * score: in float32 a 1e-3 * score tie-break is lost
+            # once c_e reaches a few hundred tokens, and the ties then fell to the lower id.
+            order = torch.sort(g_hat.mean(0), descending=True, stable=True).indices  # [E]
+            order = order[torch.sort(c[order], descending=True, stable=True).indices]  # [E] c_e first
         else:
-            key = g_hat.sum(0)  # eq. 8: TopK_t(g_hat) (one token; summed when a step decodes several)
+            # eq. 8: TopK_t(g_hat) (one token; summed when a step decodes several); ties: the lower id
+            order = torch.sort(g_hat.sum(0), descending=True, stable=True).indices  # [E]
             M = len(set(torch.topk(g_hat, k, dim=-1).indices.flatten().tolist()))
         t = critical_count(r_next, M)
-        top = torch.sort(key, descending=True, stable=True).indices[:t].tolist()  # ties: the lower id
+        top = order[:t].tolist()
         return [Fetch(nxt, e, self.bits) for e in top if self.bits not in view.residency.resident_bits(nxt, e)]
 
     def on_device(self, view: DeviceView) -> tuple[torch.Tensor | None, int]:
@@ -215,7 +220,9 @@ class DyMoE(Policy):
         high_bits: int = 4  # critical experts (Tables 2-3: Int4)
         low_bits: int = 2  # sub-critical experts; 0 = skip them ("0-bit")
         config: str = ""  # Table 2's "High / Low": "4/2" or "4/0" (overrides high_bits / low_bits)
-        hh_ratio: float = 0.2  # share of prompt tokens that are heavy hitters (T_imp of eq. 2)
+        # share of prompt tokens that are heavy hitters (T_imp of eq. 2): the paper's T_imp is "the top-k
+        # tokens with the highest s_i", its k unnamed; ceil(hh_ratio * T) tokens, 0.2, is our choice
+        hh_ratio: float = 0.2
         eviction: str = "lru"  # §4.4.2 extends LRU; any name in EVICTIONS
         prefetcher: str = "dymoe"  # "dymoe" (eq. 6-8), "fate", or "none" (Table 3 rows 2 and 4)
 
@@ -284,7 +291,10 @@ class DyMoE(Policy):
         bits_of, skipped = {}, {}
         for e in routed_experts(plan.expert, valid):
             if e not in critical and self.low == 0:
-                skipped[e] = 0  # "4/0": a 0-bit expert is not run at all, its routing weight dropped
+                # "4/0" (§5: it "entirely bypasses non-critical experts"): a 0-bit expert is not run at
+                # all, its routing weight dropped, even where a high copy is resident (our reading: rule
+                # 3's reuse answers a request for a low precision, and 4/0 requests none)
+                skipped[e] = 0
             else:
                 bits_of[e] = run_bits(view.residency, view.layer, e, e in critical, self.high, self.low)
         assign_by_expert(plan.bits, plan.expert, valid, bits_of)
@@ -298,7 +308,11 @@ class DyMoE(Policy):
     def plan_step(self, view: DeviceView) -> DevicePlan:
         """`plan` for one decode token inside the captured step: the t_l critical experts (eq. 3 and
         5: the token's top weights, ties to the lower id) at high bits; the others skipped in 4/0,
-        else at high bits where a high copy is resident (rule 3) and at low bits otherwise."""
+        else at high bits where a high copy is resident (rule 3) and at low bits otherwise.
+
+        Ranks slots, not experts: a top-k router names k distinct experts per token. A token naming one
+        expert in two slots (no router in transformers does) would be ranked per slot here, where the
+        host plan sums its weights and counts it once in M."""
         idx, w = view.top_k_index, view.top_k_weights  # [T, k]
         if idx.shape[0] != 1:
             raise NotImplementedError("DyMoE's in-step plan decides for one decode token (batch 1)")

@@ -39,7 +39,12 @@ from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, pr
 def above_percentile(scores: torch.Tensor, q: float) -> list[int]:
     """Experts whose predicted score exceeds the q-quantile of their token's scores (Fate §4.2: 75th).
 
-    Per token, then united; ordered by the best score any token gave them, highest first.
+    Per token, then united; ordered by the best score any token gave them, highest first. As §4.2
+    words it ("exceeded"): strictly above the quantile (torch's linear interpolation over the E
+    scores), so an expert tied with it is not chosen, and the set is E - 1 - floor(q (E - 1))
+    experts without ties (15 of Qwen1.5-MoE's 60, 16 of DeepSeekMoE's 64). With fewer than about 4k
+    experts that is fewer than the predicted top-k (E = 8, k = 4: 2): kept literal, as the profile's
+    recall of this rule (Fig. 7) measures it; the paper's models all have E >= 4k.
     """
     thr = torch.quantile(scores, q, dim=-1, keepdim=True)  # [T, 1]
     best = torch.where(scores > thr, scores, torch.full_like(scores, -1.0)).amax(0)  # [E]
@@ -108,14 +113,25 @@ def pool_split(ctx: EngineContext, L: int, p: float, cache_bits: int, low_bits: 
     return low_slots, shallow_favoring(ctx.moe_layers, ctx.num_experts, L, cache_total)
 
 
-def int2_experts(counts: torch.Tensor, p: float) -> set[int]:
-    """Fate §4.5: the least popular floor(p * M) of the M active experts (ties: the higher index)."""
-    active = (counts > 0).nonzero().squeeze(1)  # [M]
-    n_low = math.floor(p * active.numel() + 1e-9)
-    if n_low <= 0:
-        return set()
-    order = torch.argsort(counts[active], descending=True, stable=True)  # most popular first
-    return set(active[order[active.numel() - n_low:]].tolist())
+def by_popularity(counts: torch.Tensor, tie: torch.Tensor | None = None) -> list[int]:
+    """The active experts (count > 0), most popular first (Fate §4.3's transfer order in prefill).
+
+    Ties (the paper names none): the larger `tie` ([E], e.g. the summed predicted score), then the
+    lower index.
+    """
+    active = (counts > 0).nonzero().squeeze(1)  # [M] ascending ids
+    if tie is not None:
+        active = active[torch.sort(tie[active].float(), descending=True, stable=True).indices]
+    return active[torch.sort(counts[active], descending=True, stable=True).indices].tolist()
+
+
+def int2_experts(counts: torch.Tensor, p: float, tie: torch.Tensor | None = None) -> set[int]:
+    """Fate §4.5: the least popular floor(p * M) of the M active experts, the tail of `by_popularity`
+    (ties: the smaller `tie`, then the higher index). §4.5 names a share p of experts without a
+    rounding; floor (ours) keeps the INT2 share at most p, the share whose loss its search bounds."""
+    order = by_popularity(counts, tie)
+    n_low = math.floor(p * len(order) + 1e-9)
+    return set(order[len(order) - n_low:]) if n_low > 0 else set()
 
 
 def boundary_L(accuracy: list[float | None], threshold: float) -> int:
@@ -165,12 +181,13 @@ class CrossLayerPrefetch:
             return [Fetch(nxt, e, self.bits) for e in wanted[: self.n]]
         k = min(self.ctx.top_k, scores.shape[1])
         counts = popularity(torch.topk(scores, k, dim=-1).indices, scores.shape[1])  # [E] predicted popularity
-        low = int2_experts(counts, self.p) if self.low_bits != self.bits else set()
-        active = (counts > 0).nonzero().squeeze(1)
-        tie = scores.sum(0)[active]  # [M] equal popularity: the higher summed score first
-        order = sorted(range(active.numel()), key=lambda i: (-int(counts[active[i]]), -float(tie[i])))
+        # One ranking for both rules: transfers most popular first (§4.3), and the INT2 experts (§4.5)
+        # are the tail of that same order (equal popularity: the higher summed score ranks first).
+        tie = scores.sum(0)  # [E]
+        order = by_popularity(counts, tie)
+        low = int2_experts(counts, self.p, tie) if self.low_bits != self.bits else set()
         out = []
-        for e in (int(active[i]) for i in order):
+        for e in order:
             have = view.residency.resident_bits(nxt, e)
             bits = self.low_bits if e in low else self.bits
             if self.bits in have or bits in have:
@@ -263,19 +280,21 @@ class Fate(Policy):
         prefetcher moved unpopular experts at INT2 on purpose), else INT2 for the least popular p of
         this layer's actual routing and `cache_bits` for the rest.
         """
-        E = view.num_experts
-        plan = LayerPlan.routed(view, self.params.cache_bits)
-        valid = plan.running()  # [T, k]
-        if view.step.phase == Phase.DECODE or not self.low_slots:
+        E, cfg = view.num_experts, self.params
+        plan = LayerPlan.routed(view, cfg.cache_bits)
+        if view.step.phase == Phase.DECODE or cfg.p <= 0 or cfg.low_bits == cfg.cache_bits:
             return plan
-        low = int2_experts(popularity(view.top_k_index, E), self.params.p)
+        # §4.5 moves the unpopular experts at INT2 whether or not the budget holds an INT2 pool
+        # (low_slots = 0 at a budget under two INT2 experts: they then stream through staging).
+        valid = plan.running()  # [T, k]
+        low = int2_experts(popularity(view.top_k_index, E), cfg.p)
         bits_of = {}
         for e in routed_experts(plan.expert, valid):
             have = view.residency.resident_bits(view.layer, e)
-            if self.params.cache_bits in have:
-                bits_of[e] = self.params.cache_bits
-            elif self.params.low_bits in have or e in low:
-                bits_of[e] = self.params.low_bits
+            if cfg.cache_bits in have:
+                bits_of[e] = cfg.cache_bits
+            elif cfg.low_bits in have or e in low:
+                bits_of[e] = cfg.low_bits
         assign_by_expert(plan.bits, plan.expert, valid, bits_of)
         return plan
 
