@@ -174,8 +174,8 @@ class LayerPlan:
     `routed` makes its arrays on first access: a policy that reads or changes one gets its own
     copy, and one that never touches them (every lossless policy, static precision) costs the hot
     path nothing. Either way the engine asks `uniform_bits` whether the plan is still the router's
-    at one precision: what a policy *changed* decides it, not what it read (Fate reads `running()`
-    every decode step and changes nothing).
+    at one precision: what a policy *changed* decides it, not what it read (a policy may read
+    `running()` every step and change nothing).
     """
 
     __slots__ = ("_expert", "_bits", "_where", "_weight", "_view", "_uniform", "_made")
