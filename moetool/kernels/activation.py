@@ -33,6 +33,7 @@ class Act(IntEnum):
     GELU_TANH = 3  # tanh approximation (gelu_new, gelu_pytorch_tanh, gelu_fast)
     RELU = 4
     CLAMPED_SWIGLU = 5  # gpt_oss: gate clamped above, up clamped both sides, (up + 1) * gate * sigmoid(alpha * gate)
+    RELU2 = 6  # relu(x)^2 (transformers' "relu2", nemotron_h's ungated experts)
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,17 @@ _ELEMENTWISE: dict[Act, Callable[[torch.Tensor], torch.Tensor]] = {
     Act.GELU: F.gelu,
     Act.GELU_TANH: lambda x: F.gelu(x, approximate="tanh"),
     Act.RELU: F.relu,
+    Act.RELU2: lambda x: F.relu(x).square(),
 }
+
+# torch functions a block may keep as its `act_fn` instead of a module (lfm2_moe's F.silu), by identity.
+_FUNCTIONS: tuple[tuple[Callable, Act], ...] = ((F.silu, Act.SILU), (F.gelu, Act.GELU), (F.relu, Act.RELU),
+                                                (torch.relu, Act.RELU))
 
 
 def _elementwise_kind(act_fn: object) -> Act:
-    """The kernel's name for a module's `act_fn`, by its class (Act.NONE if not one it computes)."""
+    """The kernel's name for a module's `act_fn`, by its class or, for a plain torch function, by
+    identity (Act.NONE if not one it computes)."""
     from transformers import activations as A
 
     if isinstance(act_fn, (nn.SiLU, A.SiLUActivation)):
@@ -94,7 +101,9 @@ def _elementwise_kind(act_fn: object) -> Act:
         return Act.GELU_TANH
     if isinstance(act_fn, nn.ReLU):
         return Act.RELU
-    return Act.NONE
+    if isinstance(act_fn, A.ReLUSquaredActivation):
+        return Act.RELU2
+    return next((kind for f, kind in _FUNCTIONS if act_fn is f), Act.NONE)
 
 
 def _function_name(f: object) -> str:

@@ -56,8 +56,11 @@ def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
             a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
         elif ACT == 3:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3)
             a = g * _sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
-        else:
+        elif ACT == 4:
             a = tl.maximum(g, 0.0)
+        else:  # 6: relu^2
+            a = tl.maximum(g, 0.0)
+            a = a * a
         if GATED:
             a = a * u
         return a
