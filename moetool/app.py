@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import click
 import typer
 import typer.core
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from moetool.errors import MoetoolError
 
@@ -74,8 +75,11 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="markdown",
 )
-out = Console()
-err = Console(stderr=True)
+# Neither console reads markup: what they print holds the user's text (prompts, generated text, paths,
+# task and cell names), and "[/x]" in it would be a MarkupError after the work, "[red]" would vanish.
+# Styles are given as `Text` spans (`styled`).
+out = Console(markup=False)
+err = Console(stderr=True, markup=False)
 # Progress bars use `disable=not err.is_terminal`: on a pipe or a log file a bar cannot redraw, and
 # its teardown would put a blank line before a one-line error.
 
@@ -123,8 +127,13 @@ def os_sentence(e: OSError) -> str:
 
 
 def _fail(sentence: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(sentence)}", highlight=False, soft_wrap=True)  # a path may hold [ ]
+    err.print(styled(("error:", "red"), f" {sentence}"), highlight=False, soft_wrap=True)
     return typer.Exit(1)
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """Text with styled spans, for the consoles (which read no markup): `styled(("OK", "green"), " done")`."""
+    return Text.assemble(*parts)
 
 
 def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
@@ -136,28 +145,44 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
     - any other exception is a bug: its traceback, then one line asking to report it, and exit
       code 1 (as Python's own uncaught exception), so a script sees the code it saw before.
 
-    Typer's own exits (`typer.Exit`, usage errors) and Ctrl-C pass through untouched.
+    Typer's own exits (`typer.Exit`, usage errors) and Ctrl-C pass through untouched. The libraries'
+    Python warnings wait for the end of the command, and a refusal drops them.
     """
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             _quiet_libraries()
+            # Python warnings of the libraries (torch's "Initializing zero-element tensors" for a config
+            # size of 0, ...) are held until the command ends: a refusal is its one sentence alone, and
+            # anything else shows them then, under the filters in force, as they would have been shown.
+            held: list[warnings.WarningMessage] = []
             try:
-                return fn(*args, **kwargs)
+                with warnings.catch_warnings(record=True) as held:
+                    result = fn(*args, **kwargs)
             except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+                _show(held)
                 raise  # an exit code chosen by the command (typer.Exit is not a click Exit since typer 0.2x)
             except MoetoolError as e:
                 raise _fail(str(e)) from None
             except OSError as e:
                 raise _fail(os_sentence(e)) from None
             except Exception as e:  # noqa: BLE001 - shown in full, not hidden: a bug to report
+                _show(held)
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
                 raise _fail(BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG) from None
+            _show(held)
+            return result
 
         return app.command(name=name)(wrapper)
 
     return register(fn) if fn is not None else register
+
+
+def _show(held: list[warnings.WarningMessage]) -> None:
+    """Show the warnings a command's `catch_warnings(record=True)` held, as Python would have."""
+    for w in held:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 def _raised_in_transformers(e: BaseException) -> bool:
@@ -206,4 +231,4 @@ def not_an_input(save: Path | None, *inputs: Path | str | None, inside: Path | s
                            "outside it.")
 
 
-__all__ = ["BUG", "app", "command", "err", "not_an_input", "os_sentence", "out", "writable"]
+__all__ = ["BUG", "app", "command", "err", "not_an_input", "os_sentence", "out", "styled", "writable"]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from moetool.artifacts import read_json
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_text
 from moetool.files import CONFIG_BYTES, check_file
 
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -242,6 +242,9 @@ def open_safetensors(path: Path) -> Any:
     """A memory-mapped safetensors file; a truncated or corrupt one is refused by name."""
     from safetensors import safe_open
 
+    if not_text(str(path)) is not None:  # safetensors takes only UTF-8 paths: the file is not at fault
+        raise MoetoolError(f"the path {path} is not UTF-8 (a byte of it is not), and safetensors opens only UTF-8 "
+                           "paths; rename the directory or file.")
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for every corrupt layout
@@ -268,6 +271,21 @@ def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any
                            "layer): the config is of another model, or cut short.")
 
 
+# safetensors' names of the floating-point dtypes (F8_* included: plain fp8 values cast exactly).
+_FLOAT_DTYPES = ("F", "BF")
+
+
+def _refuse_integer_weights(handle: Any, key: str, floating: bool, path: Path) -> None:
+    """Refuse a weight stored as integers or booleans where the model's (`floating`) is floating point:
+    the loader would cast the stored integers to it silently, as if they were the weights'
+    values (a quantized tensor without its scales, a shard of something else)."""
+    dtype = handle.get_slice(key).get_dtype() if floating else "F32"
+    if not dtype.startswith(_FLOAT_DTYPES):
+        raise MoetoolError(f"checkpoint shard {path.name} in {path.parent} stores the weight {key} as {dtype}, not "
+                           "floating point: it is a quantized or damaged checkpoint, which moetool cannot read; give "
+                           "the unquantized (bf16, fp16 or fp32) checkpoint.")
+
+
 def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
     """Open `source` (a resolved local directory or hub id): skeleton, non-expert weights, lazy experts."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -290,6 +308,8 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
                 # The name this key will have in the model, by the same rules the loader applies.
                 target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, targets)
                 module = experts.get(target)
+                floating = module is not None or (target in targets and targets[target].is_floating_point())
+                _refuse_integer_weights(handle, key, floating, path)
                 (by_module.setdefault(module, {}) if module else rest)[key] = handle.get_slice(key)
         info = load_into(model, rest, dtype, get_model_conversion_mapping(model))
         _refuse_unused(model, info, by_module, directory)

@@ -23,7 +23,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_text
 from moetool.files import PROMPTS_BYTES, TEXT_BYTES, read_bytes
 
 # BIG-bench tasks on which SmolLM2-135M-Instruct is above chance (see MANIFEST.json, "tasks").
@@ -111,6 +111,8 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
         value = item.get("prompt", item.get("question")) if isinstance(item, dict) else item
         if not isinstance(value, str):
             raise MoetoolError(f"{where} line {n} has no string 'prompt' or 'question'.")
+        if (why := not_text(value)) is not None:
+            raise MoetoolError(f"{where} line {n} {why}.")
         prompts.append(value)
     return prompts
 

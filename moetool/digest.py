@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ def weights_digest(source: str) -> str:
     h = hashlib.sha256()
     for f in files:
         size = f.stat().st_size
-        h.update(f"{f.relative_to(root)}\0{size}\0".encode())
+        h.update(os.fsencode(f"{f.relative_to(root)}\0{size}\0"))  # a file name need not be UTF-8
         try:
             start, header = read_header(f) if f.suffix == ".safetensors" else (0, None)
         except (OSError, ValueError, RecursionError):  # not a safetensors file after all: sampled as bytes
@@ -47,7 +48,7 @@ def weights_digest(source: str) -> str:
             if spans is None:
                 spans = [("", 0, size, DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES)]
             for name, begin, end, points, width in spans:
-                h.update(name.encode() + b"\0")
+                h.update(name.encode("utf-8", "surrogatepass") + b"\0")  # a header's name: any JSON string
                 n = end - begin
                 if n <= points * width:
                     fh.seek(begin)

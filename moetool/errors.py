@@ -49,6 +49,19 @@ def yaml_error(what: str, e: Exception) -> MoetoolError:
     return MoetoolError(f"{what} is not valid YAML{where}: {getattr(e, 'problem', None) or e}.")
 
 
+def not_text(text: str) -> str | None:
+    """Why `text` is not text, or None: the first lone UTF-16 surrogate in it, a code point that
+    encodes no character (JSON's `"\\ud800"` escape without its pair, or a byte of the command line
+    that was not UTF-8, which Python keeps as one). A tokenizer cannot encode it, so a prompt holding
+    one would fail deep inside tokenization."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return (f"holds U+{ord(text[e.start]):04X} at character {e.start + 1}, a lone surrogate that is no "
+                "character (a JSON \\u escape without its pair, or a byte that is not UTF-8); give UTF-8 text")
+
+
 def quote(value: object, limit: int = 60) -> str:
     """A value from a user's file in a sentence: its repr, at most `limit` characters. Built by
     `reprlib`, which stops early, so a value that is huge (or a YAML alias bomb, small on disk and

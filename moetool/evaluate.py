@@ -41,11 +41,11 @@ from moetool import mmlu
 from moetool.artifacts import Artifact, sha256_file
 from moetool.checkpoint import first_line as _first_line
 from moetool.datasets import read_text_file
-from moetool.errors import MoetoolError, not_a_file, yaml_error
+from moetool.errors import MoetoolError, not_a_file, quote, yaml_error
 from moetool.files import CONFIG_BYTES, read_bytes
 from moetool.hub import cache_only, hub_reachable
 from moetool.inference import context_length
-from moetool.model import LoadedModel
+from moetool.model import LoadedModel, check_ids
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
 from moetool.schema import SchemaError
@@ -91,16 +91,18 @@ class Eval(EngineRecord, Artifact):
 
     def validate(self) -> None:
         super().validate()
-        Eval.check_present({"task": self.task, "metrics": self.metrics, "n": self.n})
+        Eval.check_present({"task": self.task, "metrics": self.metrics, "n": self.n, "subtasks": self.subtasks})
         Eval.check_metrics(self.metrics)
 
     @staticmethod
     def check_present(fields: dict[str, Any]) -> None:
         """On read, of those of these fields present (report takes hand-made records of a few): a
-        task is named, at least one metric is reported, at least one example or token scored."""
+        task is named, at least one metric is reported (an lm-eval tag has no headline of its own: its
+        tasks' metrics are in `subtasks`), at least one example or token scored."""
         if "task" in fields and not str(fields["task"]).strip():
             raise SchemaError("task", "is empty; an evaluation names its task")
-        if "metrics" in fields and not fields["metrics"]:
+        tasks = fields.get("subtasks")
+        if "metrics" in fields and not fields["metrics"] and not (isinstance(tasks, dict) and any(tasks.values())):
             raise SchemaError("metrics", "is empty; an evaluation reports at least one metric")
         if "n" in fields and fields["n"] < 1:
             raise SchemaError("n", f"is {fields['n']}; an evaluation scores at least one example or token")
@@ -228,20 +230,24 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     online = packaged or hub_reachable()
     with nullcontext() if online else cache_only():
         loaded = _load_task(tm, spec, cfg, online)
+        if not loaded["tasks"]:  # a group that lists no task: nothing would be scored
+            raise MoetoolError(f"'{cfg.task}' names no task to run (a group or tag with no tasks in it).")
+        for task in loaded["tasks"].values():
+            _set_fewshot(task, cfg.num_fewshot)
+        _check_tasks(loaded["tasks"], cfg)
         ready = prepare(cfg, max_tokens=MAX_LENGTH, batch=cfg.batch_size)
         try:
             lm = ready.lm
             if lm.tokenizer is None:
                 raise MoetoolError(f"{lm.path} has no tokenizer; lm-eval tasks need one (ppl does not).")
             hflm = _engine_lm(lm.model, lm.tokenizer, cfg.batch_size, progress)
-            for task in loaded["tasks"].values():
-                _set_fewshot(task, cfg.num_fewshot)
+            _check_generation(loaded["tasks"], hflm, lm.path)
             try:
                 results = evaluator.evaluate(lm=hflm, task_dict=loaded, limit=cfg.limit, log_samples=True,
                                              bootstrap_iters=BOOTSTRAP_ITERS)
             except (ConnectionError, OSError) as e:  # some tasks open their datasets only when evaluated
-                if online:
-                    raise MoetoolError(f"lm-eval could not read the data of '{cfg.task}': {_first_line(e)}") from None
+                if online or not _hub_failure(e):
+                    raise MoetoolError(f"lm-eval could not read the data of '{cfg.task}': {_first_line(e)}.") from None
                 raise MoetoolError(_offline_sentence(cfg.task)) from None
         finally:
             ready.engine.close()
@@ -362,9 +368,92 @@ def _load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, A
     except MoetoolError:
         raise
     except Exception as e:  # noqa: BLE001 - dataset loaders raise anything; the user gets one sentence
-        if not online:
+        if not online and _hub_failure(e):
             raise MoetoolError(_offline_sentence(cfg.task)) from None
-        raise MoetoolError(f"lm-eval cannot load task '{cfg.task}': {_first_line(e)}") from None
+        raise MoetoolError(f"lm-eval cannot load task '{cfg.task}': {_task_reason(e)}.") from None
+
+
+def _hub_failure(e: BaseException) -> bool:
+    """Whether `e` (or an exception it came from) is a failure to reach the hub or a hub dataset: offline,
+    those are the hub's absence. A task's own fault (a local data file missing or empty, a bad template,
+    an unknown output type) fails offline just as online, and is named as itself."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        module = type(e).__module__
+        if isinstance(e, ConnectionError) or module.startswith(("huggingface_hub", "httpx", "requests")) \
+                or type(e).__name__ == "DatasetNotFoundError":
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _task_reason(e: BaseException) -> str:
+    """lm-eval's or datasets' reason a task did not load, as words: a bare StopIteration is the first
+    document of an empty data file asked for."""
+    if isinstance(e, StopIteration):
+        return "its data holds no documents"
+    return _first_line(e)
+
+
+def _check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> None:
+    """Refuse, before the model loads, what lm-eval would fail on in the middle of an evaluation or score
+    without a word: more few-shot examples than a task's few-shot split holds (lm-eval's assertion),
+    and a multiple-choice document whose answer is none of its choices (lm-eval logs a warning and
+    scores it 0 whatever the model says). The documents checked are those --limit lets lm-eval score."""
+    from itertools import islice
+
+    for name, task in tasks.items():
+        _check_fewshot(name, task, cfg.num_fewshot is not None)
+        if task.get_config("output_type") != "multiple_choice" or getattr(task, "multiple_input", False):
+            continue
+        for i, doc in enumerate(islice(task.eval_docs, cfg.limit)):
+            try:
+                choices, gold = task.doc_to_choice(doc), task.doc_to_target(doc)
+            except Exception as e:  # noqa: BLE001 - a user's template or data: one sentence
+                raise MoetoolError(f"task '{name}' cannot read its document {i}: {_task_reason(e)}.") from None
+            for g in gold if isinstance(gold, list) else [gold]:
+                if isinstance(g, bool) or not ((isinstance(g, int) and 0 <= g < len(choices)) or
+                                               (isinstance(g, str) and g in choices)):
+                    raise MoetoolError(f"document {i} of task '{name}' gives the answer {quote(g)}, which is none "
+                                       f"of its {len(choices)} choices, so it would score 0 whatever the model "
+                                       "says; fix the task's data or its doc_to_target.")
+
+
+def _check_fewshot(name: str, task: Any, asked: bool) -> None:
+    """Refuse a few-shot count `task`'s few-shot split cannot give: it holds as many examples as that,
+    plus the question asked where the few-shot split is the test split (lm-eval leaves it out)."""
+    shots = task.get_config("num_fewshot") or 0
+    sampler = getattr(task, "sampler", None)
+    if shots <= 0 or sampler is None:
+        return
+    pool = len(sampler.fewshot_docs())
+    fewshot = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+    same = int(fewshot is not None and fewshot == task.get_config("test_split"))
+    if pool < shots + same:
+        where = " (--num-fewshot)" if asked else " (its num_fewshot)"
+        among = ", the question asked among them" if same else ""
+        raise MoetoolError(f"task '{name}' asks for {shots} few-shot examples{where}, but its few-shot split holds "
+                           f"only {pool}{among}; give --num-fewshot {max(pool - same, 0)} or less.")
+
+
+def _check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
+    """Refuse a generate_until task that would generate as many tokens as the model's context holds
+    (lm-eval asserts it midway): the context must hold the prompt too."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    for name, task in tasks.items():
+        if task.get_config("output_type") != "generate_until":
+            continue
+        try:
+            wanted = normalize_gen_kwargs(dict(task.get_config("generation_kwargs") or {}), hflm.max_gen_toks)
+            tokens = int(wanted["max_gen_toks"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise MoetoolError(f"task '{name}' has generation_kwargs lm-eval cannot use: {_first_line(e)}.") from None
+        if tokens >= hflm.max_length:
+            raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks), but {path}'s context "
+                               f"is {hflm.max_length} tokens and must hold the prompt too; give the task a "
+                               f"max_gen_toks below {hflm.max_length}.")
 
 
 def _headline(loaded: dict[str, Any]) -> str | None:
@@ -421,6 +510,17 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
             self.cache_hook.start(len(requests))
             return super().generate_until(requests, disable_tqdm=True)
 
+        # Every id lm-eval hands the model is one it embeds (another model's tokenizer is one sentence).
+        def tok_encode(self, string, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            ids = super().tok_encode(string, *args, **kwargs)
+            check_ids(torch.tensor(ids, dtype=torch.long), self.tokenizer, vocab)
+            return ids
+
+        def tok_batch_encode(self, strings, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            ids, mask = super().tok_batch_encode(strings, *args, **kwargs)
+            return check_ids(ids, self.tokenizer, vocab), mask
+
+    vocab = model.config.vocab_size
     max_length = min(MAX_LENGTH, context_length(model) or MAX_LENGTH)
     # Log-softmax in fp32 whatever the compute dtype, so that bf16 runs of two policies differ by
     # what the policies do, not by rounding in the scoring.

@@ -94,8 +94,20 @@ _TEMP_TAIL = re.compile(r"(old\.)?[A-Za-z0-9_]+\.tmp")  # after ".NAME.": mkstem
 
 
 def short_name(name: str, limit: int = 200) -> str:
-    """`name` cut to `limit` UTF-8 bytes: a temp name adds ~15 to it, and a name may be 255 long."""
-    return name.encode()[:limit].decode(errors="ignore")
+    """`name` cut to `limit` UTF-8 bytes: a temp name adds ~15 to it, and a name may be 255 long.
+    A name's bytes need not be UTF-8 (Python keeps such a byte as a lone surrogate): they are cut
+    as the filesystem stores them, and a byte that is not UTF-8 is left out of the temp name."""
+    return os.fsencode(name)[:limit].decode(errors="ignore")
+
+
+def text_bytes(text: str) -> bytes:
+    """`text` as UTF-8 for a file moetool writes (a report's markdown). A file name that is not UTF-8
+    reaches Python as lone surrogates: they are written back as the name's own bytes, so a link to
+    the file still finds it; any other lone surrogate is written as its escape."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace")
 
 
 def symlink_loop(path: Path | str) -> Path | None:
@@ -151,7 +163,7 @@ class DirectoryLock:
 
 
 __all__ = ["ARTIFACT_BYTES", "CONFIG_BYTES", "DirectoryLock", "GRID_BYTES", "PROMPTS_BYTES", "TEXT_BYTES",
-           "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "temp_file_of"]
+           "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "temp_file_of", "text_bytes"]
 
 
 def not_inside_a_model(out: Path | str, whose: str, itself: bool = True) -> None:

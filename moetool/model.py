@@ -27,7 +27,7 @@ from moetool.artifacts import ModelFingerprint
 from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkpoint
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_text, quote
 from moetool.files import CONFIG_BYTES, TOKENIZER_BYTES, check_file
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
@@ -258,9 +258,26 @@ class LoadedModel:
 def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = True) -> torch.Tensor:
     """Token ids [T] of `text`. Tokenizer-less checkpoints (the tests' tiny models) get the text's
     UTF-8 bytes folded into their vocabulary: the one place that fallback is written."""
+    if (why := not_text(text)) is not None:  # what no tokenizer encodes: one sentence, not a traceback
+        raise MoetoolError(f"the text {quote(text, 40)} {why}.")
     if tokenizer is None:
         return torch.tensor([b % vocab_size for b in text.encode()], dtype=torch.long)
-    return torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
+    return check_ids(ids, tokenizer, vocab_size)
+
+
+def check_ids(ids: torch.Tensor, tokenizer: Any, vocab_size: int) -> torch.Tensor:
+    """`ids` (any shape), once each is a token the model embeds; else one sentence. A tokenizer that
+    gives an id past the model's vocabulary is another model's (its files copied beside these
+    weights): the forward would fail inside the embedding lookup. Checked on the ids a text actually
+    gives, since a tokenizer may list ids it never produces."""
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        bad = int(ids[ids >= vocab_size].reshape(-1)[0])
+        piece = tokenizer.convert_ids_to_tokens(bad) if tokenizer is not None else None
+        raise MoetoolError(f"the model's tokenizer gives the token id {bad}{f' ({quote(piece, 30)})' if piece else ''}, "
+                           f"but the model embeds only {vocab_size} (vocab_size in its config.json): the tokenizer "
+                           "files are another model's; copy this model's own.")
+    return ids
 
 
 def _has_fused_experts_class(model: nn.Module) -> bool:
@@ -359,13 +376,41 @@ def load_config(source: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError, TypeError, StrictDataclassError) as e:
         # transformers 5 validates configs as huggingface_hub strict dataclasses: their errors say what
         # is wrong (a field's type, layer_types against num_hidden_layers) in the exception they wrap.
         cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else e.__class__.__name__
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
+    _check_config(config, source)
+    return config
+
+
+# Sizes a model cannot have as 0 or less. transformers builds such a model anyway (empty tensors,
+# with torch's warnings), and a context of 0 positions would disable the context-length checks.
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings")
+
+
+def _check_config(config: Any, source: str) -> None:
+    """Refuse what a config says that moetool cannot run as it says: a pre-quantized checkpoint
+    (its `quantization_config`: GPTQ, AWQ, FP8 with scales, MXFP4, bitsandbytes), whose stored weights
+    are not the model's numbers without its quantizer, which moetool does not apply; and a size that is
+    0 or negative."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        method = getattr(method, "value", method)
+        what = f" (quant_method '{method}')" if method else ""
+        raise MoetoolError(f"'{source}' is a pre-quantized checkpoint: its config.json has a quantization_config{what}, "
+                           "and moetool reads only unquantized weights (bf16, fp16, fp32); give the unquantized "
+                           "checkpoint and let `moetool quantize` quantize its experts.")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _POSITIVE_FIELDS:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise MoetoolError(f"the config of '{source}' gives {name} = {value}; a model has at least 1 (check its "
+                               "config.json).")
 
 
 def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, experts_impl: str = "eager") -> nn.Module:

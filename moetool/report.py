@@ -21,6 +21,7 @@ from moetool.artifacts import Fit, ModelFingerprint, atomic_write_bytes, read_js
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label
+from moetool.files import text_bytes
 from moetool.policies import POLICIES
 from moetool.policies.stages import ReportInputs, primary_metric
 from moetool.policies.stages import table as _table
@@ -311,7 +312,7 @@ def _report_one(found: Found, out_dir: Path) -> list[Path]:
     md.append(_sweep_table(found.get("sweep", [])))
     md.append("\n## Figures\n\n" + "".join(f"- ![{p.stem}]({p.name})\n" for p in out))
     summary = out_dir / "summary.md"
-    atomic_write_bytes(summary, "".join(md).encode())
+    atomic_write_bytes(summary, text_bytes("".join(md)))
     return [*out, summary]
 
 
@@ -366,7 +367,7 @@ def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Pa
             (tmp / name).mkdir()
             written += _report_one(mine, tmp / name)
             index.append(f"- [{fp.source} ({fp.model_type}, config {fp.config_sha256[:12]})]({name}/summary.md)\n")
-        atomic_write_bytes(tmp / "summary.md", "".join(index).encode())
+        atomic_write_bytes(tmp / "summary.md", text_bytes("".join(index)))
         return [*written, tmp / "summary.md"]
 
     return replace_dir(out_dir, fill)

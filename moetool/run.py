@@ -26,9 +26,9 @@ from transformers.generation.streamers import BaseStreamer
 from moetool.artifacts import Artifact, Fit, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, not_text
 from moetool.inference import context_length
-from moetool.model import LoadedModel, encode, load_model
+from moetool.model import LoadedModel, check_ids, encode, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.schema import SchemaError
 from moetool.spec import EngineRecord, EngineSpec, check_positive, resolve_dtype
@@ -85,6 +85,8 @@ class RunConfig(EngineSpec):
             if not isinstance(prompt, str) or not prompt.strip():
                 what = "empty" if isinstance(prompt, str) else "not text"
                 raise MoetoolError(f"prompt {i} of {len(self.prompts)} is {what}; give it some text to continue.")
+            if (why := not_text(prompt)) is not None:  # --prompt with a byte that is not UTF-8, a grid's "\\ud800"
+                raise MoetoolError(f"prompt {i} of {len(self.prompts)} {why}.")
         super().check()
 
 
@@ -119,6 +121,7 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     enc = tok(prompts, return_tensors="pt", padding=True)
+    check_ids(enc.input_ids, tok, lm.model.config.vocab_size)  # the pad token's id too: it is embedded as well
     empty = (enc.attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:  # text the tokenizer maps to no token at all (RunConfig.check refuses blank prompts)
         raise MoetoolError(f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens under this model's tokenizer.")

@@ -551,7 +551,7 @@ def _with(doc: dict, path: str, value) -> dict:
     ("run", {"summary": {"hit_rate": 1.5}}, "summary['hit_rate']"),
     ("run", {"summary": {"tpot_s": {"mean": float("nan")}}}, "summary['tpot_s']['mean']"),
     ("fit", {"params": {"fate": {"L": "x"}}}, "params['fate']"),
-    ("eval", {"metrics": {}}, "metrics"),
+    ("eval", {"metrics": {}, "subtasks": {}}, "metrics"),  # a tag's eval has its metrics in subtasks alone
     ("eval", {"task": " "}, "task"),
     ("eval", {"n": 0}, "n "),
 ])

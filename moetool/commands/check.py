@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from moetool.app import command, err, not_an_input, out, writable
+from moetool.app import command, err, not_an_input, out, styled, writable
 from moetool.options import JsonOpt, ModelArg
 
 
@@ -32,7 +33,7 @@ def check(
 
     writable(save)
     not_an_input(save, inside=model)
-    with err.status(f"checking {model} ..."):
+    with err.status(Text(f"checking {model} ...")):  # a path may hold "[" (a Status reads markup)
         report = check_model(model, prompt or DEFAULT_PROMPT)
     if save is not None:
         report.save(save)
@@ -46,7 +47,7 @@ def check(
         for lc in report.layers:
             table.add_row(str(lc.layer), f"{lc.routing_agreement:.4f}", f"{lc.max_abs_diff:.3g}")
         out.print(table)
-        verdict = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
-        out.print(f"{verdict}  max |Δ logits| = {report.max_abs_diff:.3g} (tolerance {report.tolerance:g})")
+        verdict = ("PASS", "green") if report.passed else ("FAIL", "red")
+        out.print(styled(verdict, f"  max |Δ logits| = {report.max_abs_diff:.3g} (tolerance {report.tolerance:g})"))
     if not report.passed:
         raise typer.Exit(1)

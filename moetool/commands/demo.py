@@ -10,13 +10,13 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, out, styled, writable
 from moetool.options import DeviceOpt, Dtype, DtypeOpt, HostBudgetOpt, parse_seconds
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
 def _bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    return Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True, disable=not err.is_terminal)
 
 
@@ -74,7 +74,7 @@ def demo(
 
         def progress(what: str, done: int, total: int) -> None:
             bar.update(task, description=what, completed=done, total=total)
-            err.print(f"[dim]{done + 1}/{total}[/dim] {what}", highlight=False)
+            err.print(styled((f"{done + 1}/{total}", "dim"), f" {what}"), highlight=False)
 
         paths = demo_pipeline(cfg, progress=progress)
     summary = paths["report"] / "summary.md"

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, writable
+from moetool.app import command, err, not_an_input, out, styled, writable
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
 from moetool.spec import DEFAULT_HW
@@ -85,7 +84,7 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                      mmlu_source=mmlu_source.value, data=data, stepwise=stepwise, context=context,
                      batch_size=batch_size)
     unit = "tokens" if task == PPL else "requests"
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():
         job = bar.add_task(f"eval {task} ({policy})", total=None)
         result = evaluate(cfg, progress=lambda done, total: bar.update(
@@ -95,8 +94,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return
-    out.print(f"[bold]{result.task}[/bold] on {result.model.source}: policy {policy}, budget {budget}, "
-              f"{result.n} {result.unit}", highlight=False)
+    out.print(styled((result.task, "bold"), f" on {result.model.source}: policy {policy}, budget {budget}, "
+                     f"{result.n} {result.unit}"), highlight=False)
     table = Table()
     names = list(result.metrics) or sorted({k for m in result.subtasks.values() for k in m if not k.endswith("_stderr")})
     table.add_column("task")
@@ -123,17 +122,29 @@ def _cell(value: float | None, stderr: float | None) -> str:
 
 @contextmanager
 def _quiet_lm_eval_bars() -> Iterator[None]:
-    """lm-eval draws a tqdm bar per task while it builds prompts; the Rich bar above says enough."""
+    """lm-eval draws tqdm bars of its own (building prompts, loglikelihood_rolling's windows, the
+    bootstrap of a metric's stderr), some whatever `disable_tqdm` says; the Rich bar above says enough.
+    Inside the block every tqdm bar lm_eval makes is disabled: the name its modules imported and the
+    one its functions import when called (`from tqdm import tqdm` inside the bootstrap)."""
+    import sys
+
     import datasets
-    import lm_eval.api.task as lm_task
+    import lm_eval.api.task  # noqa: F401 - imported here so that its tqdm is replaced too
+    import lm_eval.models.huggingface  # noqa: F401
+    import tqdm as tqdm_module
 
     datasets.disable_progress_bars()
+    tqdm = tqdm_module.tqdm
 
-    saved = getattr(lm_task, "tqdm", None)
-    if saved is not None:
-        lm_task.tqdm = functools.partial(saved, disable=True)
+    class Quiet(tqdm):  # disabled whatever `disable=` the caller passes
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("lm_eval") and getattr(m, "tqdm", None) is tqdm]
+    for module in (*modules, tqdm_module):
+        module.tqdm = Quiet
     try:
         yield
     finally:
-        if saved is not None:
-            lm_task.tqdm = saved
+        for module in (*modules, tqdm_module):
+            module.tqdm = tqdm

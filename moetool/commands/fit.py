@@ -10,7 +10,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, writable
+from moetool.app import command, err, not_an_input, out, styled, writable
 from moetool.options import BundleOpt, DeviceOpt, Dtype, DtypeOpt, HwOpt, JsonOpt, parse_numbers, parse_seconds
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
@@ -51,8 +51,8 @@ def fit(
 
     load_hw(hw)  # an unknown preset or a bad profile file is refused even where only --sweep would read it
     if not sweep and hw != DEFAULT_HW:
-        err.print("[yellow]warning:[/yellow] --hw is used by --sweep's runs only; without --sweep it changes nothing.",
-                  highlight=False)
+        err.print(styled(("warning:", "yellow"), " --hw is used by --sweep's runs only; without --sweep it changes "
+                         "nothing."), highlight=False)
     grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
     sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget, hw=hw, device=device,
                            dtype=Dtype(dtype).value,
@@ -65,7 +65,7 @@ def fit(
         result = fit_stage(cfg, progress=lambda part, done, total: bar.update(task, completed=done))
     result.save(save)
     for w in result.evidence.get("warnings", []):
-        err.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+        err.print(styled(("warning:", "yellow"), f" {w}"), highlight=False)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return

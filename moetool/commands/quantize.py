@@ -10,7 +10,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, out, styled, writable
+from moetool.errors import MoetoolError, not_text
 from moetool.options import JsonOpt, ModelArg, parse_numbers
 
 
@@ -54,12 +55,15 @@ def quantize(
     from moetool.quant.quantize import quantize as quantize_stage
 
     writable(save, "dir")
+    if not_text(str(Path(save).resolve())) is not None:  # a bundle there could be written but never opened
+        raise MoetoolError(f"--out {save} is not UTF-8 (a byte of its path is not), and safetensors opens only UTF-8 "
+                           "paths, so no command could read the bundle; give another directory.")
     wanted = sorted({*((16,) if reference else ()), *parse_numbers(bits, "--bits", int)}, reverse=True)
     cfg = QuantizeConfig(model=model, out=save, bits=tuple(wanted), method=method, group_size=group_size,
                          int8_per_channel=int8_per_channel,
                          calib_text=calib_text, calib_tokens=calib_tokens, calibrate=calibrate, dtype=dtype,
                          verify=verify, hqq_optimize=hqq_optimize)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("loading", total=None, rate="")
@@ -71,7 +75,7 @@ def quantize(
                        rate=f"{speed:.1f} experts/s" if speed else "")
 
         bundle = quantize_stage(cfg, progress=progress,
-                                note=lambda text: err.print(f"[yellow]note:[/yellow] {text}", highlight=False,
+                                note=lambda text: err.print(styled(("note:", "yellow"), f" {text}"), highlight=False,
                                                             soft_wrap=True))
     if as_json:
         out.print_json(json.dumps(bundle.to_json()))

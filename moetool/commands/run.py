@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, writable
+from moetool.app import command, err, not_an_input, out, styled, writable
 from moetool.errors import MoetoolError
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, Decode, DecodeOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
@@ -60,7 +61,8 @@ def run(
                                      experts_impl, decode),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task(f"run {policy}", total=len(cfg.prompts) * max_new_tokens)  # generated tokens
+        # generated tokens; the bar's default columns read markup, and --policy is checked only later
+        task = bar.add_task(escape(f"run {policy}"), total=len(cfg.prompts) * max_new_tokens)
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
     if save is not None:
         result.save(save)
@@ -71,7 +73,7 @@ def run(
         out.print_json(json.dumps(result.to_json()))
         return
     for p, t in zip(result.prompts, result.texts):
-        out.print(f"[bold]{p}[/bold]{t}", highlight=False)
+        out.print(styled((p, "bold"), t), highlight=False)
     table = Table(title=f"{policy} on {result.model.source} ({result.clock} clock{', ' + result.hw if result.hw else ''})")
     for col in ("TTFT", "TPOT mean", "TPOT p99", "hit rate", "bytes/token", "stall", "peak device", "budget"):
         table.add_column(col, justify="right")

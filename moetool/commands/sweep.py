@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.app import command, err, out, writable
+from moetool.app import command, err, out, styled, writable
 from moetool.errors import MoetoolError
 from moetool.grid import packaged_grids
 from moetool.options import parse_settings
@@ -69,7 +69,7 @@ def sweep(
                       workers=workers, cpus_per_cell=cpus_per_cell, retry_refused=retry_refused)
     counts: dict[str, int] = {}
     total = 0
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("sweep: expanding the grid", total=None)
 
@@ -78,21 +78,21 @@ def sweep(
             counts[status], total = counts.get(status, 0) + 1, cells
             bar.update(task, description=f"sweep: {name} {status}", completed=done, total=cells)
             if status != "reused":
-                err.print(f"[dim]{done}/{cells}[/dim] {name}: [{STYLE[status]}]{status}[/]", highlight=False)
+                err.print(styled((f"{done}/{cells}", "dim"), f" {name}: ", (status, STYLE[status])), highlight=False)
 
         try:
             index = sweep_stage(cfg, progress=progress)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): cells in flight are cancelled, Ray is stopped
             what, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
-            err.print(f"[yellow]{what}[/yellow]: {sum(counts.values())} of {total or '?'} cells are finished and "
-                      f"kept in {save / 'sweep.json'}; the same command runs the rest.", highlight=False)
+            err.print(styled((what, "yellow"), f": {sum(counts.values())} of {total or '?'} cells are finished and "
+                             f"kept in {save / 'sweep.json'}; the same command runs the rest."), highlight=False)
             raise typer.Exit(code) from None
     table = Table(title=f"sweep {grid} -> {save} ({len(index.cells)} cells)")
     for col in ("cell", "status", "artifact or reason"):
         table.add_column(col)
     for name, cell in index.cells.items():
         status = cell["status"]
-        table.add_row(name, f"[{STYLE[status]}]{status}[/]", cell["artifact"] or cell["reason"] or "")
+        table.add_row(name, styled((status, STYLE[status])), cell["artifact"] or cell["reason"] or "")
     out.print(table)
     tally = ", ".join(f"{n} {k}" for k, n in counts.items())
     err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)

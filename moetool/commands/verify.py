@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from moetool.app import command, err, out
+from moetool.app import command, err, out, styled
 
 
 @command
@@ -34,5 +34,5 @@ def verify(
         opened.verify_all(progress=lambda done, total: bar.update(task, completed=done), exact=True)
     m = opened.manifest
     size = sum(s.nbytes for s in m.shards) + sum(f.nbytes for f in m.model_files)
-    out.print(f"[green]OK[/green]  {bundle}: {len(m.shards)} shards, {len(m.entries)} expert blobs, "
-              f"{len(m.model_files)} model files, {size / 2**30:.2f} GiB verified", highlight=False)
+    out.print(styled(("OK", "green"), f"  {bundle}: {len(m.shards)} shards, {len(m.entries)} expert blobs, "
+                     f"{len(m.model_files)} model files, {size / 2**30:.2f} GiB verified"), highlight=False)

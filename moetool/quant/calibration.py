@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, MoeLayer
+from moetool.model import LoadedModel, MoeLayer, check_ids
 
 
 class CalibrationSettings(Protocol):
@@ -48,7 +48,7 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
     ids = lm.tokenizer(text[:16 * n_seq * seq_len])["input_ids"]
     if len(ids) < n_seq * seq_len:
         ids = lm.tokenizer(text)["input_ids"]
-    ids = torch.tensor(ids, dtype=torch.long)
+    ids = check_ids(torch.tensor(ids, dtype=torch.long), lm.tokenizer, lm.model.config.vocab_size)
     if len(ids) < seq_len:
         raise MoetoolError(f"{where} holds {len(ids)} tokens, fewer than one calibration sequence "
                            f"({seq_len}); give more text or a shorter sequence length.")

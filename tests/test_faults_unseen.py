@@ -1,0 +1,342 @@
+"""A fifth pass over inputs, domains and faults no earlier test tried: each test here, but the controls
+named `..._still_runs`, failed on the code before it (a traceback, a silently wrong result, a
+misleading sentence, or an artifact moetool itself refuses to read).
+
+1. Text that is not text: a lone UTF-16 surrogate in a prompt (a JSON `\\ud800` escape, a command-line
+   byte that is not UTF-8) is one sentence wherever it comes in, and a path whose bytes are not UTF-8
+   is written (an --out, a report's links) or named as such (a checkpoint safetensors cannot open).
+2. A checkpoint that is not what moetool reads: another model's tokenizer (a text's ids past the
+   vocabulary), a pre-quantized checkpoint (`quantization_config`), integer weights, a size of 0 in
+   config.json; and no library warning before the one sentence.
+3. lm-eval tasks of kinds not tried before: a task's own fault is named as itself offline (not blamed
+   on the hub), more few-shot examples than a task has, a generation longer than the context, an
+   answer that is none of the choices, a group with no task, a tag's artifact read back, and no
+   tqdm bars of lm-eval's on stderr.
+4. What the consoles print: a prompt or a path that looks like Rich markup is printed as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import one_error_line
+from moetool.cli import app
+from moetool.errors import MoetoolError
+from moetool.evaluate import Eval
+from moetool.files import short_name, temp_file_of
+from moetool.model import encode
+
+runner = CliRunner()
+
+
+def _cli(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(directory: Path, **fields) -> Path:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(fields)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+# ---- 1. text that is not text ----------------------------------------------------------------------
+
+def test_a_lone_surrogate_in_a_prompts_file_names_its_line(tiny_ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": "hello \\ud800 world"}\n')  # the JSON escape, unpaired
+    out = tmp_path / "r.run.json"
+    line = one_error_line(_cli("run", "--model", tiny_ckpt("qwen2_moe"), "--prompts", prompts, "--out", out))
+    assert f"{prompts} line 2 holds U+D800" in line and "lone surrogate" in line
+    assert not out.exists()
+
+
+def test_a_command_line_prompt_byte_that_is_not_utf8_is_one_sentence(char_ckpt):
+    prompt = os.fsdecode(b"ab\xffcd")  # how Python hands a shell's $'ab\xffcd' to moetool
+    line = one_error_line(_cli("run", "--model", char_ckpt, "--prompt", prompt, "--max-new-tokens", "2"))
+    assert "prompt 1 of 1 holds U+DCFF at character 3" in line
+
+
+def test_profile_data_with_a_lone_surrogate_is_one_sentence(tiny_ckpt, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "\\udfff"}\n')
+    line = one_error_line(_cli("profile", "--model", tiny_ckpt("qwen2_moe"), "--data", data, "--what", "routing",
+                               "--seqs", "1", "--seq-len", "8", "--decode-tokens", "1", "--out", tmp_path / "p.json"))
+    assert "line 1 holds U+DFFF" in line and not (tmp_path / "p.json").exists()
+
+
+def test_encoding_text_that_is_not_text_is_a_sentence_with_or_without_a_tokenizer():
+    with pytest.raises(MoetoolError, match="lone surrogate"):
+        encode(None, "a\ud800", 128)
+
+
+def test_an_out_whose_name_is_not_utf8_is_written_and_reported(tiny_ckpt, tmp_path):
+    """The name's bytes are the filesystem's: the run lands there (it was a traceback after all the
+    work), and a report links the file by those bytes."""
+    name = os.fsdecode(b"o\xfe.run.json")
+    result = _cli("run", "--model", tiny_ckpt("qwen2_moe"), "--prompt", "hi", "--max-new-tokens", "2",
+                  "--clock", "sim", "--out", tmp_path / name)
+    assert result.exit_code == 0, result.output
+    assert os.listdir(os.fsencode(tmp_path)) == [b"o\xfe.run.json"]  # no temp file left beside it
+    report = tmp_path.parent / f"{tmp_path.name}-report"
+    result = _cli("report", tmp_path, "--out", report)
+    assert result.exit_code == 0, result.output
+    assert b"o\xfe.run.json" in (report / "summary.md").read_bytes()
+
+
+def test_a_temp_name_of_a_name_that_is_not_utf8_is_told_as_moetools_own():
+    name = os.fsdecode(b"\xff" * 300 + b".json")
+    short = short_name(name)
+    assert temp_file_of(f".{short}.abc123.tmp", {name}) and not temp_file_of(".other.abc123.tmp", {name})
+
+
+def test_a_checkpoint_under_a_path_that_is_not_utf8_is_named_as_such(tiny_ckpt, tmp_path):
+    model = _copy(tiny_ckpt("qwen2_moe"), tmp_path / os.fsdecode(b"m\xff"))
+    line = one_error_line(_cli("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2"))
+    assert "is not UTF-8" in line and "safetensors opens only UTF-8 paths" in line and "corrupt" not in line
+    out = tmp_path / os.fsdecode(b"b\xff")
+    line = one_error_line(_cli("quantize", tiny_ckpt("qwen2_moe"), "--bits", "4", "--out", out))
+    assert "no command could read the bundle" in line and not out.exists()  # refused before any work
+
+
+# ---- 2. a checkpoint that is not what moetool reads -------------------------------------------------
+
+def _wide_tokenizer(directory: Path, top: int) -> None:
+    """A word-level tokenizer whose ids reach `top`: another model's tokenizer beside these weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(("hello", "world"))}, "zebra": top}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(directory)
+
+
+def test_a_token_past_the_models_vocabulary_is_one_sentence_wherever_text_is_tokenized(tiny_ckpt, tmp_path,
+                                                                                       offline):
+    """Another model's tokenizer beside these weights: every forward of a text holding such a token
+    failed inside the embedding lookup (run, ppl, lm-eval tasks, check)."""
+    model = _copy(tiny_ckpt("qwen2_moe"), tmp_path / "m")
+    _wide_tokenizer(model, 300)  # the model embeds 128 ids
+    data = tmp_path / "zebra.txt"
+    data.write_text("hello zebra world hello")
+    task = _task(tmp_path / "tasks", "z", "multiple_choice", MC,
+                 rows=[{"q": "hello", "choices": ["world", "zebra"], "answer": 0}])
+    for args in (["run", "--model", model, "--prompt", "hello zebra", "--max-new-tokens", "2"],
+                 ["eval", "ppl", "--model", model, "--data", data],
+                 ["eval", task, "--model", model],
+                 ["check", model, "--prompt", "hello zebra"]):
+        line = one_error_line(_cli(*args))
+        assert "gives the token id 300 ('zebra'), but the model embeds only 128" in line, (args, line)
+
+
+def test_a_tokenizer_that_lists_ids_it_never_gives_still_runs(tiny_ckpt, tmp_path):
+    model = _copy(tiny_ckpt("qwen2_moe"), tmp_path / "m")
+    _wide_tokenizer(model, 300)
+    result = _cli("run", "--model", model, "--prompt", "hello world", "--max-new-tokens", "2", "--clock", "sim")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_a_prequantized_checkpoint_is_refused_not_run_as_if_unquantized(tiny_ckpt, tmp_path, method):
+    model = _edit_config(_copy(tiny_ckpt("mixtral"), tmp_path / "m"),
+                         quantization_config={"quant_method": method, "bits": 4})
+    for args in (["run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2"], ["check", model],
+                 ["quantize", model, "--bits", "4", "--out", tmp_path / "b"]):
+        line = one_error_line(_cli(*args))
+        assert "pre-quantized checkpoint" in line and f"quant_method '{method}'" in line, line
+    assert not (tmp_path / "b").exists()
+
+
+def _retype(model: Path, dtype: torch.dtype, pick) -> str:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model / "model.safetensors")
+    key = next(k for k in tensors if pick(k))
+    tensors[key] = tensors[key].to(dtype)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return key
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.int8, "I8"), (torch.bool, "BOOL"), (torch.uint8, "U8")])
+@pytest.mark.parametrize("where", ["experts", "self_attn.q_proj"])
+def test_integer_weights_are_refused_not_cast(tiny_ckpt, tmp_path, dtype, name, where):
+    """The loader would cast the stored integers to floats, as if they were the weights' values."""
+    model = _copy(tiny_ckpt("mixtral"), tmp_path / "m")
+    key = _retype(model, dtype, lambda k: where in k)
+    line = one_error_line(_cli("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2"))
+    assert f"stores the weight {key} as {name}, not floating point" in line
+
+
+def test_float_weights_of_other_widths_still_runs(tiny_ckpt, tmp_path):
+    model = _copy(tiny_ckpt("mixtral"), tmp_path / "m")
+    _retype(model, torch.float64, lambda k: "experts" in k)
+    _retype(model, torch.float16, lambda k: "q_proj" in k)
+    result = _cli("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2", "--clock", "sim")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_config_size_below_one_is_named(tiny_ckpt, tmp_path, field, value):
+    """max_position_embeddings 0 ran with no context check at all; the others failed on a tensor's shape."""
+    model = _edit_config(_copy(tiny_ckpt("mixtral"), tmp_path / "m"), **{field: value})
+    line = one_error_line(_cli("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2"))
+    assert f"gives {field} = {value}; a model has at least 1" in line
+
+
+def test_no_library_warning_comes_before_a_refusal(tiny_ckpt, tmp_path):
+    """torch warns about zero-element tensors while the model is built: the user sees the sentence
+    alone (in a process of its own: pytest would record the warning, not print it)."""
+    model = _edit_config(_copy(tiny_ckpt("mixtral"), tmp_path / "m"), intermediate_size=0)
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    proc = subprocess.run([sys.executable, "-m", "moetool.cli", "run", "--model", str(model), "--prompt", "hi",
+                           "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+# ---- 3. lm-eval tasks of other kinds ------------------------------------------------------------------
+
+ROWS = [{"q": "The sky is", "choices": ["blue", "green"], "answer": 0, "text": "hello world, a text.", "target": "blue"},
+        {"q": "Grass is", "choices": ["red", "green"], "answer": 1, "text": "second doc", "target": "green"}]
+MC = "doc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+
+
+def _task(directory: Path, name: str, kind: str, body: str, rows: list[dict] | None = None) -> Path:
+    """A task YAML over a local JSONL file (lm-eval's `json` loader: no hub)."""
+    directory.mkdir(exist_ok=True)
+    data = directory / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (ROWS if rows is None else rows)))
+    path = directory / f"{name}.yaml"
+    path.write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    f"test_split: test\noutput_type: {kind}\n{body}")
+    return path
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr("moetool.evaluate.hub_reachable", lambda: False)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("empty", "its data holds no documents"),
+    ("kind", "Got invalid output_type 'nonsense'"),
+    ("template", "'nosuch' is undefined"),
+])
+def test_a_tasks_own_fault_offline_is_named_not_blamed_on_the_hub(char_ckpt, tmp_path, offline, case, words):
+    tasks = tmp_path / "tasks"
+    task = {"empty": lambda: _task(tasks, "t", "multiple_choice", MC, rows=[]),
+            "kind": lambda: _task(tasks, "t", "nonsense", MC),
+            "template": lambda: _task(tasks, "t", "multiple_choice", MC.replace("{{q}}", "{{nosuch}}"))}[case]()
+    line = one_error_line(_cli("eval", task, "--model", char_ckpt))
+    assert words in line and "hub" not in line, line
+
+
+def test_a_task_of_the_hub_offline_is_still_the_hubs_sentence():
+    from moetool.evaluate import _hub_failure
+
+    try:
+        try:
+            raise OSError("no such entry in the cache")
+        except OSError as e:
+            raise ConnectionError("Couldn't reach 'x/y' on the Hub (OfflineModeIsEnabled)") from e
+    except ConnectionError as e:
+        assert _hub_failure(e)
+    assert not _hub_failure(FileNotFoundError("Unable to find '/data/t.jsonl'"))
+
+
+@pytest.mark.parametrize("shots,kind,body", [
+    ("5", "loglikelihood", "doc_to_text: '{{q}}'\ndoc_to_target: ' {{target}}'\nmetric_list:\n  - metric: acc\n"),
+    ("3", "multiple_choice", MC),
+])
+def test_more_few_shot_examples_than_a_task_has_is_one_sentence(char_ckpt, tmp_path, offline, shots, kind, body):
+    task = _task(tmp_path / "tasks", "t", kind, body)
+    out = tmp_path / "t.eval.json"
+    line = one_error_line(_cli("eval", task, "--model", char_ckpt, "--num-fewshot", shots, "--out", out))
+    assert f"asks for {shots} few-shot examples (--num-fewshot), but its few-shot split holds only 2" in line
+    assert not out.exists()
+
+
+def test_more_few_shot_examples_than_a_packaged_task_has_is_one_sentence(char_ckpt, offline):
+    line = one_error_line(_cli("eval", "bigbench-mc", "--model", char_ckpt, "--limit", "1", "--num-fewshot", "6"))
+    assert "but its few-shot split holds only 5; give --num-fewshot 5 or less" in line
+
+
+def test_a_generation_as_long_as_the_context_is_one_sentence(char_ckpt, tmp_path, offline):
+    body = ("doc_to_text: '{{q}}'\ndoc_to_target: target\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 500\n"
+            "metric_list:\n  - metric: exact_match\n")
+    line = one_error_line(_cli("eval", _task(tmp_path / "tasks", "g", "generate_until", body), "--model", char_ckpt))
+    assert "generates up to 500 tokens (max_gen_toks)" in line and "context is 128 tokens" in line
+
+
+def test_an_answer_that_is_none_of_the_choices_is_refused_not_scored_zero(char_ckpt, tmp_path, offline):
+    """lm-eval checks the first document only; a later one was scored 0 with its warning silenced."""
+    rows = [ROWS[0], {**ROWS[1], "answer": 5}, {**ROWS[1], "answer": -1}]
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC, rows=rows)
+    line = one_error_line(_cli("eval", task, "--model", char_ckpt))
+    assert "document 1 of task 't' gives the answer 5, which is none of its 2 choices" in line
+    assert _cli("eval", task, "--model", char_ckpt, "--limit", "1").exit_code == 0  # only what --limit scores
+
+
+def test_a_group_with_no_task_writes_nothing(char_ckpt, tmp_path, offline):
+    group = tmp_path / "g.yaml"
+    group.write_text("group: g\ntask: []\n")
+    out = tmp_path / "g.eval.json"
+    line = one_error_line(_cli("eval", group, "--model", char_ckpt, "--out", out))
+    assert "names no task to run" in line and not out.exists()
+
+
+def test_a_tags_eval_artifact_reads_back(char_ckpt, tmp_path, offline):
+    """A tag has no headline: its artifact used to be one moetool's own reader refused."""
+    out = tmp_path / "tag.eval.json"
+    result = _cli("eval", "bigbench_mc_tasks", "--model", char_ckpt, "--limit", "1", "--out", out)
+    assert result.exit_code == 0, result.output
+    back = Eval.load(out)
+    assert back.metrics == {} and len(back.subtasks) == 6 and all("acc" in m for m in back.subtasks.values())
+    assert _cli("report", out, "--out", tmp_path / "rep").exit_code == 0
+
+
+def test_lm_evals_own_progress_bars_stay_off_stderr(char_ckpt, tmp_path, offline):
+    """loglikelihood_rolling and the bootstrap of a perplexity's stderr draw tqdm bars whatever
+    `disable_tqdm` says."""
+    rolling = _task(tmp_path / "tasks", "r", "loglikelihood_rolling",
+                    "doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
+    ll = _task(tmp_path / "tasks", "l", "loglikelihood",
+               "doc_to_text: '{{q}}'\ndoc_to_target: ' {{target}}'\nmetric_list:\n  - metric: perplexity\n")
+    for task in (rolling, ll):
+        result = _cli("eval", task, "--model", char_ckpt, "--limit", "2")
+        assert result.exit_code == 0, result.output
+        assert "it/s" not in result.stderr and "%|" not in result.stderr, result.stderr
+
+
+# ---- 4. what the consoles print ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", ["x [/foo] y", "a [red]b[/red] c", "[bold]"])
+def test_a_prompt_that_looks_like_markup_is_printed_as_it_is(char_ckpt, prompt):
+    """Rich read it as markup: a closing tag was a MarkupError after the run, a style tag vanished."""
+    result = _cli("run", "--model", char_ckpt, "--prompt", prompt, "--max-new-tokens", "2", "--clock", "sim")
+    assert result.exit_code == 0, result.output
+    assert prompt in result.stdout
+
+
+def test_a_path_that_looks_like_markup_is_printed_as_it_is(char_ckpt, tmp_path):
+    model = _copy(char_ckpt, tmp_path / "m[bold]x")
+    result = _cli("check", model)
+    assert result.exit_code == 0, result.output
+    assert "m[bold]x" in result.stdout and "PASS" in result.stdout
