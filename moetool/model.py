@@ -313,6 +313,12 @@ def inspect_geometry(model: nn.Module) -> MoeGeometry:
         match = _LAYER_INDEX.search(path + ".")
         if match is None:
             raise MoetoolError(f"cannot tell the decoder layer of the experts module at '{path}' in '{model_type}'.")
+        if getattr(m, "has_post_expert_norm", False):
+            # Each expert's output goes through the module's own norm before its routing weight
+            # (transformers' `has_post_expert_norm`): the engine's experts, the captured step's and the
+            # fused kernels compute up (-> gate) -> down only, so running it would be silently wrong.
+            raise MoetoolError(f"'{model_type}' normalises each expert's output (its experts module's "
+                               "post_expert_norm), which moetool's experts do not compute; it is not supported.")
         w = m.gate_up_proj if m.has_gate else m.up_proj
         num_experts = w.shape[0]
         if m.is_transposed:

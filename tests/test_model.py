@@ -112,3 +112,18 @@ def test_a_fused_experts_architecture_configured_without_a_moe_layer_says_so(tmp
     # beam's default mlp_layer_types make its first three layers dense: two layers build no MoE block.
     with pytest.raises(MoetoolError, match="builds no Mixture-of-Experts layer"):
         load_model(save_tiny("beam", tmp_path / "beam", mlp_layer_types=None))
+
+
+def test_an_experts_module_that_normalises_each_experts_output_is_refused(tmp_path):
+    """transformers' `has_post_expert_norm` (muse_spark) puts each expert's output through a norm before
+    its routing weight; moetool's experts compute up -> down only, so such a model is refused, not run."""
+    from transformers import AutoModelForCausalLM
+
+    from moetool.model import inspect_geometry
+    from tiny import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2_moe"))
+    assert inspect_geometry(model).layers  # the plain module is taken
+    next(iter(find_experts_modules(model).values())).has_post_expert_norm = True
+    with pytest.raises(MoetoolError, match="post_expert_norm"):
+        inspect_geometry(model)
