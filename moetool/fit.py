@@ -61,8 +61,9 @@ class FitConfig(FitTargets):
         if self.budget is not None:
             check_budget(self.budget)
         if self.sweep is not None:
-            if not self.alphas or not all(0 <= a <= 1 for a in self.alphas):
-                raise MoetoolError(f"--alphas are SMoE thresholds between 0 and 1, not "
+            # SMoE's alpha is in [0, 1) (`SMoE.Params`): refused here, before the sweep runs the others
+            if not self.alphas or not all(0 <= a < 1 for a in self.alphas):
+                raise MoetoolError(f"--alphas are SMoE thresholds between 0 and 1 (1 excluded), not "
                                    f"{', '.join(f'{a:g}' for a in self.alphas) or 'none'}.")
             check_budget(self.sweep.budget, "--sweep-budget")
             dataclasses.replace(self.sweep, clock="sim").check()

@@ -188,3 +188,38 @@ def test_the_stage_asks_each_paper_once_and_takes_only_its_knobs(tmp_path):
             fit(FitConfig(profile=prof))
     finally:
         POLICIES.pop("typo")
+
+
+def test_eq5_with_two_alphas_fits_the_line_through_them(tmp_path):
+    """SMoE §V-C: T(alpha) is a low-degree polynomial, TPOT "generally decreases linearly" in alpha.
+    Runs at alpha 0 (100 ms) and 0.5 (50 ms), R = 75 ms: the line T = 0.1 - 0.1 alpha meets R from
+    alpha = 0.25 on. Leave-one-out cannot check a line on two alphas, and a constant (75 ms, "met
+    everywhere") would make eq. 5 answer alpha = 0, measured at 100 ms."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    runs = tuple(synthetic_run("smoe", {"alpha": a}, t).save(tmp_path / f"a{a}.run.json")
+                 for a, t in ((0.0, 0.1), (0.5, 0.05)))
+    result = fit(FitConfig(profile=prof, runs=runs, target_tpot=0.075))
+    ev = result.evidence["smoe"]["alpha"]
+    assert ev["degree"] == 1 and ev["coefficients"] == pytest.approx([-0.1, 0.1])
+    assert result.params["smoe"]["alpha"] == pytest.approx(0.25, abs=0.006) and "guarded" not in ev
+
+
+def test_eq5_leave_one_out_leaves_out_an_alpha_with_all_its_runs():
+    """Two runs at alpha 0 and one at 0.5: leaving out one run at a time once left a fold with a
+    single alpha to fit a line through (numpy's least squares failed). Leaving out one alpha keeps
+    every fold fittable; with two distinct alphas the fit is their line, T = 0.1 - 0.1 alpha."""
+    poly = fit_polynomial([0.0, 0.0, 0.5], [0.1, 0.1, 0.05])
+    assert poly["degree"] == 1 and poly["coefficients"] == pytest.approx([-0.1, 0.1])
+    assert choose_alpha(poly["coefficients"], 0.0, 0.5, 0.075)["alpha"] == pytest.approx(0.25, abs=0.006)
+    # three alphas, one run twice: degrees 0 and 1 are checked on folds of two alphas each
+    three = fit_polynomial([0.0, 0.25, 0.25, 0.5], [0.1, 0.075, 0.075, 0.05])
+    assert set(three["loo_rmse"]) == {"0", "1"} and three["degree"] == 1
+
+
+def test_alphas_the_policy_refuses_are_refused_before_the_sweep(tmp_path):
+    """`SMoE.Params` takes alpha in [0, 1): a sweep with alpha = 1 used to pass the check and stop
+    at that alpha's run, the alphas before it already run, with the policy's refusal."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    with pytest.raises(MoetoolError, match=r"--alphas are SMoE thresholds between 0 and 1 \(1 excluded\), not 0, 1"):
+        FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 1.0)).check()
+    FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 0.99)).check()

@@ -126,3 +126,48 @@ def test_set_tiers_drop_a_fitted_n_hi():
     assert make_policy("dynaexq", {"config": "4/2"}, ctx, {"n_hi": 0}).n_hi == own.n_hi
     assert make_policy("dynaexq", {}, ctx, {"n_hi": 0}).n_hi == 0  # the fit's own tiers: kept
     assert make_policy("dynaexq", {"config": "4/2", "n_hi": "1"}, ctx, {"n_hi": 0}).n_hi == 1
+
+
+def test_edges_of_the_interval_and_the_margin():
+    """§3.5 at its edges, as the code chooses them. An interval that ends inside a long prompt is one
+    update with all the prompt's counts, and the next interval starts at that step's end (nothing
+    carried over). The margin holds at equality. Two experts within the margin of each other are not
+    swapped even where each clears it against another: c (7) replaces b (5) by 2 > 1, then d (6.8)
+    against x (5.9), the coldest left, falls short (0.9 <= 1)."""
+    h = Hotness(1, 3, ema=0.5, interval_tokens=4)
+    assert not h.tick(3)
+    h.observe(0, torch.tensor([[1]] * 10))  # a 10-token prompt ends the interval mid-way
+    assert h.tick(10) and h.score[0].tolist() == [0.0, 5.0, 0.0] and h.tokens == 0
+    assert not h.tick(3)  # the 9 tokens past T_u are not carried into the next interval
+    s = torch.tensor([5.0, 3.0, 2.0, 0.0])
+    assert select_high(s, {0, 2}, 2, 1.0) == {0, 2}  # 3 = 2 + 1: not more than the margin
+    assert select_high(s, {0, 2}, 2, 0.99) == {0, 1}
+    #                  a     b    x    c    d
+    s = torch.tensor([10.0, 5.0, 5.9, 7.0, 6.8])
+    assert select_high(s, {0, 1, 2}, 3, 1.0) == {0, 2, 3}
+    assert select_high(s, set(), 5, 1.0) == {0, 1, 2, 3, 4}  # n_hi = E: every expert with traffic
+
+
+@pytest.mark.parametrize("config", ["16/4", "4/2"])
+def test_in_step_plan_decides_as_the_host_plan_on_edge_traces(config):
+    """k = 1, a dropped slot, an expert routed twice in a batch, a promotion in flight (runs low) and
+    a published one (runs high): `plan_step` picks the bits `plan` picks, slot by slot."""
+    from moetool.policies.device import DeviceView
+
+    hi, lo = map(int, config.split("/"))
+    for idx in ([[2]], [[2], [4], [1]], [[2], [3], [2]]):
+        pol = make_policy("dynaexq", {"config": config}, make_ctx(cache_bytes=20_000))
+        cache = warmed(pol)
+        pol.target[0] = {2, 3}
+        load(pol, cache, Fetch(0, 2, hi), demand=False)  # RESIDENT-HI
+        load(pol, cache, Fetch(0, 3, hi), demand=False, publish=False)  # PROMOTING
+        view = make_view(idx, cache)
+        host = pol.plan(view)
+        dview = DeviceView(layer=0, moe_pos=0, num_experts=4, top_k_index=view.top_k_index,
+                           top_k_weights=view.top_k_weights, router_logits=None, predict=lambda later: None,
+                           resident=lambda layer, bits: torch.tensor([bits in cache.resident_bits(layer, e)
+                                                                      for e in range(4)]))
+        dev = pol.plan_step(dview)
+        want = [[hi if e == 2 else 0 if e == 4 else lo for e in row] for row in idx]  # 4: a dropped slot
+        assert dev.bits.tolist() == want
+        assert torch.where(host.running(), host.bits, 0).tolist() == want

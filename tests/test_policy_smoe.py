@@ -68,6 +68,25 @@ def test_alg1_alpha_zero_substitutes_nothing():
     assert cache_router(SCORES, IDX, mask(8, 2, 3, 4, 5), 0.0).tolist() == [[0, 7, 1]]
 
 
+def test_alg1_alpha_zero_substitutes_nothing_when_the_kth_and_k_plus_1th_scores_tie():
+    # k = 2, alpha = 0: S_{k+1} = .2 (expert 2, resident), tied with the routed expert 1. Algorithm 1:
+    # T = L = R = .2, so B_t = {e : .2 <= score < .2} is empty and O = the routed experts. (Swapping 1
+    # for 2 would be a substitution at alpha = 0, which Table IV's alpha = 0 column does not make.)
+    scores = torch.tensor([[0.5, 0.2, 0.2, 0.1]])
+    assert cache_router(scores, torch.tensor([[0, 1]]), mask(4, 2), 0.0).tolist() == [[0, 1]]
+
+
+def test_alg1_a_score_of_exactly_T_is_neither_top_nor_low_score():
+    # k = 2, alpha = .5 (binary-exact scores): S_{k+1} = .25 (expert 2), T = .375, R = .125. Expert 1
+    # scores exactly T: Algorithm 1 puts into B_t only L <= score < T (and E_l's bound after eq. 2 is
+    # score < (1 + alpha) S_{k+1}), so it is not low-score and is not replaced by the resident 2.
+    scores = torch.tensor([[0.40, 0.375, 0.25, 0.20, 0.10]])
+    idx = torch.tensor([[0, 1]])
+    assert cache_router(scores, idx, mask(5, 2), 0.5).tolist() == [[0, 1]]
+    scores[0, 1] = 0.3125  # below T: low-score, and the resident 2 (.25, in [R, L]) replaces it
+    assert cache_router(scores, idx, mask(5, 2), 0.5).tolist() == [[0, 2]]
+
+
 def _alg1_token_by_token(scores, idx, resident, alpha):
     """Algorithm 1 written as the paper reads, one token at a time: the reference for the vectorised one."""
     T, k = idx.shape
@@ -81,7 +100,7 @@ def _alg1_token_by_token(scores, idx, resident, alpha):
     in_c[idx[top]] = True
     usable = resident | in_c
     for t in range(T):
-        b = [j for j in range(k) if valid[t, j] and not top[t, j] and sel[t, j] >= lo[t] and not usable[idx[t, j]]]
+        b = [j for j in range(k) if valid[t, j] and lo[t] <= sel[t, j] < hi[t] and not usable[idx[t, j]]]
         if not b:
             continue
         inactive = torch.ones(E, dtype=torch.bool)
@@ -210,6 +229,57 @@ def test_dropped_slots_are_not_run():
     pol = make_policy("smoe", {}, make_ctx())
     plan = pol.plan(make_view([[0, 8, 1]], FakeCache(pol.pools()), logits=SCORES.log()))
     assert plan.where[0, 1] == Where.SKIP and plan.running().tolist() == [[True, False, True]]
+
+
+# -- the in-step half on edge traces ------------------------------------------------------------------
+
+# (routing [T][k], router scores [T, E], resident experts of layer 0, predicted scores of layer 1 [T, E])
+EDGE_TRACES = [
+    # k = 1: the only routed expert is low-score (.3 < 1.3 * .25), the resident 2 (.25 = S_{k+1}) replaces it
+    ([[1]], [[0.05, 0.30, 0.25, 0.20, 0.05, 0.05, 0.05, 0.05]], (2,), [0.4, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0]),
+    # the k-th and (k+1)-th scores tie (expert 2 resident): nothing at alpha 0, a swap above it
+    ([[0, 1]], [[0.4, 0.2, 0.2, 0.05, 0.05, 0.05, 0.05, 0.0]], (2,), [0.05, 0.35, 0.35, 0.1, 0.1, 0.05, 0.0, 0.0]),
+    # expert 7 is low-score but resident (kept), 1 is low-score: its substitute cannot be 7, routed
+    # in the same token; in the second token 7 is inactive and may substitute; a dropped slot in the third
+    ([[0, 7, 1], [5, 3, 7], [0, 8, 2]],
+     [[0.30, 0.12, 0.11, 0.10, 0.09, 0.08, 0.05, 0.15], [0.01, 0.01, 0.01, 0.14, 0.01, 0.60, 0.09, 0.13],
+      [0.40, 0.04, 0.20, 0.18, 0.01, 0.01, 0.005, 0.155]], (3, 7),
+     [0.3, 0.3, 0.3, 0.1, 0.0, 0.0, 0.0, 0.0]),
+]
+
+
+@pytest.mark.parametrize("alpha", ["0", "0.3", "0.99"])
+@pytest.mark.parametrize("trace", range(len(EDGE_TRACES)))
+def test_in_step_plan_decides_as_the_host_plan_on_edge_traces(trace, alpha):
+    """k = 1, ties at S_{k+1}, a resident low-score expert routed in the same token, a dropped slot,
+    several tokens (another token's top-score expert as a substitute) and tied predicted scores:
+    `plan_step` runs and weights the experts `plan` does, and prefetches what `prefetch` does."""
+    from moetool.policies.device import DeviceView
+
+    idx, scores, held, ahead = EDGE_TRACES[trace]
+    k, scores, ahead = len(idx[0]), torch.tensor(scores), torch.tensor([ahead] * len(idx))
+    pol = make_policy("smoe", {"alpha": alpha, "cpu_assist": "false"}, make_ctx(layers=(0, 1), k=k))
+    cache = FakeCache(pol.pools())
+    for e in held:
+        cache.put(0, e, 16)
+    w = torch.rand(len(idx), k, generator=torch.Generator().manual_seed(trace))
+    view = make_view(idx, cache, logits=scores.log(), weights=w, predict=lambda later: ahead.log())
+    host, fetches = pol.plan(view), pol.prefetch(view)
+    dview = DeviceView(layer=0, moe_pos=0, num_experts=8, top_k_index=view.top_k_index, top_k_weights=w,
+                       router_logits=scores.log(), predict=lambda later: ahead.log(),
+                       resident=lambda layer, bits: torch.tensor([bits in cache.resident_bits(layer, e)
+                                                                  for e in range(8)]))
+    dev = pol.plan_step(dview)
+    run = host.running()
+    assert torch.equal(dev.bits > 0, run)
+    assert torch.equal(torch.where(run, dev.expert, -1), torch.where(run, host.expert, -1))
+    assert torch.equal(torch.where(run, dev.weight, 0.0), torch.where(run, host.routing_weight(), 0.0))
+    assert [f.expert for f in fetches] == [e for e in dev.prefetch.tolist() if e >= 0]
+    if trace == 2 and alpha == "0.3":  # by hand. Token 1: S_{k+1} = .09, T = .117, all three top-score,
+        # so C = {0, 7 (token 0), 5, 3, 7}. Token 0: 7 low-score but resident (kept), 1 low-score; A =
+        # {3 (.10), 5 (.08, in C)}, not 7 (routed here): 1 -> 3. Token 2 (slot 1 dropped): S_{k+1} = .155,
+        # T = .2015: 2 (.20) is low-score; A = {7 (.155, resident)}, not 3 (.18 > L): 2 -> 7.
+        assert host.expert.tolist() == [[0, 7, 3], [5, 3, 7], [0, 8, 7]]
 
 
 # -- CPU-assisted experts in the engine --------------------------------------------------------------

@@ -10,6 +10,16 @@ the target set is DEMOTING until a promotion reclaims its slot), so the policy k
 In the captured decode step the counters and promotions run one step behind, from the step's log:
 the paper's promotions are asynchronous already, so only the counters' timing moves (by one token).
 
+Where this departs from the paper, by choice:
+- the low tier never leaves. §3.1 reclaims an expert's old (low) version once its high one is
+  published, and §3.2's DEMOTING copies the low version back before the high one goes; here the
+  low copy stays, so a demotion is only the reclaim of the high slot (no transfer, never a moment
+  without a low copy), at the cost of L * n_hi low copies' bytes that the paper would give to
+  high ones (`budget_n_hi`: its n_hi divides by b_hi, not b_hi - b_lo);
+- a published high copy serves from the next layer that routes to it, which may be in the same
+  step (§3.1 makes it visible "at the next iteration"): the engine publishes a landed copy at each
+  layer's start, for every policy.
+
 Fit: n_hi for a budget (§3.1). Report: workload shift (Fig. 2), expert activation ratio vs batch
 size (Tables 1-2), and §5's claim that 4/2 beats static INT2 at the same budget.
 
@@ -35,7 +45,9 @@ class Hotness:
     """§3.5 hotness: counters c_{l,e} over an update interval, then S <- ema * S + (1 - ema) * c.
 
     The paper's interval T_u is wall time; here it is `interval_tokens` tokens, so runs repeat
-    exactly (an update happens at the first step boundary after that many tokens).
+    exactly (an update happens at the first step boundary after that many tokens). The next interval
+    starts at that boundary: a step that ends an interval mid-prompt, or spans several T_u (a long
+    prompt), is one update with all its counts, and the tokens past T_u are not carried over.
     """
 
     def __init__(self, num_layers: int, num_experts: int, ema: float, interval_tokens: int):
@@ -60,18 +72,24 @@ class Hotness:
 
 def budget_n_hi(cache_bytes: int, L: int, E: int, lo_bytes: int, hi_bytes: int) -> int:
     """§3.1 budget initialization: every expert at b_lo, then n_hi = (cache - L E b_lo) // b_hi // L
-    high-precision experts per layer, within [0, E]. `fit` sizes n_hi with the same function."""
+    high-precision experts per layer, within [0, E]. `fit` sizes n_hi with the same function.
+
+    The paper gives no formula, only that n_{hi,l} comes from the budget once; this one follows from
+    the low tier staying resident (module docstring), the same n_hi for every layer."""
     return int(min(E, max(0, (cache_bytes - L * E * lo_bytes) // hi_bytes // L)))
 
 
 def select_high(score: torch.Tensor, current: set[int], n: int, margin: float) -> set[int]:
     """§3.5 H_l = TopN(S_l, n_hi) with hysteresis against the current set.
 
-    Free capacity is filled with the hottest experts that saw any traffic. Then an outside expert
+    Free capacity is filled with the hottest experts that saw any traffic (the paper's TopN would
+    also fill it with experts of score 0; they are promoted once routed). Then an outside expert
     replaces an inside one only if it is hotter by more than `margin` (additive, in routed tokens
-    per interval): hottest outside against coldest inside, and so on while that holds, which is
-    both of the paper's conditions at once (promote only above the coldest inside + margin, evict
-    only below the hottest outside - margin).
+    per interval; at equality the incumbent stays): hottest outside against coldest inside, then
+    the next pair, while that holds. That is the paper's two conditions (promote only above the
+    lowest-ranked inside + margin, evict only below the highest-ranked outside - margin) applied one
+    swap at a time, each against the set the previous swaps left, so two experts within the margin
+    of each other are never swapped. Ties rank the lower expert id hotter.
     """
     s = score.tolist()
     H = set(current)
@@ -106,8 +124,8 @@ class DynaExq(Policy):
         config: str = ""  # "HI/LO" shorthand, e.g. "16/4" or "4/2" (overrides b_hi / b_lo)
         n_hi: int = -1  # high-precision experts per layer; < 0 = the most the budget holds
         ema: float = 0.9  # the EMA's alpha in S <- alpha S + (1 - alpha) c (§3.5; the paper gives no value)
-        interval_tokens: int = 32  # T_u, in tokens
-        hysteresis: float = 1.0  # additive margin on S (§3.5)
+        interval_tokens: int = 32  # T_u, in tokens (§3.5 measures it in time and gives no value)
+        hysteresis: float = 1.0  # additive margin on S, one of §3.5's two forms (it gives no value)
 
         def __post_init__(self) -> None:
             if not 0.0 <= self.ema < 1.0 or self.interval_tokens < 1 or self.hysteresis < 0:

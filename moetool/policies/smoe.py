@@ -37,7 +37,7 @@ from moetool.policies.eviction import Eviction, register_eviction
 from moetool.policies.fate import CrossLayerPrefetch
 from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
 
-ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # the fit's sweep: §VI-B explores 0.25-0.35, this brackets it
+ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # the fit's sweep: §VI-B runs at 0.25-0.35 (Table IV 0-0.6); brackets it
 GRID_POINTS = 101  # alphas at which eq. 5 reads the fitted T(alpha)
 
 
@@ -56,11 +56,21 @@ def cache_router(scores: torch.Tensor, idx: torch.Tensor, resident: torch.Tensor
     """SMoE Algorithm 1 with the §IV-B rules; returns the experts to run [T, k] (substitutes in place).
 
     scores [T, E], idx [T, k] the model's routing, resident [E] bool (usable on the device).
+    The bounds, as Algorithm 1 prints them (§IV-B): top-score is score > T (into O and C); B_t is
+    L <= score < T, so an active expert scoring exactly T is neither top-score nor low-score and runs
+    as routed (the constraint after eq. 2 also keeps score < (1+alpha) S_{k+1} for E_l). At alpha = 0,
+    T = L and B_t is empty: nothing is substituted, even where the k-th and (k+1)-th scores tie.
     Choices where the paper is loose:
     - sets are decided by membership first, thresholds second: B_t holds the token's active experts
-      below T, A_t its inactive experts in [R, L]. Algorithm 1 read literally would put the inactive
+      in [L, T), A_t its inactive experts in [R, L]. Algorithm 1 read literally would put the inactive
       (k+1)-th expert (score exactly L) into B_t and keep it out of A_t; the constraint after eq. 2,
-      (1-alpha) S_{k+1} < Score(e) <= S_{k+1} for E_s, admits it as a substitute, as we do;
+      (1-alpha) S_{k+1} < Score(e) <= S_{k+1} for E_s, admits it as a substitute, as we do. A_t's lower
+      end is Algorithm 1's R <= score (the constraint's is strict); it matters only at a tie with R;
+    - an active expert below L (a router that selects with a bias, so the routed k are not the top k
+      of the scores) is in neither set; Algorithm 1 would leave it out of O[t], we run it as routed;
+    - G (resident) is what is usable on the device now: a prefetch still in flight is not in it,
+      neither as a low-score expert to keep nor as a substitute (Table II: "experts already in the GPU";
+      Algorithm 2's split, `SMoE._assist`, does count it as on the device, since it is waited for);
     - C (top-score experts) is gathered over all tokens before any substitution, so one token's
       low-score expert may be replaced by another token's top-score one (§VI-B, batch = 3);
     - a low-score expert already resident or in C is kept (§IV-B text); only the rest form B_t;
@@ -82,8 +92,9 @@ def cache_router(scores: torch.Tensor, idx: torch.Tensor, resident: torch.Tensor
         0, safe.reshape(-1), top.reshape(-1).long(), "amax") > 0  # [E]
     usable = resident | in_c  # [E] where a substitute may come from
     # Every token at once (a [T, k] and a [T, E] pass, no loop over tokens):
-    # B_t: active, valid, not top-score, at or above L, not usable as is; best-scored first.
-    b = valid & ~top & (sel >= lo[:, None]) & ~usable.index_select(0, safe.reshape(-1)).view(T, k)  # [T, k]
+    # B_t: active, valid, L <= score < T (Algorithm 1; not `~top`: a score of exactly T is in neither
+    # set), not usable as is; best-scored first.
+    b = valid & (sel < hi[:, None]) & (sel >= lo[:, None]) & ~usable.index_select(0, safe.reshape(-1)).view(T, k)
     active = torch.zeros(T, E, dtype=torch.long, device=idx.device).scatter_add_(1, safe, valid.long()) > 0  # [T, E]
     inactive = ~active  # a dropped slot (E or -1) activates nothing
     # A_t: inactive and usable experts with R <= score <= L; best-scored first.
@@ -219,24 +230,33 @@ class TopScorePrefetch:
 def fit_polynomial(x: list[float], y: list[float], max_degree: int = 3) -> dict[str, Any]:
     """numpy.polyfit of the degree (<= max_degree) with the smallest leave-one-out RMSE (ties: lower).
 
-    The paper fits "a polynomial" T(alpha) without a degree; leave-one-out picks one the points support.
+    The paper fits "a low-degree polynomial" T(alpha) without a degree (§V-C); leave-one-out picks one
+    the points support. What is left out is one alpha with all its runs (the same as one point when
+    no alpha repeats), so every fold still has d + 1 distinct alphas for a degree d <= distinct - 2.
+    With two distinct alphas no degree above 0 can be checked that way: the fit is then the line
+    through them, §V-C's observation that TPOT "generally decreases linearly with the value of alpha"
+    (a constant would make eq. 5's search answer the lower end, or nothing, whatever the runs say).
     """
     x_arr, y_arr = np.asarray(x, float), np.asarray(y, float)
     n = len(x_arr)
-    distinct = len(set(x_arr.tolist()))
+    alphas = sorted(set(x_arr.tolist()))
+    distinct = len(alphas)
     if n == 0:
         raise MoetoolError("no (alpha, TPOT) points to fit.")
     loo: dict[str, float] = {}
-    for d in range(min(max_degree, distinct - 1, n - 2) + 1):
-        errs = []
-        for i in range(n):
-            keep = np.arange(n) != i
-            coef = np.polyfit(x_arr[keep], y_arr[keep], d)
-            errs.append(float(np.polyval(coef, x_arr[i]) - y_arr[i]))
+    for d in range(min(max_degree, distinct - 2) + 1):
+        errs: list[float] = []
+        for a in alphas:
+            out = x_arr == a
+            coef = np.polyfit(x_arr[~out], y_arr[~out], d)
+            errs.extend((np.polyval(coef, x_arr[out]) - y_arr[out]).tolist())
         loo[str(d)] = float(np.sqrt(np.mean(np.square(errs))))
-    best = min(loo.values()) if loo else 0.0
-    # Ties (within rounding: exact data fits every degree above its own) go to the lower degree.
-    degree = next((d for d in loo if loo[d] <= best * (1 + 1e-6) + 1e-12 * (1 + float(np.abs(y_arr).max()))), "0")
+    if distinct == 2:
+        degree = "1"  # the line through the two alphas (see above)
+    else:
+        best = min(loo.values()) if loo else 0.0
+        # Ties (within rounding: exact data fits every degree above its own) go to the lower degree.
+        degree = next((d for d in loo if loo[d] <= best * (1 + 1e-6) + 1e-12 * (1 + float(np.abs(y_arr).max()))), "0")
     coef = np.polyfit(x_arr, y_arr, int(degree))
     return {"degree": int(degree), "coefficients": [float(c) for c in coef], "loo_rmse": loo,
             "residuals": [float(r) for r in y_arr - np.polyval(coef, x_arr)]}
@@ -287,8 +307,10 @@ class SMoE(Policy):
 
     @dataclass(frozen=True)
     class Params(Params):
-        alpha: float = 0.3  # substitution threshold (§VI-B uses 0.25-0.35; fit it with eq. 5)
-        window: int = 3  # eq. 3's n, iterations averaged (renamed: a fit's `n` is Fate's transfer count)
+        alpha: float = 0.3  # substitution threshold (§VI-B sets 0.25-0.35 per setting; fit it with eq. 5)
+        # eq. 3's n: the mean runs over iterations max(1, j-n) .. j, up to n + 1 of them. The paper gives
+        # no n; 3 is Fig. 6's reuse horizon. (Renamed: a fit's `n` is Fate's transfer count.)
+        window: int = 3
         bits: int = 16  # SMoE runs unquantized experts
         eviction: str = "score"  # eq. 3; any name in EVICTIONS
         prefetcher: str = "smoe"  # "smoe" (top-score), "fate" (75th percentile, n cap) or "none"
@@ -296,6 +318,9 @@ class SMoE(Policy):
         cpu_rule: str = "alg2"  # "alg2" (the printed two-pointer loop) or "eq4" (eq. 4's exact minimum)
 
         def __post_init__(self) -> None:
+            # The paper bounds alpha nowhere (Table IV: 0-0.6). At alpha = 1, R = (1 - alpha) S_{k+1} = 0:
+            # any usable inactive expert would substitute however low its score, not the "comparable"
+            # one of §IV-A's C3, so 1 is refused (as `moetool fit --alphas` refuses it, `fit.py`).
             if not 0.0 <= self.alpha < 1.0 or self.window < 0:
                 raise ValueError("alpha must be in [0, 1) and window >= 0")
             if self.cpu_rule not in ("alg2", "eq4"):
