@@ -419,3 +419,75 @@ def test_every_policy_compiles_fullgraph_on_the_demo_model(demo, policy, knobs, 
     assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
     if lossless:
         assert tokens == want
+
+
+def test_blob_rows_reads_each_row_from_its_slot_or_its_host_row(monkeypatch):
+    """The gather of a precision whose experts can miss: a miss's row from the host mirror, a hit's
+    from its pool slot (slots wider than this layer's blob), neither: zeros. The op's CPU path and the
+    Triton kernel (on CUDA it reads the pool on the device and the mirror over the bus), interpreted."""
+    from moetool.engine import zero_copy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 255, (6, 256), dtype=torch.uint8, generator=gen)[:, :192]  # strided rows, as a shard's
+    pool = torch.randint(0, 255, (4, 256), dtype=torch.uint8, generator=gen)
+    slot = torch.tensor([2, -1, -1, 0, 3, -1])
+    index = torch.tensor([-1, 5, -1, -1, 1, 0])  # row 4 marked in both: the host row (a miss) wins
+    zero = torch.zeros(192, dtype=torch.uint8)
+    want = torch.stack([pool[2, :192], src[5], zero, pool[0, :192], src[1], src[0]])
+    assert torch.equal(zero_copy.blob_rows(pool, slot, src, index), want)
+    out = zero_copy.rows_with_triton(src, index, torch.full((6, 192), 7, dtype=torch.uint8), block=16,
+                                     interpret=True, pool=pool, slot=slot)  # 24 words: a partial second block
+    assert torch.equal(out, want)
+
+
+def _old_gather(layers, layer, bits, slot, missed):
+    """The gather as it was: every row from the pool, every row from the host mirror, then merged."""
+    from moetool.engine.zero_copy import host_rows
+    from moetool.quant.format import stack_views
+
+    rows = stack_views(host_rows(layers.host_rows[layer, bits], missed), layers.store.layout(layer, bits))
+    return {n: torch.where((missed < 0).view(-1, *([1] * (v.dim() - 1))), v.index_select(0, slot.clamp(min=0)),
+                           rows[n]) for n, v in layers.pool_parts[layer, bits].items()}
+
+
+@pytest.mark.parametrize("policy,knobs,budget,lossless", [("lru", {}, "25%", True),
+                                                          ("dymoe", {"config": "4/2"}, "30%", False)],
+                         ids=lambda x: str(x))
+def test_a_caching_policys_gather_reads_hits_from_slots_and_misses_from_host_rows(
+        tiny_ckpt, quantized, reference, policy, knobs, budget, lossless):
+    """A caching policy's steps hit and miss; the step decodes transformers' tokens where lossless;
+    and the gather of a mix of hits, misses and rows at other bits gives each used row its expert's
+    blob (the mirror's bytes, which its slot holds too), as the gather that read every row twice did."""
+    from moetool.quant.format import stack_views
+
+    if lossless:
+        lm = load_model(tiny_ckpt("qwen2_moe"))
+        store = HostStore.from_experts(lm.experts, torch.float32)
+    else:
+        lm = load_bundle_model(quantized("qwen2_moe"))
+        store = HostStore.from_bundle(lm.bundle, torch.float32)
+    engine, _, program = _program(lm, store, policy, knobs, budget)
+    tokens = program.generate(IDS, NEW)
+    assert 0 < engine.stats.summary()["hit_rate"] < 1
+    if lossless:
+        assert tokens == reference("qwen2_moe")
+    layers, checked = program.layers, 0
+    layers.table.sync()  # the host half's last fills and evictions, as the next step would see them
+    for layer, bits in layers.host_rows.keys() & layers.pool_parts.keys():
+        table = layers.table.device_table[layers.table.pos[layer], :, layers.table.pidx[bits]].long()  # [E]
+        held, free = (table >= 0).nonzero().flatten(), (table < 0).nonzero().flatten()
+        if not len(held) or not len(free):
+            continue
+        # Rows: a hit, a miss, a row at other bits (neither), a hit, a miss.
+        expert = torch.stack([held[0], free[0], free[0], held[-1], free[-1]])
+        is_hit = torch.tensor([True, False, False, True, False])
+        is_miss = torch.tensor([False, True, False, False, True])
+        slot, missed, used = torch.where(is_hit, table[expert], -1), torch.where(is_miss, expert, -1), is_hit | is_miss
+        got = layers._gather(layer, bits, slot, missed)
+        blobs = torch.where(used[:, None], layers.host_rows[layer, bits][expert], 0)
+        want, old = stack_views(blobs, store.layout(layer, bits)), _old_gather(layers, layer, bits, slot, missed)
+        for name, part in got.items():
+            assert torch.equal(part, want[name]) and torch.equal(part[used], old[name][used])
+        checked += 1
+    assert checked

@@ -30,7 +30,7 @@ from transformers.integrations.moe import _batched_linear  # what transformers' 
 
 from moetool.engine.mirror import Mirrors
 from moetool.engine.signals import mean_scores
-from moetool.engine.zero_copy import host_rows
+from moetool.engine.zero_copy import blob_rows, host_rows
 from moetool.inference import _router_extra_args, router_logits
 from moetool.policies.device import DevicePlan, DeviceView
 from moetool.quant.format import dequantize_parts, stack_views
@@ -38,13 +38,16 @@ from moetool.quant.format import dequantize_parts, stack_views
 
 def captured_workspace(layers: Any, store: Any) -> int:
     """Device bytes the captured step gathers and decodes into per layer, beside the pools: for each of
-    a token's top-k rows, a blob from its slot and one from host memory (at most the largest stored
-    precision's), and the expert's weights in the compute dtype."""
+    a token's top-k rows, its blob (gathered once, from its slot or from host memory; at most the
+    largest stored precision's) and the expert's weights in the compute dtype; or, through the fused
+    kernels, which read slots in place, the rows read from host memory at every precision at once."""
     from moetool.engine.budget import expert_params
 
     k = max(g.top_k for g in layers)
-    blob = max(store.slot_bytes(b) for b in store.bits)
-    return k * (2 * blob + max(expert_params(g) for g in layers) * store.compute_dtype.itemsize)
+    weights = max(expert_params(g) for g in layers) * store.compute_dtype.itemsize
+    gathered = max(store.slot_bytes(b) for b in store.bits) + weights
+    fused = sum(store.slot_bytes(b) for b in store.bits)
+    return k * max(gathered, fused)
 
 
 class SlotTable:
@@ -222,7 +225,7 @@ class CapturedLayers:
             slot = slots[:, p].long()  # [S]
             here = use & (slot >= 0)
             hit = hit | here
-            parts = self._gather(layer, b, slot.clamp(min=0), torch.where(use & ~here, expert, -1))
+            parts = self._gather(layer, b, torch.where(here, slot, -1), torch.where(use & ~here, expert, -1))
             stack = dequantize_parts(parts, self.store.layout(layer, b), self.dtype)
             h = _batched_linear(x.to(self.dtype), stack.gate_up, stack.gate_up_bias)  # [S, 2I]
             h = module.activation(h)  # [S, I]
@@ -259,19 +262,17 @@ class CapturedLayers:
         return experts_forward(hidden, w, pools, self.kernel_acts[layer]), hit
 
     def _gather(self, layer: int, bits: int, slot: torch.Tensor, missed: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each row's blob parts: from its pool slot, or, for a row whose expert has no device copy
-        (`missed` [S]: its expert, -1 elsewhere), from the host mirror in place (`zero_copy`)."""
+        """Each row's blob parts: from its pool slot (`slot` [S], -1 where it has none at `bits`), or, for
+        a row whose expert has no device copy (`missed` [S]: its expert, -1 elsewhere), from the host
+        mirror in place (`zero_copy`). Each row's bytes are read once; a row with neither is zeros."""
         layout = self.store.layout(layer, bits)
-        pool = self.pool_parts.get((layer, bits))
         host = self.host_rows.get((layer, bits))
-        if host is None:
-            return {n: v.index_select(0, slot) for n, v in pool.items()}
-        rows = stack_views(host_rows(host, missed), layout)  # [S, *shape] per part; zeros where not missed
-        if pool is None:
-            return rows
-        here = missed < 0
-        return {n: torch.where(here.view(-1, *([1] * (v.dim() - 1))), v.index_select(0, slot), rows[n])
-                for n, v in pool.items()}
+        if host is None:  # never missed: the pool's typed views, gathered part by part
+            return {n: v.index_select(0, slot.clamp(min=0)) for n, v in self.pool_parts[layer, bits].items()}
+        if (layer, bits) not in self.pool_parts:  # no pool at `bits`: every row it runs is a miss
+            return stack_views(host_rows(host, missed), layout)
+        # A hit's blob from its slot, a miss's from its host row, in one op: [S, nbytes], then its typed views.
+        return stack_views(blob_rows(self.residency.pool_bytes(bits), slot, host, missed), layout)
 
     def _log(self, pos: int, layer: int, view: DeviceView, plan: DevicePlan, hit: torch.Tensor,
              logits: torch.Tensor | None) -> None:
