@@ -306,6 +306,21 @@ def test_a_missed_expert_is_read_from_pinned_host_memory_in_place():
     assert torch.equal(got.cpu(), torch.stack([src[5], torch.zeros(256, dtype=torch.uint8), src[2]]))
 
 
+def test_a_gather_reads_hits_from_the_device_pool_and_misses_from_pinned_host_memory():
+    """`blob_rows` on CUDA: a hit's blob from its device slot (slots wider than the blob), a miss's
+    over the bus from the pinned mirror (strided rows, as a shard's), a row marked in neither zeros."""
+    from moetool.engine.zero_copy import blob_rows
+
+    src = torch.randint(0, 255, (6, 256), dtype=torch.uint8).pin_memory()[:, :192]
+    pool = torch.randint(0, 255, (4, 256), dtype=torch.uint8, device=CUDA)
+    slot = torch.tensor([2, -1, -1, 0, 3, -1], device=CUDA)
+    index = torch.tensor([-1, 5, -1, -1, 1, 0], device=CUDA)  # row 4 marked in both: the miss wins
+    got = blob_rows(pool, slot, src, index)
+    host_pool, zero = pool.cpu(), torch.zeros(192, dtype=torch.uint8)
+    want = torch.stack([host_pool[2, :192], src[5], zero, host_pool[0, :192], src[1], src[0]])
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+
+
 def test_run_takes_the_captured_path_on_cuda_by_default(tiny_ckpt):
     result = run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), policy="lru", budget="50%", device="cuda",
                            prompts=("hello",), max_new_tokens=4))
