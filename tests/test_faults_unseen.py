@@ -340,3 +340,17 @@ def test_a_path_that_looks_like_markup_is_printed_as_it_is(char_ckpt, tmp_path):
     result = _cli("check", model)
     assert result.exit_code == 0, result.output
     assert "m[bold]x" in result.stdout and "PASS" in result.stdout
+
+
+@pytest.mark.parametrize("most,unit,said", [(1, "experts per layer", "1 expert per layer"),
+                                            (1, "MoE layers", "1 MoE layer"), (4, "MoE layers", "4 MoE layers")])
+def test_a_count_knob_past_the_model_is_said_in_the_right_number(most, unit, said):
+    from types import SimpleNamespace
+
+    from moetool.policies import POLICIES
+    from moetool.policies.base import check_at_most
+
+    eap = POLICIES["eap"]
+    policy = SimpleNamespace(name="eap", Params=eap.Params, params=eap.Params(k=5))  # k past the model's
+    with pytest.raises(MoetoolError, match=f"the model has {said}\\.$"):
+        check_at_most(policy, "k", most, unit)

@@ -372,6 +372,8 @@ def check_at_most(policy: Policy, key: str, most: int, unit: str) -> None:
     value = getattr(policy.params, key)
     default = next(f.default for f in dataclasses.fields(policy.Params) if f.name == key)
     if value > most and value != default:
+        if most == 1:  # "1 expert per layer", "1 MoE layer"
+            unit = unit.replace("experts", "expert", 1).replace("layers", "layer", 1)
         raise MoetoolError(f"knob '{key}' of policy '{policy.name}' is {value}, but the model has {most} {unit}.")
 
 
