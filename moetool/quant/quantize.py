@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -44,6 +43,7 @@ from moetool.quant import gptq, hqq
 from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
 from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
+from moetool.quant.notes import gate_up_shape, precision_note, size_note
 from moetool.quant.format import (DTYPES, Bits, Layout, QTensor, auto_group_size, dequantize, dequantize_qtensor,
                                    encode, make_layout, relative_error)
 
@@ -84,53 +84,6 @@ class Progress:
     layer: int | None = None
 
 
-# Safetensors dtypes a bundle's bf16 reference and --dtype weights round (fewer mantissa bits).
-_ROUNDED = {"F16": "float16", "F32": "float32", "F64": "float64"}
-
-
-def precision_note(stored: set[str], dtype: str) -> str | None:
-    """What storing a checkpoint whose experts are in `stored` (safetensors dtype names) as a bundle
-    does to its numbers, or None where nothing is rounded: a bundle keeps its 16-bit experts in
-    bfloat16 (`format.REF_DTYPE`, the papers' reference precision) and its other weights in
-    `dtype`, so an fp16 or fp32 checkpoint's lossless runs over the bundle decode the model rounded
-    to those, not the checkpoint's own numbers."""
-    rounded = sorted(_ROUNDED[d] for d in stored if d in _ROUNDED)
-    if not rounded:
-        return None
-    return (f"the checkpoint's experts are {' and '.join(rounded)}; the bundle keeps its 16-bit experts in "
-            f"bfloat16 and its other weights in {dtype}, so runs over it (lossless ones included) decode the "
-            f"model rounded to those, as plain transformers does with dtype={dtype}, not the checkpoint's own "
-            "numbers.")
-
-
-# A quantized precision is worth a note when its blobs keep over 0.9 of bf16's bytes, or take over
-# 2.9x what its codes alone take (scales and zeros twice the codes: INT4 at group 4, INT2 at group 8).
-WORTH, OVERHEAD = 0.9, 2.9
-
-
-def size_note(layers: list[MoeLayer], layouts: dict[int, dict[Bits, Layout]], group_size: int) -> str | None:
-    """What a low-bit precision fails to save, or None: at a small group (widths with few factors of
-    two, `auto_group_size`) each group's scale and zero can outweigh its codes, so a blob may keep most
-    of the bf16 expert's bytes, or exceed them, while still losing precision."""
-    def total(bits: Bits) -> int:
-        return sum(g.num_experts * (layouts[g.index][bits] if bits in layouts[g.index] else make_layout(
-            bits, _gate_up_shape(g), (g.hidden_size, g.intermediate_size), g.has_bias)).nbytes for g in layers)
-
-    ref = total(Bits.BF16)
-    share = {b: total(b) / ref for b in layouts[layers[0].index] if b != Bits.BF16}
-    poor = sorted((b for b, r in share.items() if r > WORTH or r > OVERHEAD * int(b) / 16), reverse=True)
-    if not poor:
-        return None
-    said = ", ".join(f"INT{int(b)} {share[b]:.2f}x where its codes alone are {int(b) / 16:.3g}x" for b in poor)
-    widths = math.gcd(*(w for g in layers for w in (g.hidden_size, g.intermediate_size)))
-    larger = max(d for d in range(1, min(widths, 128) + 1) if widths % d == 0)  # groups must divide every width
-    fix = (f"--group-size {larger} (the largest group up to 128 that divides every expert's input width) saves more"
-           if larger > group_size else f"no larger group divides the experts' input widths; --bits without "
-           f"{', '.join(str(int(b)) for b in poor)} skips what saves little")
-    return (f"at group size {group_size} the quantized experts keep much of the bf16 experts' bytes ({said}), "
-            f"since each group of {group_size} input columns stores a scale and a zero beside its codes; {fix}.")
-
-
 def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = None,
              note: Callable[[str], None] | None = None) -> Bundle:
     """Quantize every expert of `cfg.model` at `cfg.bits` into a self-contained bundle in `cfg.out`;
@@ -159,7 +112,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     weights = {"weights_sha256": lm.fingerprint.weights_sha256} if lm.fingerprint.weights_sha256 else {}
     settings_sha = _sha256_json({"model_type": lm.fingerprint.model_type,
                                  "config_sha256": lm.fingerprint.config_sha256, "settings": settings, **weights})
-    layouts = {layer.index: {b: make_layout(b, _gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
+    layouts = {layer.index: {b: make_layout(b, gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
                                             layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
     said = size_note(layers, layouts, cfg.group_size)
@@ -384,10 +337,6 @@ def _calibrated(cfg: QuantizeConfig) -> bool:
 
 def _sha256_json(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def _gate_up_shape(layer: MoeLayer) -> tuple[int, int]:
-    return (2 * layer.intermediate_size if layer.gated else layer.intermediate_size, layer.hidden_size)
 
 
 def _layout_key(layout: Layout) -> str:
