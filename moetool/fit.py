@@ -2,7 +2,7 @@
 
 The stage reads the artifacts, checks they are of one model, splits `--budget` as the engine would,
 and asks every registered policy that has a `fit` (`Policy.fit`, `policies/stages.py`) for its
-knobs; the papers' own rules live in their files: SMoE's alpha from T(alpha) (eq. 5, `smoe.py`),
+knobs; the papers' own rules live in their files: SMoE's alpha from T(alpha) (eq. 5, `smoe_fit.py`),
 Fate's L, n and p (§4.3-4.5, `fate.py`), DyMoE's lambda (eq. 4, `dymoe.py`), DynaExq's n_hi (§3.1,
 `dynaexq.py`). The result is one `Fit` artifact (`artifacts.py`): knobs and evidence per policy name.
 
@@ -23,7 +23,7 @@ from moetool.artifacts import Fit, read_json, sha256_file
 from moetool.errors import MoetoolError
 from moetool.policies import POLICIES
 from moetool.policies.dymoe import RETENTION_FLOOR
-from moetool.policies.smoe import ALPHAS
+from moetool.policies.smoe_fit import ALPHAS
 from moetool.policies.stages import FitInputs, FitTargets
 from moetool.spec import check_budget
 

@@ -7,7 +7,7 @@
 - score-based eviction (eq. 3, the `score` order registered here) with the engine's in-use shield;
 - top-score prefetch: the next layer's router on this layer's gate input (§IV-C);
 - CPU-assisted compute (Algorithm 2, eq. 4): misses split between PCIe loads and CPU compute;
-- fit (eq. 5): alpha from a polynomial T(alpha) fitted to smoe runs at several alphas;
+- fit (eq. 5, `smoe_fit.py`): alpha from a polynomial T(alpha) fitted to smoe runs at several alphas;
 - report: gate scores of selected vs unselected experts (Fig. 4), T(alpha), §VI-B's quality claim.
 
 In the captured decode step Algorithm 1 and the prefetch run on the device as written (`plan_step`);
@@ -29,16 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.errors import MoetoolError
 from moetool.policies.base import EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool, Where, register
 from moetool.policies.common import all_experts, check_eviction, even_quota, hw_seconds, next_moe_layer, predicted_scores
 from moetool.policies.device import DevicePlan, DeviceView, best_first
 from moetool.policies.eviction import Eviction, register_eviction
 from moetool.policies.fate import CrossLayerPrefetch
+from moetool.policies.smoe_fit import alpha_figure, choose_alpha, fit_polynomial, measured_guard
 from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
-
-ALPHAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)  # the fit's sweep: §VI-B runs at 0.25-0.35 (Table IV 0-0.6); brackets it
-GRID_POINTS = 101  # alphas at which eq. 5 reads the fitted T(alpha)
 
 
 def gate_scores(router_logits: torch.Tensor) -> torch.Tensor:
@@ -224,81 +221,6 @@ class TopScorePrefetch:
         return best_first(best, chosen, chosen.shape[0]), self.bits
 
 
-# -- fit: T(alpha) and eq. 5 -----------------------------------------------------------------------
-
-
-def fit_polynomial(x: list[float], y: list[float], max_degree: int = 3) -> dict[str, Any]:
-    """numpy.polyfit of the degree (<= max_degree) with the smallest leave-one-out RMSE (ties: lower).
-
-    The paper fits "a low-degree polynomial" T(alpha) without a degree (§V-C); leave-one-out picks one
-    the points support. What is left out is one alpha with all its runs (the same as one point when
-    no alpha repeats), so every fold still has d + 1 distinct alphas for a degree d <= distinct - 2.
-    With two distinct alphas no degree above 0 can be checked that way: the fit is then the line
-    through them, §V-C's observation that TPOT "generally decreases linearly with the value of alpha"
-    (a constant would make eq. 5's search answer the lower end, or nothing, whatever the runs say).
-    """
-    x_arr, y_arr = np.asarray(x, float), np.asarray(y, float)
-    n = len(x_arr)
-    alphas = sorted(set(x_arr.tolist()))
-    distinct = len(alphas)
-    if n == 0:
-        raise MoetoolError("no (alpha, TPOT) points to fit.")
-    loo: dict[str, float] = {}
-    for d in range(min(max_degree, distinct - 2) + 1):
-        errs: list[float] = []
-        for a in alphas:
-            out = x_arr == a
-            coef = np.polyfit(x_arr[~out], y_arr[~out], d)
-            errs.extend((np.polyval(coef, x_arr[out]) - y_arr[out]).tolist())
-        loo[str(d)] = float(np.sqrt(np.mean(np.square(errs))))
-    if distinct == 2:
-        degree = "1"  # the line through the two alphas (see above)
-    else:
-        best = min(loo.values()) if loo else 0.0
-        # Ties (within rounding: exact data fits every degree above its own) go to the lower degree.
-        degree = next((d for d in loo if loo[d] <= best * (1 + 1e-6) + 1e-12 * (1 + float(np.abs(y_arr).max()))), "0")
-    coef = np.polyfit(x_arr, y_arr, int(degree))
-    return {"degree": int(degree), "coefficients": [float(c) for c in coef], "loo_rmse": loo,
-            "residuals": [float(r) for r in y_arr - np.polyval(coef, x_arr)]}
-
-
-def choose_alpha(coefficients: list[float], lo: float, hi: float, target: float | None) -> dict[str, Any]:
-    """Smallest alpha in [lo, hi] whose fitted T(alpha) <= target (SMoE eq. 5), on a 101-point grid."""
-    grid = np.linspace(lo, hi, GRID_POINTS)
-    pred = np.polyval(coefficients, grid)
-    out: dict[str, Any] = {"grid": [float(a) for a in grid], "predicted": [float(t) for t in pred],
-                           "target_tpot": target, "alpha": None, "feasible": None}
-    if target is None:
-        return out
-    ok = np.nonzero(pred <= target)[0]
-    if len(ok):
-        out.update(alpha=float(grid[ok[0]]), feasible=True)
-    else:  # no alpha meets R: the fastest one, flagged
-        out.update(alpha=float(grid[int(np.argmin(pred))]), feasible=False)
-    return out
-
-
-def measured_guard(alpha: float, points: list[tuple[float, float, Any]], target: float) -> float:
-    """Our addition to SMoE eq. 5: never choose an alpha the measurements contradict.
-
-    The paper fits a polynomial T(alpha) and takes the smallest alpha with T(alpha) <= R. When TPOT
-    is a step in alpha (a near-uniform router: any alpha > 0 substitutes almost every miss), the
-    best polynomial by leave-one-out is flat and can choose an alpha that was measured slower than
-    R. So the choice is checked against the runs themselves, interpolated linearly between measured
-    alphas (mean TPOT where one alpha was run more than once): if they put it above R, the smallest
-    measured alpha that met R is taken instead; otherwise the polynomial's choice stands.
-    """
-    by_alpha: dict[float, list[float]] = {}
-    for a, t, _ in points:
-        by_alpha.setdefault(float(a), []).append(float(t))
-    xs = sorted(by_alpha)
-    measured = float(np.interp(alpha, xs, [float(np.mean(by_alpha[a])) for a in xs]))
-    meets = [a for a in xs if np.mean(by_alpha[a]) <= target]
-    if measured > target * (1 + 1e-9) and meets:
-        return meets[0]
-    return alpha
-
-
 @register("smoe")
 class SMoE(Policy):
     """Expert-cache router + score eviction + top-score prefetch + CPU-assisted compute, at `bits`."""
@@ -466,7 +388,7 @@ class SMoE(Policy):
                 part.figures.append(_gate_scores_figure(prof.routing, fig))
         for path, f in inputs.fits:
             if f.evidence.get(cls.name, {}).get("alpha"):
-                part.figures.append(_alpha_figure(f.evidence[cls.name]["alpha"],
+                part.figures.append(alpha_figure(f.evidence[cls.name]["alpha"],
                                                  inputs.out_dir / f"alpha_tpot{inputs.tag(path)}.png"))
         smoe, resident = inputs.ppl(cls.name, alpha=0.3), inputs.ppl("resident")
         if smoe and resident:
@@ -499,21 +421,4 @@ def _gate_scores_figure(r: Any, path: Path) -> Path:
             title="Score distribution, all layers, decode")
     ax2.legend()
     fig.suptitle("Gate scores of selected vs unselected experts (SMoE Fig. 4)")
-    return save(fig, path)
-
-
-def _alpha_figure(a: dict[str, Any], path: Path) -> Path:
-    """Eq. 5 as fitted: the measured (alpha, TPOT) points, T(alpha), R and the chosen alpha."""
-    from moetool.figures import plt, save
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    pts = np.array([p[:2] for p in a["points"]], float)
-    ax.plot(pts[:, 0], pts[:, 1] * 1e3, "o", label="measured TPOT")
-    ax.plot(a["grid"], np.array(a["predicted"]) * 1e3, "-", label=f"degree-{a['degree']} fit (LOO)")
-    if a.get("target_tpot") is not None:
-        ax.axhline(a["target_tpot"] * 1e3, color="gray", ls=":", label=f"R = {a['target_tpot'] * 1e3:.3g} ms")
-    if a.get("alpha") is not None:
-        ax.axvline(a["alpha"], color="red", ls="--", label=f"chosen alpha = {a['alpha']:.3f}")
-    ax.set(xlabel="alpha (SMoE substitution threshold)", ylabel="mean TPOT (ms)", title="T(alpha) (SMoE eq. 5)")
-    ax.legend(fontsize=8)
     return save(fig, path)

@@ -120,7 +120,7 @@ class FitTargets:
     """What the user asks of the fits (`FitInputs.config`); `fit.FitConfig` adds the inputs, the sweep
     and the refusals of values no fit could use."""
 
-    alphas: tuple[float, ...] = ()  # SMoE: the sweep's alphas (FitConfig's default: smoe.ALPHAS)
+    alphas: tuple[float, ...] = ()  # SMoE: the sweep's alphas (FitConfig's default: smoe_fit.ALPHAS)
     target_tpot: float | None = None  # R of SMoE eq. 5, seconds
     max_loss: float = 0.01  # Fate p: relative loss allowed (1% in §4.5)
     l_threshold: float = 0.7  # Fate L: decode prefetch recall every deeper layer keeps (Fate reports 77-79% mean)
