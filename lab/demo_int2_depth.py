@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from moetool import datasets
 from moetool.demo import committed_params_path, fetch_dense_gguf, load_dense, load_params
-from moetool.model import encode
+from moetool.tokenizer import encode
 from moetool.profile.data import spread_chunks
 from moetool.quant.format import Bits, auto_group_size, dequantize_qtensor, make_layout
 from moetool.quant.hqq import quantize_weight

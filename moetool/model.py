@@ -27,8 +27,9 @@ from moetool.artifacts import ModelFingerprint
 from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkpoint
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
-from moetool.errors import MoetoolError, not_text, quote
-from moetool.files import CONFIG_BYTES, TOKENIZER_BYTES, check_file
+from moetool.errors import MoetoolError
+from moetool.files import CONFIG_BYTES, check_file
+from moetool.tokenizer import load_tokenizer
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
 # for an architecture whose experts are not a fused transformers module).
@@ -36,9 +37,6 @@ _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe
 # Config keys that give the experts each token is routed to, where the router and block keep no `top_k`
 # (Gemma 4's router reads `config.top_k_experts` at call time).
 _TOP_K_CONFIG_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_TOKENIZER_EXTRAS = ("merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.tiktoken")
-_TOKENIZER_PROBE = "Hello world"  # every tokenizer with a vocabulary gives it at least one token
 _LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
 
 
@@ -253,31 +251,6 @@ class LoadedModel:
 
     def non_expert_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-
-def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = True) -> torch.Tensor:
-    """Token ids [T] of `text`. Tokenizer-less checkpoints (the tests' tiny models) get the text's
-    UTF-8 bytes folded into their vocabulary: the one place that fallback is written."""
-    if (why := not_text(text)) is not None:  # what no tokenizer encodes: one sentence, not a traceback
-        raise MoetoolError(f"the text {quote(text, 40)} {why}.")
-    if tokenizer is None:
-        return torch.tensor([b % vocab_size for b in text.encode()], dtype=torch.long)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
-    return check_ids(ids, tokenizer, vocab_size)
-
-
-def check_ids(ids: torch.Tensor, tokenizer: Any, vocab_size: int) -> torch.Tensor:
-    """`ids` (any shape), once each is a token the model embeds; else one sentence. A tokenizer that
-    gives an id past the model's vocabulary is another model's (its files copied beside these
-    weights): the forward would fail inside the embedding lookup. Checked on the ids a text actually
-    gives, since a tokenizer may list ids it never produces."""
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        bad = int(ids[ids >= vocab_size].reshape(-1)[0])
-        piece = tokenizer.convert_ids_to_tokens(bad) if tokenizer is not None else None
-        raise MoetoolError(f"the model's tokenizer gives the token id {bad}{f' ({quote(piece, 30)})' if piece else ''}, "
-                           f"but the model embeds only {vocab_size} (vocab_size in its config.json): the tokenizer "
-                           "files are another model's; copy this model's own.")
-    return ids
 
 
 def _has_fused_experts_class(model: nn.Module) -> bool:
@@ -501,41 +474,6 @@ def load_generation_config(model: nn.Module, directory: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
     except (OSError, ValueError) as e:
         raise MoetoolError(f"{directory}/generation_config.json is not valid: {_first_line(e)}.") from None
-
-
-def load_tokenizer(source: str) -> Any:
-    """The checkpoint's tokenizer, or None for a checkpoint that ships no tokenizer file (the tests'
-    tiny models). A tokenizer the directory names must load and tokenize: a missing or damaged
-    tokenizer.json must not quietly become another tokenizer (other ids, empty text)."""
-    from transformers import AutoTokenizer
-
-    local = Path(source)
-    if not local.is_dir():  # a hub id: what its snapshot has, as transformers resolves it
-        try:
-            return AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError, TypeError):
-            return None
-    # transformers 5 builds an *empty* tokenizer for some model types when a directory has no
-    # tokenizer files, so a local directory must actually ship one.
-    named = [f for f in _TOKENIZER_FILES if (local / f).exists()]
-    if not named:
-        return None
-    for f in local.iterdir():  # transformers reads each of these whole: regular files of bounded size
-        if f.name in _TOKENIZER_FILES or f.name in _TOKENIZER_EXTRAS:
-            check_file(f, TOKENIZER_BYTES, "tokenizer file")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False).input_ids
-        vocabulary = len(tokenizer.get_vocab()) - len(set(tokenizer.all_special_ids))
-    except Exception as e:  # noqa: BLE001 - the files are user input: tokenizers raises bare Exceptions
-        reason = _first_line(e)[:200].rstrip(":. ")
-        raise MoetoolError(f"the tokenizer in {local} ({', '.join(named)}) does not load: {reason}; copy or download "
-                           "its tokenizer files again.") from None
-    if not ids or vocabulary < 1:
-        raise MoetoolError(f"the tokenizer in {local} ({', '.join(named)}) holds no vocabulary (\"{_TOKENIZER_PROBE}\" "
-                           "gives no tokens): its vocabulary file is missing; copy or download its tokenizer files "
-                           "again.")
-    return tokenizer
 
 
 def _check_architecture(config: Any) -> None:

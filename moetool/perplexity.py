@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moetool.inference import with_cache
-from moetool.model import encode
+from moetool.tokenizer import encode
 
 ProgressFn = Callable[[int, int], None]
 

@@ -28,10 +28,11 @@ from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text
 from moetool.inference import context_length
-from moetool.model import LoadedModel, check_ids, encode, load_model
+from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.schema import SchemaError
 from moetool.spec import EngineRecord, EngineSpec, check_positive, resolve_dtype
+from moetool.tokenizer import check_ids, encode
 
 
 @dataclass(frozen=True)

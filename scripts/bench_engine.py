@@ -61,9 +61,10 @@ from moetool.checkpoint import find_experts_modules
 from moetool.datasets import train_text
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
-from moetool.model import encode, load_config, load_model, load_tokenizer, model_fingerprint, resolve_source
+from moetool.model import load_config, load_model, model_fingerprint, resolve_source
 from moetool.quant.bundle import Bundle
 from moetool.quant.quantize import QuantizeConfig, quantize
+from moetool.tokenizer import encode, load_tokenizer
 
 from bench_kernels_section import section_kernels  # a sibling file (scripts/ is on sys.path when run)
 

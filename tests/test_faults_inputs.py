@@ -63,7 +63,7 @@ def damage_tokenizer(directory: Path, how: str, at: float, cls: str) -> bool:
 @given(how=st.sampled_from(DAMAGE), at=st.floats(0, 1),
        cls=st.sampled_from(["Qwen2Tokenizer", "LlamaTokenizer", "GPT2Tokenizer", "PreTrainedTokenizerFast"]))
 def test_a_tokenizer_the_checkpoint_names_loads_or_is_one_sentence(char_ckpt, tmp_path_factory, how, at, cls):
-    from moetool.model import load_tokenizer
+    from moetool.tokenizer import load_tokenizer
 
     directory = copy(char_ckpt, tmp_path_factory.mktemp("tok") / "m")
     if not damage_tokenizer(directory, how, at, cls):

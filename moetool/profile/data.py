@@ -16,7 +16,8 @@ import torch
 
 from moetool import datasets
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, encode
+from moetool.model import LoadedModel
+from moetool.tokenizer import encode
 
 TEXTS = {"train": datasets.train_text, "heldout": datasets.heldout_text}
 

@@ -14,7 +14,8 @@ from typing import Protocol
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.model import LoadedModel, MoeLayer, check_ids
+from moetool.model import LoadedModel, MoeLayer
+from moetool.tokenizer import check_ids
 
 
 class CalibrationSettings(Protocol):
