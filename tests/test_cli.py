@@ -277,7 +277,7 @@ def test_a_malformed_task_yaml_is_named_as_such_not_as_needing_the_hub(tiny_ckpt
 
 
 def test_a_tag_of_lm_evals_own_is_not_malformed_yaml(tmp_path):
-    from moetool.evaluate import _check_task_yaml
+    from moetool.eval_tasks import _check_task_yaml
 
     ok = tmp_path / "ok.yaml"
     ok.write_text("task: mine\nprocess_docs: !function utils.process_docs\n")

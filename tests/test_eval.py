@@ -16,8 +16,10 @@ from moetool import mmlu
 from moetool.cli import app
 from moetool.demo import build_demo_model
 from moetool.datasets import MC_TASKS, heldout_text, mc_task
-from moetool.evaluate import MAX_LENGTH, TASKS_DIR, Eval, EvalConfig, evaluate
-from moetool.model import load_reference, load_tokenizer
+from moetool.eval_tasks import TASKS_DIR
+from moetool.evaluate import MAX_LENGTH, Eval, EvalConfig, evaluate
+from moetool.model import load_reference
+from moetool.tokenizer import load_tokenizer
 from helpers import save_char_tokenizer
 from tiny import save_tiny
 

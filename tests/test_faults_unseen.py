@@ -33,7 +33,7 @@ from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.files import short_name, temp_file_of
-from moetool.model import encode
+from moetool.tokenizer import encode
 
 runner = CliRunner()
 
@@ -232,6 +232,7 @@ def _task(directory: Path, name: str, kind: str, body: str, rows: list[dict] | N
 def offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr("moetool.evaluate.hub_reachable", lambda: False)
+    monkeypatch.setattr("moetool.eval_tasks.hub_reachable", lambda: False)
 
 
 @pytest.mark.parametrize("case,words", [
@@ -249,7 +250,7 @@ def test_a_tasks_own_fault_offline_is_named_not_blamed_on_the_hub(char_ckpt, tmp
 
 
 def test_a_task_of_the_hub_offline_is_still_the_hubs_sentence():
-    from moetool.evaluate import _hub_failure
+    from moetool.eval_tasks import hub_failure
 
     try:
         try:
@@ -257,8 +258,8 @@ def test_a_task_of_the_hub_offline_is_still_the_hubs_sentence():
         except OSError as e:
             raise ConnectionError("Couldn't reach 'x/y' on the Hub (OfflineModeIsEnabled)") from e
     except ConnectionError as e:
-        assert _hub_failure(e)
-    assert not _hub_failure(FileNotFoundError("Unable to find '/data/t.jsonl'"))
+        assert hub_failure(e)
+    assert not hub_failure(FileNotFoundError("Unable to find '/data/t.jsonl'"))
 
 
 @pytest.mark.parametrize("shots,kind,body", [

