@@ -331,8 +331,13 @@ class DyMoE(Policy):
         return plan
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "lam_used": self.lam,
-                "retention": [round(x, 4) for x in self.schedule], "slots": self.slots}
+        out = {**super().describe(), "lam_used": self.lam,
+               "retention": [round(x, 4) for x in self.schedule], "slots": self.slots}
+        if self.params.lam >= 0:
+            # An explicit lam overrides r (eq. 4), so the recorded r is the mean retention that lam
+            # gives: the report's Table 3 rows and Fig. 11 read r, and the default 0.75 was not what ran.
+            out["r"] = sum(self.schedule) / len(self.schedule)
+        return out
 
     # -- fit and report --------------------------------------------------------------------------
     @classmethod
