@@ -199,7 +199,13 @@ class LookAhead:
 
 def run_bits(residency: ResidencyView, layer: int, expert: int, critical: bool, high: int, low: int) -> int:
     """The precision to run: high if critical (rule 2: a low copy does not serve it), else the
-    resident high copy if any (rule 3, conservative reuse), else low."""
+    resident high copy if any (rule 3, conservative reuse), else low.
+
+    Rule 3 reuses a high copy "already cached": one still in flight (a look-ahead prefetch of an
+    expert that turned out sub-critical) does not count, as written. The low copy then runs from
+    the staging buffer, since rule 1 will not cache it beside the high one coming in; waiting for
+    the high copy instead would move no extra bytes but run the expert at a precision the plan did
+    not ask for (our reading; the paper's cache has no in-flight state)."""
     if critical or high in residency.resident_bits(layer, expert):
         return high
     return low
