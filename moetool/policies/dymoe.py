@@ -278,7 +278,9 @@ class DyMoE(Policy):
 
     def admit(self, want: Fetch, residency: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """§4.4.2 rule 1 (no duplication): never a low copy next to a high one, resident or in flight;
-        rule 2 (precision promotion): a high copy admitted for an expert held low evicts the low copy."""
+        rule 2 (precision promotion): a high copy admitted for an expert held low evicts the low copy,
+        even one still in flight (rule 1 counts copies in flight). Its slot is safe to reuse at once:
+        copies run in order on one copy stream (`engine/transfer.py`), so a later fill lands after it."""
         layer, expert = want.layer, want.expert
         held = set(residency.resident_bits(layer, expert)) | set(residency.loading_bits(layer, expert))
         if want.bits not in (self.high, self.low) or (want.bits == self.low and self.high in held):
