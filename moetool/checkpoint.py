@@ -29,6 +29,7 @@ from torch import nn
 from moetool.artifacts import read_json
 from moetool.errors import MoetoolError, not_text
 from moetool.files import CONFIG_BYTES, check_file
+from moetool.prequantized import dequantizer, quant_method, read_fp8, unscaled_blocks
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 # What a run needs of a hub snapshot besides the weights: config, tokenizer, generation config.
@@ -133,10 +134,19 @@ def load_into(model: nn.Module, tensors: dict[str, Any], dtype: torch.dtype, map
         raise
     except Exception as e:  # noqa: BLE001 - data read from a user's file: one sentence, naming what failed
         raise MoetoolError(f"cannot read the checkpoint's weights: {first_line(e)}.") from None
-    if info.conversion_errors or info.mismatched_keys:
-        what = next(iter(info.conversion_errors.items()), None) or sorted(info.mismatched_keys)[0]
-        raise MoetoolError(f"the checkpoint's weights do not fit the model's config ({what}).")
+    if info.conversion_errors:
+        target, report = next(iter(info.conversion_errors.items()))
+        raise MoetoolError(f"the checkpoint's weights do not fit the model's config: {target}: {_reason(report)}.")
+    if info.mismatched_keys:
+        raise MoetoolError(f"the checkpoint's weights do not fit the model's config ({sorted(info.mismatched_keys)[0]}).")
     return info
+
+
+def _reason(report: Any) -> str:
+    """The error's own sentence out of a conversion report transformers wrote with its traceback."""
+    lines = [ln.strip() for ln in str(report).splitlines() if ln.strip()]
+    said = [ln.split(": ", 1)[1] for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)]
+    return (said[0] if said else lines[-1] if lines else "a conversion failed").rstrip(".")
 
 
 # Config fields that count routed experts (per architecture) and that must agree with that count.
@@ -175,6 +185,7 @@ class Checkpoint:
     dtype: torch.dtype
     expert_keys: dict[str, dict[str, Any]]  # experts module path -> checkpoint key -> lazy slice
     _files: ExitStack = field(repr=False)
+    quantizer: Any = field(default=None, repr=False)  # transformers' dequantizer of an FP8/MXFP4 checkpoint
     _shells: dict[int, nn.Module] = field(default_factory=dict, repr=False)
 
     def stored_dtypes(self) -> set[str]:
@@ -208,7 +219,7 @@ class Checkpoint:
                 chosen[key] = tensor
         shell = self._shell(stop - start)
         module = shell.get_submodule(path)
-        load_into(shell, chosen, self.dtype, get_model_conversion_mapping(shell))
+        load_into(shell, chosen, self.dtype, get_model_conversion_mapping(shell, hf_quantizer=self.quantizer))
         out = {}
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
@@ -275,11 +286,16 @@ def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any
 _FLOAT_DTYPES = ("F", "BF")
 
 
-def _refuse_integer_weights(handle: Any, key: str, floating: bool, path: Path) -> None:
-    """Refuse a weight stored as integers or booleans where the model's (`floating`) is floating point:
-    the loader would cast the stored integers to it silently, as if they were the weights'
-    values (a quantized tensor without its scales, a shard of something else)."""
-    dtype = handle.get_slice(key).get_dtype() if floating else "F32"
+# What an MXFP4 checkpoint stores as uint8 by design: codes and power-of-two scales, read by
+# transformers' dequantizer, never cast.
+_PACKED = ("_blocks", "_scales")
+
+
+def _refuse_integer_weights(dtype: str, key: str, path: Path) -> None:
+    """Refuse a weight stored as integers or booleans (`dtype`, safetensors' name; the caller gives
+    "F32" where the model's tensor is itself an integer buffer): the loader would cast the stored
+    integers silently, as if they were the weights' values (a quantized tensor without its scales, a
+    shard of something else)."""
     if not dtype.startswith(_FLOAT_DTYPES):
         raise MoetoolError(f"checkpoint shard {path.name} in {path.parent} stores the weight {key} as {dtype}, not "
                            "floating point: it is a quantized or damaged checkpoint, which moetool cannot read; give "
@@ -293,7 +309,9 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
 
     directory = local_directory(source)
     model = build_skeleton(config, dtype)
-    mapping = get_model_conversion_mapping(model)
+    # An MXFP4 checkpoint: transformers' quantizer dequantizes its experts as they load (FP8: `read_fp8`).
+    quantizer = dequantizer(config)
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     targets = model.state_dict()
@@ -302,16 +320,26 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
     rest: dict[str, Any] = {}
     by_module: dict[str, dict[str, Any]] = {}
     try:
+        entries = {}  # checkpoint key -> (lazy slice, safetensors dtype, shard)
         for path in weight_files(directory):
             handle = files.enter_context(open_safetensors(path))
             for key in handle.keys():
-                # The name this key will have in the model, by the same rules the loader applies.
-                target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, targets)
-                module = experts.get(target)
-                floating = module is not None or (target in targets and targets[target].is_floating_point())
-                _refuse_integer_weights(handle, key, floating, path)
-                (by_module.setdefault(module, {}) if module else rest)[key] = handle.get_slice(key)
-        info = load_into(model, rest, dtype, get_model_conversion_mapping(model))
+                tensor = handle.get_slice(key)
+                entries[key] = (tensor, tensor.get_dtype(), path)
+        if quant_method(config) == "fp8":
+            entries = read_fp8(entries, config, directory)
+        elif quantizer is not None and (bare := unscaled_blocks({k: e[1] for k, e in entries.items()})):
+            raise MoetoolError(f"the checkpoint in {directory} stores {bare} in MXFP4 without its scales, so its values "
+                               "are unknown: it is incomplete or damaged.")
+        for key, (tensor, stored, path) in entries.items():
+            # The name this key will have in the model, by the same rules the loader applies.
+            target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, targets)
+            module = experts.get(target)
+            floating = module is not None or (target in targets and targets[target].is_floating_point())
+            if quantizer is None or not key.endswith(_PACKED):
+                _refuse_integer_weights(stored if floating else "F32", key, path)
+            (by_module.setdefault(module, {}) if module else rest)[key] = tensor
+        info = load_into(model, rest, dtype, get_model_conversion_mapping(model, hf_quantizer=quantizer))
         _refuse_unused(model, info, by_module, directory)
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # e.g. lm_head shares the embedding: the checkpoint stores it once
@@ -323,4 +351,4 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
         files.close()
         raise
     return Checkpoint(source=source, directory=directory, config=config, model=model, dtype=dtype,
-                      expert_keys=by_module, _files=files)
+                      expert_keys=by_module, _files=files, quantizer=quantizer)

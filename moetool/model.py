@@ -29,6 +29,8 @@ from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
 from moetool.files import CONFIG_BYTES, check_file
+from moetool.prequantized import DEQUANTIZED, load_dequantized, quant_method
+from moetool.prequantized import check as check_prequantized
 from moetool.tokenizer import load_tokenizer
 
 # Config keys whose presence marks a model as Mixture-of-Experts (used only to word the error
@@ -372,18 +374,19 @@ _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "max_pos
 
 
 def _check_config(config: Any, source: str) -> None:
-    """Refuse what a config says that moetool cannot run as it says: a pre-quantized checkpoint
-    (its `quantization_config`: GPTQ, AWQ, FP8 with scales, MXFP4, bitsandbytes), whose stored weights
-    are not the model's numbers without its quantizer, which moetool does not apply; and a size that is
-    0 or negative."""
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        method = getattr(method, "value", method)
+    """Refuse what a config says that moetool cannot run as it says: a pre-quantized checkpoint other
+    than FP8 and MXFP4 (which are read dequantized, `prequantized.py`): GPTQ, AWQ, bitsandbytes...,
+    whose stored weights are not the model's numbers without their quantizer; and a size that is 0
+    or negative."""
+    method = quant_method(config)
+    if method is not None and method not in DEQUANTIZED:
         what = f" (quant_method '{method}')" if method else ""
         raise MoetoolError(f"'{source}' is a pre-quantized checkpoint: its config.json has a quantization_config{what}, "
-                           "and moetool reads only unquantized weights (bf16, fp16, fp32); give the unquantized "
-                           "checkpoint and let `moetool quantize` quantize its experts.")
+                           "and moetool reads unquantized weights (bf16, fp16, fp32) and, dequantized, FP8 and MXFP4 "
+                           "checkpoints; give the unquantized checkpoint and let "
+                           "`moetool quantize` quantize its experts.")
+    if method is not None:
+        check_prequantized(config, source)  # a malformed FP8/MXFP4 quantization_config is one sentence here
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in _POSITIVE_FIELDS:
         value = getattr(text, name, None)
@@ -405,7 +408,10 @@ def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, exper
     config = load_config(src)
     _check_architecture(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl)
+        model = (load_dequantized(src, config, dtype, experts_impl)  # FP8, MXFP4: the numbers moetool reads
+                 or AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl))
+    except MoetoolError:
+        raise
     except Exception as e:  # noqa: BLE001 - the checkpoint is user input: any failure is one sentence
         if "ignore_mismatched_sizes" in str(e):  # transformers' own sentence points at a report it logged
             raise MoetoolError(f"the weights of '{src}' do not fit its config.json: some tensor's shape differs from "

@@ -151,7 +151,7 @@ def test_a_tokenizer_that_lists_ids_it_never_gives_still_runs(tiny_ckpt, tmp_pat
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize("method", ["gptq", "fp8"])
+@pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_prequantized_checkpoint_is_refused_not_run_as_if_unquantized(tiny_ckpt, tmp_path, method):
     model = _edit_config(_copy(tiny_ckpt("mixtral"), tmp_path / "m"),
                          quantization_config={"quant_method": method, "bits": 4})

@@ -39,6 +39,7 @@ from moetool.files import DirectoryLock as _DirectoryLock
 from moetool.files import not_inside_a_model, temp_file_of
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
+from moetool.prequantized import without_quantization
 from moetool.quant import gptq, hqq
 from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
 from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids
@@ -250,7 +251,8 @@ def write_model_files(lm: LoadedModel, out: Path) -> tuple[ModelFile, ...]:
     """
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR}.", suffix=".tmp", dir=out))
     try:
-        lm.model.config.save_pretrained(tmp)
+        # Dequantized as they loaded (an FP8/MXFP4 checkpoint), the non-expert weights are the model's own.
+        without_quantization(lm.model.config).save_pretrained(tmp)
         if lm.model.generation_config is not None:
             lm.model.generation_config.save_pretrained(tmp)
         if lm.tokenizer is not None:
