@@ -92,6 +92,9 @@ class Fp8Weight:
     def __init__(self, key: str, codes: Any, scale: Any, block: tuple[int, int] | None):
         self.key, self.codes, self.scale, self.block = key, codes, scale, block
 
+    def get_dtype(self) -> str:
+        return "F8_SCALED"  # an FP8 code times a float32 scale: `quant.notes` says a bundle rounds it
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         lead = isinstance(index, slice) and len(self.codes.get_shape()) > 2 and len(self.scale.get_shape()) > 2
         codes, scale = (self.codes[index], self.scale[index]) if lead else (self.codes[:], self.scale[:])

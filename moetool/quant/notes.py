@@ -15,7 +15,7 @@ def gate_up_shape(layer: MoeLayer) -> tuple[int, int]:
 
 
 # Safetensors dtypes a bundle's bf16 reference and --dtype weights round (fewer mantissa bits).
-_ROUNDED = {"F16": "float16", "F32": "float32", "F64": "float64"}
+_ROUNDED = {"F16": "float16", "F32": "float32", "F64": "float64", "F8_SCALED": "FP8 times float32 block scales"}
 
 
 def precision_note(stored: set[str], dtype: str) -> str | None:
