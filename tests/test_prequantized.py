@@ -44,13 +44,13 @@ def to_fp8(src: Path, dst: Path) -> Path:
         if not _quantized_by_fp8(key, t):
             out[key] = t
             continue
-        rows, cols = t.shape
+        *lead, rows, cols = t.shape  # [out, in], or [E, out, in] for a fused experts tensor
         sr, sc = math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
-        padded = torch.zeros(sr * BLOCK, sc * BLOCK)
-        padded[:rows, :cols] = t.float()
-        blocks = padded.reshape(sr, BLOCK, sc, BLOCK)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [sr, sc]
-        codes = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols]
+        padded = torch.zeros(*lead, sr * BLOCK, sc * BLOCK)
+        padded[..., :rows, :cols] = t.float()
+        blocks = padded.reshape(*lead, sr, BLOCK, sc, BLOCK)
+        scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0  # [..., sr, sc]
+        codes = (blocks / scale[..., :, None, :, None]).reshape(padded.shape)[..., :rows, :cols]
         out[key] = codes.to(torch.float8_e4m3fn).contiguous()
         out[key[:-len("weight")] + "weight_scale_inv"] = scale.contiguous()
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
@@ -145,6 +145,23 @@ def test_an_fp8_checkpoints_bundle_runs_the_checkpoints_tokens(fp8, tmp_path):
     assert _tokens("--bundle", out, "--policy", "lru", "--set", "bits=16") == direct
     assert _tokens("--bundle", out, "--model", quantized, "--policy", "lru") == direct
     assert _cli("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "granitemoe"])
+def test_fp8_experts_per_expert_or_fused_are_read_exact_against_transformers(tmp_path, arch):
+    """mixtral stores an expert per key (w1/w2/w3, renamed by transformers' conversion); granitemoe one
+    [E, out, in] tensor a layer, which moetool reads a span of experts at a time (scales sliced too)."""
+    from moetool.model import load_model
+
+    quantized = to_fp8(save_tiny(arch, tmp_path / "bf16", dtype=torch.bfloat16), tmp_path / "fp8")
+    result = _cli("check", quantized)
+    assert result.exit_code == 0 and "PASS" in result.stdout, result.output
+    lm = load_model(str(quantized))
+    layer = lm.geometry.layers[0]
+    whole = lm.experts.checkpoint.layer_experts(layer.path + ".experts")
+    part = lm.experts.checkpoint.layer_experts(layer.path + ".experts", 1, 3)
+    for name, t in part.items():
+        assert torch.equal(t, whole[name][1:3]), name
 
 
 def test_an_mxfp4_gpt_oss_checkpoint_is_read_as_transformers_reads_it(tmp_path):
