@@ -16,16 +16,20 @@ import errno
 import functools
 import logging
 import os
+import select
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import typer
 import typer.core
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 from rich.text import Text
 
 from moetool.errors import MoetoolError
@@ -75,11 +79,75 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="markdown",
 )
+# The exit code when the reader of stdout or stderr went away (`moetool report out | head -1`): 128 +
+# SIGPIPE, what a shell reports for `yes | head -1`. Neither 0 (the output was not all delivered) nor
+# 1 (moetool's code for a mistake or a fault, which always comes with its sentence).
+PIPE_CLOSED = 141
+
+
+class _Console(Console):
+    """moetool's consoles: Rich's, with two rules of their own.
+
+    - A table is never drawn narrower than its widest word per column (`COLUMNS=20`, a narrow
+      terminal; the terminal wraps its lines), and a cell folds rather than ends in "…": no number
+      is cut to "1.…" or dropped.
+    - A write to a pipe whose reader has gone ends the command quietly with `PIPE_CLOSED` (Rich's own
+      handling exits with 1 and no word, as if it were a failure).
+    """
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        tables = [o for o in objects if isinstance(o, Table)]
+        for table in tables:  # a cell too narrow folds onto the next line rather than end in "…"
+            for column in table.columns:
+                column.overflow = "fold" if column.overflow == "ellipsis" else column.overflow
+        unbounded = self.options.update_width(1 << 16)  # measured at the console's width, a table fits it
+        need = max((Measurement.get(self, unbounded, t).minimum for t in tables), default=0)
+        if need <= self.width or kwargs.get("width") is not None:
+            return super().print(*objects, **kwargs)
+        saved = self._width  # COLUMNS or the detected size; the setter below replaces it for this print
+        self.width = need
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self._width = saved
+
+    def on_broken_pipe(self) -> None:
+        pipe_closed()
+
+
+def pipe_closed() -> NoReturn:
+    """The reader of stdout or stderr went away: stop quietly, with `PIPE_CLOSED`. What was written
+    before stays (every artifact is written before its summary is printed); both streams go to
+    /dev/null first, so nothing more (nor Python's flush at exit) writes to a closed pipe."""
+    out.quiet = err.quiet = True
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError):  # a stream that is no file (a test's capture): nothing to redirect
+        pass
+    raise SystemExit(PIPE_CLOSED)
+
+
+def reader_gone() -> bool:
+    """Whether stdout's or stderr's reader has gone (the write end of a pipe whose read end is closed
+    polls as an error), so that a BrokenPipeError is about moetool's own output, not a socket or a
+    subprocess's pipe (which is a fault like any other)."""
+    try:
+        poll = select.poll()
+        for fd in (1, 2):
+            poll.register(fd, 0)  # errors and hang-ups are reported whatever the mask
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll (Windows) or no such descriptor
+        return False
+
+
 # Neither console reads markup: what they print holds the user's text (prompts, generated text, paths,
 # task and cell names), and "[/x]" in it would be a MarkupError after the work, "[red]" would vanish.
 # Styles are given as `Text` spans (`styled`).
-out = Console(markup=False)
-err = Console(stderr=True, markup=False)
+out = _Console(markup=False)
+err = _Console(stderr=True, markup=False)
 # Progress bars use `disable=not err.is_terminal`: on a pipe or a log file a bar cannot redraw, and
 # its teardown would put a blank line before a one-line error.
 
@@ -115,7 +183,8 @@ def _root() -> None:
 
 
 def os_sentence(e: OSError) -> str:
-    """One sentence for a failure of the filesystem (or the network): the path and the cause, as the OS says them."""
+    """One sentence for a failure of the filesystem (or the network): the path and the cause, as the OS
+    says them, and the environment variable the path came from when it lies in a directory one names."""
     cause = e.strerror or str(e) or type(e).__name__
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f" writing {e.filename}" if e.filename else ""
@@ -123,11 +192,54 @@ def os_sentence(e: OSError) -> str:
     if e.filename is None:
         return f"{cause} ({type(e).__name__})."
     path = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+    var = environment_origin(e.filename)
+    if var is not None:
+        value = os.environ[var]
+        root = os.path.abspath(os.path.expanduser(value.strip()))
+        where = "is" if os.path.abspath(os.fsdecode(e.filename)) == root else "lies in"
+        return (f"{path}: {cause}; it {where} ${var} ({value}), which is not a directory this user can write: "
+                f"point {var} at one, or unset it.")
     return f"{path}: {cause}."
 
 
+# Directories the libraries moetool runs (and moetool's own cache) take from the environment: caches,
+# temp and config directories. The libraries create them as they import or start (torch's inductor cache
+# as transformers imports, Ray's session directory under TMPDIR, matplotlib's config), so a failure
+# there names a path the user never typed.
+ENV_DIRS = ("MOETOOL_CACHE", "MOETOOL_KERNEL_CONFIGS", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_HOME",
+            "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "HF_MODULES_CACHE",
+            "TRANSFORMERS_CACHE", "MPLCONFIGDIR", "RAY_TMPDIR", "PIP_CACHE_DIR", "XDG_CACHE_HOME",
+            "XDG_CONFIG_HOME", "TMPDIR", "TEMP", "TMP", "HOME")
+
+
+def environment_origin(path: object) -> str | None:
+    """The variable of `ENV_DIRS` whose directory holds `path` (the innermost such), when that directory
+    is itself unusable (missing under a file, a file, not writable): then it is the variable, not the
+    command's input, that is at fault. A usable HOME is never blamed for a path under it."""
+    try:
+        target = os.path.abspath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return None
+    best: tuple[int, str] | None = None
+    for var in ENV_DIRS:
+        value = os.environ.get(var, "").strip()
+        if not value:
+            continue
+        root = os.path.abspath(os.path.expanduser(value))
+        if (target == root or target.startswith(root.rstrip(os.sep) + os.sep)) and (best is None or len(root) > best[0]):
+            best = (len(root), var)
+    if best is None:
+        return None
+    root = os.path.abspath(os.path.expanduser(os.environ[best[1]].strip()))
+    usable = os.path.isdir(root) and os.access(root, os.W_OK | os.X_OK)
+    return None if usable else best[1]
+
+
 def _fail(sentence: str) -> typer.Exit:
-    err.print(styled(("error:", "red"), f" {sentence}"), highlight=False, soft_wrap=True)
+    try:
+        err.print(styled(("error:", "red"), f" {sentence}"), highlight=False, soft_wrap=True)
+    except SystemExit:  # stderr's reader has gone: the sentence is lost, but the exit code still says it failed
+        pass
     return typer.Exit(1)
 
 
@@ -145,8 +257,9 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
     - any other exception is a bug: its traceback, then one line asking to report it, and exit
       code 1 (as Python's own uncaught exception), so a script sees the code it saw before.
 
-    Typer's own exits (`typer.Exit`, usage errors) and Ctrl-C pass through untouched. The libraries'
-    Python warnings wait for the end of the command, and a refusal drops them.
+    A write to stdout or stderr whose reader has gone (`| head -1`) ends the command quietly with
+    `PIPE_CLOSED` (141). Typer's own exits (`typer.Exit`, usage errors) and Ctrl-C pass through
+    untouched. The libraries' Python warnings wait for the end of the command, and a refusal drops them.
     """
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -165,6 +278,10 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
                 raise  # an exit code chosen by the command (typer.Exit is not a click Exit since typer 0.2x)
             except MoetoolError as e:
                 raise _fail(str(e)) from None
+            except BrokenPipeError as e:
+                if reader_gone():  # a write to stdout or stderr (a library's print): as the consoles do
+                    pipe_closed()
+                raise _fail(os_sentence(e)) from None
             except OSError as e:
                 raise _fail(os_sentence(e)) from None
             except Exception as e:  # noqa: BLE001 - shown in full, not hidden: a bug to report
@@ -181,8 +298,13 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
 
 def _show(held: list[warnings.WarningMessage]) -> None:
     """Show the warnings a command's `catch_warnings(record=True)` held, as Python would have."""
-    for w in held:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+    try:
+        for w in held:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+    except BrokenPipeError:
+        if reader_gone():
+            pipe_closed()
+        raise
 
 
 def _raised_in_transformers(e: BaseException) -> bool:
@@ -231,4 +353,5 @@ def not_an_input(save: Path | None, *inputs: Path | str | None, inside: Path | s
                            "outside it.")
 
 
-__all__ = ["BUG", "app", "command", "err", "not_an_input", "os_sentence", "out", "styled", "writable"]
+__all__ = ["BUG", "PIPE_CLOSED", "app", "command", "environment_origin", "err", "not_an_input", "os_sentence", "out",
+           "pipe_closed", "styled", "writable"]

@@ -119,9 +119,14 @@ def expert_parameter_names(model: nn.Module) -> dict[str, str]:
             for name, _ in m.named_parameters(recurse=False)}
 
 
-def load_into(model: nn.Module, tensors: dict[str, Any], dtype: torch.dtype, mapping: list | None) -> Any:
+def load_into(model: nn.Module, tensors: dict[str, Any], dtype: torch.dtype, mapping: list | None,
+              where: str = "the checkpoint", first_expert: int | None = None) -> Any:
     """Load `tensors` (lazy safetensors slices or tensors, by checkpoint key) into `model` through
-    transformers' loader, converting keys and layouts with `mapping` (None: names already match)."""
+    transformers' loader, converting keys and layouts with `mapping` (None: names already match).
+
+    What it loaded must be finite (`refuse_not_finite`): checked here, on the data just read, so no
+    weight of a checkpoint or a bundle (non-expert weights as a model opens, experts a span at a
+    time as they are read, `first_expert` the span's first) reaches a forward or a bundle as NaN."""
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
     from transformers.utils import logging as hf_logging
@@ -139,7 +144,36 @@ def load_into(model: nn.Module, tensors: dict[str, Any], dtype: torch.dtype, map
         raise MoetoolError(f"the checkpoint's weights do not fit the model's config: {target}: {_reason(report)}.")
     if info.mismatched_keys:
         raise MoetoolError(f"the checkpoint's weights do not fit the model's config ({sorted(info.mismatched_keys)[0]}).")
+    refuse_not_finite(((n, p) for n, p in model.named_parameters() if not p.is_meta), where, first_expert)
     return info
+
+
+_FINITE_CHUNK = 1 << 24  # elements checked at a time: a bool mask of a few MiB, not one of a whole embedding
+
+
+def refuse_not_finite(named: Any, where: str, first_expert: int | None = None) -> None:
+    """Refuse the first of `named` ((name, tensor) pairs) that holds a NaN or an infinity, naming the
+    tensor, the element and (a fused experts tensor, `first_expert` the expert of its first row) the
+    expert. A weight that is not a finite number makes every output it reaches NaN: a model would
+    run and print empty text, a bundle would store it, a report would plot it."""
+    for name, t in named:
+        if not t.is_floating_point():
+            continue
+        flat = t.detach().reshape(-1)
+        for start in range(0, flat.numel(), _FINITE_CHUNK):
+            chunk = flat[start:start + _FINITE_CHUNK]
+            if bool(torch.isfinite(chunk).all()):
+                continue
+            i = start + int((~torch.isfinite(chunk)).nonzero()[0, 0])
+            value = float(flat[i])
+            what = "NaN" if value != value else ("+" if value > 0 else "-") + "Infinity"
+            at = [int(c) for c in torch.unravel_index(torch.tensor(i), t.shape)] if t.dim() else []
+            expert = ""
+            if first_expert is not None and at:  # a fused experts tensor: its first index is the span's expert
+                expert, at = f" of expert {first_expert + at[0]}", at[1:]
+            raise MoetoolError(f"{where} stores {what} in the weight {name}{expert} at {at}: a weight that is not a "
+                               "finite number makes every output it reaches NaN; the file is damaged (or overflowed "
+                               "when it was saved or converted): give an intact copy.")
 
 
 def _reason(report: Any) -> str:
@@ -219,7 +253,8 @@ class Checkpoint:
                 chosen[key] = tensor
         shell = self._shell(stop - start)
         module = shell.get_submodule(path)
-        load_into(shell, chosen, self.dtype, get_model_conversion_mapping(shell, hf_quantizer=self.quantizer))
+        load_into(shell, chosen, self.dtype, get_model_conversion_mapping(shell, hf_quantizer=self.quantizer),
+                  where=f"the checkpoint in {self.directory}", first_expert=start)
         out = {}
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
@@ -339,7 +374,8 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
             if quantizer is None or not key.endswith(_PACKED):
                 _refuse_integer_weights(stored if floating else "F32", key, path)
             (by_module.setdefault(module, {}) if module else rest)[key] = tensor
-        info = load_into(model, rest, dtype, get_model_conversion_mapping(model, hf_quantizer=quantizer))
+        info = load_into(model, rest, dtype, get_model_conversion_mapping(model, hf_quantizer=quantizer),
+                         where=f"the checkpoint in {directory}")
         _refuse_unused(model, info, by_module, directory)
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # e.g. lm_head shares the embedding: the checkpoint stores it once

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.integrations.moe import _grouped_mm  # the dispatcher transformers' grouped_mm experts use
 
+from moetool.engine.groups import grouped_mm  # transformers' dispatcher, with a fallback for unaligned rows
 from moetool.engine.stats import LayerStats
 from moetool.engine.weights import PoolWeights
 from moetool.quant.format import ExpertStack
@@ -66,11 +66,11 @@ def routed_on_device(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     counts = torch.histc(expert_ids.float() if hidden.device.type == "cpu" else expert_ids.int(), bins=E, min=0,
                          max=E - 1)
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    h = _grouped_mm(x, stack.gate_up.transpose(-2, -1), offs)  # [T*k, 2I]
+    h = grouped_mm(x, stack.gate_up.transpose(-2, -1), offs)  # [T*k, 2I]
     if stack.gate_up_bias is not None:
         h.add_(stack.gate_up_bias[expert_ids])
     h = module.impl._apply_gate(h) if module.layer.gated else module.impl.act_fn(h)  # [T*k, I]
-    y = _grouped_mm(h, stack.down.transpose(-2, -1), offs)  # [T*k, H]
+    y = grouped_mm(h, stack.down.transpose(-2, -1), offs)  # [T*k, H]
     if stack.down_bias is not None:
         y.add_(stack.down_bias[expert_ids])
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)

@@ -25,6 +25,25 @@ from moetool.quant.format import ExpertStack
 _WHERE = tuple(Where)  # Where(i) without the enum call (a few us each, per group and layer)
 
 
+def _aligned(t: torch.Tensor, itemsize: int) -> bool:
+    """Whether torch's grouped_mm takes `t` as an operand: its leading stride (row- or column-major in the
+    last two dimensions) a multiple of 16 bytes, as torch's own check (`_meta_grouped_mm_common`) asks."""
+    a, s = 16 // itemsize, t.stride()
+    return (s[-1] == 1 and s[-2] % a == 0) or (s[-2] == 1 and s[-1] % a == 0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [n, K] @ w[g] [K, N] per group of rows (group g's rows ending at `offs[g]`): transformers'
+    grouped GEMM dispatcher, as its `grouped_mm` experts call it; for a geometry torch's grouped_mm
+    refuses (an expert intermediate or hidden size whose rows are not a multiple of 16 bytes: 1, 2 or
+    6 in fp32, 4 in bf16), transformers' own per-group fallback, one GEMM a group. Plain transformers'
+    `grouped_mm` experts fail on such a model; the eager loop, which moetool then matches, runs."""
+    size = w.element_size()
+    if _aligned(x, size) and _aligned(w, size):
+        return _grouped_mm(x, w, offs)
+    return torch.ops.transformers.grouped_mm_fallback(x.to(w.dtype), w, offs=offs)
+
+
 class Status(IntEnum):
     """Where a device-side group's expert copy stands when the layer is scheduled (the compute order)."""
 
@@ -152,13 +171,13 @@ def grouped_mlp(module: nn.Module, x: torch.Tensor, stack: ExpertStack, offs: to
     """The experts' MLP (`module`: the engine's experts module) on rows `x` [n, H] sorted by group, group i's rows ending at `offs[i]`:
     transformers' own grouped GEMM dispatcher and the model's own activation, so the result is the
     `grouped_mm` implementation's, row for row."""
-    h = _grouped_mm(x, stack.gate_up.transpose(-2, -1), offs)  # [n, 2I]
+    h = grouped_mm(x, stack.gate_up.transpose(-2, -1), offs)  # [n, 2I]
     group_of_row = None
     if stack.gate_up_bias is not None:
         group_of_row = upload(np.repeat(np.arange(len(counts)), counts), x.device)
         h.add_(stack.gate_up_bias.index_select(0, group_of_row))
     h = module.impl._apply_gate(h) if module.layer.gated else module.impl.act_fn(h)  # [n, I]
-    y = _grouped_mm(h, stack.down.transpose(-2, -1), offs)  # [n, H]
+    y = grouped_mm(h, stack.down.transpose(-2, -1), offs)  # [n, H]
     if group_of_row is not None:
         y.add_(stack.down_bias.index_select(0, group_of_row))
     return y

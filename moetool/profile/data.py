@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moetool import datasets
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, quote
 from moetool.model import LoadedModel
 from moetool.tokenizer import encode
 
@@ -40,8 +40,17 @@ def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]
     return [ids[s:s + seq_len][None] for s in starts]
 
 
-def _prompts(lm: LoadedModel, prompts: list[str], n: int) -> list[torch.Tensor]:
-    return [_ids(lm, p)[None] for p in prompts[:n] if p.strip()]
+def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--data") -> list[torch.Tensor]:
+    seqs = []
+    for i, p in enumerate(prompts[:n], 1):
+        if not p.strip():
+            continue
+        ids = _ids(lm, p)
+        if not len(ids):  # text the tokenizer maps to no token (its normalizer drops it): nothing to run
+            raise MoetoolError(f"prompt {i} of {source} ({quote(p, 40)}) has no tokens under this model's tokenizer; "
+                               "remove it or give text the tokenizer keeps.")
+        seqs.append(ids[None])
+    return seqs
 
 
 def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[list[torch.Tensor], str]:
@@ -60,7 +69,7 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
     sha = hashlib.sha256(text.encode()).hexdigest()
     if path.suffix == ".jsonl":
         prompts = datasets.parse_prompt_lines(text, path)
-        seqs = _prompts(lm, prompts, n)
+        seqs = _prompts(lm, prompts, n, path)
     else:
         seqs = spread_chunks(_ids(lm, text), n, seq_len)
     if not seqs:

@@ -389,7 +389,7 @@ def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu",
     skeleton = build_skeleton(config, dtype)
     geometry = inspect_geometry(skeleton)
     with open_safetensors(opened.non_expert_path) as f:
-        load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None)
+        load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None, where=f"the bundle in {directory}")
     if hasattr(skeleton, "tie_weights"):
         skeleton.tie_weights()
     stored, expected = opened.manifest.experts_per_layer(), {g.index: g.num_experts for g in geometry.layers}

@@ -359,10 +359,11 @@ def dequantize_qtensor(q: QTensor, proj: Projection, dtype: torch.dtype = torch.
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """||W - W_hat||_F / ||W||_F, in fp32."""
-    ref = reference.float()
+    """||W - W_hat||_F / ||W||_F, in fp64: a finite weight's square (1e30 ** 2) overflows fp32's norm to
+    inf, and inf / inf would record a NaN error that the bundle's own reader then refuses."""
+    ref = reference.double()
     denom = torch.linalg.vector_norm(ref).item()
-    return torch.linalg.vector_norm(ref - approx.float()).item() / denom if denom else 0.0
+    return torch.linalg.vector_norm(ref - approx.double()).item() / denom if denom else 0.0
 
 
 # ---- many experts at once (the engine's grouped path) ---------------------------------------------

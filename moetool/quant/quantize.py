@@ -45,8 +45,8 @@ from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
 from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.notes import gate_up_shape, precision_note, size_note
-from moetool.quant.format import (DTYPES, Bits, Layout, QTensor, auto_group_size, dequantize, dequantize_qtensor,
-                                   encode, make_layout, relative_error)
+from moetool.quant.format import (DTYPES, META_DTYPE, Bits, Layout, QTensor, auto_group_size, dequantize,
+                                   dequantize_qtensor, encode, make_layout, relative_error)
 
 READ_CHUNK = 8  # experts read from the checkpoint at once: memory stays flat in the number of experts
 JOURNAL = ".quantize-journal.json"
@@ -373,6 +373,7 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
                 method, q = _quantize_expert(ref, bits, layout, x, cfg, experts_module)
                 blob = encode(layout, ref, q)  # uint8 [layout.nbytes]
                 approx = dequantize(blob, layout)
+                _refuse_overflow(ref, approx, layout, layer.index, expert)
                 offset, crc = writer.write(blob)
                 out_error = None
                 if y_ref is not None:
@@ -388,6 +389,20 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
     except BaseException:
         writer.abort()
         raise
+
+
+def _refuse_overflow(ref: ExpertWeights, approx: ExpertWeights, layout: Layout, layer: int, expert: int) -> None:
+    """Refuse an expert whose stored form is not finite though its weights are (`load_into` refused any
+    that are not): a group's scale past float16's range (META_DTYPE: a weight near 1e6 at INT4) is
+    stored as infinity and every output of the expert would be NaN. Checked on the blob just decoded."""
+    for proj in layout.projections:
+        got = getattr(approx, proj.name)
+        if not bool(torch.isfinite(got).all()):
+            big = float(getattr(ref, proj.name).abs().max())
+            raise MoetoolError(f"expert {expert} of layer {layer} cannot be stored at {int(layout.bits)} bits: its "
+                               f"{proj.name} projection holds a weight of magnitude {big:.3g}, whose group scale "
+                               f"overflows the bundle's {META_DTYPE} scales; the checkpoint is damaged or not of "
+                               "this scale (quantize it at 16 bits only, --bits 16, or repair the weight).")
 
 
 def _quantize_expert(ref: ExpertWeights, bits: Bits, layout: Layout, x: torch.Tensor | None, cfg: QuantizeConfig,

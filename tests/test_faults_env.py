@@ -1,0 +1,196 @@
+"""A sixth pass over faults of the environment and of the numbers: each test here, but the controls named
+`..._still_runs`, failed on the code before it (a traceback, a silent exit code, a misleading sentence, a
+bundle of NaN, or a number dropped from a table).
+
+1. The reader of stdout goes away (`moetool run ... | head -1`): a quiet exit with 141, the artifact kept.
+2. A directory the environment names (TMPDIR, HOME, TORCHINDUCTOR_CACHE_DIR, MOETOOL_CACHE, ...) that is
+   not one: the sentence names the variable.
+3. A weight that is not finite (NaN, an infinity) in an expert, a router or a non-expert weight, or one
+   whose quantization scale overflows float16: one sentence naming the tensor, no bundle of NaN.
+4. A geometry transformers accepts and torch's grouped_mm does not (an expert intermediate size of 1
+   or 2): the engine runs it, token for token as the eager loop.
+5. A profile prompt the tokenizer maps to no token: one sentence naming it.
+6. A narrow terminal (`COLUMNS=20`): a table keeps every number whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import one_error_line
+from moetool.app import PIPE_CLOSED, environment_origin, os_sentence, out
+from moetool.cli import app
+from moetool.quant.format import relative_error
+from tiny import save_tiny
+
+runner = CliRunner()
+
+
+def _cli(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _moetool(*args: object, env: dict | None = None, **popen) -> subprocess.CompletedProcess:
+    """moetool in a fresh interpreter (what an import does, or what a pipe does, cannot be undone in this one)."""
+    return subprocess.run([sys.executable, "-m", "moetool.cli", *map(str, args)], env={**os.environ, **(env or {})},
+                          timeout=240, **popen)
+
+
+def _damaged(src: Path, dst: Path, key: str, value: float, at=(3, 5)) -> Path:
+    """A copy of checkpoint `src` whose tensor `key` holds `value` at `at`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors[key][at] = value
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+# ---- 1. a broken pipe -----------------------------------------------------------------------------
+
+def test_a_closed_stdout_is_a_quiet_exit_141_and_the_artifact_is_kept(tiny_ckpt, tmp_path):
+    """`moetool run ... | head -1`: Rich's own handling was exit code 1 without a word (a failure, to a
+    script with pipefail); now 141, as `yes | head -1` is, nothing on stderr but the progress lines."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before moetool writes a byte
+    save = tmp_path / "r.run.json"
+    try:
+        done = _moetool("run", "--model", tiny_ckpt("qwen2_moe"), "--prompt", "hi", "--max-new-tokens", "2",
+                        "--clock", "sim", "--out", save, stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert done.returncode == PIPE_CLOSED == 141, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr and "error" not in done.stderr
+    assert json.loads(save.read_text())["schema"] == "run"  # written before the summary was printed
+
+
+# ---- 2. directories the environment names ---------------------------------------------------------
+
+def test_an_inductor_cache_dir_that_is_not_a_directory_is_named(tiny_ckpt, tmp_path):
+    """torch makes TORCHINDUCTOR_CACHE_DIR as transformers imports (hqq's torch.compile): the sentence
+    named only the path, which the user never typed."""
+    (tmp_path / "file").write_text("x")
+    done = _moetool("run", "--model", tiny_ckpt("qwen2_moe"), "--prompt", "hi", "--max-new-tokens", "2",
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "file" / "cache")}, capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "$TORCHINDUCTOR_CACHE_DIR" in lines[0], done.stderr
+
+
+def test_a_moetool_cache_under_a_file_is_named(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("MOETOOL_CACHE", str(tmp_path / "file" / "cache"))
+    line = one_error_line(_cli("demo-model"))
+    assert "$MOETOOL_CACHE" in line and "Not a directory" in line
+
+
+def test_a_path_under_a_usable_home_is_not_blamed_on_home(tmp_path, monkeypatch):
+    """Only a variable whose own directory is unusable is named: an --out under a good HOME is the user's."""
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "file"))
+    assert environment_origin(tmp_path / "file" / "out.json") == "TMPDIR"  # the innermost variable
+    monkeypatch.delenv("TMPDIR")
+    assert environment_origin(tmp_path / "file" / "out.json") is None
+    sentence = os_sentence(NotADirectoryError(errno.ENOTDIR, "Not a directory", str(tmp_path / "file" / "o")))
+    assert "$" not in sentence
+
+
+# ---- 3. weights that are not finite ---------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, said", [
+    ("model.layers.1.mlp.experts.2.up_proj.weight", float("nan"), "NaN in the weight model.layers.1.mlp.experts."
+                                                                   "gate_up_proj of expert 2"),
+    ("model.layers.0.mlp.experts.1.down_proj.weight", float("inf"), "+Infinity in the weight model.layers.0.mlp."
+                                                                     "experts.down_proj of expert 1 at [3, 5]"),
+    ("model.layers.0.mlp.gate.weight", float("nan"), "NaN in the weight model.layers.0.mlp.gate.weight at [3, 5]"),
+    ("model.layers.1.self_attn.o_proj.weight", float("-inf"), "-Infinity in the weight model.layers.1.self_attn"),
+])
+def test_a_weight_that_is_not_finite_is_refused_naming_it(tiny_ckpt, tmp_path, key, value, said):
+    """An expert's NaN was refused after the work by the bundle's own reader (`rel_error is nan`); a
+    router's or an attention weight's made a bundle of NaN (exit 0) and a run of empty text."""
+    model = _damaged(tiny_ckpt("qwen2_moe"), tmp_path / "m", key, value)
+    bundle = tmp_path / "b"
+    line = one_error_line(_cli("quantize", model, "--bits", "4", "--out", bundle))
+    assert said in line and "not a finite number" in line
+    assert not (bundle / "bundle.json").exists()
+    assert said in one_error_line(_cli("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2",
+                                       "--clock", "sim"))
+
+
+def test_a_weight_whose_scale_overflows_float16_is_refused(tiny_ckpt, tmp_path):
+    """1e30 is a finite weight (fp32, bf16), but its INT8 group scale is not a float16: the bundle would
+    store infinity. It was refused by the bundle's reader, after the work, as `rel_error is nan`."""
+    model = _damaged(tiny_ckpt("qwen2_moe"), tmp_path / "m", "model.layers.0.mlp.experts.1.down_proj.weight", 1e30)
+    line = one_error_line(_cli("quantize", model, "--bits", "8", "--out", tmp_path / "b"))
+    assert "expert 1 of layer 0 cannot be stored at 8 bits" in line and "float16" in line
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_relative_error_of_a_large_finite_weight_is_finite():
+    w = torch.full((4, 4), 1e30)
+    assert relative_error(w, w) == 0.0
+    assert 0 < relative_error(w, w * 0.5) < 1
+
+
+# ---- 4. a geometry torch's grouped_mm refuses -----------------------------------------------------
+
+@pytest.mark.parametrize("intermediate", [1, 2])
+def test_an_expert_intermediate_size_of_one_or_two_runs(tmp_path, intermediate):
+    """Rows of 4 or 8 bytes: torch's grouped_mm refused them ("strides should be multiple of 16 bytes", a
+    traceback asking for a bug report); now the per-group fallback, token for token as the eager loop."""
+    from helpers import save_char_tokenizer
+    from moetool.quant.quantize import QuantizeConfig, quantize
+
+    model = save_tiny("qwen2_moe", tmp_path / "m", moe_intermediate_size=intermediate)
+    save_char_tokenizer(model)
+    bundle = tmp_path / "b"
+    quantize(QuantizeConfig(model=str(model), out=bundle, bits=(16, 4), dtype="float32", hqq_optimize=False))
+    tokens = {}
+    for impl in ("grouped_mm", "eager"):
+        save = tmp_path / f"{impl}.run.json"
+        result = _cli("run", "--bundle", bundle, "--policy", "lru", "--experts-impl", impl, "--prompt", "hello there",
+                      "--max-new-tokens", "4", "--clock", "sim", "--out", save)
+        assert result.exit_code == 0, result.output
+        tokens[impl] = json.loads(save.read_text())["tokens"]
+    assert tokens["grouped_mm"] == tokens["eager"]
+
+
+# ---- 5. a prompt with no tokens -------------------------------------------------------------------
+
+def test_a_profile_prompt_the_tokenizer_drops_is_one_sentence(char_ckpt, tmp_path):
+    """A tokenizer whose normalizer strips digits maps "123" to no token: profile ran a forward of 0
+    tokens (a reshape error inside transformers); `run` already refused such a prompt."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    model = shutil.copytree(char_ckpt, tmp_path / "m")
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.normalizer = normalizers.Replace(Regex("[0-9]"), "")
+    tok.save(str(model / "tokenizer.json"))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "abc"}\n{"prompt": "123"}\n')
+    save = tmp_path / "p.json"
+    line = one_error_line(_cli("profile", "--model", model, "--data", data, "--what", "routing", "--seqs", "2",
+                               "--seq-len", "8", "--decode-tokens", "1", "--out", save))
+    assert f"prompt 2 of {data} ('123') has no tokens" in line and not save.exists()
+
+
+# ---- 6. a narrow terminal -------------------------------------------------------------------------
+
+def test_a_narrow_terminal_keeps_every_number_of_a_table_whole(tiny_ckpt, monkeypatch):
+    """COLUMNS=20: check's routing agreement read "1.…" and run's table lost every number."""
+    monkeypatch.setattr(out, "_width", 20)
+    result = _cli("check", tiny_ckpt("qwen2_moe"))
+    assert result.exit_code == 0, result.output
+    assert "1.0000" in result.stdout and "…" not in result.stdout
