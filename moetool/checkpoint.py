@@ -29,7 +29,7 @@ from torch import nn
 from moetool.artifacts import read_json
 from moetool.errors import MoetoolError, not_text
 from moetool.files import CONFIG_BYTES, check_file
-from moetool.prequantized import dequantizer, quant_method, read_fp8, unscaled_blocks
+from moetool.prequantized import dequantizer, quant_method, read_fp8, unscaled_blocks, without_quantization
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 # What a run needs of a hub snapshot besides the weights: config, tokenizer, generation config.
@@ -337,6 +337,17 @@ def _refuse_integer_weights(dtype: str, key: str, path: Path) -> None:
                            "the unquantized (bf16, fp16 or fp32) checkpoint.")
 
 
+def _entries(directory: Path, files: ExitStack) -> dict[str, tuple[Any, str, Path]]:
+    """Every checkpoint key -> (its lazy slice, its safetensors dtype, its shard), the shards kept open in `files`."""
+    entries = {}
+    for path in weight_files(directory):
+        handle = files.enter_context(open_safetensors(path))
+        for key in handle.keys():
+            tensor = handle.get_slice(key)
+            entries[key] = (tensor, tensor.get_dtype(), path)
+    return entries
+
+
 def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
     """Open `source` (a resolved local directory or hub id): skeleton, non-expert weights, lazy experts."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -355,12 +366,7 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
     rest: dict[str, Any] = {}
     by_module: dict[str, dict[str, Any]] = {}
     try:
-        entries = {}  # checkpoint key -> (lazy slice, safetensors dtype, shard)
-        for path in weight_files(directory):
-            handle = files.enter_context(open_safetensors(path))
-            for key in handle.keys():
-                tensor = handle.get_slice(key)
-                entries[key] = (tensor, tensor.get_dtype(), path)
+        entries = _entries(directory, files)
         if quant_method(config) == "fp8":
             entries = read_fp8(entries, config, directory)
         elif quantizer is not None and (bare := unscaled_blocks({k: e[1] for k, e in entries.items()})):
@@ -388,3 +394,23 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
         raise
     return Checkpoint(source=source, directory=directory, config=config, model=model, dtype=dtype,
                       expert_keys=by_module, _files=files, quantizer=quantizer)
+
+
+def load_dequantized(src: str, config: Any, dtype: torch.dtype, experts_impl: str) -> nn.Module | None:
+    """transformers' own model of an FP8 or MXFP4 checkpoint, holding the numbers moetool reads (what
+    `check` compares with: it loads everything anyway); None for any other checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    method = quant_method(config)
+    if method == "fp8":  # `read_fp8`'s weights in transformers' model (prequantized.py says why)
+        directory = local_directory(src)
+        with ExitStack() as files:
+            entries = _entries(directory, files)
+            state = {k: t[:] for k, (t, _, _) in read_fp8(entries, config, directory).items()}
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        return cls.from_pretrained(None, config=without_quantization(config), state_dict=state, dtype=dtype,
+                                   experts_implementation=experts_impl)
+    if method == "mxfp4":
+        return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
+                                                    quantization_config=dequantizer(config).quantization_config)
+    return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moetool import mmlu
 from moetool.checkpoint import first_line as _first_line
@@ -14,8 +14,9 @@ from moetool.errors import MoetoolError, quote, yaml_error
 from moetool.files import CONFIG_BYTES, read_bytes
 from moetool.hub import hub_reachable
 
-if TYPE_CHECKING:
-    from moetool.evaluate import EvalConfig
+# An `evaluate.EvalConfig` (its task, include paths, MMLU source, few-shot count and limit), named
+# without importing evaluate, which imports this module.
+EvalConfig = Any
 
 PPL = "ppl"  # held-out perplexity (evaluate.py): a task name beside lm-eval's
 TASKS_DIR = Path(__file__).with_name("tasks")  # moetool's lm-eval task YAMLs

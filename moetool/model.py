@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool.artifacts import ModelFingerprint
-from moetool.checkpoint import build_skeleton, find_experts_modules, open_checkpoint
+from moetool.checkpoint import build_skeleton, find_experts_modules, load_dequantized, open_checkpoint
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
 from moetool.files import CONFIG_BYTES, check_file
-from moetool.prequantized import DEQUANTIZED, load_dequantized, quant_method
+from moetool.prequantized import DEQUANTIZED, quant_method
 from moetool.prequantized import check as check_prequantized
 from moetool.tokenizer import load_tokenizer
 

@@ -128,23 +128,6 @@ def read_fp8(entries: dict[str, tuple[Any, str, Path]], config: Any, directory: 
     return {k: v for k, v in out.items() if k not in used}
 
 
-def fp8_state_dict(directory: Path, files_: list[Path], config: Any) -> dict[str, torch.Tensor]:
-    """The whole checkpoint with its FP8 weights dequantized (float32), by checkpoint key: the
-    reference `check` compares with (it loads everything anyway)."""
-    from contextlib import ExitStack
-
-    from moetool.checkpoint import open_safetensors
-
-    entries = {}
-    with ExitStack() as files:
-        for path in files_:
-            handle = files.enter_context(open_safetensors(path))
-            for key in handle.keys():
-                s = handle.get_slice(key)
-                entries[key] = (s, s.get_dtype(), path)
-        return {k: t[:] for k, (t, _, _) in read_fp8(entries, config, directory).items()}
-
-
 # -- MXFP4 -------------------------------------------------------------------------------------------
 
 
@@ -165,26 +148,6 @@ def dequantizer(config: Any) -> Any | None:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MoetoolError(f"the quantization_config of this MXFP4 checkpoint is not one transformers reads: "
                            f"{reason}.") from None
-
-
-def load_dequantized(src: str, config: Any, dtype: torch.dtype, experts_impl: str) -> Any | None:
-    """transformers' own model of an FP8 or MXFP4 checkpoint, holding the numbers moetool reads (what
-    `check` compares with); None for any other checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    method = quant_method(config)
-    if method == "fp8":  # `read_fp8`'s weights in transformers' model (the module docstring says why)
-        from moetool.checkpoint import local_directory, weight_files
-
-        directory = local_directory(src)
-        state = fp8_state_dict(directory, weight_files(directory), config)
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-        return cls.from_pretrained(None, config=without_quantization(config), state_dict=state, dtype=dtype,
-                                   experts_implementation=experts_impl)
-    if method == "mxfp4":
-        return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
-                                                    quantization_config=dequantizer(config).quantization_config)
-    return None
 
 
 def unscaled_blocks(stored: dict[str, str]) -> str | None:

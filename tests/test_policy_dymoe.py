@@ -185,12 +185,12 @@ def test_knobs_and_description():
 def test_an_explicit_lambda_records_the_retention_it_gives():
     """lam overrides r (eq. 4), so a run with `--set lam=1` keeps every expert critical and must not be
     recorded (and reported in Table 3 / Fig. 11) at the default r = 0.75."""
-    from moetool.policies.dymoe import _ablation_row
+    from moetool.policies.dymoe_report import ablation_row
 
     d = make_policy("dymoe", {"lam": "1"}, make_ctx()).describe()
-    assert d["r"] == 1.0 and _ablation_row("dymoe", d) == "3. Cache + Prefetch"
+    assert d["r"] == 1.0 and ablation_row("dymoe", d) == "3. Cache + Prefetch"
     d = make_policy("dymoe", {"lam": "0.5", "config": "4/0"}, make_ctx()).describe()
-    assert d["r"] == pytest.approx(0.75) and _ablation_row("dymoe", d).startswith("6.")
+    assert d["r"] == pytest.approx(0.75) and ablation_row("dymoe", d).startswith("6.")
     assert make_policy("dymoe", {"r": "0.9"}, make_ctx()).describe()["r"] == 0.9  # r as given when lam is solved
 
 

@@ -1,0 +1,109 @@
+"""DyMoE's report pieces (`DyMoE.report`): Table 3's ablation from the runs present, Fig. 5 (per-layer
+quantization sensitivity) and Fig. 11 (quality against the retention ratio r)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.policies.stages import table
+
+# Table 3's rows, in the paper's order (the last, 4/0 without the prefetcher, is ours: 4/0 alone).
+ABLATION = ("1. Load on Demand", "2. Cache", "3. Cache + Prefetch", "4. Cache+Dyquant(4/2)",
+            "5. Cache+Dyquant(4/2)+Prefetcher", "6. Cache+Dyquant(4/0)+Prefetcher", "Cache+Dyquant(4/0)")
+
+
+def recorded_precisions(params: dict[str, Any]) -> tuple[int, int]:
+    """(high, low) bits a recorded run or eval ran at: every policy records them as `precisions`
+    (`Policy.describe`); artifacts written before that carry `high`/`low` or the knobs `high_bits`/`low_bits`."""
+    if isinstance(params.get("precisions"), dict):
+        return int(params["precisions"]["high"]), int(params["precisions"]["low"])
+    return (int(params.get("high", params.get("high_bits", 4))), int(params.get("low", params.get("low_bits", 2))))
+
+
+def ablation_row(policy: str, p: dict[str, Any]) -> str | None:
+    """The Table 3 row a run stands for: lod, lru and eap are rows 1-3; DyMoE at r = 1 is a cache."""
+    if policy == "lod":
+        return ABLATION[0]
+    if policy in ("lru", "eap"):
+        return ABLATION[1 if policy == "lru" else 2]
+    if policy != "dymoe":
+        return None
+    prefetch = p.get("prefetcher", "dymoe") != "none"
+    if float(p.get("r", 0)) >= 1.0:
+        return ABLATION[2 if prefetch else 1]
+    if recorded_precisions(p)[1] == 0:
+        return ABLATION[5 if prefetch else 6]
+    return ABLATION[4 if prefetch else 3]
+
+
+def ablation(runs: tuple) -> str:
+    """Table 3 from the runs present: TTFT and TPOT per row and budget, a cell averaging its runs."""
+    cells: dict[tuple[str, int], list] = defaultdict(list)
+    names: dict[str, list[str]] = defaultdict(list)
+    for path, r in runs:
+        row = ablation_row(r.policy, r.params)
+        if row:
+            cells[row, r.budget_bytes].append(r)
+            names[row].append(path.name)
+    if not cells:
+        return ""
+    budgets = sorted({b for _, b in cells})
+    heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.0f} MiB", f"TPOT(s) {b / 2**20:.0f} MiB")]
+    body = []
+    for name in ABLATION:
+        if not any((name, b) in cells for b in budgets):
+            continue
+        vals = []
+        for b in budgets:
+            rs = cells.get((name, b), [])
+            vals.append(float(np.mean([r.ttft_s for r in rs if r.ttft_s is not None])) if rs else None)
+            vals.append(float(np.mean([r.tpot_s["mean"] for r in rs if r.tpot_s])) if rs else None)
+        body.append([name, *vals, ", ".join(names[name])])
+    clocks = sorted({f"{r.clock}{'/' + r.hw if r.hw else ''}" for rs in cells.values() for r in rs})
+    return (f"### Ablation in the style of DyMoE Table 3 (clock: {', '.join(clocks)}; a cell averages its runs)\n\n"
+            + table(["Configuration", *heads, "runs"], body))
+
+
+def sensitivity_figure(s: Any, path: Path) -> Path:
+    """Fig. 5: held-out perplexity with one MoE layer quantized, per layer and precision."""
+    from moetool.figures import plt, save
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(s.layers) + 3), 4))
+    width = 0.8 / len(s.bits)
+    for i, b in enumerate(s.bits):
+        ax.bar(np.arange(len(s.layers)) + i * width, [ls.delta[b] for ls in s.layers], width, label=f"INT{b}")
+    ax.set_xticks(np.arange(len(s.layers)) + 0.4 - width / 2, [str(ls.layer) for ls in s.layers], fontsize=7)
+    ax.set(xlabel="MoE layer quantized (others at full precision)", ylabel="Δ held-out perplexity",
+           title=f"Per-layer quantization sensitivity (DyMoE Fig. 5)\nbase perplexity {s.base_ppl:.3f} "
+                 f"on {s.tokens} {s.data} tokens")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.legend()
+    return save(fig, path)
+
+
+def retention_figure(rows: tuple, path: Path) -> Path | None:
+    """Fig. 11: quality vs the retention ratio r, one line per High/Low configuration."""
+    dy: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for x in rows:
+        if x["policy"] == "dymoe" and "r" in x["params"]:
+            high, low = recorded_precisions(x["params"])
+            cfg = x["params"].get("config") or f"{high}/{low}"
+            dy[x["metric"]][cfg].append((float(x["params"]["r"]), x["value"]))
+    if not dy:
+        return None
+    from moetool.figures import metric_axes, save, ylabel
+
+    fig, axes = metric_axes(sorted(dy), 5, 4)
+    for metric, ax in axes.items():
+        for cfg, pts in sorted(dy[metric].items()):
+            pts.sort()
+            ax.plot([p for p, _ in pts], [v for _, v in pts], "o-", label=f"DyMoE {cfg}")
+        ax.set(xlabel="retention ratio r", ylabel=ylabel(list(rows), metric), title=metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Quality vs retention (DyMoE Fig. 11)")
+    return save(fig, path)
