@@ -75,8 +75,10 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     ue8m0 scales stored as bytes are powers of two, 2^(byte - 127)."""
     s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
     w = codes.float()
-    if s.numel() == 1 or block is None:
+    if s.numel() == 1:
         return w * s.reshape(())
+    if block is None:
+        raise ValueError(f"its scales are a {tuple(s.shape)} grid, but the quantization_config gives no weight_block_size")
     rows, cols = w.shape[-2:]
     if s.shape[-2:] != (math.ceil(rows / block[0]), math.ceil(cols / block[1])):
         raise ValueError(f"scale grid {tuple(s.shape[-2:])} is not that of a {rows} x {cols} weight in "

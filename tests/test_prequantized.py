@@ -111,6 +111,8 @@ def test_dequantize_fp8_takes_the_blocks_of_a_ceil_divided_grid():
     e8 = torch.tensor([[127, 130]], dtype=torch.uint8)  # ue8m0 bytes: 2^0 and 2^3
     assert dequantize_fp8(torch.ones(4, 32).to(torch.float8_e4m3fn), e8, (16, 16))[0].tolist() == [1.0] * 16 + [8.0] * 16
     assert torch.equal(dequantize_fp8(codes, torch.tensor(0.5), None), torch.full((24, 40), 0.5))  # per tensor
+    with pytest.raises(ValueError, match="no weight_block_size"):
+        dequantize_fp8(codes, scale, None)
 
 
 def test_an_fp8_checkpoint_is_read_as_the_numbers_its_scales_give(fp8):
