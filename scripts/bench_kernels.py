@@ -314,7 +314,7 @@ def compile_only(arch: int, shapes: list[str], args, modes: list[int], sets: lis
         h = torch.empty(len(pools), k, inter)
         y, out_t = torch.empty(len(pools), k, hidden), torch.empty(1, hidden, dtype=torch.bfloat16)
         launches = [kexperts.gate_up_launch(x, data, ids, layouts, k, int(Act.SILU), True, False, 0.0, 0.0, config, h),
-                    *kexperts.down_launches(h, w, data, ids, layouts, hidden, config, y, out_t)]
+                    *kexperts.down_launches(h, w, data, ids, layouts, hidden, config, y, out_t, int(Act.SILU))]
         for kernel, grid, kargs, options in launches:
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             bound, spec, opts = binder(*kargs, **options)

@@ -237,6 +237,23 @@ def _aligned_mode(mode: int, pools: list[torch.Tensor]) -> int:
     return mode
 
 
+def quads(metas: tuple, act: int) -> tuple[bool, bool]:
+    """(x in quads, h in quads) for a launch's metas: mode 3 reads a thread's x for four words as four
+    16-byte loads where x is kept in quads (`triton_parts._quads`: column 4w + b at b K/4 + w), and
+    as sixteen 4-byte loads where it is kept as stored. Only where every pool of the launch reads
+    that projection as words (the others' loops read x as stored); h only where the first kernel
+    writes it (not the block's own activation, `Act.NONE`, which reads and writes it as stored)."""
+    return all(m[26] for m in metas), act != Act.NONE and all(m[30] for m in metas)
+
+
+def _in_quads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as fp32 in quads (`quads`): one copy, the conversion to fp32 mode 3 makes anyway."""
+    T, K = x.shape
+    out = torch.empty((T, 4, K // 4), dtype=torch.float32, device=x.device)
+    out.copy_(x.view(T, K // 4, 4).transpose(1, 2))
+    return out.view(T, K)
+
+
 def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.Tensor], layouts: list[int], topk: int,
                    act: int, gated: bool, interleaved: bool, alpha: float, limit: float, config: list[int],
                    h: torch.Tensor) -> tuple:
@@ -247,19 +264,22 @@ def gate_up_launch(x: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.T
     hidden, (n1, inter) = x.shape[1], layouts[14:16]
     r1, bk1, _, bk2, _, warps, mode = _config(config, x.device, layouts, hidden)
     mode = _aligned_mode(mode, pools)
-    if mode == 3:  # its x tiles are read four columns a load, in fp32 (one conversion here, not one a thread)
-        x = x.float()
     metas = _metas(layouts, hidden, gated, interleaved, bk1, bk2, mode)
+    xq, hq = quads(metas, act)
+    if mode == 3:  # its x tiles are read in fp32 (one conversion here, not one a thread), in quads where it can
+        x = _in_quads(x) if xq else x.float()
     span = inter if gated else n1
     blocks = max(-(-(span // m[18]) // (r1 // m[18])) for m in metas)
     args = (x, x.stride(0), tuple(pools), tuple(p.stride(0) for p in pools), tuple(ids), h, topk, hidden, inter, n1,
-            h.shape[-1], metas, act, gated, interleaved, alpha, limit, r1, bk1, HALF_BITS)
+            h.shape[-1], metas, act, gated, interleaved, alpha, limit, r1, bk1, HALF_BITS, xq, inter // 4 if hq else 0)
     return tk.gate_up_kernel, (x.shape[0] * topk, blocks), args, {"num_warps": warps}
 
 
 def down_launches(h: torch.Tensor, routing_weights: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.Tensor],
-                  layouts: list[int], hidden: int, config: list[int], y: torch.Tensor, out: torch.Tensor) -> list[tuple]:
-    """(kernel, grid, args, options) of the second and third launches, through `y` into `out`."""
+                  layouts: list[int], hidden: int, config: list[int], y: torch.Tensor, out: torch.Tensor,
+                  act: int) -> list[tuple]:
+    """(kernel, grid, args, options) of the second and third launches, through `y` into `out` (`act`:
+    the first launch's activation, which says whether it wrote h in quads)."""
     from moetool.kernels import triton_experts as tk
 
     T, topk = routing_weights.shape
@@ -267,10 +287,11 @@ def down_launches(h: torch.Tensor, routing_weights: torch.Tensor, pools: list[to
     _, bk1, r2, bk2, b3, warps, mode = _config(config, h.device, layouts, hidden)
     mode = _aligned_mode(mode, pools)
     metas = _metas(layouts, hidden, False, False, bk1, bk2, mode)  # down's constants do not depend on the gate
+    _, hq = quads(metas, act)
     blocks = max(-(-(hidden // m[19]) // (r2 // m[19])) for m in metas)
     pool_args = (tuple(pools), tuple(p.stride(0) for p in pools), tuple(ids))
     return [(tk.down_kernel, (T * topk, blocks),
-             (h, routing_weights, *pool_args, y, hidden, inter, metas, r2, bk2, HALF_BITS), {"num_warps": warps}),
+             (h, routing_weights, *pool_args, y, hidden, inter, metas, r2, bk2, HALF_BITS, hq), {"num_warps": warps}),
             (tk.combine_kernel, (T, -(-hidden // b3)), (y, tuple(ids), out, topk, T * topk, hidden, len(pools), b3),
              {"num_warps": warps})]
 
@@ -302,20 +323,21 @@ def _(x, pools, ids, layouts, topk, act, gated, interleaved, alpha, limit, confi
 
 @torch.library.custom_op("moetool::experts_down", mutates_args=())
 def experts_down(h: torch.Tensor, routing_weights: torch.Tensor, pools: list[torch.Tensor], ids: list[torch.Tensor],
-                 layouts: list[int], hidden: int, out_dtype: torch.dtype, config: list[int]) -> torch.Tensor:
-    """[T, H] in out_dtype: sum over pools and pairs with a slot of w * (down(h[q, pair]) + bias)."""
+                 layouts: list[int], hidden: int, out_dtype: torch.dtype, config: list[int], act: int) -> torch.Tensor:
+    """[T, H] in out_dtype: sum over pools and pairs with a slot of w * (down(h[q, pair]) + bias), h as
+    `experts_gate_up` wrote it with activation `act`."""
     T, topk = routing_weights.shape
     out = torch.empty((T, hidden), dtype=out_dtype, device=h.device)
     if T:
         y = torch.empty((len(pools), T * topk, hidden), dtype=torch.float32, device=h.device)  # [P, T*k, H]
         for kernel, grid, args, options in down_launches(h, routing_weights.contiguous(), pools, ids, layouts, hidden,
-                                                         config, y, out):
+                                                         config, y, out, act):
             kernel[grid](*args, **options)
     return out
 
 
 @experts_down.register_fake
-def _(h, routing_weights, pools, ids, layouts, hidden, out_dtype, config):
+def _(h, routing_weights, pools, ids, layouts, hidden, out_dtype, config, act):
     return h.new_empty((routing_weights.shape[0], hidden), dtype=out_dtype)
 
 
@@ -357,4 +379,4 @@ def experts_forward(hidden: torch.Tensor, routing_weights: torch.Tensor, pools: 
         if h.shape[-1] != layouts[15]:
             raise ValueError(f"the block's activation gave {h.shape[-1]} columns, not down's input width {layouts[15]}")
     return torch.ops.moetool.experts_down(h, routing_weights, data, ids, layouts, hidden.shape[-1],
-                                          hidden.dtype, cfg)
+                                          hidden.dtype, cfg, int(activation.kind))

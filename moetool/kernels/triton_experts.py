@@ -246,18 +246,19 @@ def _gemv_ring(x_row, blob, rows, rows2, rmask, K: tl.constexpr, R: tl.constexpr
 @triton.jit
 def _gate_up_one(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl.constexpr, M: tl.constexpr,
                  ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, alpha, limit,
-                 R: tl.constexpr, BK: tl.constexpr, fbits):
-    """Block b of one pair's gate_up at one precision (meta M, see `experts.kernel_meta`)."""
+                 R: tl.constexpr, BK: tl.constexpr, fbits, XQ: tl.constexpr, QH: tl.constexpr):
+    """Block b of one pair's gate_up at one precision (meta M, see `experts.kernel_meta`); x in quads
+    with XQ (only where every pool of the launch is read as words), h written in quads where QH > 0."""
     if M[26]:  # mode 3 and a layout it takes
-        _gate_up_words(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, alpha, limit, R, fbits)
+        _gate_up_words(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, alpha, limit, R, fbits, XQ, QH)
     else:
-        _gate_up_rows(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, INTERLEAVED, alpha, limit, R, BK)
+        _gate_up_rows(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, INTERLEAVED, alpha, limit, R, BK, QH)
 
 
 @triton.jit
 def _gate_up_rows(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl.constexpr, M: tl.constexpr,
                   ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, alpha, limit,
-                  R: tl.constexpr, BK: tl.constexpr):
+                  R: tl.constexpr, BK: tl.constexpr, QH: tl.constexpr):
     """Modes 0-2 (and mode 3's fallback): block b's rows as lanes (`_lanes`), codes a byte at a time."""
     BITS: tl.constexpr = M[0]
     WDT: tl.constexpr = M[1]
@@ -309,14 +310,16 @@ def _gate_up_rows(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: t
                 acc_u += _dequant(raw_u, blob, urow, nmask, k0, H, BITS, NQ, S_OFF, Z_OFF, GS, GW, NG) * xk
         g = _sum(_sum(acc_g, 2), 1)  # [R]
         u = _sum(_sum(acc_u, 2), 1)
-    _gate_up_out(h_row, blob, g, u, n, grow, urow, nmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit)
+    _gate_up_out(h_row, blob, g, u, n, grow, urow, nmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit, QH)
 
 
 @triton.jit
 def gate_up_kernel(x, x_stride, pools, strides, ids, h, TK, H: tl.constexpr, I: tl.constexpr, N1: tl.constexpr,
                    W: tl.constexpr, METAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, alpha, limit, R: tl.constexpr, BK: tl.constexpr, fbits):
-    """Grid (T*k, blocks): h[q, pair, :W] for every precision q whose slot id for the pair is >= 0."""
+                   INTERLEAVED: tl.constexpr, alpha, limit, R: tl.constexpr, BK: tl.constexpr, fbits,
+                   XQ: tl.constexpr, QH: tl.constexpr):
+    """Grid (T*k, blocks): h[q, pair, :W] for every precision q whose slot id for the pair is >= 0
+    (x in quads with XQ, h written in quads where QH > 0: `experts.quads_of`)."""
     pair = tl.program_id(0)
     b = tl.program_id(1)
     x_row = x + (pair // TK) * x_stride
@@ -327,7 +330,8 @@ def gate_up_kernel(x, x_stride, pools, strides, ids, h, TK, H: tl.constexpr, I: 
             h_row = h + (q * tl.num_programs(0) + pair).to(tl.int64) * W
             # Named as a constexpr before the call: Triton 3.6 (torch 2.11's) passes a bare tuple of ints as a value.
             M: tl.constexpr = METAS[q]
-            _gate_up_one(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, INTERLEAVED, alpha, limit, R, BK, fbits)
+            _gate_up_one(x_row, blob, h_row, b, H, I, N1, M, ACT, GATED, INTERLEAVED, alpha, limit, R, BK, fbits, XQ,
+                         QH)
 
 
 @triton.jit
@@ -369,8 +373,9 @@ def _down_one(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr, M
 
 @triton.jit
 def down_kernel(h, w, pools, strides, ids, y, H: tl.constexpr, I: tl.constexpr, METAS: tl.constexpr,
-                R: tl.constexpr, BK: tl.constexpr, fbits):
-    """Grid (T*k, blocks): y[q, pair, :H] = w[pair] * (down(h[q, pair]) + bias) where the pair has a slot."""
+                R: tl.constexpr, BK: tl.constexpr, fbits, XQ: tl.constexpr):
+    """Grid (T*k, blocks): y[q, pair, :H] = w[pair] * (down(h[q, pair]) + bias) where the pair has a slot
+    (h in quads with XQ: only where every pool of the launch is read as words)."""
     pair = tl.program_id(0)
     b = tl.program_id(1)
     weight = tl.load(w + pair).to(tl.float32)
@@ -381,7 +386,7 @@ def down_kernel(h, w, pools, strides, ids, y, H: tl.constexpr, I: tl.constexpr, 
             row = (q * tl.num_programs(0) + pair).to(tl.int64)
             M: tl.constexpr = METAS[q]  # a constexpr, as in gate_up_kernel
             if M[30]:  # mode 3 and a layout it takes
-                _down_words(h + row * I, blob, y + row * H, b, weight, H, I, M, R, fbits)
+                _down_words(h + row * I, blob, y + row * H, b, weight, H, I, M, R, fbits, XQ)
             else:
                 _down_one(h + row * I, blob, y + row * H, b, weight, H, I, M, R, BK)
 

@@ -43,6 +43,14 @@ def _ptr(base, off, DT: tl.constexpr):
 
 
 @triton.jit
+def _quads(n, Q: tl.constexpr):
+    """Where column n of a row of 4 Q columns is kept in quads: column 4w + b at b Q + w, so that the
+    columns b of four words in a row are 4 consecutive floats (one 16-byte load of a thread in mode 3,
+    `triton_words._gemv_words`, where the stored order took four 4-byte loads)."""
+    return (n % 4) * Q + n // 4
+
+
+@triton.jit
 def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
     """The epilogue's activation (codes: `activation.Act`) on gate rows g and up rows u (fp32)."""
     if ACT == 5:  # gpt_oss's clamped SwiGLU
@@ -68,10 +76,10 @@ def _activate(g, u, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
 
 @triton.jit
 def _gate_up_out(h_row, blob, g, u, n, grow, urow, nmask, BDT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 B_OFF: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit):
+                 B_OFF: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit, QH: tl.constexpr):
     """gate_up's epilogue for neurons n (gate rows grow, up rows urow; [R] fp32 sums g and u): biases,
-    then the activation into h[n], or the raw rows into h[grow], h[urow] when the block's own
-    function runs next (Act.NONE)."""
+    then the activation into h[n] (in quads, `_quads`, where QH > 0 is a quarter of h's width), or the
+    raw rows into h[grow], h[urow] when the block's own function runs next (Act.NONE)."""
     if HAS_BIAS:
         g += tl.load(_ptr(blob, B_OFF, BDT) + grow, mask=nmask, other=0.0).to(tl.float32)
         if GATED:
@@ -80,6 +88,8 @@ def _gate_up_out(h_row, blob, g, u, n, grow, urow, nmask, BDT: tl.constexpr, HAS
         tl.store(h_row + grow, g, mask=nmask)
         if GATED:
             tl.store(h_row + urow, u, mask=nmask)
+    elif QH > 0:
+        tl.store(h_row + _quads(n, QH), _activate(g, u, ACT, GATED, alpha, limit), mask=nmask)
     else:
         tl.store(h_row + n, _activate(g, u, ACT, GATED, alpha, limit), mask=nmask)
 

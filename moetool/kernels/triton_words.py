@@ -56,7 +56,7 @@ def _slice_sum(d, X, blob, rows, rmask, k0, K: tl.constexpr, S_OFF: tl.constexpr
 @triton.jit
 def _gemv_words(x_row, blob, p, pmask, K: tl.constexpr, BITS: tl.constexpr, NQ: tl.constexpr, Q_OFF: tl.constexpr,
                 S_OFF: tl.constexpr, Z_OFF: tl.constexpr, GS: tl.constexpr, GW: tl.constexpr, BK: tl.constexpr,
-                RB: tl.constexpr, NS: tl.constexpr, T: tl.constexpr, fbits):
+                RB: tl.constexpr, NS: tl.constexpr, T: tl.constexpr, fbits, XQ: tl.constexpr):
     """Mode 3 (`config.MODES`): the dot products with x (fp32) of byte rows `p` [RB] of a packed
     projection, for their first NS slices (slice j is row p + j * NQ): (a0, a1, a2, a3) [RB] fp32,
     the slices past NS zero. At batch 1 the other modes are bound by the instructions a weight costs
@@ -69,7 +69,9 @@ def _gemv_words(x_row, blob, p, pmask, K: tl.constexpr, BITS: tl.constexpr, NQ: 
     just under the exponent: slice j's code at P = 23 - BITS (j + 1). The lower a code sits, the
     more of fp32's 24 bits the 0.5 beside it takes until the chunk's sum removes it (measured: T = 12
     was 6e-5 of the largest output off the fp32 reference, T = 15 under 3e-5); one shift a byte
-    whatever the slice needs every slice of a byte to move together, hence one T, not a P a slice."""
+    whatever the slice needs every slice of a byte to move together, hence one T, not a P a slice.
+    With XQ, x is kept in quads (`triton_parts._quads`): a thread's x for its 4 words is 4 loads of
+    16 bytes, where x as stored takes 16 loads of 4 (11% of an INT4 down loop's instructions, sm_90)."""
     NG: tl.constexpr = BK // GW
     # Tiles are [chunk, row, word]: with the chunk axis first the compiler spreads threads over chunks
     # and words before rows, so a thread holds a few rows of one chunk and its x serves them all
@@ -90,15 +92,22 @@ def _gemv_words(x_row, blob, p, pmask, K: tl.constexpr, BITS: tl.constexpr, NQ: 
         d3 = d0
         xsum = tl.full((NG, 1, 4), 0.0, tl.float32)
         for j in tl.static_range(GW // 16):
-            # [NG, 1, 4] words (4 columns each) of sub-tile j, read as one 16-byte load a row. (x
-            # is read as four strided tiles: one contiguous tile split in four went through shared
+            # [NG, 1, 4] words (4 columns each) of sub-tile j, read as one 16-byte load a row. x is
+            # read as four tiles, one a byte of the words: in quads each is 4 consecutive floats,
+            # as stored 4 strided ones (one contiguous tile split in four went through shared
             # memory, 26 barriers a loop, sm_90)
             wi = k0 // 4 + g * (GW // 4) + j * 4 + c
             w = tl.load(words + wi, mask=rmask & gmask, other=0)
-            x0 = tl.load(x_row + 4 * wi, mask=gmask, other=0.0).to(tl.float32)
-            x1 = tl.load(x_row + 4 * wi + 1, mask=gmask, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + 4 * wi + 2, mask=gmask, other=0.0).to(tl.float32)
-            x3 = tl.load(x_row + 4 * wi + 3, mask=gmask, other=0.0).to(tl.float32)
+            if XQ:
+                x0 = tl.load(x_row + wi, mask=gmask, other=0.0)
+                x1 = tl.load(x_row + K // 4 + wi, mask=gmask, other=0.0)
+                x2 = tl.load(x_row + 2 * (K // 4) + wi, mask=gmask, other=0.0)
+                x3 = tl.load(x_row + 3 * (K // 4) + wi, mask=gmask, other=0.0)
+            else:
+                x0 = tl.load(x_row + 4 * wi, mask=gmask, other=0.0).to(tl.float32)
+                x1 = tl.load(x_row + 4 * wi + 1, mask=gmask, other=0.0).to(tl.float32)
+                x2 = tl.load(x_row + 4 * wi + 2, mask=gmask, other=0.0).to(tl.float32)
+                x3 = tl.load(x_row + 4 * wi + 3, mask=gmask, other=0.0).to(tl.float32)
             xsum = xsum + x0 + x1 + x2 + x3
             d0 = _word_slice(d0, w, x0, x1, x2, x3, T, BITS, 0, fbits)
             if NS > 1:
@@ -134,10 +143,12 @@ def _gemv_words(x_row, blob, p, pmask, K: tl.constexpr, BITS: tl.constexpr, NQ: 
 
 @triton.jit
 def _gate_up_words(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: tl.constexpr, M: tl.constexpr,
-                   ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit, R: tl.constexpr, fbits):
+                   ACT: tl.constexpr, GATED: tl.constexpr, alpha, limit, R: tl.constexpr, fbits, XQ: tl.constexpr,
+                   QH: tl.constexpr):
     """Block b of one pair's packed gate_up in mode 3 (`_gemv_words`), by byte rows: all of a byte
     row's slices at once. [gate; up] packed 2+ rows a byte (INT4, INT2) puts gate row p + j NQ and its
-    up row I + p + j NQ in byte row p; INT8's gate and up rows are byte rows of their own."""
+    up row I + p + j NQ in byte row p; INT8's gate and up rows are byte rows of their own. x in quads
+    with XQ, h written in quads where QH > 0 (`_gemv_words`)."""
     BITS: tl.constexpr = M[0]
     BDT: tl.constexpr = M[2]
     HAS_BIAS: tl.constexpr = M[3]
@@ -159,39 +170,40 @@ def _gate_up_words(x_row, blob, h_row, b, H: tl.constexpr, I: tl.constexpr, N1: 
     if GATED:
         if SHARED:
             a0, a1, a2, a3 = _gemv_words(x_row, blob, p, pmask, H, BITS, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, BK1, RB,
-                                         PER, T, fbits)
+                                         PER, T, fbits, XQ)
             if PER == 2:  # NQ = I: gate p, up I + p
-                _gate_up_out(h_row, blob, a0, a1, p, p, I + p, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit)
+                _gate_up_out(h_row, blob, a0, a1, p, p, I + p, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit, QH)
             else:  # PER 4, NQ = I / 2: gates p and p + NQ, their ups two slices on
-                _gate_up_out(h_row, blob, a0, a2, p, p, I + p, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit)
+                _gate_up_out(h_row, blob, a0, a2, p, p, I + p, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit, QH)
                 _gate_up_out(h_row, blob, a1, a3, p + NQ, p + NQ, I + p + NQ, pmask, BDT, HAS_BIAS, B_OFF, ACT,
-                             GATED, alpha, limit)
+                             GATED, alpha, limit, QH)
         else:
             n = b * R + tl.arange(0, R)
             nmask = n < I
-            g, _, _, _ = _gemv_words(x_row, blob, n, nmask, H, BITS, N1, Q_OFF, S_OFF, Z_OFF, GS, GW, BK1, R, 1, T, fbits)
+            g, _, _, _ = _gemv_words(x_row, blob, n, nmask, H, BITS, N1, Q_OFF, S_OFF, Z_OFF, GS, GW, BK1, R, 1, T, fbits,
+                                     XQ)
             u, _, _, _ = _gemv_words(x_row, blob, I + n, nmask, H, BITS, N1, Q_OFF, S_OFF, Z_OFF, GS, GW, BK1, R, 1, T,
-                                     fbits)
-            _gate_up_out(h_row, blob, g, u, n, n, I + n, nmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit)
+                                     fbits, XQ)
+            _gate_up_out(h_row, blob, g, u, n, n, I + n, nmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit, QH)
     else:
         a0, a1, a2, a3 = _gemv_words(x_row, blob, p, pmask, H, BITS, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, BK1, RB, PER, T,
-                                     fbits)
-        _gate_up_out(h_row, blob, a0, a0, p, p, p, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit)
+                                     fbits, XQ)
+        _gate_up_out(h_row, blob, a0, a0, p, p, p, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha, limit, QH)
         if PER > 1:
             _gate_up_out(h_row, blob, a1, a1, p + NQ, p + NQ, p + NQ, pmask, BDT, HAS_BIAS, B_OFF, ACT, GATED, alpha,
-                         limit)
+                         limit, QH)
         if PER > 2:
             _gate_up_out(h_row, blob, a2, a2, p + 2 * NQ, p + 2 * NQ, p + 2 * NQ, pmask, BDT, HAS_BIAS, B_OFF, ACT,
-                         GATED, alpha, limit)
+                         GATED, alpha, limit, QH)
             _gate_up_out(h_row, blob, a3, a3, p + 3 * NQ, p + 3 * NQ, p + 3 * NQ, pmask, BDT, HAS_BIAS, B_OFF, ACT,
-                         GATED, alpha, limit)
+                         GATED, alpha, limit, QH)
 
 
 @triton.jit
 def _down_words(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
-                fbits):
+                fbits, XQ: tl.constexpr):
     """Block b of one pair's packed down projection in mode 3 (`_gemv_words`): byte rows p, each
-    with its slices' rows p + j NQ."""
+    with its slices' rows p + j NQ; h in quads with XQ (`_gemv_words`)."""
     BITS: tl.constexpr = M[0]
     BDT: tl.constexpr = M[2]
     HAS_BIAS: tl.constexpr = M[3]
@@ -210,7 +222,7 @@ def _down_words(h_row, blob, y_row, b, weight, H: tl.constexpr, I: tl.constexpr,
     p = b * RB + tl.arange(0, RB)
     pmask = p < NQ
     a0, a1, a2, a3 = _gemv_words(h_row, blob, p, pmask, I, BITS, NQ, Q_OFF, S_OFF, Z_OFF, GS, GW, BK2, RB, PER, T,
-                                 fbits)
+                                 fbits, XQ)
     _down_out(y_row, blob, a0, p, pmask, weight, BDT, HAS_BIAS, B_OFF)
     if PER > 1:
         _down_out(y_row, blob, a1, p + NQ, pmask, weight, BDT, HAS_BIAS, B_OFF)
