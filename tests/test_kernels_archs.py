@@ -18,16 +18,15 @@ from transformers.activations import ReLUSquaredActivation
 pytest.importorskip("triton")
 
 # Imported first: it decorates the kernels for the interpreter (its `_import_interpreted`).
-from test_triton_experts import RTOL_WORDS, set_weights, spec_of  # noqa: E402
+from test_triton_experts import RTOL_WORDS, layer_pools, set_weights, spec_of  # noqa: E402
 
 from kernel_cases import RTOL, assert_close, random_ids, random_pool, reference_forward, with_ids  # noqa: E402
-from moetool.kernels import Act, Activation, SlotPool, activation_of, experts_forward, supported  # noqa: E402
+from moetool.kernels import Act, Activation, activation_of, experts_forward, supported  # noqa: E402
 from moetool.kernels import config as kconfig  # noqa: E402
 from moetool.kernels import experts as kexperts  # noqa: E402
 from moetool.kernels.activation import reference  # noqa: E402
-from moetool.model import ExpertWeights, fused_expert, inspect_geometry, load_model, load_reference  # noqa: E402
-from moetool.quant import hqq  # noqa: E402
-from moetool.quant.format import auto_group_size, dequantize_parts, encode, make_layout, stack_views  # noqa: E402
+from moetool.model import inspect_geometry, load_model, load_reference  # noqa: E402
+from moetool.quant.format import auto_group_size  # noqa: E402
 from tiny import MORE_CONFIGS, TINY_CONFIGS, save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kexperts._interpreted(), reason="moetool.kernels was imported before this "
@@ -53,21 +52,6 @@ OWN_FUNCTION = {
 }
 
 WORDS_GPU = (*kconfig.WORDS_TILES, 3)
-
-
-def layer_pools(experts: torch.nn.Module, g, bits: int, group: int) -> tuple[SlotPool, list[ExpertWeights]]:
-    """A pool of every expert of transformers' experts module (slot = expert id) at `bits` and groups of
-    `group` columns, and the weights it holds, dequantized (test_triton_experts' at any group)."""
-    fused = {n: p.detach() for n, p in experts.named_parameters()}
-    weights = [fused_expert(fused, g, e) for e in range(g.num_experts)]
-    layout = make_layout(bits, weights[0].gate_up.shape, weights[0].down.shape, has_bias=g.has_bias, group_size=group)
-    blobs = torch.stack([encode(layout, w, None if bits == 16 else hqq.quantize_expert(w, bits, group, optimize=False))
-                         for w in weights])
-    stack = dequantize_parts(stack_views(blobs, layout), layout, torch.float32)
-    held = [ExpertWeights(stack.gate_up[e], stack.down[e], *(None if b is None else b[e] for b in
-                                                             (stack.gate_up_bias, stack.down_bias)))
-            for e in range(g.num_experts)]
-    return SlotPool(blobs, layout, torch.empty(0, dtype=torch.int32)), held
 
 
 @pytest.mark.parametrize("arch", ARCHS)
