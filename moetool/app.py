@@ -43,7 +43,32 @@ _CLICK = tuple(m.ClickException for m in _clicks)
 _ABORT = (click.exceptions.Abort, typer.Abort)
 
 
-class _Group(typer.core.TyperGroup):
+class _Help:
+    """A help page (`--help`, `moetool` alone) under moetool's rule for a closed pipe. Typer prints the page
+    through a Rich console of its own, whose closed pipe is exit code 1 without a word (Rich's
+    `on_broken_pipe`), and click's newline after it, a BrokenPipeError, is exit code 1 too (Typer's main):
+    both are `pipe_closed`, as for the rest of moetool's output."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        try:
+            super().format_help(ctx, formatter)  # type: ignore[misc]
+        except SystemExit:  # Rich's on_broken_pipe: the page's only exit, and stdout already points to /dev/null
+            pipe_closed()
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:  # parsing runs the eager options: --help prints its page, then click echoes a newline
+            return super().make_context(info_name, args, parent, **extra)  # type: ignore[misc]
+        except BrokenPipeError:
+            if reader_gone():
+                pipe_closed()
+            raise
+
+
+class _Command(_Help, typer.core.TyperCommand):
+    """Every moetool command (`command` registers it with this class): Typer's, with `_Help`'s pages."""
+
+
+class _Group(_Help, typer.core.TyperGroup):
     """moetool's command group: a usage error (an option value outside its choices, an unknown option,
     a missing argument, an unreadable path argument) is bad input like any other, so it is one
     sentence and exit code 1 (click's default is a boxed usage text and code 2). Everything else
@@ -291,7 +316,7 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
             _show(held)
             return result
 
-        return app.command(name=name)(wrapper)
+        return app.command(name=name, cls=_Command)(wrapper)
 
     return register(fn) if fn is not None else register
 

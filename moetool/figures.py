@@ -10,15 +10,28 @@ paper (SMoE Fig. 4 and T(alpha), Fate Fig. 7 and 10, DyMoE Fig. 5 and 11) is dra
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+# matplotlib settles its config and cache directory as it imports ($MPLCONFIGDIR, else under $HOME or
+# the XDG directories). When that one cannot be written it makes a temp directory of its own (removed
+# at exit) and logs two warnings; the figures need only its font cache from there, so they are the same
+# (the font list is rebuilt on each run). The fallback is silent, as Python's tempfile's is: only the
+# import's own messages are dropped, not those of the drawing.
+_mpl_log = logging.getLogger("matplotlib")
+_level = _mpl_log.level
+_mpl_log.setLevel(logging.ERROR)
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+finally:
+    _mpl_log.setLevel(_level)
 
 if TYPE_CHECKING:  # the papers' report hooks draw with this module: it sits below the profile stage too
     from moetool.policies.stages import ProfileRecord

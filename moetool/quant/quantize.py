@@ -13,8 +13,9 @@ router sends to each expert. The non-expert weights, config, generation config a
 to `model/`, so the bundle runs without the checkpoint.
 
 A journal next to the shards records each finished shard with its sha256, so an interrupted run
-(a Ctrl-C, a full disk) leaves no `bundle.json` and the next run with the same settings continues
-from the shards that still hash right; other settings start clean.
+(a Ctrl-C, a full disk, a weight refused in a later layer) leaves no `bundle.json` and the next run with
+the same settings and weights fingerprint continues from the shards that still hash right; other
+settings or another checkpoint start clean.
 """
 
 from __future__ import annotations
@@ -172,12 +173,15 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
         done += layer.num_experts
         report(Progress("shard", done, total, layer.index))
 
-    if todo and _calibrated(cfg):
-        report(Progress("calibrate", done, total))
-        calibrate_layer_by_layer(lm, calib, {g.index for g in todo}, quantize_layer)
-    else:
-        for layer in todo:
-            quantize_layer(layer, None)
+    try:
+        if todo and _calibrated(cfg):
+            report(Progress("calibrate", done, total))
+            calibrate_layer_by_layer(lm, calib, {g.index for g in todo}, quantize_layer)
+        else:
+            for layer in todo:
+                quantize_layer(layer, None)
+    except MoetoolError as e:  # a weight refused as it was read (not finite, a scale past float16), ...
+        raise _unfinished(e, out, len(journal.done), len(layers)) if journal.done else e from None
 
     bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
                     group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
@@ -188,6 +192,17 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
     bundle.save(out / MANIFEST)
     journal.remove()
     return bundle
+
+
+def _unfinished(e: MoetoolError, out: Path, finished: int, layers: int) -> MoetoolError:
+    """`e`, a refusal after `finished` layers were journaled, saying what stays and what a re-run does. The
+    settings hash holds the weights' fingerprint (`weights_digest`: small tensors whole, large ones
+    sampled), so a re-run continues only on the same weights: a repair the fingerprint does not see (one
+    element of a large tensor) continues, a repaired small tensor or another checkpoint starts over."""
+    return MoetoolError(f"{str(e).rstrip('.')}; {out} keeps the {finished} of {layers} MoE layers finished before "
+                        f"this but is no bundle yet (no {MANIFEST}): the same command on the fixed checkpoint "
+                        "continues from them, or starts over if the weights' fingerprint changed (another "
+                        "checkpoint, or a fixed tensor small enough to be hashed whole).")
 
 
 def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
