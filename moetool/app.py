@@ -118,10 +118,15 @@ class _Console(Console):
       is cut to "1.…" or dropped.
     - A write to a pipe whose reader has gone ends the command quietly with `PIPE_CLOSED` (Rich's own
       handling exits with 1 and no word, as if it were a failure).
+    - Text to a pipe or a file is not wrapped: there a line is a record (a path for `xargs`, generated
+      text, a sentence in a log), and Rich would break it at 80 columns, inside a path or a word run.
+      A terminal wraps long lines itself; tables are drawn to the width as before.
     """
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         tables = [o for o in objects if isinstance(o, Table)]
+        if not tables and not self.is_terminal:
+            kwargs.setdefault("soft_wrap", True)
         for table in tables:  # a cell too narrow folds onto the next line rather than end in "…"
             for column in table.columns:
                 column.overflow = "fold" if column.overflow == "ellipsis" else column.overflow

@@ -7,6 +7,8 @@ failed on the code before it.
    matplotlib's two warnings; matplotlib's own temp directory is used silently.
 3. A NaN in a late layer's expert: the sentence said nothing of the layers kept or what a re-run does; it says
    both, and a re-run continues only on the same weights' fingerprint.
+4. Text to a pipe was wrapped at 80 columns (`moetool report out | xargs` read a path split in two); a line
+   to a pipe or a file is now whole.
 """
 
 from __future__ import annotations
@@ -180,3 +182,16 @@ def test_a_fixed_small_tensor_or_another_checkpoint_starts_over(tmp_path):
     other = _checkpoint(tmp_path / "other", seed=1)
     assert (other / "config.json").read_text() == (model / "config.json").read_text()
     assert _quantize(other, tmp_path / "b2").exit_code == 0 and not _continued(tmp_path / "b2")
+
+
+def test_a_line_to_a_pipe_is_not_wrapped():
+    """What moetool prints to a pipe is read by a program: a path (report's outputs, for `xargs`), generated
+    text, a sentence. Each stays one line however long; tables keep their width rules (test_faults_env)."""
+    path = "/tmp/" + "a-long-directory/" * 12 + "summary.md"
+    text = "the model said " + "something long " * 12
+    code = ("from moetool.app import out, err; out.print(%r, highlight=False); out.print(%r); err.print(%r)"
+            % (path, text, text))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [path, text.rstrip()] or done.stdout.splitlines() == [path, text]
+    assert done.stderr.splitlines()[-1].strip() == text.strip()
