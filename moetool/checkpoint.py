@@ -17,6 +17,8 @@ shards are memory-mapped and only the requested tensors are read.
 from __future__ import annotations
 
 import copy
+import fnmatch
+import os
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -57,18 +59,47 @@ def local_directory(source: str) -> Path:
     """A local checkpoint directory for `source`: itself, or a hub snapshot (from the cache offline)."""
     p = Path(source)
     if p.is_dir():
+        refuse_broken_links(p)
         return p
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=source, allow_patterns=_SNAPSHOT_PATTERNS))
+        snapshot = Path(snapshot_download(repo_id=source, allow_patterns=_SNAPSHOT_PATTERNS))
     except Exception as e:  # noqa: BLE001 - any failure to resolve a hub id is one sentence
         raise MoetoolError(f"cannot get the weights of '{source}' from the hub or its local cache: {first_line(e)}.") \
             from None
+    refuse_broken_links(snapshot)  # a blob deleted from the cache (`hf cache delete`, a cleaner)
+    return snapshot
+
+
+# What a checkpoint directory's links may lead to: its config, tokenizer and weight files.
+_CHECKPOINT_FILES = (*_SNAPSHOT_PATTERNS, "*.bin", "*.pt", "*.pth")
+
+
+def refuse_broken_links(directory: Path) -> None:
+    """Refuse a checkpoint file that is a symbolic link leading to no file. A hub snapshot's files
+    are links into its cache's blobs/ (`../../blobs/<sha>`): a snapshot copied without following
+    them (`cp -r`) or whose blobs were deleted keeps only dangling links, and a missing file would
+    otherwise be read as absent (no tokenizer: text as bytes; no generation config) or blamed on
+    the wrong cause ("no config.json")."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError:  # unreadable: the read that needs it names the cause
+        return
+    for entry in entries:
+        if (entry.is_symlink() and any(fnmatch.fnmatch(entry.name, p) for p in _CHECKPOINT_FILES)
+                and not os.path.exists(entry.path)):
+            raise MoetoolError(f"{entry.path} is a symbolic link to {os.readlink(entry.path)}, which leads to no file: "
+                               "the checkpoint was copied without the files its links point to (a hub snapshot's "
+                               "blobs/) or they were deleted; copy it with `cp -rL` or download it again.")
 
 
 def weight_files(directory: Path) -> list[Path]:
-    """The checkpoint's safetensors shards; refuse pickled (.bin) checkpoints, which cannot be streamed."""
+    """The checkpoint's safetensors shards, the files transformers' from_pretrained reads: those its
+    index lists, else `model.safetensors` (another .safetensors beside it, such as Mistral's
+    `consolidated.safetensors` or a PEFT `adapter_model.safetensors`, is not the model's), else every
+    .safetensors file (shards whose index was lost). Pickled (.bin) checkpoints are refused: moetool
+    streams safetensors only, reading each tensor where its header says it lies."""
     index = directory / WEIGHT_INDEX
     if index.exists():
         data = read_json(index, CONFIG_BYTES, "safetensors index")  # a regular file of bounded size, and JSON
@@ -80,9 +111,14 @@ def weight_files(directory: Path) -> list[Path]:
         outside = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
         if outside:  # a shard is a file of the checkpoint's own directory, never a path out of it
             raise MoetoolError(f"{index} lists the shard {outside[0]!r}, which is not a file name in {directory}.")
+        if not files:
+            raise MoetoolError(f"{index} lists no shard (its weight_map is empty); copy or download the checkpoint "
+                               "again.")
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise MoetoolError(f"checkpoint shard {missing[0]} listed in {index} is missing.")
+    elif (directory / "model.safetensors").exists():
+        files = [directory / "model.safetensors"]
     else:
         files = sorted(directory.glob("*.safetensors"))
     if files:
@@ -90,8 +126,10 @@ def weight_files(directory: Path) -> list[Path]:
             check_file(f, 1 << 62, "checkpoint shard")
         return files
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
-        raise MoetoolError(f"{directory} holds only pickled (.bin) weights; moetool streams safetensors checkpoints "
-                           "(convert it once with transformers' save_pretrained(safe_serialization=True)).")
+        # transformers 5's save_pretrained writes safetensors only (it has no safe_serialization switch).
+        raise MoetoolError(f"{directory} holds only pickled (.bin) weights, which moetool does not read (it streams "
+                           "safetensors shards, tensor by tensor); convert them once to safetensors: load the model with "
+                           "transformers' AutoModelForCausalLM.from_pretrained and save it with save_pretrained.")
     raise MoetoolError(f"{directory} holds no safetensors weights.")
 
 
@@ -102,7 +140,7 @@ def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
 
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)  # never asks
     except ValueError:
         model_type = getattr(config, "model_type", "?")
         raise MoetoolError(f"moetool does not support the '{model_type}' architecture: transformers has no "
@@ -317,6 +355,26 @@ def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any
                            "layer): the config is of another model, or cut short.")
 
 
+def _tie(model: nn.Module, missing: set[str], directory: Path) -> None:
+    """Tie the weights the config ties (lm_head to the embedding) as from_pretrained does: to the one
+    the checkpoint stores, whichever it is (a checkpoint may store lm_head alone). Both stored with
+    different values is refused: transformers then leaves them untied (its config is wrong, it warns),
+    but a bundle's model is re-tied by its config.json as it loads, so only a corrected config runs
+    the same model everywhere."""
+    if not hasattr(model, "tie_weights"):
+        return
+    for target, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if target in missing or source in missing:
+            continue
+        a, b = model.get_parameter_or_buffer(target), model.get_parameter_or_buffer(source)
+        if not a.is_meta and not b.is_meta and (a.shape != b.shape or not torch.equal(a, b)):
+            raise MoetoolError(f"the checkpoint in {directory} stores {target} and {source} with different values, "
+                               "but its config.json ties them (tie_word_embeddings, or its model type's default "
+                               "of true): set \"tie_word_embeddings\": false in config.json to run the weights it "
+                               "stores, as transformers does.")
+    model.tie_weights(missing_keys=set(missing), recompute_mapping=False)
+
+
 # safetensors' names of the floating-point dtypes (F8_* included: plain fp8 values cast exactly).
 _FLOAT_DTYPES = ("F", "BF")
 
@@ -343,6 +401,10 @@ def _entries(directory: Path, files: ExitStack) -> dict[str, tuple[Any, str, Pat
     for path in weight_files(directory):
         handle = files.enter_context(open_safetensors(path))
         for key in handle.keys():
+            if key in entries:  # which copy a loader keeps is an accident of file order: neither is chosen
+                raise MoetoolError(f"the checkpoint in {directory} stores the weight {key} twice, in "
+                                   f"{entries[key][2].name} and in {path.name}: a shard of another copy or version "
+                                   "is among its files; remove it or download the checkpoint again.")
             tensor = handle.get_slice(key)
             entries[key] = (tensor, tensor.get_dtype(), path)
     return entries
@@ -383,8 +445,7 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
         info = load_into(model, rest, dtype, get_model_conversion_mapping(model, hf_quantizer=quantizer),
                          where=f"the checkpoint in {directory}")
         _refuse_unused(model, info, by_module, directory)
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()  # e.g. lm_head shares the embedding: the checkpoint stores it once
+        _tie(model, info.missing_keys, directory)
         missing = [n for n, p in model.named_parameters() if p.is_meta and n not in experts]
         if missing:
             raise MoetoolError(f"the checkpoint in {directory} lacks {len(missing)} non-expert weights "
@@ -412,5 +473,6 @@ def load_dequantized(src: str, config: Any, dtype: torch.dtype, experts_impl: st
                                    experts_implementation=experts_impl)
     if method == "mxfp4":
         return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
-                                                    quantization_config=dequantizer(config).quantization_config)
+                                                    quantization_config=dequantizer(config).quantization_config,
+                                                    trust_remote_code=False)
     return None

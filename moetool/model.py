@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool.artifacts import ModelFingerprint
-from moetool.checkpoint import build_skeleton, find_experts_modules, load_dequantized, open_checkpoint
+from moetool.checkpoint import (build_skeleton, find_experts_modules, load_dequantized, open_checkpoint,
+                                refuse_broken_links)
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, quote
 from moetool.files import CONFIG_BYTES, check_file
 from moetool.prequantized import DEQUANTIZED, quant_method
 from moetool.prequantized import check as check_prequantized
@@ -337,6 +338,8 @@ def resolve_source(source: str | Path) -> str:
         return str(build_demo_model().path)
     p = Path(text).expanduser()
     if p.exists():
+        if p.is_dir():
+            refuse_broken_links(p)  # a config.json linking nowhere is a broken copy, not "no config.json"
         if not p.is_dir() or not (p / "config.json").exists():
             raise MoetoolError(f"{p} is not a Hugging Face model directory (no config.json in it).")
         for name in ("config.json", "generation_config.json"):  # transformers reads them whole
@@ -354,10 +357,13 @@ def resolve_source(source: str | Path) -> str:
 
 def load_config(source: str) -> Any:
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     try:
-        config = AutoConfig.from_pretrained(source)
+        _check_model_type(PretrainedConfig.get_config_dict(source)[0], source)
+        # Code shipped with a checkpoint (its auto_map) is never run, and never asked about: without
+        # trust_remote_code=False transformers waits on the terminal for a yes or no.
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError, TypeError, StrictDataclassError) as e:
         # transformers 5 validates configs as huggingface_hub strict dataclasses: their errors say what
         # is wrong (a field's type, layer_types against num_hidden_layers) in the exception they wrap.
@@ -366,6 +372,32 @@ def load_config(source: str) -> Any:
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
     _check_config(config, source)
     return config
+
+
+def _check_model_type(raw: dict, source: str) -> None:
+    """Refuse, from config.json as read, a model type transformers does not ship: one defined by
+    code shipped with the checkpoint (DeepSeek-MoE's "deepseek", MiniCPM-MoE, Skywork-MoE), which
+    moetool does not run, one this transformers does not know, or none at all (transformers would
+    guess it from the directory's name). An auto_map beside a type transformers ships (DeepSeek-V3's
+    config.json has one) is not refused: that model runs on transformers' own classes."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    if raw.get("auto_map"):
+        named = f"the model type {quote(model_type, 40)}" if model_type else "the model"
+        raise MoetoolError(f"{named} of '{source}' is defined by code shipped with the checkpoint (config.json's "
+                           "auto_map), which moetool does not run; moetool runs the Mixture-of-Experts architectures "
+                           "transformers ships (docs/models.md lists them).")
+    if not model_type:
+        raise MoetoolError(f"the config.json of '{source}' names no model_type, so its architecture is unknown; "
+                           "moetool runs the Mixture-of-Experts architectures transformers ships (docs/models.md lists "
+                           "them), each saved with its model_type.")
+    raise MoetoolError(f"transformers {__version__} does not know the model type {quote(model_type, 40)} of '{source}' "
+                       "(config.json's model_type); moetool runs the Mixture-of-Experts architectures transformers "
+                       "ships (docs/models.md lists them).")
 
 
 # Sizes a model cannot have as 0 or less. transformers builds such a model anyway (empty tensors,
@@ -406,10 +438,11 @@ def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, exper
 
     src = resolve_source(source)
     config = load_config(src)
-    _check_architecture(config)
+    _check_architecture(config, src)
     try:
         model = (load_dequantized(src, config, dtype, experts_impl)  # FP8, MXFP4: the numbers moetool reads
-                 or AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl))
+                 or AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
+                                                         trust_remote_code=False))
     except MoetoolError:
         raise
     except Exception as e:  # noqa: BLE001 - the checkpoint is user input: any failure is one sentence
@@ -451,7 +484,7 @@ def load_model(source: str | Path, device: str | torch.device = "cpu", dtype: to
     """
     src = resolve_source(source)
     config = load_config(src)
-    _check_architecture(config)
+    _check_architecture(config, src)
     ckpt = open_checkpoint(src, config, dtype)
     model = ckpt.model
     geometry = inspect_geometry(model)
@@ -477,11 +510,44 @@ def load_generation_config(model: nn.Module, directory: Path) -> None:
     from transformers import GenerationConfig
 
     try:
-        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+        config = GenerationConfig.from_pretrained(str(directory))
     except (OSError, ValueError) as e:
         raise MoetoolError(f"{directory}/generation_config.json is not valid: {_first_line(e)}.") from None
+    # Every generate moetool makes is greedy, one sequence a prompt, as the README says (do_sample=False
+    # overrides a checkpoint's sampling). A checkpoint's beam count is made 1 the same way: left, generate
+    # searched beams in lm-eval, and in `run` its progress streamer refused them in a traceback after the
+    # model had loaded; refusing it would keep check and quantize from a model whose weights are fine.
+    config.num_beams = 1
+    model.generation_config = config
 
 
-def _check_architecture(config: Any) -> None:
+# Class-name endings of models for another task than language modelling: their checkpoints store a
+# classification or extraction head (`score`, `qa_outputs`) where a causal LM stores `lm_head`.
+_OTHER_TASKS = {"ForSequenceClassification": "a sequence-classification (or reward) model",
+                "ForTokenClassification": "a token-classification model",
+                "ForQuestionAnswering": "an extractive question-answering model",
+                "ForMultipleChoice": "a multiple-choice model", "ForMaskedLM": "a masked language model"}
+
+
+def _check_architecture(config: Any, source: str) -> None:
     """Refuse dense and unsupported models from the config alone, before reading any weights."""
+    _check_task(config, source)
     inspect_geometry(build_skeleton(config, torch.float32))
+
+
+def _check_task(config: Any, source: str) -> None:
+    """Refuse a checkpoint whose config.json's `architectures` names only models for another task, or
+    the bare model (`Qwen2MoeModel`): it has no language-model head, so the causal LM built from its
+    config would lack `lm_head` (plain transformers would initialise one at random)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = getattr(config, "architectures", None)
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return
+    bare = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    tasks = [next((t for end, t in _OTHER_TASKS.items() if n.endswith(end)),
+                  "the bare model, without a language-model head" if n == bare else None) for n in names]
+    if all(tasks):
+        raise MoetoolError(f"'{source}' holds {quote(names[0])} (config.json's architectures), {tasks[0]}: its "
+                           "weights have no language-model head, and moetool runs causal language models (...ForCausalLM); give "
+                           "the model's causal-LM checkpoint.")

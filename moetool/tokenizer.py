@@ -3,6 +3,7 @@ token ids: the byte fallback for tokenizer-less checkpoints, and every id checke
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def load_tokenizer(source: str) -> Any:
     local = Path(source)
     if not local.is_dir():  # a hub id: what its snapshot has, as transformers resolves it
         try:
-            return AutoTokenizer.from_pretrained(source)
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError, TypeError):
             return None
     # transformers 5 builds an *empty* tokenizer for some model types when a directory has no
@@ -62,8 +63,10 @@ def load_tokenizer(source: str) -> Any:
     for f in local.iterdir():  # transformers reads each of these whole: regular files of bounded size
         if f.name in _TOKENIZER_FILES or f.name in _TOKENIZER_EXTRAS:
             check_file(f, TOKENIZER_BYTES, "tokenizer file")
+    _refuse_custom_code(local)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        # Code shipped with a checkpoint is never run, and never asked about on the terminal.
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False).input_ids
         vocabulary = len(tokenizer.get_vocab()) - len(set(tokenizer.all_special_ids))
     except Exception as e:  # noqa: BLE001 - the files are user input: tokenizers raises bare Exceptions
@@ -75,3 +78,35 @@ def load_tokenizer(source: str) -> Any:
                            "gives no tokens): its vocabulary file is missing; copy or download its tokenizer files "
                            "again.")
     return tokenizer
+
+
+def _custom_classes(auto_map: Any) -> list[str]:
+    """The tokenizer classes an auto_map's AutoTokenizer entry names ("tokenization_kimi.TikTokenTokenizer",
+    or "org/repo--module.Class"), as a [slow, fast] pair or the legacy list."""
+    refs = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    refs = [refs] if isinstance(refs, str) else refs if isinstance(refs, list | tuple) else []
+    return [r.split("--")[-1].rsplit(".", 1)[-1] for r in refs if isinstance(r, str) and r]
+
+
+def _refuse_custom_code(local: Path) -> None:
+    """Refuse a tokenizer whose class is defined by code shipped with the checkpoint (tokenizer_config.json's
+    auto_map names a class transformers does not ship: Kimi-K2's TikTokenTokenizer, Qwen-1's QWenTokenizer).
+    moetool does not run that code, and does not fall back to a tokenizer transformers builds from the
+    directory's tokenizer.json (as transformers itself does): such a class exists to tokenize otherwise
+    (tiktoken, added prefix tokens, its own normalization), and ids that differ but lie inside the
+    vocabulary pass every check, so the model would read other text than it was given without a word.
+    An auto_map that names a class transformers ships loads that class, as transformers does."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    path = local / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_bytes()) if path.is_file() else {}
+    except (OSError, ValueError, RecursionError):  # unreadable or not JSON: transformers' load names it
+        return
+    custom = [c for c in _custom_classes(config.get("auto_map") if isinstance(config, dict) else None)
+              if tokenizer_class_from_name(c) is None]
+    if custom:
+        raise MoetoolError(f"the tokenizer in {local} is the class {quote(custom[0], 40)}, defined by code shipped "
+                           "with the checkpoint (tokenizer_config.json's auto_map), which moetool does not run; moetool "
+                           "reads the tokenizers transformers ships (if the checkpoint's tokenizer.json tokenizes as "
+                           "that class does, drop the auto_map and set tokenizer_class to \"TokenizersBackend\").")
