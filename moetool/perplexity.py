@@ -10,7 +10,7 @@ window is a 1-token prefill followed by decode steps, and predicts the same toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,11 +41,16 @@ def perplexity_windows(model: torch.nn.Module, ids: torch.Tensor, context: int, 
             rows = torch.stack([ids[s:s + context] for s in batch]).to(device)  # [B, C]
             if stepwise:
                 tick = (lambda t, d=done, b=rows.shape[0]: progress(d + t * b, total)) if progress else None
-                logits = stepwise_logits(model, rows, tick)  # [B, C-1, V]
+                # Each step's logits scored as they come: a window's [B, C-1, V] logits (hundreds of MB
+                # at a 150k vocabulary) are never held, only its tokens' NLLs.
+                nll = torch.empty(rows.shape[0], rows.shape[1] - 1, device=rows.device)  # [B, C-1]
+                for t, logits in enumerate(stepwise_steps(model, rows, tick)):
+                    nll[:, t] = F.cross_entropy(logits.float(), rows[:, t + 1], reduction="none")  # [B]
+                nll = nll.sum(1)  # [B]
             else:
                 logits = model(input_ids=rows, use_cache=False).logits[:, :-1]  # [B, C-1, V]
-            nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(),
-                                  reduction="none").view(rows.shape[0], -1).sum(1)  # [B]
+                nll = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(),
+                                      reduction="none").view(rows.shape[0], -1).sum(1)  # [B]
             for s, v in zip(batch, nll.tolist()):
                 records.append({"start": s, "tokens": rows.shape[1] - 1, "nll": v})
             done += rows.numel() - rows.shape[0]
@@ -60,14 +65,19 @@ def split_by_length(batch: list[int], n: int, context: int) -> list[list[int]]:
     return [b for b in (full, short) if b]
 
 
-def stepwise_logits(model: torch.nn.Module, rows: torch.Tensor,
-                     tick: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Logits [B, C-1, V] for tokens 1..C-1 of `rows` [B, C], fed one token at a time through a KV cache."""
-    past, steps = None, []
+def stepwise_steps(model: torch.nn.Module, rows: torch.Tensor,
+                   tick: Callable[[int], None] | None = None) -> Iterator[torch.Tensor]:
+    """Logits [B, V] for tokens 1..C-1 of `rows` [B, C], one a step, fed one token at a time through a KV cache."""
+    past = None
     for t in range(rows.shape[1] - 1):  # the last token predicts nothing that is scored
         out = model(input_ids=rows[:, t:t + 1], use_cache=True, **with_cache(model, past))
         past = out.past_key_values
-        steps.append(out.logits[:, -1])  # [B, V]
+        yield out.logits[:, -1]  # [B, V]
         if tick:
             tick(t + 1)
-    return torch.stack(steps, dim=1)
+
+
+def stepwise_logits(model: torch.nn.Module, rows: torch.Tensor,
+                    tick: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Logits [B, C-1, V] for tokens 1..C-1 of `rows` [B, C], fed one token at a time through a KV cache."""
+    return torch.stack(list(stepwise_steps(model, rows, tick)), dim=1)

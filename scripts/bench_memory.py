@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_memory.py --baseline-src /tmp/old-moetool  # also an older checkout, side by side
     .venv/bin/python scripts/bench_memory.py --experts 128 --layers 24 --hidden 2048 --width 768 \\
         --bits 4 --no-reference --no-hqq-solver --budget 4GiB --writers moetool --workdir /big   # ~30 GB bf16
+    .venv/bin/python scripts/bench_memory.py --lengths 128,1024,4096                          # against the work's length
 
 Memory is the peak of RssAnon (anonymous resident memory) sampled from /proc/PID/status every 10 ms,
 not VmHWM: a memory-mapped checkpoint or bundle that is only read lives in the page cache and is
@@ -26,6 +27,11 @@ checkout first on PYTHONPATH (`--baseline-model`: code older than bundle-only ru
 --model). `--no-hqq-solver` rounds to nearest on hqq's grid in every code measured (memory does not
 depend on the solver; time does, tenfold). Prints one JSON line per (writer, code, experts), then a
 table and the checks; exits 1 if a check of the code measured last fails.
+
+`--lengths` measures instead each long-running command (`run` under every paper's policy on both
+decode paths, one prompt or many, `eval ppl` both ways, an lm-eval task, `profile`) on a tiny
+model at each length, and prints the growth of its peak per 1,000 tokens (documents for lm-eval,
+decode steps for profile) beside its artifact's (`--works` picks commands).
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moetool.engine.budget import parse_size
@@ -247,6 +255,123 @@ def checks(rows: list[dict]) -> list[tuple[str, str, bool]]:
     return out
 
 
+
+# -- against the work's length (--lengths) -----------------------------------------------------------
+
+LENGTH_POLICIES = ("lru", "fate", "dymoe", "smoe", "dynaexq")
+PROMPT = "The quick brown fox jumps over the lazy dog."
+PER_PROMPT = 16  # new tokens per prompt where the length is a number of prompts
+MC_TASKS = 6  # bigbench-mc-cloze's tasks: --limit counts per task
+
+
+def length_works(bundle: Path, work: Path, text: Path) -> dict[str, tuple[str, Callable[[int], list[str]]]]:
+    """name -> (the unit of its length, its moetool arguments for a length n): each long-running command,
+    a run under every paper's policy on both decode paths, ppl both ways, an lm-eval task, a profile."""
+    engine = ["--bundle", str(bundle), "--budget", "50%", "--clock", "sim"]
+
+    def run(policy: str, decode: str) -> Callable[[int], list[str]]:
+        return lambda n: ["run", *engine, "--policy", policy, "--decode", decode, "--prompt", PROMPT,
+                          "--max-new-tokens", str(n)]
+
+    def prompts(n: int) -> list[str]:
+        path = work / f"prompts-{n}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"{PROMPT} ({i})"}) + "\n" for i in range(max(1, n // PER_PROMPT))))
+        return ["run", *engine, "--policy", "lru", "--decode", "host", "--prompts", str(path),
+                "--max-new-tokens", str(PER_PROMPT)]
+
+    def ppl(*more: str) -> Callable[[int], list[str]]:
+        return lambda n: ["eval", "ppl", *engine, "--policy", "lru", "--data", str(text), "--context", "128",
+                          "--limit", str(n), *more]
+
+    works = {f"run {p} host": ("tokens", run(p, "host")) for p in LENGTH_POLICIES}
+    works["run lru captured"] = ("tokens", run("lru", "captured"))
+    works[f"run lru n/{PER_PROMPT} prompts"] = ("tokens", prompts)
+    works["eval ppl"] = ("tokens", ppl())
+    works["eval ppl --stepwise"] = ("tokens", ppl("--stepwise"))
+    works["eval bigbench-mc-cloze"] = ("documents", lambda n: ["eval", "bigbench-mc-cloze", *engine, "--policy", "lru",
+                                                               "--limit", str(max(1, n // MC_TASKS))])
+    works["profile"] = ("decode tokens", lambda n: ["profile", "--bundle", str(bundle), "--data", "heldout", "--seqs", "1",
+                                                    "--seq-len", "32", "--what", "routing,similarity,prefetch",
+                                                    "--decode-tokens", str(n)])
+    return works
+
+
+def length_model(work: Path, longest: int) -> tuple[Path, Path]:
+    """A tiny qwen2_moe (tests/tiny.py, 2 MoE layers of 4 experts) with a character tokenizer and room
+    for `longest` tokens, its bundle at 16/4/2 bits, and a text file of at least `longest` characters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import save_char_tokenizer
+    from tiny import save_tiny
+
+    from moetool.datasets import heldout_text
+    from moetool.quant.quantize import QuantizeConfig, quantize
+
+    ckpt, bundle, text = work / f"tiny-{longest}", work / f"tiny-{longest}-bundle", work / "long.txt"
+    if not (ckpt / "config.json").is_file():
+        save_tiny("qwen2_moe", ckpt, max_position_embeddings=longest + 256)
+        save_char_tokenizer(ckpt)
+    if not (bundle / "bundle.json").is_file():
+        quantize(QuantizeConfig(model=str(ckpt), out=bundle, bits=(16, 4, 2), group_size=16, dtype="float32",
+                                hqq_optimize=False))
+    held = heldout_text()
+    text.write_text(held * (longest // len(held) + 1))
+    return bundle, text
+
+
+def kv_bytes_per_token(bundle: Path) -> int:
+    """What a host-path sequence's KV cache holds per token (fp32): what a run must keep as it grows."""
+    cfg = json.loads((bundle / "model" / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head * 4
+
+
+def measure_lengths(args: argparse.Namespace) -> None:
+    """Peak host memory of each long-running command at each of --lengths, RssAnon over the import
+    baseline (sampled), then its growth per 1,000 units of length (least squares over the lengths)
+    beside the artifact's own. A process's peak of Python allocations is its loading's, whatever the
+    length: tests/test_memory_growth.py reads them along one run instead."""
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    bundle, text = length_model(args.workdir, max(lengths))
+    works = length_works(bundle, args.workdir, text)
+    chosen = list(works) if args.works == "all" else [w.strip() for w in args.works.split(",")]
+    if unknown := [w for w in chosen if w not in works]:
+        sys.exit(f"--works: {', '.join(unknown)} is not one of {', '.join(works)}.")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    base, _, _ = peak_anon_rss([sys.executable, "-c", IMPORTS], env)
+    main_call = "import sys; from moetool.cli import main; sys.argv[0] = 'moetool'; main()"
+    rows = []
+    for name in chosen:
+        unit, make = works[name]
+        for n in lengths:
+            out = args.workdir / f"length-{name.replace(' ', '_').replace('/', '_')}-{n}.json"
+            cmd = make(n) + ["--out", str(out)]
+            rss, secs, rc = peak_anon_rss([sys.executable, "-c", main_call, *cmd], env)
+            data = json.loads(out.read_text()) if out.is_file() and not rc else {}
+            # The x of a lm-eval row is the documents it scored (--limit counts per task, tasks differ in size).
+            units = data.get("n", n) if unit == "documents" else n
+            row = {"work": name, "unit": unit, "length": units, "rss_mib": (rss - base) / 2**20, "s": secs, "rc": rc,
+                   "artifact_kib": out.stat().st_size / 2**10 if data else None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\nimport baseline {base / 2**20:.0f} MiB; a host-path KV cache holds {kv_bytes_per_token(bundle)} B a token "
+          "(the captured step's static cache is sized for the run's length)")
+    head = "".join(f"{'n=' + str(n):>10}" for n in lengths)
+    print(f"\n{'work':28}{'unit':>14}{head}   per 1,000: {'RSS MiB':>8}{'artifact KiB':>13}")
+    for name in chosen:
+        mine = [r for r in rows if r["work"] == name]
+        cells = "".join(f"{r['rss_mib']:>10.1f}" if not r["rc"] else f"{'failed':>10}" for r in mine)
+        ok = [r for r in mine if not r["rc"]]
+
+        def slope(key: str) -> str:
+            pts = [(r["length"], r[key]) for r in ok if r[key] is not None]
+            if len({x for x, _ in pts}) < 2:
+                return "-"
+            return f"{np.polyfit(*zip(*pts), 1)[0] * 1000:.1f}"
+
+        print(f"{name:28}{mine[0]['unit']:>14}{cells}   {'':11}{slope('rss_mib'):>8}{slope('artifact_kib'):>13}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", default="64,128", help="expert counts to compare, comma-separated")
@@ -270,7 +395,13 @@ def main() -> None:
     ap.add_argument("--baseline-model", action="store_true", help="give the baseline --model too (pre bundle-only code)")
     ap.add_argument("--only-baseline", action="store_true", help="measure only --baseline-src")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and bundles")
+    ap.add_argument("--lengths", help="instead: peak host memory of each long-running command at these lengths "
+                                      "(tokens, documents or decode steps; comma-separated, e.g. 256,1024,4096)")
+    ap.add_argument("--works", default="all", help="with --lengths: which commands (comma-separated names, or all)")
     args = ap.parse_args()
+    if args.lengths:
+        measure_lengths(args)
+        return
     writers = args.writers.split(",")
     if unknown := [w for w in writers if w not in WRITERS]:
         sys.exit(f"--writers: {', '.join(unknown)} is not one of {', '.join(WRITERS)}.")

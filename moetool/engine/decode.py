@@ -317,7 +317,9 @@ class DecodeProgram:
         self.pos.fill_(T)
         engine._publish_ready()
         self.layers.table.sync()
-        events = [self._record()]  # events[i]: step i-1 done on the device (events[0]: the prefill)
+        # events[i]: step i-1 done on the device (events[0]: the prefill). A step reads only its own and
+        # the one before, so each is dropped once read: a prompt holds three events, not one a token.
+        events = {0: self._record()}
         pending, last = None, time.perf_counter()
         engine.capturing = True
         try:
@@ -326,10 +328,11 @@ class DecodeProgram:
                 host = self.host_logs[i % 2]
                 for name, t in self.layers.log.tensors().items():
                     host[name].copy_(t, non_blocking=True)
-                events.append(self._record())
+                events[i + 1] = self._record()
                 if pending is not None:
                     tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
                     last = self._time_step(pending, events, last)
+                    del events[pending]
                     tell(len(tokens))
                 self.layers.table.sync()  # queued behind step i: step i+1 reads it
                 pending = i
@@ -348,7 +351,7 @@ class DecodeProgram:
         event.record()
         return event
 
-    def _time_step(self, i: int, events: list, last: float) -> float:
+    def _time_step(self, i: int, events: dict, last: float) -> float:
         """Step i's time: on the sim clock what `_host_half` charged; on the wall clock the device's
         step-to-step time on CUDA, the host's on a CPU (there the host half runs in line, as it does)."""
         now = time.perf_counter()

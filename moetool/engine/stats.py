@@ -8,8 +8,9 @@ Counting happens once per layer from host tensors the engine already has (no ext
 from __future__ import annotations
 
 import statistics
+from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -50,10 +51,41 @@ class StepRecord:
     seconds: float
 
 
+class StepLog:
+    """Every step's record, kept as three flat arrays: 17 bytes a step where a list of StepRecords took
+    ~130 (bench_memory.py --lengths). The TPOT percentiles need every decode step's time, so the run
+    keeps one number a step; nothing more. Appends and iterates as that list did."""
+
+    def __init__(self) -> None:
+        self._prefill = array("B")  # 1: a prefill, 0: a decode step
+        self._tokens = array("q")
+        self._seconds = array("d")
+
+    def append(self, record: StepRecord) -> None:
+        self._prefill.append(record.phase == "prefill")
+        self._tokens.append(record.tokens)
+        self._seconds.append(record.seconds)
+
+    def __len__(self) -> int:
+        return len(self._seconds)
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        for prefill, tokens, seconds in zip(self._prefill, self._tokens, self._seconds):
+            yield StepRecord("prefill" if prefill else "decode", tokens, seconds)
+
+    def seconds(self, phase: str) -> list[float]:
+        want = phase == "prefill"
+        return [s for p, s in zip(self._prefill, self._seconds) if p == want]
+
+    def tokens(self, phase: str) -> int:
+        want = phase == "prefill"
+        return sum(t for p, t in zip(self._prefill, self._tokens) if p == want)
+
+
 class Stats:
     def __init__(self, moe_layers: tuple[int, ...]):
         self.layers = {layer: LayerStats() for layer in moe_layers}
-        self.steps: list[StepRecord] = []
+        self.steps = StepLog()
         self.peak_device_bytes = 0  # the budget's reservations (pools, staging, non-expert weights, margin)
         # torch.cuda.max_memory_allocated less `foreign_bytes` (the process's device memory that is not
         # the model's when the engine was built): what the budget's plan must cover. CUDA only.
@@ -71,9 +103,8 @@ class Stats:
     def summary(self) -> dict:
         hits = sum(sum(s.hits.values()) for s in self.layers.values())
         misses = sum(sum(s.misses.values()) for s in self.layers.values())
-        decode = [s.seconds for s in self.steps if s.phase == "decode"]
-        prefill = [s.seconds for s in self.steps if s.phase == "prefill"]
-        decode_tokens = sum(s.tokens for s in self.steps if s.phase == "decode")
+        decode, prefill = self.steps.seconds("decode"), self.steps.seconds("prefill")
+        decode_tokens = self.steps.tokens("decode")
         mix: Counter = Counter()
         for s in self.layers.values():
             mix.update(s.precision_mix)
@@ -82,8 +113,7 @@ class Stats:
             "tpot_s": _dist(decode),
             "hit_rate": hits / (hits + misses) if hits + misses else None,
             "bytes_h2d": int(self.total("bytes_h2d")),
-            "bytes_per_token": self.total("bytes_h2d") / max(1, decode_tokens + sum(
-                s.tokens for s in self.steps if s.phase == "prefill")),
+            "bytes_per_token": self.total("bytes_h2d") / max(1, decode_tokens + self.steps.tokens("prefill")),
             "stall_s": self.total("stall_s"),
             "substitutions": int(self.total("substitutions")), "skips": int(self.total("skips")),
             "cpu_experts": int(self.total("cpu_experts")),

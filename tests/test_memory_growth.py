@@ -1,0 +1,99 @@
+"""A long run's host memory grows only by what its artifact keeps (bench_memory.py --lengths measures it).
+
+Python allocations (tracemalloc) are read twice in one run of 4N tokens, at token 2N and at token
+4N, after a first run has warmed every cache that fills once (router forms, transformers' own, free
+lists): what grows in between is what the run keeps per token. The run keeps one
+step's time for the TPOT percentiles (17 bytes a step in `StepLog`); the Run's token lists are
+made at the end. Before `StepLog`, each step kept a `StepRecord` and its float: ~130 bytes a token.
+Tensors (the KV cache, which a sequence must keep) are not Python allocations and are not counted.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+import torch
+
+from moetool.evaluate import EvalConfig, evaluate
+from moetool.quant.quantize import QuantizeConfig, quantize
+from moetool.run import RunConfig, run
+from helpers import save_char_tokenizer
+from tiny import save_tiny
+
+N = 256  # the run is 4N tokens; Python allocations are read at token 2N and at token 4N
+PER_TOKEN = 40  # bytes a token the run may keep: a step's record (17) and its arrays' spare room
+# Bytes of allocations that differ between two readings at the same point of a step whatever the
+# length: CPython's free lists and torch's small blocks fill up over a run (10-25 KiB measured here).
+NOISE = 32 << 10
+VOCAB = 128  # tests/tiny.py's: no other floating tensor of the tiny model ends in 128
+
+
+@pytest.fixture(scope="module")
+def long_bundle(tmp_path_factory):
+    """The tiny qwen2_moe with a character tokenizer and room for 4N tokens and more, at 16, 4 and 2 bits."""
+    root = tmp_path_factory.mktemp("long")
+    save_tiny("qwen2_moe", root / "ckpt", max_position_embeddings=2048)
+    save_char_tokenizer(root / "ckpt")
+    quantize(QuantizeConfig(model=str(root / "ckpt"), out=root / "bundle", bits=(16, 4, 2), group_size=16,
+                            dtype="float32", hqq_optimize=False))
+    return root / "bundle"
+
+
+def kept_between(work, first: int, last: int) -> int:
+    """Bytes of Python allocations held at progress `last` beyond those at `first` of `work(progress)`,
+    traced from before a first `work(None)` (the warm-up), so that what fills once is traced full."""
+    seen: dict[int, int] = {}
+
+    def progress(done: int, total: int) -> None:
+        if done in (first, last) and done not in seen:
+            gc.collect()
+            seen[done] = tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        work(None)
+        work(progress)
+    finally:
+        tracemalloc.stop()
+    return seen[last] - seen[first]
+
+
+def per_token(kept: int, tokens: int) -> float:
+    return max(0, kept - NOISE) / tokens
+
+
+def test_a_runs_python_memory_grows_only_by_its_step_log(long_bundle):
+    cfg = dict(bundle=long_bundle, policy="lru", budget="50%", clock="sim", decode="host", prompts=("The king said",))
+    kept = kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
+    assert per_token(kept, 2 * N) <= PER_TOKEN, f"{kept} bytes kept over {2 * N} tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fate", "dymoe", "smoe", "dynaexq"])
+def test_no_papers_policy_keeps_anything_per_token(long_bundle, policy):
+    cfg = dict(bundle=long_bundle, policy=policy, budget="50%", clock="sim", decode="host", prompts=("The king said",))
+    kept = kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
+    assert per_token(kept, 2 * N) <= PER_TOKEN, f"{policy}: {kept} bytes kept over {2 * N} tokens"
+
+
+def test_stepwise_perplexity_keeps_its_tokens_nll_not_their_logits(long_bundle, tmp_path):
+    """Two windows of 2N tokens, one token a forward: between 2N and 4N tokens in, what grows is the
+    engine's step log and one record a window; and mid-window no step's logits are still alive
+    (before, a window kept all of its [B, V] logits until its last token: 2N of them here)."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    cfg = EvalConfig(task="ppl", bundle=long_bundle, policy="lru", budget="50%", clock="sim", data=text,
+                     stepwise=True, context=2 * N, limit=4 * N)
+    logits: list[int] = []
+
+    def count_logits(done: int, total: int) -> None:
+        if done == N:
+            logits.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() >= 2
+                              and o.shape[-1] == VOCAB and o.dtype.is_floating_point))
+
+    evaluate(cfg, count_logits)
+    assert logits and logits[0] <= 2, f"{logits} logits tensors alive {N} tokens into a window"
+    kept = kept_between(lambda progress: evaluate(cfg, progress), 2 * N, 4 * N - 2)  # 2 x (2N - 1) tokens scored
+    assert per_token(kept, 2 * N) <= PER_TOKEN, f"{kept} bytes kept over {2 * N} tokens"
