@@ -18,7 +18,8 @@ from torch import nn
 
 from moetool.artifacts import CheckReport, LayerCheck
 from moetool.errors import MoetoolError
-from moetool.model import find_experts_modules, load_model, load_reference, resolve_source
+from moetool.model import find_experts_modules, load_model, load_reference
+from moetool.source import resolve_source
 from moetool.tokenizer import encode
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Mixture-of-Experts models route each token to"

@@ -136,7 +136,8 @@ class _Sweep:
         return lambda settings: self.run(policy, settings)
 
     def run(self, policy: str, settings: dict[str, str]) -> Run:
-        from moetool.model import load_config, model_fingerprint, resolve_source
+        from moetool.model import model_fingerprint
+        from moetool.source import load_config, resolve_source
         from moetool.run import run
 
         if self.source is None:

@@ -326,7 +326,8 @@ class _Grid:
             raise MoetoolError("the grid names no model: give `model:` or `bundle:` (or --model / --bundle).")
         fp = None
         if model is not None:
-            from moetool.model import load_config, model_fingerprint, resolve_source
+            from moetool.model import model_fingerprint
+            from moetool.source import load_config, resolve_source
 
             fp = model_fingerprint(load_config(resolve_source(model)), model)
         if bundle is not None:

@@ -103,7 +103,8 @@ def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str
     from moetool.artifacts import Fit
     from moetool.demo import build_demo_model
     from moetool.fit import SWEEP_TOKENS, FitConfig, fit
-    from moetool.model import load_config, model_fingerprint
+    from moetool.model import model_fingerprint
+    from moetool.source import load_config
     from moetool.profile import Profile, ProfileConfig, profile
     from moetool.quant.bundle import MANIFEST, Bundle
     from moetool.quant.quantize import QuantizeConfig, quantize

@@ -10,7 +10,7 @@ holds the dequantized model, and `check` compares with transformers running the 
   (192 rows, 2 blocks of 128), scales the wrong rows.
 - MXFP4: transformers' quantizer dequantizes on load (blocks of 32 along the input, always whole).
 
-Other pre-quantized formats (GPTQ, AWQ, bitsandbytes, ...) are refused by `model.load_config`.
+Other pre-quantized formats (GPTQ, AWQ, bitsandbytes, ...) are refused by `source.load_config`.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ import torch
 from moetool.engine import build_engine
 from moetool.engine.decode import DecodeProgram
 from moetool.engine.store import HostStore
-from moetool.model import load_model, load_reference, resolve_source
+from moetool.model import load_model, load_reference
+from moetool.source import resolve_source
 from moetool.quant.bundle import load_bundle_model
 
 PROMPT = "The king said to the people of the city that the war was over, and"

@@ -61,7 +61,8 @@ from moetool.checkpoint import find_experts_modules
 from moetool.datasets import train_text
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
-from moetool.model import load_config, load_model, model_fingerprint, resolve_source
+from moetool.model import load_model, model_fingerprint
+from moetool.source import load_config, resolve_source
 from moetool.quant.bundle import Bundle
 from moetool.quant.quantize import QuantizeConfig, quantize
 from moetool.tokenizer import encode, load_tokenizer

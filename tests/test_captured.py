@@ -388,7 +388,7 @@ def test_zero_copy_rows_kernel_reads_only_the_marked_rows(monkeypatch):
 def demo(tmp_path_factory):
     """The demo model, a bundle of it at 16, 4 and 2 bits (round to nearest: quick), a prompt and
     plain transformers' greedy tokens."""
-    from moetool.model import resolve_source
+    from moetool.source import resolve_source
 
     path = resolve_source("demo")
     lm = load_model(path)

@@ -5,7 +5,8 @@ import torch
 
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
-from moetool.model import load_model, load_reference, resolve_source
+from moetool.model import load_model, load_reference
+from moetool.source import resolve_source
 
 pytestmark = pytest.mark.slow
 

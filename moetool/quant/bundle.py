@@ -35,11 +35,12 @@ from moetool.errors import MoetoolError
 from moetool.files import CONFIG_BYTES
 from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
 from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, attention_for_decode, inspect_geometry, \
-    install_provider, load_config, load_generation_config
+    install_provider
 from moetool.quant.format import ALIGN, Bits, Layout, dequantize
 from moetool.quant.shards import (MODEL_DIR, NON_EXPERT, ModelFile, Shard, blob_crc32, check_model_file, check_shard,
                                   map_shard)
 from moetool.schema import SchemaError
+from moetool.source import load_config, load_generation_config
 from moetool.tokenizer import load_tokenizer
 
 MANIFEST = "bundle.json"
