@@ -4,6 +4,7 @@ token ids: the byte fallback for tokenizer-less checkpoints, and every id checke
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,96 @@ from moetool.files import TOKENIZER_BYTES, check_file
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _TOKENIZER_EXTRAS = ("merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json", "tokenizer.tiktoken")
 _TOKENIZER_PROBE = "Hello world"  # every tokenizer with a vocabulary gives it at least one token
+CHUNK = 1 << 16  # characters one tokenizer call takes from a long text (see `encode`)
+_WINDOW = 512  # characters each side of a cut that its check tokenizes: longer than any pre-token in practice
+_TRIES = 4  # cuts of each kind tried before a chunk, and so the whole text, is tokenized in one call
 
 
 def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = True) -> torch.Tensor:
-    """Token ids [T] of `text`. Tokenizer-less checkpoints (the tests' tiny models) get the text's
-    UTF-8 bytes folded into their vocabulary: the one place that fallback is written."""
+    """Token ids [T] of `text`, exactly those of one tokenizer call on all of it. Tokenizer-less
+    checkpoints (the tests' tiny models) get the text's UTF-8 bytes folded into their vocabulary:
+    the one place that fallback is written.
+
+    A text longer than CHUNK characters (`eval ppl --data`, `profile --data`: up to 256 MiB) is
+    tokenized a piece at a time, since a tokenizer call holds ~500-600 B of host memory a token while
+    it runs (the Rust encoding's token strings and offsets, then Python lists): tens of GB for 256 MiB
+    in one call, ~30 MiB for one piece of 64 Ki characters (at one token a character; a quarter of
+    that for English), for ~2% more tokenizer time in the cuts' checks. A piece ends just after a newline
+    followed by a non-space (else just before a single space) near CHUNK characters on, and only
+    where the tokenizer is seen to be local there: the _WINDOW characters each side of the cut
+    tokenize to the ids of the two sides apart. Where no cut of a chunk passes (a tokenizer that marks
+    a text's start, as Llama-2's prepends "▁" to every text, or a text without line ends or spaces),
+    the whole text is tokenized in one call, as a short text is. Special tokens the tokenizer adds
+    (BOS, EOS) frame the pieces' ids as they frame a text's own, checked on the text's head and tail
+    against the tokenizer; where they do not, one call too."""
     if (why := not_text(text)) is not None:  # what no tokenizer encodes: one sentence, not a traceback
         raise MoetoolError(f"the text {quote(text, 40)} {why}.")
     if tokenizer is None:
         return torch.tensor([b % vocab_size for b in text.encode()], dtype=torch.long)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
+    spans = _spans(tokenizer, text) if len(text) > CHUNK else None
+    frame = (_frame(tokenizer, text) if special_tokens else ([], [])) if spans else None
+    if spans is None or frame is None:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=special_tokens).input_ids, dtype=torch.long)
+    else:
+        head, tail = frame
+        # One tensor a piece, concatenated once: a long text's ids are never all in one Python list.
+        ids = torch.cat([torch.tensor(head, dtype=torch.long),
+                         *(torch.tensor(_plain(tokenizer, text[a:b]), dtype=torch.long) for a, b in spans),
+                         torch.tensor(tail, dtype=torch.long)])
     return check_ids(ids, tokenizer, vocab_size)
+
+
+def _plain(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _spans(tokenizer: Any, text: str) -> list[tuple[int, int]] | None:
+    """(start, end) of the pieces `encode` tokenizes `text` in, each at most CHUNK characters, or None
+    where a chunk has no cut the tokenizer passes. All cuts are found before any piece is tokenized,
+    so a tokenizer that is not local costs a few short calls, not a text's worth of wasted pieces."""
+    spans, start = [], 0
+    while len(text) - start > CHUNK:
+        cut = next((c for c in _cuts(text, start + CHUNK // 2, start + CHUNK) if _local(tokenizer, text, c)), None)
+        if cut is None:
+            return None
+        spans.append((start, cut))
+        start = cut
+    return [*spans, (start, len(text))]
+
+
+def _cuts(text: str, lo: int, hi: int) -> Iterator[int]:
+    """Up to _TRIES cuts in (lo, hi] of each kind, nearest `hi` first: just after a newline followed by
+    a non-space (where regex pre-tokenizers start a pre-token: a newline before spaces joins them in
+    GPT-2's), then just before a single space between non-spaces (" word" is one pre-token in
+    byte-level BPE and in SentencePiece's Metaspace, which then adds no "▁" of its own)."""
+    for mark, after in (("\n", 1), (" ", 0)):
+        tries, end = 0, hi
+        while tries < _TRIES and (i := text.rfind(mark, lo, end)) >= 0:
+            end = i
+            if not text[i + 1].isspace() and (after or not text[i - 1].isspace()):
+                tries += 1
+                yield i + after
+
+
+def _local(tokenizer: Any, text: str, cut: int) -> bool:
+    """Whether the tokenizer tokenizes across `cut` as it does up to it and from it: the _WINDOW
+    characters each side give the ids of the two sides apart (without special tokens)."""
+    a, b = max(0, cut - _WINDOW), cut + _WINDOW
+    return _plain(tokenizer, text[a:b]) == _plain(tokenizer, text[a:cut]) + _plain(tokenizer, text[cut:b])
+
+
+def _frame(tokenizer: Any, text: str) -> tuple[list[int], list[int]] | None:
+    """(head, tail): the ids the tokenizer adds before and after a text's own with special tokens
+    (BOS; EOS), read off _TOKENIZER_PROBE, or None where `text`'s first and last _WINDOW characters
+    are not so framed (a tokenizer that adds its tokens elsewhere, or changes the text's own)."""
+    plain, framed = _plain(tokenizer, _TOKENIZER_PROBE), tokenizer(_TOKENIZER_PROBE, add_special_tokens=True).input_ids
+    ends = (text[:_WINDOW], text[-_WINDOW:])
+    for i in range(len(framed) - len(plain) + 1):
+        head, tail = framed[:i], framed[i + len(plain):]
+        if framed[i:i + len(plain)] == plain and all(
+                tokenizer(s, add_special_tokens=True).input_ids == head + _plain(tokenizer, s) + tail for s in ends):
+            return head, tail
+    return None
 
 
 def check_ids(ids: torch.Tensor, tokenizer: Any, vocab_size: int) -> torch.Tensor:

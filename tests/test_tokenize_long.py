@@ -1,0 +1,150 @@
+"""A long text is tokenized in pieces (bounded host memory) to exactly the ids of one call on all of it."""
+
+import tracemalloc
+
+import pytest
+import torch
+
+from moetool import tokenizer as tk
+from moetool.datasets import heldout_text
+from moetool.tokenizer import encode
+
+TEXT = heldout_text()[:40_000]  # prose and indented code: both kinds of cut, and lines a cut must not take
+CHUNK = 4096  # ~10 pieces of TEXT
+
+
+class Recording:
+    """A tokenizer that records the longest text it was called on."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, **kw):
+        self.longest = max(self.longest, len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def _wrap(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _bpe(pre_tokenizer=None, normalizer=None, post_processor=None, byte_level=False):
+    """A small BPE trained on TEXT's head, offline, with the given pipeline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None if byte_level else "<unk>"))
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    tok.train_from_iterator(TEXT[:20_000].splitlines(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet, show_progress=False))
+    if post_processor is not None:
+        tok.post_processor = post_processor(tok)
+    return _wrap(tok)
+
+
+def _byte_level(**kw):
+    from tokenizers import pre_tokenizers
+
+    return _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), byte_level=True, **kw)
+
+
+def _template(single):
+    from tokenizers import processors
+
+    return lambda tok: processors.TemplateProcessing(
+        single=single, special_tokens=[(t, tok.token_to_id(t)) for t in ("<s>", "</s>")])
+
+
+def _encode(tok, text, special_tokens):
+    """encode's ids of `text`, one call's ids, and the longest text the tokenizer was called on."""
+    rec = Recording(tok)
+    got = encode(rec, text, 10**6, special_tokens)
+    assert got.dtype == torch.long
+    return got.tolist(), tok(text, add_special_tokens=special_tokens).input_ids, rec.longest
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(tk, "CHUNK", CHUNK)
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    return _byte_level()
+
+
+@pytest.mark.parametrize("special_tokens", [False, True])
+def test_the_demo_tokenizer_tokenizes_the_heldout_text_in_pieces_to_the_ids_of_one_call(special_tokens):
+    from moetool.demo import MARKER, build_demo_model, cache_root
+    from moetool.tokenizer import load_tokenizer
+
+    if not (cache_root() / "demo-moe" / MARKER).is_file():
+        pytest.skip("the demo model is not built (`moetool` builds it on first use)")
+    tok = load_tokenizer(str(build_demo_model().path))
+    text = heldout_text()
+    got, want, longest = _encode(tok, text, special_tokens)
+    assert got == want
+    assert longest <= CHUNK  # ~140 pieces, none longer than a chunk
+
+
+@pytest.mark.parametrize("special_tokens", [False, True])
+def test_byte_level_bpe_takes_its_cuts(byte_level, special_tokens):
+    got, want, longest = _encode(byte_level, TEXT, special_tokens)
+    assert got == want and longest <= CHUNK
+
+
+def test_a_tokenizer_that_prepends_to_every_text_is_tokenized_in_one_call():
+    from tokenizers import normalizers
+
+    # Llama-2's tokenizer.json: "▁" prepended to every text, so a piece's start is not the text's middle.
+    tok = _bpe(normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]))
+    got, want, longest = _encode(tok, TEXT, False)
+    assert got == want and longest == len(TEXT)
+
+
+def test_metaspace_prepending_always_is_cut_only_before_a_space():
+    from tokenizers import pre_tokenizers
+
+    # A piece from just after a newline would gain a "▁"; one from just before a space already starts with one.
+    tok = _bpe(pre_tokenizers.Metaspace(prepend_scheme="always"))
+    assert not tk._local(tok, TEXT, TEXT.index("\nThe") + 1)
+    got, want, longest = _encode(tok, TEXT, True)
+    assert got == want and longest <= CHUNK
+
+
+@pytest.mark.parametrize("single", ["<s> $A", "$A </s>", "<s> $A </s>"])
+def test_special_tokens_frame_the_pieces_as_they_frame_the_text(single):
+    tok = _byte_level(post_processor=_template(single))
+    got, want, longest = _encode(tok, TEXT, True)
+    assert got == want and longest <= CHUNK
+    assert got.count(tok.bos_token_id) == single.count("<s>") and got.count(tok.eos_token_id) == single.count("</s>")
+    assert _encode(tok, TEXT, False)[0] == tok(TEXT, add_special_tokens=False).input_ids
+
+
+def test_a_text_without_line_ends_or_spaces_is_tokenized_in_one_call(byte_level):
+    text = "abcdefgh" * (CHUNK // 2)
+    got, want, longest = _encode(byte_level, text, False)
+    assert got == want and longest == len(text)
+
+
+def test_a_long_texts_tokenization_holds_a_pieces_worth_of_python_objects(byte_level, monkeypatch):
+    monkeypatch.setattr(tk, "CHUNK", 1 << 16)
+    text = TEXT * 16  # 640k characters, ~10 chunks
+
+    def peak(f):
+        tracemalloc.start()
+        try:
+            f()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    # The Rust side's ~400 B a token are not traced; the Python lists of ids scale the same way.
+    whole = peak(lambda: byte_level(text, add_special_tokens=False).input_ids)
+    pieces = peak(lambda: encode(byte_level, text, 10**6, False))
+    assert pieces < whole / 4, (pieces, whole)
