@@ -88,12 +88,21 @@ def test_stepwise_perplexity_keeps_its_tokens_nll_not_their_logits(long_bundle, 
                      stepwise=True, context=2 * N, limit=4 * N)
     logits: list[int] = []
 
+    def vocab_rows() -> list[torch.Tensor]:
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() >= 2
+                and o.shape[-1] == VOCAB and o.dtype.is_floating_point]
+
+    # Tensors of this vocabulary other tests left alive in this process (a worker of the whole suite
+    # runs many tiny models of it) are held, so that only the evaluation's own are counted.
+    before = vocab_rows()
+    held = {id(o) for o in before}  # unique while `before` keeps them alive
+
     def count_logits(done: int, total: int) -> None:
         if done == N:
-            logits.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() >= 2
-                              and o.shape[-1] == VOCAB and o.dtype.is_floating_point))
+            logits.append(sum(1 for o in vocab_rows() if id(o) not in held))
 
     evaluate(cfg, count_logits)
+    assert len(before) == len(held)
     assert logits and logits[0] <= 2, f"{logits} logits tensors alive {N} tokens into a window"
     kept = kept_between(lambda progress: evaluate(cfg, progress), 2 * N, 4 * N - 2)  # 2 x (2N - 1) tokens scored
     assert per_token(kept, 2 * N) <= PER_TOKEN, f"{kept} bytes kept over {2 * N} tokens"
