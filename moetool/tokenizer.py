@@ -32,11 +32,12 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
     it runs (the Rust encoding's token strings and offsets, then Python lists): tens of GB for 256 MiB
     in one call, ~30 MiB for one piece of 64 Ki characters (at one token a character; a quarter of
     that for English), for ~2% more tokenizer time in the cuts' checks. A piece ends just after a newline
-    followed by a non-space (else just before a single space) near CHUNK characters on, and only
-    where the tokenizer is seen to be local there: the _WINDOW characters each side of the cut
-    tokenize to the ids of the two sides apart. Where no cut of a chunk passes (a tokenizer that marks
-    a text's start, as Llama-2's prepends "▁" to every text, or a text without line ends or spaces),
-    the whole text is tokenized in one call, as a short text is. Special tokens the tokenizer adds
+    followed by a non-space (else just before a single space, which the next piece drops where the
+    tokenizer prepends "▁" to every text, as Llama-2's and Mixtral's do) near CHUNK characters on,
+    and only where the tokenizer is seen to be local there: the _WINDOW characters each side of the
+    cut tokenize to the ids of the two sides apart. Where no cut of a chunk passes (a text without
+    line ends or spaces, a tokenizer that is local at neither), the whole text is tokenized in one
+    call, as a short text is. Special tokens the tokenizer adds
     (BOS, EOS) frame the pieces' ids as they frame a text's own, checked on the text's head and tail
     against the tokenizer; where they do not, one call too."""
     if (why := not_text(text)) is not None:  # what no tokenizer encodes: one sentence, not a traceback
@@ -62,37 +63,53 @@ def _plain(tokenizer: Any, text: str) -> list[int]:
 
 def _spans(tokenizer: Any, text: str) -> list[tuple[int, int]] | None:
     """(start, end) of the pieces `encode` tokenizes `text` in, each at most CHUNK characters, or None
-    where a chunk has no cut the tokenizer passes. All cuts are found before any piece is tokenized,
-    so a tokenizer that is not local costs a few short calls, not a text's worth of wasted pieces."""
-    spans, start = [], 0
+    where a chunk has no cut the tokenizer passes. A piece starts at its cut, or one character after
+    it where the cut's space is dropped (_KINDS). All cuts are found before any piece is tokenized,
+    so a tokenizer that is not local costs a few short calls, not a text's worth of wasted pieces.
+    The kind of cut that passed last is tried first: one tokenizer takes the same kind throughout."""
+    spans, start, kinds = [], 0, list(_KINDS)
     while len(text) - start > CHUNK:
-        cut = next((c for c in _cuts(text, start + CHUNK // 2, start + CHUNK) if _local(tokenizer, text, c)), None)
-        if cut is None:
+        found = next(((cut, kind) for cut, kind in _cuts(text, start + CHUNK // 2, start + CHUNK, kinds)
+                      if _local(tokenizer, text, cut, kind[2])), None)
+        if found is None:
             return None
+        (cut, kind), drop = found, found[1][2]
+        kinds.remove(kind)
+        kinds.insert(0, kind)
         spans.append((start, cut))
-        start = cut
+        start = cut + drop
     return [*spans, (start, len(text))]
 
 
-def _cuts(text: str, lo: int, hi: int) -> Iterator[int]:
-    """Up to _TRIES cuts in (lo, hi] of each kind, nearest `hi` first: just after a newline followed by
-    a non-space (where regex pre-tokenizers start a pre-token: a newline before spaces joins them in
-    GPT-2's), then just before a single space between non-spaces (" word" is one pre-token in
-    byte-level BPE and in SentencePiece's Metaspace, which then adds no "▁" of its own)."""
-    for mark, after in (("\n", 1), (" ", 0)):
+# Kinds of cut, as (mark, the cut's offset past the mark, characters the next piece drops):
+# - just after a newline followed by a non-space (where regex pre-tokenizers start a pre-token: a
+#   newline before spaces joins them in GPT-2's);
+# - just before a single space between non-spaces (" word" is one pre-token in byte-level BPE and
+#   in SentencePiece's Metaspace, which then adds no "▁" of its own);
+# - the same space, dropped from the next piece: for a tokenizer that prepends "▁" to every text
+#   (Llama-2's and Mixtral's tokenizer.json: a Prepend normalizer), "word" comes out as the
+#   "▁word" that " word" is in the middle of a text, where " word" would be "▁▁word".
+_KINDS = (("\n", 1, 0), (" ", 0, 0), (" ", 0, 1))
+
+
+def _cuts(text: str, lo: int, hi: int, kinds: list[tuple[str, int, int]]) -> Iterator[tuple[int, tuple[str, int, int]]]:
+    """Up to _TRIES cuts in (lo, hi] of each kind (_KINDS), in the order `kinds` gives, nearest `hi` first."""
+    for kind in kinds:
+        mark, after, _ = kind
         tries, end = 0, hi
         while tries < _TRIES and (i := text.rfind(mark, lo, end)) >= 0:
             end = i
             if not text[i + 1].isspace() and (after or not text[i - 1].isspace()):
                 tries += 1
-                yield i + after
+                yield i + after, kind
 
 
-def _local(tokenizer: Any, text: str, cut: int) -> bool:
-    """Whether the tokenizer tokenizes across `cut` as it does up to it and from it: the _WINDOW
-    characters each side give the ids of the two sides apart (without special tokens)."""
+def _local(tokenizer: Any, text: str, cut: int, drop: int = 0) -> bool:
+    """Whether the tokenizer tokenizes across `cut` as it does up to it and from it (less `drop`
+    characters): the _WINDOW characters each side give the ids of the two sides apart (without
+    special tokens)."""
     a, b = max(0, cut - _WINDOW), cut + _WINDOW
-    return _plain(tokenizer, text[a:b]) == _plain(tokenizer, text[a:cut]) + _plain(tokenizer, text[cut:b])
+    return _plain(tokenizer, text[a:b]) == _plain(tokenizer, text[a:cut]) + _plain(tokenizer, text[cut + drop:b])
 
 
 def _frame(tokenizer: Any, text: str) -> tuple[list[int], list[int]] | None:

@@ -98,20 +98,41 @@ def test_byte_level_bpe_takes_its_cuts(byte_level, special_tokens):
     assert got == want and longest <= CHUNK
 
 
-def test_a_tokenizer_that_prepends_to_every_text_is_tokenized_in_one_call():
-    from tokenizers import normalizers
+def _llama2():
+    from tokenizers import normalizers, pre_tokenizers
 
-    # Llama-2's tokenizer.json: "▁" prepended to every text, so a piece's start is not the text's middle.
-    tok = _bpe(normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]))
-    got, want, longest = _encode(tok, TEXT, False)
-    assert got == want and longest == len(TEXT)
+    # Llama-2's and Mixtral's tokenizer.json: no pre-tokenizer, "▁" prepended to every text, so a
+    # piece's start is not the text's middle unless the space before it is dropped ("word" ->
+    # "▁word", as " word" is inside). Its vocabulary is SentencePiece's, whose pieces never hold a
+    # "▁" past their first character: trained here split at "▁" as SentencePiece trains.
+    tok = _bpe(pre_tokenizers.Metaspace(prepend_scheme="always"))
+    tok.backend_tokenizer.pre_tokenizer = None
+    tok.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return tok
 
 
-def test_metaspace_prepending_always_is_cut_only_before_a_space():
+@pytest.mark.parametrize("special_tokens", [False, True])
+def test_a_tokenizer_that_prepends_to_every_text_is_cut_at_a_space_the_next_piece_drops(special_tokens):
+    tok = _llama2()
+    cut = TEXT.index(" the ", 5000)
+    assert not tk._local(tok, TEXT, cut) and not tk._local(tok, TEXT, TEXT.index("\nThe") + 1)
+    assert tk._local(tok, TEXT, cut, drop=1)
+    got, want, longest = _encode(tok, TEXT, special_tokens)
+    assert got == want and longest <= CHUNK
+
+
+def test_a_dropped_space_is_never_taken_where_it_changes_the_ids(byte_level):
+    # Byte-level BPE keeps a space in " the": dropping it gives other ids, so that kind never passes.
+    cut = TEXT.index(" the ", 5000)
+    assert tk._local(byte_level, TEXT, cut) and not tk._local(byte_level, TEXT, cut, drop=1)
+
+
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_metaspace_prepending_is_cut_only_before_a_space(scheme):
     from tokenizers import pre_tokenizers
 
     # A piece from just after a newline would gain a "▁"; one from just before a space already starts with one.
-    tok = _bpe(pre_tokenizers.Metaspace(prepend_scheme="always"))
+    tok = _bpe(pre_tokenizers.Metaspace(prepend_scheme=scheme))
     assert not tk._local(tok, TEXT, TEXT.index("\nThe") + 1)
     got, want, longest = _encode(tok, TEXT, True)
     assert got == want and longest <= CHUNK
