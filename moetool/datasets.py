@@ -17,6 +17,7 @@ Multiple choice: BIG-bench tasks (Apache-2.0) as MMLU-like records. Sources, ver
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -117,17 +118,39 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
     return prompts
 
 
-def read_text_file(path: Path, option: str) -> str:
-    """A user's text file (`option` names where it was given), strictly UTF-8, or one sentence: a
-    binary file read with replacement characters would be profiled, calibrated or scored as garbage."""
-    path = Path(path)
-    raw = read_bytes(path, TEXT_BYTES, option)
+# Byte-order marks, longest first (UTF-32 LE's begins with UTF-16 LE's), and the codec each says.
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+         (codecs.BOM_UTF16_BE, "UTF-16"), (codecs.BOM_UTF8, "UTF-8"))
+
+
+def decode_text(raw: bytes, where: str, then: str, wide: bool = True) -> str:
+    """`raw`, a user's file (`where` names it), as text, or one sentence ending with `then`.
+    UTF-8, less a byte-order mark (editors on Windows add one, and it is not text); UTF-16 or UTF-32
+    where a byte-order mark says so (what Windows Notepad saves as "Unicode"), when `wide` (else
+    one sentence: a file another program reads again, an lm-eval task's, must be UTF-8 for it). No
+    other encoding is guessed, and a NUL character is refused: a binary file read as text would be
+    scored as garbage."""
+    codec = next((name for bom, name in _BOMS if raw.startswith(bom)), "UTF-8")
+    if codec != "UTF-8" and not wide:
+        raise MoetoolError(f"{where} is {codec} text (it starts with a {codec} byte-order mark); save it as "
+                           f"UTF-8{then}")
     try:
-        # As stored (no newline translation, so its sha256 is the file's), less a UTF-8 byte-order
-        # mark, which editors on Windows add and which is not text to score.
-        text = raw.decode("utf-8").removeprefix("\ufeff")
+        # As stored: no newline translation, so the sha256 an artifact records is the file's.
+        text = raw.decode({"UTF-8": "utf-8-sig", "UTF-16": "utf-16", "UTF-32": "utf-32"}[codec])
     except UnicodeDecodeError as e:
-        raise MoetoolError(f"{option} {path} is not UTF-8 text (byte {e.start} is not); give a text file.") from None
+        mark = "" if codec == "UTF-8" else f", though it starts with a {codec} byte-order mark"
+        raise MoetoolError(f"{where} is not {codec} text (byte {e.start} is not{mark}){then}") from None
+    if (nul := text.find("\0")) >= 0:  # valid UTF-8, and no text: UTF-16 without its mark reads as "H\0e\0l\0..."
+        raise MoetoolError(f"{where} holds a NUL character (character {nul + 1}), which no text holds: a binary "
+                           f"file, or UTF-16 saved without its byte-order mark{then}")
+    return text
+
+
+def read_text_file(path: Path, option: str) -> str:
+    """A user's text file (`option` names where it was given), or one sentence: UTF-8, or UTF-16/32
+    with a byte-order mark (`decode_text`)."""
+    path = Path(path)
+    text = decode_text(read_bytes(path, TEXT_BYTES, option), f"{option} {path}", "; give a text file.")
     if not text.strip():  # an editor's empty save, a failed extraction: nothing to score, profile or calibrate on
         raise MoetoolError(f"{option} {path} holds no text (it is empty or only whitespace); give a text file.")
     return text
@@ -136,11 +159,8 @@ def read_text_file(path: Path, option: str) -> str:
 def read_prompts(path: Path, what: str = "--prompts") -> tuple[str, ...]:
     """The prompts of a JSONL file (`parse_prompt_lines`), or one sentence naming the file."""
     path = Path(path)
-    raw = read_bytes(path, PROMPTS_BYTES, what)
-    try:
-        text = raw.decode("utf-8-sig")  # -sig: a leading byte-order mark is not JSON
-    except UnicodeDecodeError:
-        raise MoetoolError(f"{path} is not UTF-8 text (expected JSONL lines such as {{\"prompt\": \"...\"}}).") from None
+    text = decode_text(read_bytes(path, PROMPTS_BYTES, what), str(path),
+                       " (expected JSONL lines such as {\"prompt\": \"...\"}).")
     prompts = parse_prompt_lines(text, path)
     if not prompts:
         raise MoetoolError(f"{path} holds no prompts.")

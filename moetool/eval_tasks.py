@@ -10,6 +10,7 @@ from typing import Any
 
 from moetool import mmlu
 from moetool.checkpoint import first_line as _first_line
+from moetool.datasets import decode_text
 from moetool.errors import MoetoolError, quote, yaml_error
 from moetool.files import CONFIG_BYTES, read_bytes
 from moetool.hub import hub_reachable
@@ -95,10 +96,8 @@ def _check_task_yaml(path: Path) -> None:
 
     if not path.exists():
         raise MoetoolError(f"task file {path} does not exist.")
-    try:
-        text = read_bytes(path, CONFIG_BYTES, "task file").decode("utf-8")  # a regular file of bounded size
-    except UnicodeDecodeError:
-        raise MoetoolError(f"task file {path} is not UTF-8 text.") from None
+    # A regular file of bounded size, in UTF-8 only: lm-eval reads it again as UTF-8.
+    text = decode_text(read_bytes(path, CONFIG_BYTES, "task file"), f"task file {path}", ".", wide=False)
 
     class TagTolerant(yaml.SafeLoader):
         """lm-eval resolves its own tags (`!function utils.process_docs`); here only the syntax counts."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from moetool.artifacts import ModelFingerprint
 from moetool.errors import MoetoolError, quote, yaml_error
+from moetool.datasets import decode_text
 from moetool.files import GRID_BYTES, read_bytes
 
 GRIDS_DIR = Path(__file__).with_name("grids")  # packaged grids, named by file stem
@@ -99,9 +100,7 @@ def load_grid(source: str | Path) -> dict[str, Any]:
     path = grid_path(source)
     raw = read_bytes(path, GRID_BYTES, "grid file")
     try:
-        data = yaml.safe_load(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise MoetoolError(f"{path} is not UTF-8 text (byte {e.start} is not); a grid is a YAML file.") from None
+        data = yaml.safe_load(decode_text(raw, str(path), "; a grid is a YAML file."))
     except yaml.YAMLError as e:
         raise yaml_error(str(path), e) from None
     except RecursionError:  # lists nested thousands deep

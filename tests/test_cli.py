@@ -271,7 +271,7 @@ def test_a_malformed_task_yaml_is_named_as_such_not_as_needing_the_hub(tiny_ckpt
     bad.write_text("- just\n- a list\n")
     line = _one_error_line(runner.invoke(app, ["eval", str(bad), "--model", str(tiny_ckpt("qwen2_moe"))]))
     assert f"task file {bad} is not an lm-eval task" in line
-    bad.write_bytes(b"\xff\xfe\x00task")
+    bad.write_bytes(b"task: \x80\xfe")
     line = _one_error_line(runner.invoke(app, ["eval", str(bad), "--model", str(tiny_ckpt("qwen2_moe"))]))
     assert f"task file {bad} is not UTF-8 text" in line
 

@@ -195,3 +195,67 @@ def test_a_line_to_a_pipe_is_not_wrapped():
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [path, text.rstrip()] or done.stdout.splitlines() == [path, text]
     assert done.stderr.splitlines()[-1].strip() == text.strip()
+
+
+# 5. A text file saved as UTF-16 (Windows Notepad's "Unicode") was "not UTF-8 text (byte 0 is not)"; a
+#    byte-order mark now says how to read it, for the text moetool alone reads (--data, --prompts, a grid),
+#    and a task file, which lm-eval reads again as UTF-8, is told to be saved as UTF-8. UTF-16 saved
+#    without its mark, valid UTF-8 with a NUL every other byte, was scored as such; a NUL is now refused.
+
+TEXT = "Ça va? Сказка о рыбаке.\n日本語のテキスト, and plain English text.\n" * 8
+ENCODINGS = ["utf-8-sig", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"]
+
+
+def _with_bom(text: str, encoding: str) -> bytes:
+    import codecs
+
+    boms = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE,
+            "utf-32-le": codecs.BOM_UTF32_LE, "utf-32-be": codecs.BOM_UTF32_BE}
+    return boms.get(encoding, b"") + text.encode(encoding)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_a_text_file_with_a_byte_order_mark_reads_as_the_same_text(tmp_path, encoding):
+    from moetool.datasets import read_prompts, read_text_file
+
+    data = tmp_path / "t.txt"
+    data.write_bytes(_with_bom(TEXT, encoding))
+    assert read_text_file(data, "--data") == TEXT
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(_with_bom('{"prompt": "Сказка"}\n{"prompt": "日本語"}\n', encoding))
+    assert read_prompts(prompts) == ("Сказка", "日本語")
+
+
+def test_utf16_without_its_mark_or_broken_after_it_is_one_sentence(tmp_path):
+    from moetool.datasets import read_text_file
+    from moetool.errors import MoetoolError
+
+    bare = tmp_path / "bare.txt"
+    bare.write_bytes("Hello".encode("utf-16-le"))  # no mark: not guessed; valid UTF-8, but "H\0e\0..." is no text
+    with pytest.raises(MoetoolError, match=r"holds a NUL character \(character 2\).*UTF-16 saved without its"):
+        read_text_file(bare, "--data")
+    broken = tmp_path / "broken.txt"
+    broken.write_bytes(_with_bom("Hello", "utf-16-le") + b"\x00\xd8")  # a lone high surrogate at the end
+    with pytest.raises(MoetoolError, match=r"is not UTF-16 text \(byte \d+ is not, though it starts with a UTF-16"):
+        read_text_file(broken, "--data")
+
+
+def test_eval_ppl_on_a_utf16_file_scores_what_it_scores_on_the_utf8_file(char_ckpt, tmp_path):
+    scores = []
+    for encoding in ("utf-8", "utf-16-le"):
+        data, out = tmp_path / f"{encoding}.txt", tmp_path / f"{encoding}.eval.json"
+        data.write_bytes(_with_bom(TEXT, encoding))
+        result = runner.invoke(app, ["eval", "ppl", "--model", str(char_ckpt), "--data", str(data),
+                                     "--context", "32", "--limit", "96", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(out.read_text())
+        scores.append((doc["n"], doc["metrics"]["ppl"]))
+    assert scores[0] == scores[1]
+
+
+def test_a_utf16_task_file_is_told_to_be_saved_as_utf8(tiny_ckpt, tmp_path):
+    task = tmp_path / "mytask.yaml"
+    task.write_bytes(_with_bom("task: mytask\n", "utf-16-le"))
+    result = runner.invoke(app, ["eval", str(task), "--model", str(tiny_ckpt("qwen2_moe"))])
+    line = one_error_line(result)
+    assert f"task file {task} is UTF-16 text" in line and "save it as UTF-8" in line
