@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from moetool.artifacts import ModelFingerprint
-from moetool.errors import MoetoolError, quote, yaml_error
 from moetool.datasets import decode_text
+from moetool.errors import MoetoolError, quote, yaml_error
 from moetool.files import GRID_BYTES, read_bytes
 
 GRIDS_DIR = Path(__file__).with_name("grids")  # packaged grids, named by file stem
