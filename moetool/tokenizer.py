@@ -4,6 +4,7 @@ token ids: the byte fallback for tokenizer-less checkpoints, and every id checke
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,12 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
     in one call, ~30 MiB for one piece of 64 Ki characters (at one token a character; a quarter of
     that for English), for ~2% more tokenizer time in the cuts' checks. A piece ends just after a newline
     followed by a non-space (else just before a single space, which the next piece drops where the
-    tokenizer prepends "▁" to every text, as Llama-2's and Mixtral's do) near CHUNK characters on,
-    and only where the tokenizer is seen to be local there: the _WINDOW characters each side of the
-    cut tokenize to the ids of the two sides apart. Where no cut of a chunk passes (a text without
-    line ends or spaces, a tokenizer that is local at neither), the whole text is tokenized in one
-    call, as a short text is. Special tokens the tokenizer adds
+    tokenizer prepends "▁" to every text, as Llama-2's and Mixtral's do; else just before a
+    punctuation mark after a letter, for text without either) near CHUNK characters on, and only
+    where the tokenizer is seen to be local there: the _WINDOW characters each side of the cut
+    tokenize to the ids of the two sides apart. Where no cut of a chunk passes (a text of letters
+    alone, a tokenizer that is local at none), the whole text is tokenized in one call, as a short
+    text is. Special tokens the tokenizer adds
     (BOS, EOS) frame the pieces' ids as they frame a text's own, checked on the text's head and tail
     against the tokenizer; where they do not, one call too."""
     if (why := not_text(text)) is not None:  # what no tokenizer encodes: one sentence, not a traceback
@@ -88,8 +90,11 @@ def _spans(tokenizer: Any, text: str) -> list[tuple[int, int]] | None:
 #   in SentencePiece's Metaspace, which then adds no "▁" of its own);
 # - the same space, dropped from the next piece: for a tokenizer that prepends "▁" to every text
 #   (Llama-2's and Mixtral's tokenizer.json: a Prepend normalizer), "word" comes out as the
-#   "▁word" that " word" is in the middle of a text, where " word" would be "▁▁word".
-_KINDS = (("\n", 1, 0), (" ", 0, 0), (" ", 0, 1))
+#   "▁word" that " word" is in the middle of a text, where " word" would be "▁▁word";
+# - just before a punctuation mark that follows a letter (mark ""): for text without spaces or
+#   line ends (Chinese or Japanese on one line), where a letter run ends ("。日本" is one pre-token
+#   of GPT-4-style regexes, "語" | "。" is a boundary).
+_KINDS = (("\n", 1, 0), (" ", 0, 0), (" ", 0, 1), ("", 0, 0))
 
 
 def _cuts(text: str, lo: int, hi: int, kinds: list[tuple[str, int, int]]) -> Iterator[tuple[int, tuple[str, int, int]]]:
@@ -97,6 +102,13 @@ def _cuts(text: str, lo: int, hi: int, kinds: list[tuple[str, int, int]]) -> Ite
     for kind in kinds:
         mark, after, _ = kind
         tries, end = 0, hi
+        if not mark:  # punctuation after a letter, found a character at a time (only where no other kind passed)
+            for i in range(hi - 1, lo, -1):
+                if unicodedata.category(text[i])[0] == "P" and text[i - 1].isalpha():
+                    yield i, kind
+                    if (tries := tries + 1) == _TRIES:
+                        break
+            continue
         while tries < _TRIES and (i := text.rfind(mark, lo, end)) >= 0:
             end = i
             if not text[i + 1].isspace() and (after or not text[i - 1].isspace()):

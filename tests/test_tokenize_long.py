@@ -147,6 +147,29 @@ def test_special_tokens_frame_the_pieces_as_they_frame_the_text(single):
     assert _encode(tok, TEXT, False)[0] == tok(TEXT, add_special_tokens=False).input_ids
 
 
+def test_a_text_without_spaces_or_line_ends_is_cut_before_its_punctuation():
+    import random
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    # Chinese on one line, through a byte-level BPE split as Qwen2's and GPT-4's regex splits:
+    # "[^\r\n\p{L}\p{N}]?\p{L}+" takes "。" into the letters after it, so a cut before it is where a pre-token starts.
+    rng = random.Random(0)
+    text = "".join("".join(rng.choice("的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年") for _ in range(rng.randint(5, 30)))
+                   + rng.choice("。，、！？") for _ in range(2000))
+    split = r"""[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.train_from_iterator([text[:8000]], trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = _wrap(tok)
+    stop = text.index("。", 5000)
+    assert tk._local(tok, text, stop)
+    got, want, longest = _encode(tok, text, False)
+    assert " " not in text and "\n" not in text and got == want and longest <= CHUNK
+
+
 def test_a_text_without_line_ends_or_spaces_is_tokenized_in_one_call(byte_level):
     text = "abcdefgh" * (CHUNK // 2)
     got, want, longest = _encode(byte_level, text, False)
