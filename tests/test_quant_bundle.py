@@ -171,8 +171,8 @@ def test_calibration_tokens_come_from_the_text_in_sequences(tmp_path):
 
     from moetool.quant.quantize import calibration_ids
 
-    def char_tokenizer(text):  # one token per character: enough to check the slicing
-        return {"input_ids": [ord(c) % 128 for c in text]}
+    def char_tokenizer(text, add_special_tokens=True):  # one token per character: enough to check the slicing
+        return SimpleNamespace(input_ids=[ord(c) % 128 for c in text])
 
     lm = SimpleNamespace(tokenizer=char_tokenizer, fingerprint=SimpleNamespace(source="stub"),
                          model=SimpleNamespace(config=SimpleNamespace(vocab_size=128)))

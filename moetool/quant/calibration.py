@@ -15,7 +15,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, MoeLayer
-from moetool.tokenizer import check_ids
+from moetool.tokenizer import encode
 
 
 class CalibrationSettings(Protocol):
@@ -46,10 +46,10 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
 
         text, where = train_text(), "moetool's training text"
     # Tokenize a generous prefix first: the shipped text is ~4.9 MB and a few thousand tokens suffice.
-    ids = lm.tokenizer(text[:16 * n_seq * seq_len])["input_ids"]
+    # `encode` takes a long text a piece at a time, to one call's ids (a --calib-text may be 256 MiB).
+    ids = encode(lm.tokenizer, text[:16 * n_seq * seq_len], lm.model.config.vocab_size)
     if len(ids) < n_seq * seq_len:
-        ids = lm.tokenizer(text)["input_ids"]
-    ids = check_ids(torch.tensor(ids, dtype=torch.long), lm.tokenizer, lm.model.config.vocab_size)
+        ids = encode(lm.tokenizer, text, lm.model.config.vocab_size)
     if len(ids) < seq_len:
         raise MoetoolError(f"{where} holds {len(ids)} tokens, fewer than one calibration sequence "
                            f"({seq_len}); give more text or a shorter sequence length.")
