@@ -16,7 +16,9 @@ import errno
 import functools
 import logging
 import os
+import resource
 import select
+import signal
 import sys
 import traceback
 import warnings
@@ -27,12 +29,15 @@ from typing import Any, NoReturn
 import click
 import typer
 import typer.core
+from rich._null_file import NULL_FILE
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
+from moetool.machine import NOTHING_HALF_WRITTEN, STOPPED, hold_closed_descriptors, interruption, memory_sentence, \
+    out_of_memory, signals_raise
 
 # Typer runs on a vendored click (typer._click) since 0.2x, whose exceptions are not click's own;
 # its Abort is typer.exceptions'.
@@ -121,9 +126,32 @@ class _Console(Console):
     - Text to a pipe or a file is not wrapped: there a line is a record (a path for `xargs`, generated
       text, a sentence in a log), and Rich would break it at 80 columns, inside a path or a word run.
       A terminal wraps long lines itself; tables are drawn to the width as before.
+    - A write that fails otherwise (stdout redirected to a full disk or /dev/full, a terminal gone)
+      names the stream, so its sentence is not taken for a failure to write the command's files; a
+      result for a stdout the command was started without (`>&-`, where Rich writes nowhere) is refused
+      in one sentence, not lost with exit code 0.
     """
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
+        if not self.stderr and not self.quiet and self.file is NULL_FILE:
+            raise MoetoolError("standard output is closed (the command was started with `>&-`), so its result "
+                               "cannot be shown; send it to a file or to /dev/null instead.")
+        try:
+            self._print(*objects, **kwargs)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = self._stream_name()
+            raise
+
+    def _stream_name(self) -> str:
+        name = "standard error" if self.stderr else "standard output"
+        try:
+            target = os.readlink(f"/proc/self/fd/{self.file.fileno()}")
+        except (OSError, ValueError, AttributeError):  # no /proc, or a stream that is no file (a test's capture)
+            return name
+        return f"{name} ({target})" if target.startswith(os.sep) else name  # "pipe:[123]" says nothing
+
+    def _print(self, *objects: Any, **kwargs: Any) -> None:
         tables = [o for o in objects if isinstance(o, Table)]
         if not tables and not self.is_terminal:
             kwargs.setdefault("soft_wrap", True)
@@ -195,12 +223,16 @@ for _name in ("torchao", "torch.utils._pytree"):
 
 
 def _quiet_libraries() -> None:
-    """transformers' loading bars and warnings would bury moetool's own output."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
+    """transformers' loading bars and warnings would bury moetool's own output. A transformers not yet
+    imported is told through the environment it reads as it imports, so a command that never loads a
+    model (`report`) does not import it for this; one imported already is told directly."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars follow the hub's
+    if "transformers" in sys.modules or "huggingface_hub" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 @app.callback()
@@ -214,14 +246,27 @@ def _root() -> None:
 
 def os_sentence(e: OSError) -> str:
     """One sentence for a failure of the filesystem (or the network): the path and the cause, as the OS
-    says them, and the environment variable the path came from when it lies in a directory one names."""
+    says them, and the environment variable the path came from when it lies in a directory one names.
+    A path inside one of moetool's temp files or directories is named as the file it stands for."""
+    from moetool.files import target_of_temp
+
     cause = e.strerror or str(e) or type(e).__name__
+    filename = target_of_temp(e.filename) if e.filename is not None else None
+    where = f" writing {filename}" if filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        where = f" writing {e.filename}" if e.filename else ""
-        return f"no space left on the device{where} ({cause}); free some space and run the same command again."
+        said = "" if e.errno == errno.ENOSPC else f" ({cause})"  # a quota says so; a full disk is the sentence
+        return f"no space left on the device{where}{said}; free some space and run the same command again."
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why = (f"this process may write files of at most {size_text(limit)} (its file-size limit, ulimit -f)"
+               if limit != resource.RLIM_INFINITY else "the filesystem holds no file that large")
+        return (f"file too large{where} ({cause}): {why}; raise the limit or write to another filesystem, and run "
+                "the same command again.")
+    if e.errno == errno.ENOMEM:
+        return memory_sentence(e)
     if e.filename is None:
         return f"{cause} ({type(e).__name__})."
-    path = f"{e.filename} -> {e.filename2}" if e.filename2 else str(e.filename)
+    path = f"{filename} -> {target_of_temp(e.filename2)}" if e.filename2 else str(filename)
     var = environment_origin(e.filename)
     if var is not None:
         value = os.environ[var]
@@ -268,9 +313,22 @@ def environment_origin(path: object) -> str | None:
 def _fail(sentence: str) -> typer.Exit:
     try:
         err.print(styled(("error:", "red"), f" {sentence}"), highlight=False, soft_wrap=True)
-    except SystemExit:  # stderr's reader has gone: the sentence is lost, but the exit code still says it failed
+    except (SystemExit, OSError):  # stderr's reader has gone, or stderr is full: the exit code still says it failed
         pass
     return typer.Exit(1)
+
+
+def _stopped(e: KeyboardInterrupt) -> typer.Exit:
+    """One line for a command stopped by Ctrl-C or a signal (yellow: the user's act, not an error), and
+    its exit code. Typer's own handling of a KeyboardInterrupt is exit code 130 without a word."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    how = STOPPED.get(signum, f"stopped by signal {signum}")
+    try:
+        err.print(styled((how, "yellow"), f": {getattr(e, 'kept', None) or NOTHING_HALF_WRITTEN}."), highlight=False,
+                  soft_wrap=True)
+    except (SystemExit, OSError):  # stderr gone with the terminal (SIGHUP) or its reader: the code still says it
+        pass
+    return typer.Exit(128 + signum)
 
 
 def styled(*parts: str | tuple[str, str]) -> Text:
@@ -284,29 +342,38 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
     - a `MoetoolError` (a problem the user can fix) is one red line on stderr and exit code 1;
     - an `OSError` (a path that is a directory, under a file, not writable; a full disk) is one red
       line naming the path and the cause, and exit code 1;
+    - an allocation that fails (out of host or device memory, `machine.out_of_memory`) is one red line
+      saying which memory and what to ask for instead, and exit code 1;
     - any other exception is a bug: its traceback, then one line asking to report it, and exit
       code 1 (as Python's own uncaught exception), so a script sees the code it saw before.
 
     A write to stdout or stderr whose reader has gone (`| head -1`) ends the command quietly with
-    `PIPE_CLOSED` (141). Typer's own exits (`typer.Exit`, usage errors) and Ctrl-C pass through
-    untouched. The libraries' Python warnings wait for the end of the command, and a refusal drops them.
+    `PIPE_CLOSED` (141). Ctrl-C, SIGTERM and SIGHUP stop the command through the same cleanup
+    (`machine.signals_raise`), then one yellow line and exit code 128 + the signal (130, 143, 129). Typer's
+    own exits (`typer.Exit`, usage errors) pass through untouched. The libraries' Python warnings wait
+    for the end of the command, and a refusal drops them.
     """
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            hold_closed_descriptors()
             _quiet_libraries()
             # Python warnings of the libraries (torch's "Initializing zero-element tensors" for a config
             # size of 0, ...) are held until the command ends: a refusal is its one sentence alone, and
             # anything else shows them then, under the filters in force, as they would have been shown.
             held: list[warnings.WarningMessage] = []
             try:
-                with warnings.catch_warnings(record=True) as held:
+                with signals_raise(), warnings.catch_warnings(record=True) as held:
                     result = fn(*args, **kwargs)
             except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
                 _show(held)
                 raise  # an exit code chosen by the command (typer.Exit is not a click Exit since typer 0.2x)
+            except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (`Terminated`)
+                raise _stopped(e) from None
             except MoetoolError as e:
+                if (stopped := interruption(e)) is not None:  # a Ctrl-C a stage turned into a refusal
+                    raise _stopped(stopped) from None
                 raise _fail(str(e)) from None
             except BrokenPipeError as e:
                 if reader_gone():  # a write to stdout or stderr (a library's print): as the consoles do
@@ -315,6 +382,10 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
             except OSError as e:
                 raise _fail(os_sentence(e)) from None
             except Exception as e:  # noqa: BLE001 - shown in full, not hidden: a bug to report
+                if (stopped := interruption(e)) is not None:  # a Ctrl-C or SIGTERM a library wrapped
+                    raise _stopped(stopped) from None
+                if out_of_memory(e):  # MemoryError, torch's allocators: the machine's limit, not a bug
+                    raise _fail(memory_sentence(e)) from None
                 _show(held)
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
                 raise _fail(BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG) from None
@@ -359,12 +430,16 @@ def writable(path: Path | None, kind: str = "file", option: str = "--out") -> No
         raise MoetoolError(f"{option} {p} is a directory; give a file path, e.g. {p / 'result.json'}.")
     if kind == "dir" and p.exists() and not p.is_dir():
         raise MoetoolError(f"{option} {p} is a file; give a directory.")
+    shown = str(p)
+    if p.is_symlink():  # written through (the link stays): where it leads must be writable, dangling or not
+        p = Path(os.path.realpath(p))
+        shown = f"{shown} (a link to {p})"
     start = p if kind == "dir" else p.parent
     parent = next((a for a in (start, *start.parents) if a.exists()), Path("."))
     if not parent.is_dir():
-        raise MoetoolError(f"{option} {p} lies under {parent}, which is a file, not a directory.")
+        raise MoetoolError(f"{option} {shown} lies under {parent}, which is a file, not a directory.")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise MoetoolError(f"{option} {p} cannot be written: {parent} is not writable (permission denied).")
+        raise MoetoolError(f"{option} {shown} cannot be written: {parent} is not writable (permission denied).")
 
 
 def not_an_input(save: Path | None, *inputs: Path | str | None, inside: Path | str | None = None,

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 
 from moetool import __version__
 from moetool.errors import MoetoolError, article, not_a_file
-from moetool.files import ARTIFACT_BYTES, read_bytes, short_name, symlink_loop
+from moetool.files import ARTIFACT_BYTES, read_bytes, symlink_loop, temp_path
 from moetool.schema import SchemaError, build, describe
 
 A = TypeVar("A", bound="Artifact")
@@ -62,22 +61,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     if path.exists() and not path.is_file():
         what = "a directory" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
         raise MoetoolError(f"{path} is {what}; give the path of a file to write.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{short_name(path.name)}.", suffix=".tmp", dir=path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a directory above it became a file while the command ran
+        above = next(a for a in path.parents if a.exists() or a.is_symlink())
+        raise MoetoolError(f"{path} cannot be written: {above} is a file, not a directory.") from None
+    tmp = temp_path(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are ordinary readable files
+        os.chmod(tmp, 0o644)  # artifacts are ordinary readable files, whatever the umask
         os.replace(tmp, path)
     except BaseException as e:
-        if tmp:
-            Path(tmp).unlink(missing_ok=True)
+        if not _taken(e, tmp):
+            tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            _name_the_target(e, path, {Path(tmp)} if tmp else set())
+            _name_the_target(e, path, {tmp})
         raise
+
+
+def _taken(e: BaseException, tmp: Path) -> bool:
+    """Whether `e` says the fresh temp name `tmp` was another's (one chance in 2**32): not ours to remove."""
+    return isinstance(e, FileExistsError) and e.filename is not None and Path(e.filename) == tmp
 
 
 def pip_download(requirement: str, wheel: Path, sha256: str) -> tuple[str, str] | None:
@@ -124,13 +132,15 @@ def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
     target = Path(target)
     made = [a for a in (target.parent, *target.parent.parents) if not a.exists()]  # deepest first
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{short_name(target.name)}.", suffix=".tmp", dir=target.parent))
+    tmp = temp_path(target)
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary readable directory
+        os.mkdir(tmp, 0o700)
+        os.chmod(tmp, 0o755)  # an ordinary readable directory, whatever the umask
         result = fill(tmp)
         _swap(tmp, target)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not _taken(e, tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and (e.filename is None or Path(e.filename).is_relative_to(tmp)):
             # A write inside the temp directory failed (a full disk): name the directory asked for.
             e.filename, e.filename2 = str(target), None
@@ -144,21 +154,28 @@ def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
 
 
 def _swap(new: Path, target: Path) -> None:
-    """Rename `target` away, `new` in, then delete the old one; an interruption between the two
-    renames puts the old one back."""
+    """Rename `target` away, `new` in, then delete the old one; an interruption at any point leaves
+    one of them at `target` (the old one unless the new one is in) and no third directory."""
     if not target.exists():
         os.replace(new, target)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{short_name(target.name)}.old.", suffix=".tmp", dir=target.parent))
+    old = temp_path(target, old=True)
     try:
+        os.mkdir(old)
         os.replace(target, old)  # onto the empty temp directory: a POSIX rename replaces an empty one
-    except BaseException:
-        old.rmdir()
+    except BaseException as e:
+        if not target.exists() and old.exists():  # interrupted just after the rename: the old one back
+            os.replace(old, target)
+        elif not _taken(e, old):
+            shutil.rmtree(old, ignore_errors=True)  # empty
         raise
     try:
         os.replace(new, target)
     except BaseException:
-        os.replace(old, target)
+        if new.exists():  # the new one did not go in: the old one back
+            os.replace(old, target)
+        else:  # it did, just before the interruption: the old one goes, as it would have
+            shutil.rmtree(old, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
 

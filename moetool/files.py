@@ -21,6 +21,7 @@ import errno
 import fcntl
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 
@@ -67,9 +68,18 @@ def read_bytes(path: Path | str, limit: int, what: str = "") -> bytes:
     """The bytes of `path`, a regular file of at most `limit` bytes, or one sentence saying what it is
     instead (missing, a directory, a FIFO, a device, a socket, too large). `what` names the option
     or role ("--prompts")."""
-    fd, _ = _open_regular(Path(path), limit, what)
+    fd, size = _open_regular(Path(path), limit, what)
     with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)  # a file growing while it is read stops here, not at the end of the disk
+        # The size the file has, and one byte more to see it grow: `read(n)` allocates n bytes before it
+        # reads, so reading `limit + 1` at once took 256 MiB of address space for every 1 KiB artifact
+        # (a MemoryError under `ulimit -v`). A file that grows is read on, a MiB at a time, to the limit.
+        data = f.read(size + 1)
+        if len(data) > size:
+            parts, n = [data], len(data)
+            while n <= limit and (part := f.read(min(1 << 20, limit + 1 - n))):
+                parts.append(part)
+                n += len(part)
+            data = b"".join(parts)
     if len(data) > limit:
         raise MoetoolError(f"{what} {path} grew past {size_text(limit)} while it was read; give a file that is not "
                            "being written.".strip())
@@ -91,6 +101,26 @@ def temp_file_of(name: str, names: set[str] | frozenset[str]) -> bool:
 
 
 _TEMP_TAIL = re.compile(r"(old\.)?[A-Za-z0-9_]+\.tmp")  # after ".NAME.": mkstemp's random part, then .tmp
+_TEMP_NAME = re.compile(r"\.(.+?)\.(?:old\.)?[a-z0-9_]{8}\.tmp")  # ".NAME.XXXXXXXX.tmp": NAME (short_name'd)
+
+
+def target_of_temp(path: str | bytes | os.PathLike) -> str:
+    """`path` with each of moetool's temp files or directories in it (".NAME.XXXXXXXX.tmp", made beside
+    NAME by `atomic_write_bytes`, `replace_dir`, a bundle's shard and model/ writers) named as the NAME
+    it stands for, so that a failure (a full disk, a directory removed) names the file the user asked
+    for, never a temp name: ".layer-001.safetensors.kn32yhp5.tmp" -> "layer-001.safetensors". A name of
+    255 bytes, whose temp name is cut (`short_name`), is named by its cut prefix."""
+    text = os.fsdecode(path)
+    parts = [m[1] if (m := _TEMP_NAME.fullmatch(part)) else part for part in text.split(os.sep)]
+    return os.sep.join(parts)
+
+
+def temp_path(target: Path, old: bool = False) -> Path:
+    """A fresh name for a temp file or directory beside `target` (".NAME.XXXXXXXX.tmp", ".NAME.old.XXXXXXXX.tmp"),
+    chosen before it is made: the caller makes it (`O_EXCL`, `mkdir`) inside the block whose cleanup removes
+    it, so an interruption (Ctrl-C, SIGTERM) that lands right after the making still finds it by name;
+    `tempfile.mkstemp` names it only once it has returned."""
+    return target.parent / f".{short_name(target.name)}.{'old.' if old else ''}{secrets.token_hex(4)}.tmp"
 
 
 def short_name(name: str, limit: int = 200) -> str:
@@ -163,7 +193,8 @@ class DirectoryLock:
 
 
 __all__ = ["ARTIFACT_BYTES", "CONFIG_BYTES", "DirectoryLock", "GRID_BYTES", "PROMPTS_BYTES", "TEXT_BYTES",
-           "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "temp_file_of", "text_bytes"]
+           "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "target_of_temp", "temp_file_of",
+           "temp_path", "text_bytes"]
 
 
 def not_inside_a_model(out: Path | str, whose: str, itself: bool = True) -> None:

@@ -170,14 +170,69 @@ def fused_expert(t: dict[str, torch.Tensor], g: MoeLayer, expert: int) -> Expert
 
 
 def available_memory() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), or 8 GiB if unknown."""
+    """Bytes this process can allocate now without swapping: what the kernel says (MemAvailable, or 8 GiB
+    if unknown), less where a cgroup's memory limit (a container, a batch job's) or this process's
+    address-space limit (`ulimit -v`) leaves less. MemAvailable is the whole machine's, so a budget
+    sized from it alone was killed, or ran out of memory, inside such a limit."""
+    free = 8 << 30
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 << 30
+    return max(0, min(free, _cgroup_room(), _address_space_room()))
+
+
+# Where a cgroup's memory limit and use are read: (mount, limit file, usage file, the page-cache entry of
+# memory.stat), cgroup v2 first, then v1. The page cache (a bundle read through its mapping) counts as
+# use there but is given back on demand, so it is not taken off the room.
+_CGROUPS = {"v2": ("/sys/fs/cgroup", "memory.max", "memory.current", "file"),
+            "v1": ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")}
+
+
+def _cgroup_room() -> int:
+    """What this process's memory cgroup and those above it leave under their limits; none: a huge number."""
+    room = 1 << 62
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return room
+    for line in lines:
+        _, controllers, own = (line.split(":", 2) + ["", ""])[:3]
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        mount, limit_file, usage_file, cache_key = _CGROUPS[version]
+        group = Path(mount) / own.strip().lstrip("/")
+        for d in (group, *group.parents):  # a container sees its own group as the mount's root
+            if not d.is_relative_to(mount):
+                break
+            try:
+                limit, used = (d / limit_file).read_text().strip(), int((d / usage_file).read_text())
+                stat = dict(ln.split()[:2] for ln in (d / "memory.stat").read_text().splitlines() if ln.strip())
+                cache = int(stat.get(cache_key, 0))
+            except (OSError, ValueError):
+                continue
+            if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as a number near 2**63
+                room = min(room, int(limit) - max(0, used - cache))
+    return room
+
+
+def _address_space_room() -> int:
+    """What `ulimit -v` (RLIMIT_AS) leaves this process beyond the address space it maps now; unlimited:
+    a huge number."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return 1 << 62
+    try:
+        mapped = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                      if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return limit
+    return limit - mapped
 
 
 class DeviceProvider:

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sha256_file
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, Terminated
 from moetool.files import DirectoryLock, not_inside_a_model, temp_file_of
 from moetool.grid import Cell, expand, grid_cells, grid_path, load_grid, select
 from moetool.reaper import Reaper, descendants
@@ -211,11 +211,6 @@ def _check_feasible(ray: Any, cells: list[Cell], cpus: int) -> None:
 
 def _resources(r: dict[str, float]) -> str:
     return f"{r.get('CPU', 0):g} CPUs, {r.get('GPU', 0):g} GPUs"
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM during a sweep, raised in the driver as Ctrl-C raises KeyboardInterrupt, so the same
-    cleanup runs (cells in flight cancelled, Ray shut down, the index kept), not Ray's crash dump."""
 
 
 @contextmanager

@@ -83,7 +83,7 @@ def sweep(
         try:
             index = sweep_stage(cfg, progress=progress)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): cells in flight are cancelled, Ray is stopped
-            what, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+            what, code = ("terminated", 128 + e.signum) if isinstance(e, Terminated) else ("interrupted", 130)
             err.print(styled((what, "yellow"), f": {sum(counts.values())} of {total or '?'} cells are finished and "
                              f"kept in {save / 'sweep.json'}; the same command runs the rest."), highlight=False)
             raise typer.Exit(code) from None

@@ -257,6 +257,18 @@ class HostStore:
         for key, n in self._sizes.items():
             if key[2] in used:
                 self._to_pin.setdefault(key[0], []).append((key, n))
+        # What the tiers will hold once every layer is pinned: refused now, before the run, when the
+        # machine (or this process's cgroup or ulimit -v) cannot give it, not killed or failed at a
+        # layer deep into the run. A default budget is sized from the same room, less a margin.
+        from moetool.model import available_memory
+
+        hold = ring_bytes + min(self.pin_capacity, sum(n for blobs in self._to_pin.values() for _, n in blobs))
+        room = available_memory()
+        if hold > room:
+            raise MoetoolError(f"--host-budget {size_text(host_budget)} would hold {size_text(hold)} of experts in "
+                               f"host memory, more than the {size_text(room)} this process can allocate now (free "
+                               "memory, less any cgroup or ulimit -v limit); give a smaller --host-budget or free "
+                               "memory.")
         self.ring = StagingRing(ring_slots, slot, page_lock)
 
     def slot_bytes(self, bits: int) -> int:

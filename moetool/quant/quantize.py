@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from moetool.artifacts import atomic_write_bytes, read_json, sha256_file
-from moetool.errors import MoetoolError, not_a_file, quote
+from moetool.errors import MoetoolError, keeping, not_a_file, quote
 from moetool.files import DirectoryLock as _DirectoryLock
-from moetool.files import not_inside_a_model, temp_file_of
+from moetool.files import not_inside_a_model, target_of_temp, temp_file_of
 from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.prequantized import without_quantization
@@ -182,6 +182,11 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
                 quantize_layer(layer, None)
     except MoetoolError as e:  # a weight refused as it was read (not finite, a scale past float16), ...
         raise _unfinished(e, out, len(journal.done), len(layers)) if journal.done else e from None
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the shard being written is dropped, the journal kept
+        if journal.done:
+            keeping(e, f"{out} keeps the {len(journal.done)} of {len(layers)} MoE layers finished (no bundle yet); "
+                       "the same command continues from them")
+        raise
 
     bundle = Bundle(model=lm.fingerprint, inputs=inputs, method=cfg.method, bits=tuple(int(b) for b in bits),
                     group_size=cfg.group_size, axis=cfg.axis, settings=settings, settings_sha256=settings_sha,
@@ -208,7 +213,7 @@ def _unfinished(e: MoetoolError, out: Path, finished: int, layers: int) -> Moeto
 def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
     # A full disk, a read-only or vanished directory: what was finished stays journaled for a re-run;
     # with nothing finished, a directory this run made is removed (`quantize`), so none is promised.
-    where = e.filename or out
+    where = target_of_temp(e.filename) if e.filename else out  # never the temp file of a shard or model/
     then = "finished layers are kept, re-run the same command to continue" if finished else \
         "no layer was finished, so nothing is kept; re-run the same command to start again"
     return MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); {then}.")

@@ -24,6 +24,7 @@ import torch
 from moetool.artifacts import sha256_file
 from moetool.digest import read_header
 from moetool.errors import MoetoolError
+from moetool.files import temp_path
 from moetool.quant.format import ALIGN
 
 TENSOR = "blobs"  # the one tensor name inside every shard
@@ -64,11 +65,14 @@ class ShardWriter:
 
     def __init__(self, path: Path, layer: int, nbytes: int, settings_sha256: str):
         self.path, self.layer, self.nbytes, self.written = path, layer, nbytes, 0
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        self.tmp = Path(tmp)
-        self.file = os.fdopen(fd, "wb")
-        self.hash = hashlib.sha256()
-        self._write(_header(nbytes, {"layer": str(layer), "settings_sha256": settings_sha256}))
+        self.tmp = temp_path(path)  # named before it is made: an interruption right after still finds it
+        try:
+            self.file = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb")
+            self.hash = hashlib.sha256()
+            self._write(_header(nbytes, {"layer": str(layer), "settings_sha256": settings_sha256}))
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
 
     def _write(self, data: bytes | memoryview) -> None:
         self.file.write(data)

@@ -1,0 +1,111 @@
+"""Faults of the machine while a command works: a signal that stops it, an allocation that fails, a
+standard stream it was started without. `moetool.app.command` uses these around every command.
+
+    with signals_raise():          # SIGTERM and SIGHUP raise `Terminated`, as Ctrl-C raises KeyboardInterrupt
+        ...
+    memory_sentence(e) if out_of_memory(e) else ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import resource
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from moetool.errors import Terminated, size_text
+
+# How a signal that stops a command is named in its one line; its exit code is 128 + the signal's
+# number, what a shell reports for a process the signal killed (130, 143, 129).
+STOPPED = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)",
+           signal.SIGHUP: "hung up (SIGHUP)"}
+# What a stopped command says unless the stage noted what it keeps (`moetool.errors.keeping`): every
+# file moetool writes is written whole or not at all, and its temp files are removed on the way out.
+NOTHING_HALF_WRITTEN = "no file was left half-written; run the same command again"
+
+
+def hold_closed_descriptors() -> None:
+    """Open /dev/null on each standard descriptor (0, 1, 2) the command was started without (`>&-`), so
+    that no file opened later takes its number: what a library writes to stdout or stderr from C
+    (torch's warnings) would land in that file, an artifact or a bundle's shard being written."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one, as the lower ones are held
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Within a command, SIGTERM and SIGHUP raise `Terminated` in the main thread as Ctrl-C raises
+    KeyboardInterrupt, so the cleanup a Ctrl-C runs (temp files removed, a half-built report directory
+    dropped, a lock released, a quantize's journal kept) runs for them too; their default action ends
+    the process where it stands. A second SIGTERM or SIGHUP ends it at once, as the default does. A signal the caller
+    ignores (`nohup`) or handles stays so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(s) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def interruption(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or `Terminated` behind `e`, where a library turned it into another exception: a C
+    extension whose module initialization it interrupted raises "ImportError: initialization failed"
+    from it (matplotlib's Agg backend, imported as a report draws its first figure); None if none."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed: Python's MemoryError (numpy's too), torch's CPU
+    allocator ("can't allocate memory"), CUDA's out of memory, or the OS's ENOMEM (an mmap)."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (CUDA)
+        return True
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOMEM
+    return isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
+
+
+def memory_sentence(e: BaseException) -> str:
+    """One sentence for an allocation that failed (`out_of_memory`): which memory, how much was asked
+    where the library says, and what to do, naming this process's address-space limit when it has one."""
+    text = str(e)
+    if type(e).__name__ == "OutOfMemoryError":  # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."
+        said = ". ".join(text.split(". ")[:3]).rstrip(".")
+        return (f"out of device memory ({said}); give a smaller --budget or --batch-size, or free the device "
+                "(another process may hold its memory).")
+    asked = re.search(r"allocate (\d+) bytes", text) or re.search(r"allocate ([\d.]+ [KMGT]i?B)", text)
+    amount = "" if asked is None else f" allocating {size_text(int(asked[1])) if asked[1].isdigit() else asked[1]}"
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    raise_it = "" if limit == resource.RLIM_INFINITY else \
+        f", or raise this process's address-space limit ({size_text(limit)}, ulimit -v)"
+    return (f"out of host memory{amount} ({type(e).__name__}); free memory or ask for less (a smaller --budget, "
+            f"--host-budget, --batch-size or token count){raise_it}, and run the same command again.")
+
+
+__all__ = ["NOTHING_HALF_WRITTEN", "STOPPED", "hold_closed_descriptors", "interruption", "memory_sentence",
+           "out_of_memory", "signals_raise"]
