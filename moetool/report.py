@@ -2,7 +2,7 @@
 
 `summary.md` holds the tables of each artifact (a profile's parts, a fit's knobs, the runs, quality
 under each setting, each eval paired with the run of its setting), then each paper's own part: every
-registered policy with a `report` (`Policy.report`, `policies/stages.py`) adds its tables, figures
+registered policy with a `report` (`Knobs.report`, `policies/stages.py`) adds its tables, figures
 and claims (Fate's Table 1, DyMoE's Table 3 ablation, ...), the claims gathered in one table. The
 report refuses artifacts of different models (or groups them, `by_model`) and replaces its
 directory whole.
@@ -19,14 +19,14 @@ from typing import Any
 
 from moetool.artifacts import Fit, ModelFingerprint, atomic_write_bytes, read_json, replace_dir
 from moetool.errors import MoetoolError
-from moetool.evaluate import Eval
+from moetool.eval_artifact import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label
 from moetool.files import text_bytes
-from moetool.policies import POLICIES
+from moetool.policies import hooked
 from moetool.policies.stages import ReportInputs, primary_metric
 from moetool.policies.stages import table as _table
-from moetool.profile import Profile
-from moetool.run import Run
+from moetool.profile_artifact import Profile
+from moetool.run_artifact import Run
 from moetool.schema import SchemaError, build, build_fields
 from moetool.spec import EngineRecord
 from moetool.sweep import Sweep
@@ -301,8 +301,8 @@ def _report_one(found: Found, out_dir: Path) -> list[Path]:
     md.append(_quality_table(found.get("eval", [])))
     comparison_figures(rows, out_dir, out)
     papers, claims = [], []
-    for cls in POLICIES.values():
-        part = cls.report(inputs) if "report" in vars(cls) else None  # once, for the class that defines it
+    for _, cls in hooked("report"):  # each paper's report once, without its engine half (no torch)
+        part = cls.report(inputs)
         if part is not None:
             papers.append(part.markdown)
             out += part.figures

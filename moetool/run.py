@@ -14,59 +14,24 @@ at the reference precision (small models; quantize a bundle for large ones).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from moetool.artifacts import Artifact, Fit, sha256_file
+from moetool.artifacts import Fit, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text
 from moetool.inference import context_length
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
-from moetool.schema import SchemaError
-from moetool.spec import EngineRecord, EngineSpec, check_positive, resolve_dtype
+from moetool.run_artifact import Run
+from moetool.spec import EngineSpec, check_positive, resolve_dtype
 from moetool.tokenizer import check_ids, encode
-
-
-@dataclass(frozen=True)
-class Run(EngineRecord, Artifact):
-    """What one `moetool run` measured, beside the engine's record. Times are seconds on `clock`
-    (wall, or sim on `hw`)."""
-
-    SCHEMA: ClassVar[str] = "run"
-    SCHEMA_VERSION: ClassVar[int] = 1
-
-    ttft_s: float | None
-    tpot_s: dict[str, float] | None  # mean, p50, p99, n
-    hit_rate: float | None
-    bytes_h2d: int
-    bytes_per_token: float
-    stall_s: float
-    prompts: list[str]
-    tokens: list[list[int]]  # generated token ids per prompt
-    texts: list[str]
-
-    def validate(self) -> None:
-        """On read: the TPOT statistics `fit` and `report` use are all there, finite and not negative."""
-        super().validate()
-        for key in ("mean", "p50", "p99", "n") if self.tpot_s is not None else ():
-            v = self.tpot_s.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise SchemaError(f"tpot_s['{key}']", "is missing" if v is None else f"is {v!r}, not a number",
-                                  missing=v is None)
-            if not math.isfinite(v) or v < 0:
-                raise SchemaError(f"tpot_s['{key}']", f"is {v}; a time or count is finite and not negative")
-        for name in ("bytes_per_token", "stall_s", "ttft_s"):
-            v = getattr(self, name)
-            if v is not None and not math.isfinite(v):
-                raise SchemaError(name, f"is {v}; a measurement is a finite number")
 
 
 @dataclass(frozen=True, kw_only=True)

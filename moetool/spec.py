@@ -51,7 +51,7 @@ class EngineSpec:
         """Refuse in one sentence, before anything loads, what no model could run with."""
         from moetool.engine.clock import load_hw
         from moetool.policies import POLICIES
-        from moetool.policies.base import parse_params
+        from moetool.policies.knobs import parse_params
 
         if self.policy not in POLICIES:
             raise MoetoolError(f"unknown policy '{self.policy}' (known: {', '.join(sorted(POLICIES))}).")
@@ -173,8 +173,8 @@ class EngineRecord:
     def check_params(policy: Any, params: Any) -> None:
         """On read: `params` are knobs `policy` accepts (types and the paper's ranges), so `fit` and
         `report` can use them as numbers; a policy this version does not know is left as it is."""
-        from moetool.policies import POLICIES
-        from moetool.policies.base import parse_params
+        from moetool.policies import POLICIES  # the knobs, without torch: report reads runs and evals
+        from moetool.policies.knobs import parse_params
         from moetool.schema import SchemaError
 
         if isinstance(policy, str) and policy in POLICIES and isinstance(params, dict):

@@ -10,9 +10,9 @@ from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.fit import FitConfig, cache_bytes, fit
 from moetool.options import parse_seconds
-from moetool.policies.dymoe import budget_retention, retention, schedule_table
-from moetool.policies.dynaexq import budget_n_hi
-from moetool.policies.fate import boundary_L, int2_share, transfer_n
+from moetool.policies.dymoe_knobs import budget_retention, retention, schedule_table
+from moetool.policies.dynaexq_knobs import budget_n_hi
+from moetool.policies.fate_knobs import boundary_L, int2_share, transfer_n
 from moetool.policies.smoe_fit import choose_alpha, fit_polynomial, measured_guard
 from moetool.run import RunConfig
 from helpers import FP, INFO, synthetic_profile, synthetic_run

@@ -6,7 +6,8 @@ precision and where) and, after the layer ran, with what to fetch ahead (`prefet
 the engine's (`engine/residency.py`: slots, quotas and eviction orders in one place); a policy reads
 it through `ResidencyView` and overrides `admit` only where its paper has an admission rule. Knobs
 are a frozen dataclass per policy, named as in the paper, settable from `--set key=value` and from a
-fit artifact. `policies/README.md` walks through writing one.
+fit artifact; they, the registry and the fit and report hooks are the torch-free half of the contract
+(`knobs.py`), which `Policy` extends. `policies/README.md` walks through writing one.
 
     policy = make_policy("lru", {"bits": "16"}, ctx)
     plan = policy.plan(view)            # LayerPlan of [T, k] tensors
@@ -15,8 +16,6 @@ fit artifact. `policies/README.md` walks through writing one.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
@@ -24,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
 import numpy as np
 import torch
 
-from moetool.errors import MoetoolError, article, quote
+from moetool.errors import MoetoolError
+from moetool.policies.knobs import POLICIES, Knobs, Params, parse_params, register  # noqa: F401 (the contract's other half)
 
 if TYPE_CHECKING:
     from moetool.policies.device import DevicePlan, DeviceView
-    from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
 
 Key = tuple[int, int]  # (decoder layer index, expert)
 SIGNALS = ("token_importance", "router_logits")  # what `Policy.signals` may name
@@ -234,23 +233,16 @@ class EngineContext:
     hw: dict[str, Any] = field(default_factory=dict)  # hardware profile (timings) for cost-aware policies
 
 
-@dataclass(frozen=True)
-class Params:
-    """Base of each policy's knobs; subclasses add fields named as in the paper."""
-
-
-class Policy:
+class Policy(Knobs):
     """Base policy. Subclasses set `name`, `Params`, and override what they decide.
 
     The defaults describe an offloading policy without reuse: run every routed expert at
     `params.bits` on the device, hold nothing, prefetch nothing. Per MoE layer the engine calls
     `plan`, then `admit` for each copy it must load, then `prefetch`; per step, `end_step`. Two
-    optional classmethods carry the paper beyond the run: `fit` (its knobs from a profile, runs and
-    evals) and `report` (its tables, figures and claims), found through the registry by the stages.
+    optional classmethods carry the paper beyond the run (`Knobs`): `fit` (its knobs from a profile,
+    runs and evals) and `report` (its tables, figures and claims), found through the registry by the stages.
     """
 
-    name: ClassVar[str] = "base"
-    Params: ClassVar[type[Params]] = Params
     # Signals the policy reads, by name, that the engine computes only when asked (`SIGNALS`):
     # "token_importance" (heavy-hitter scores s_i of prefill tokens; needs eager attention weights),
     # "router_logits" (a layer's full router logits inside the captured step).
@@ -259,9 +251,6 @@ class Policy:
     # router's own and whose experts are all resident (resident, static) sets it False: the engine
     # then runs its layers on the device as transformers does, without waiting for the routing.
     host_routing: ClassVar[bool] = True
-    # knob -> the knobs it is derived from: a fitted value of the former is dropped when `--set`
-    # gives one of the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
-    derived: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, params: Params, ctx: EngineContext):
         self.params = params
@@ -343,18 +332,6 @@ class Policy:
         high, low = self.precisions()
         return {**dataclasses.asdict(self.params), "precisions": {"high": high, "low": low}}
 
-    # -- the fit and report stages (`policies/stages.py`), optional ------------------------------
-    @classmethod
-    def fit(cls, inputs: FitInputs) -> Fitted | None:
-        """`moetool fit`: the knobs this paper fits from a profile, runs and evals, each with its
-        evidence; None where it fits nothing. Called on the class that defines it, once per fit."""
-        return None
-
-    @classmethod
-    def report(cls, inputs: ReportInputs) -> Section | None:
-        """`moetool report`: this paper's tables, figures and claims; None where it adds nothing."""
-        return None
-
 
 def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
     """One sentence when a policy wants a precision the bundle lacks."""
@@ -377,90 +354,10 @@ def check_at_most(policy: Policy, key: str, most: int, unit: str) -> None:
         raise MoetoolError(f"knob '{key}' of policy '{policy.name}' is {value}, but the model has {most} {unit}.")
 
 
-POLICIES: dict[str, type[Policy]] = {}
-
-
-def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
-    def deco(cls: type[Policy]) -> type[Policy]:
-        if name in POLICIES:
-            raise ValueError(f"policy {name!r} registered twice")
-        cls.name = name
-        POLICIES[name] = cls
-        return cls
-    return deco
-
-
-def parse_params(cls: type[Policy], settings: dict[str, str], fitted: dict[str, Any] | None = None) -> Params:
-    """Build `cls.Params` from fitted values overridden by `--set key=value` strings."""
-    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
-    values: dict[str, Any] = {}
-    fitted = {k: v for k, v in (fitted or {}).items()
-              if not (k in cls.derived and any(d in settings for d in cls.derived[k]) and k not in settings)}
-    for source, items in (("fit", fitted), ("--set", settings)):
-        for key, raw in items.items():
-            if key not in fields:
-                known = ", ".join(sorted(fields)) or "none"
-                if source == "fit":
-                    continue  # a fit artifact carries knobs for several policies
-                raise MoetoolError(f"policy '{cls.name}' has no knob {quote(key)} (its knobs: {known}).")
-            values[key] = _coerce(cls.name, key, fields[key].type, raw)
-    for key, value in values.items():
-        _check_range(cls, key, value)
-    try:
-        return cls.Params(**values)
-    except (TypeError, ValueError) as e:
-        raise MoetoolError(f"invalid knobs for policy '{cls.name}': {str(e).rstrip('.')}.") from None
-
-
-def _check_range(cls: type[Policy], key: str, value: Any) -> None:
-    """The rules every policy's knobs share: counts, layers and bits are not negative (unless the
-    knob's default is negative, its documented 'derive it' sentinel, as DynaExq's n_hi = -1), and
-    a real number is finite. Each Params' own __post_init__ checks its paper's ranges."""
-    default = next(f.default for f in dataclasses.fields(cls.Params) if f.name == key)
-    if isinstance(value, bool):
-        return
-    if isinstance(value, int) and value < 0 and not (isinstance(default, (int, float)) and default < 0):
-        raise MoetoolError(f"knob '{key}' of policy '{cls.name}' cannot be negative (got {value}).")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise MoetoolError(f"knob '{key}' of policy '{cls.name}' must be a finite number, not {value}.")
-
-
-# What a typed value (a fit artifact's JSON, a Python caller's) may be for each knob type: a bool is
-# an int to Python, and JSON's 4 for a float knob is an int, so both are spelled out.
-_TYPED = {"bool": lambda v: isinstance(v, bool), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "str": lambda v: isinstance(v, str)}
-
-
-def _json_prefix(value: Any, limit: int = 60) -> str:
-    """A fit artifact's value as its JSON spells it (true, null), at most `limit` characters: the
-    artifact was read within a size bound and JSON has no aliases, so the whole text is bounded."""
-    text = json.dumps(value, default=repr)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
-    name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
-    if not isinstance(raw, str):
-        if name in _TYPED and not _TYPED[name](raw):
-            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {_json_prefix(raw)} "
-                               "(a value in a fit artifact).")
-        return float(raw) if name == "float" else raw
-    try:
-        if name == "bool":
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-        if name == "int":
-            return int(raw)
-        if name == "float":
-            return float(raw)
-    except ValueError:
-        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {quote(raw)}.") from None
-    return raw
-
-
 def make_policy(name: str, settings: dict[str, str], ctx: EngineContext,
                 fitted: dict[str, Any] | None = None) -> Policy:
+    from moetool.policies import baselines, dymoe, dynaexq, fate, smoe  # noqa: F401 (engine halves replace the knobs)
+
     if name not in POLICIES:
         raise MoetoolError(f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))}).")
     cls = POLICIES[name]

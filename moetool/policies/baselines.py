@@ -7,27 +7,25 @@
 - `eap`: LRU cache + activation-path prefetch: the next layer's experts predicted from
   co-activation counts of earlier tokens (the MoE-Infinity / Lina family; Fate's EAP baseline).
 
+Their knobs are in `baselines_knobs.py`.
+
     policy = make_policy("lru", {}, ctx)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, check_at_most, register
+from moetool.policies.baselines_knobs import (ActivationPathPrefetchKnobs, LoadOnDemandKnobs, LRUCacheKnobs,
+                                              ResidentKnobs, StaticKnobs)
 from moetool.policies.common import all_experts, check_eviction, even_quota
 
 
 @register("resident")
-class Resident(Policy):
+class Resident(ResidentKnobs, Policy):
     host_routing = False  # every expert resident, the router's own plan: nothing to decide per layer
-
-    @dataclass(frozen=True)
-    class Params(Params):
-        bits: int = 16
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
@@ -46,29 +44,18 @@ class Resident(Policy):
 
 
 @register("static")
-class Static(Resident):
+class Static(StaticKnobs, Resident):
     """Uniform quantization, all resident: `resident` at `bits` (default 4)."""
-
-    @dataclass(frozen=True)
-    class Params(Params):
-        bits: int = 4
 
 
 @register("lod")
-class LoadOnDemand(Policy):
-    @dataclass(frozen=True)
-    class Params(Params):
-        bits: int = 16
+class LoadOnDemand(LoadOnDemandKnobs, Policy):
+    """Every routed expert loaded when used, none kept: the base policy's defaults."""
 
 
 @register("lru")
-class LRUCache(Policy):
+class LRUCache(LRUCacheKnobs, Policy):
     """Per-layer expert cache; the budget's slots split evenly over layers (mixtral-offloading)."""
-
-    @dataclass(frozen=True)
-    class Params(Params):
-        bits: int = 16
-        eviction: str = "lru"
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
@@ -83,7 +70,7 @@ class LRUCache(Policy):
 
 
 @register("eap")
-class ActivationPathPrefetch(LRUCache):
+class ActivationPathPrefetch(ActivationPathPrefetchKnobs, LRUCache):
     """LRU cache + prefetch of the next layer's experts predicted from co-activation statistics.
 
     counts[l][i, j] counts tokens that used expert i in MoE layer l and expert j in layer l+1. For
@@ -91,12 +78,6 @@ class ActivationPathPrefetch(LRUCache):
     top `k` (the model's top-k, or `--set k=`) are prefetched. Counts are updated from the actual
     routing of each step, so the predictor learns online from previous tokens.
     """
-
-    @dataclass(frozen=True)
-    class Params(Params):
-        bits: int = 16
-        eviction: str = "lru"
-        k: int = 0  # experts to prefetch per layer; 0 = the model's top-k
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)

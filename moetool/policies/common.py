@@ -1,6 +1,6 @@
 """Small pieces every paper's policy uses: layer order, routing counts, look-ahead scores, hardware
-timings, slot splits and knob checks. Nothing here is one paper's mechanism (those live in the file
-named after the paper).
+timings, slot splits and knob checks (the one the papers' knobs share, `parse_tiers`, is in `knobs.py`,
+read without torch). Nothing here is one paper's mechanism (those live in the files named after the paper).
 
     popularity(torch.tensor([[0, 2], [0, 1]]), 4).tolist() == [2, 1, 1, 0]
 """
@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetool.errors import MoetoolError, quote
+from moetool.errors import MoetoolError
 from moetool.policies.base import EngineContext, LayerView, check_bits, valid_slots
 from moetool.policies.eviction import EVICTIONS
 
 __all__ = ["all_experts", "check_bits", "check_eviction", "even_quota", "hw_seconds", "next_moe_layer",
-           "parse_tiers", "popularity", "predicted_scores", "valid_slots"]
+           "popularity", "predicted_scores", "valid_slots"]
 
 
 def all_experts(ctx: EngineContext) -> int:
@@ -91,15 +91,3 @@ def even_quota(layers: tuple[int, ...], slots: int) -> dict[int, int]:
 def check_eviction(policy: str, name: str) -> None:
     if name not in EVICTIONS:
         raise MoetoolError(f"policy '{policy}': unknown eviction '{name}' (known: {', '.join(sorted(EVICTIONS))}).")
-
-
-def parse_tiers(config: str, examples: str) -> tuple[int, int] | None:
-    """(high, low) bits of a "HIGH/LOW" shorthand as the papers' tables write tiers ("4/2", "16/4";
-    DyMoE's "4/0" skips the low tier), or None for "" (the policy's two bits knobs then hold).
-    A `ValueError` (one sentence at the CLI, from `Params.__post_init__`) for anything else."""
-    if not config:
-        return None
-    parts = config.split("/")
-    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
-        raise ValueError(f"config takes 'HIGH/LOW' bits such as {examples}, not {quote(config)}")
-    return int(parts[0]), int(parts[1])

@@ -1,21 +1,21 @@
 """The policy contract's two optional stage hooks: a paper's own fitting and its own report pieces.
 
-`moetool fit` calls `Policy.fit(FitInputs)` on every registered policy class that defines one and
-writes what it returns (`Fitted`: knobs, their evidence, warnings, what could not be fitted and why)
-into the fit artifact under the policy's name. `moetool report` calls `Policy.report(ReportInputs)`
-and places what it returns (`Section`: the paper's tables, the figures it drew, rows for the
-report's table of the papers' claims). Neither stage names a paper: a fifth paper's fit and report
-live in its own file, as its `plan` does.
+`moetool fit` calls `fit(FitInputs)` on every registered policy class that defines one (`Knobs.fit`,
+`knobs.hooked`) and writes what it returns (`Fitted`: knobs, their evidence, warnings, what could not
+be fitted and why) into the fit artifact under the policy's name. `moetool report` calls
+`report(ReportInputs)` and places what it returns (`Section`: the paper's tables, the figures it
+drew, rows for the report's table of the papers' claims). Neither stage names a paper: a fifth paper's fit and report
+live in its own files, as its `plan` does (a shipped paper's in `<paper>_knobs.py`, without torch).
 
     got = POLICIES["smoe"].fit(inputs)          # Fitted(knobs={"alpha": 0.1}, evidence={...})
     part = POLICIES["dymoe"].report(arts)       # Section(markdown="## DyMoE ...", figures=[...])
 
 Nothing here imports a stage (fit, run, report, matplotlib): the engine imports every policy file.
 The hooks read the profile, run and eval artifacts through protocols (`ProfileRecord`, `RunRecord`,
-`EvalRecord`) whose real classes are moetool.profile.Profile, moetool.run.Run and moetool.evaluate.Eval:
-the policies sit below the stages that make those artifacts (the profile measures with the papers'
-equations; run and eval build the engine, which imports every policy file), so a policy importing
-them, even for types only, would import its own callers.
+`EvalRecord`): what a hook may rely on of the real classes, moetool.profile_artifact.Profile,
+moetool.run_artifact.Run and moetool.eval_artifact.Eval, which the profile, run and eval stages make
+(the profile measures with the papers' equations; run and eval build the engine, which imports every
+policy file).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class ModelInfoRecord(Protocol):
-    """`moetool.profile.ModelInfo`: the model's shapes and memory, which fit sizes budgets with."""
+    """`moetool.profile_artifact.ModelInfo`: the model's shapes and memory, which fit sizes budgets with."""
 
     @property
     def moe_layers(self) -> tuple[int, ...]: ...
@@ -56,9 +56,9 @@ class ModelInfoRecord(Protocol):
 
 
 class ProfileRecord(Protocol):
-    """`moetool.profile.Profile`: one model's measurements. A part not measured is None; the parts are
-    the dataclasses of `moetool/profile/` (`RoutingProfile`, `SensitivityProfile`, `SimilarityProfile`,
-    `PrefetchProfile`, `TimingProfile`), defined beside the measuring code that uses the policies."""
+    """`moetool.profile_artifact.Profile`: one model's measurements. A part not measured is None; the
+    parts are the dataclasses beside it (`RoutingProfile`, `SensitivityProfile`, `SimilarityProfile`,
+    `PrefetchProfile`, `TimingProfile`), each measured by a module of `moetool/profile/`."""
 
     @property
     def model(self) -> ModelFingerprint: ...
@@ -81,7 +81,7 @@ class ProfileRecord(Protocol):
 
 
 class RunRecord(Protocol):
-    """`moetool.run.Run`: one setting's run, times in seconds on `clock` (wall, or sim on `hw`)."""
+    """`moetool.run_artifact.Run`: one setting's run, times in seconds on `clock` (wall, or sim on `hw`)."""
 
     @property
     def policy(self) -> str: ...
@@ -102,7 +102,7 @@ class RunRecord(Protocol):
 
 
 class EvalRecord(Protocol):
-    """`moetool.evaluate.Eval`: one setting's task metrics (`primary_metric` picks the headline)."""
+    """`moetool.eval_artifact.Eval`: one setting's task metrics (`primary_metric` picks the headline)."""
 
     @property
     def policy(self) -> str: ...

@@ -2,7 +2,8 @@
 
 One pass of traced forwards (prefill, then greedy decode steps) over each data set feeds routing,
 similarity and prefetch; sensitivity scores held-out perplexity with experts swapped for quantized
-ones; timing runs decode steps with timers. Each part is optional (`what`).
+ones; timing runs decode steps with timers. Each part is optional (`what`). The artifact, `Profile`
+and its parts, is `moetool/profile_artifact.py` (read without torch).
 
     prof = profile(ProfileConfig(model="demo", data=("heldout", "general_knowledge"), what=("routing",)))
     prof.save(Path("demo.profile.json")); prof.routing.layers[0].gini
@@ -12,33 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from moetool.artifacts import Artifact, sha256_file
+from moetool.artifacts import sha256_file
 from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
 from moetool.inference import context_length
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
-from moetool.schema import SchemaError
 from moetool.profile.data import load_sequences
-from moetool.profile.prefetch import PrefetchAccumulator, PrefetchProfile
-from moetool.profile.routing import RoutingAccumulator, RoutingProfile
-from moetool.profile.sensitivity import INT2_SHARES, MemoryQuantizer, SensitivityProfile, \
-    measure_sensitivity
-from moetool.profile.similarity import SimilarityAccumulator, SimilarityProfile
-from moetool.profile.timing import TimingProfile, measure_timing
+from moetool.profile.prefetch import PrefetchAccumulator
+from moetool.profile.routing import RoutingAccumulator
+from moetool.profile.sensitivity import INT2_SHARES, MemoryQuantizer, measure_sensitivity
+from moetool.profile.similarity import SimilarityAccumulator
+from moetool.profile.timing import measure_timing
 from moetool.profile.trace import Tracer, route
-from moetool.quant.format import Bits
+from moetool.profile_artifact import WHAT, ModelInfo, Profile
 from moetool.spec import check_device, resolve_dtype
 
-WHAT = ("routing", "sensitivity", "similarity", "prefetch", "timing")
 Progress = Callable[[str, int, int], None]  # (part, done, total)
 
 
@@ -66,128 +63,6 @@ class ProfileConfig:
     def recorded(self) -> dict[str, Any]:
         """These settings as `Profile.settings` holds them: tuples as lists, paths as strings, as JSON reads back."""
         return json.loads(json.dumps(dataclasses.asdict(self), default=str))
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What fit needs of the model without loading it: shapes and memory."""
-
-    moe_layers: tuple[int, ...]
-    num_hidden_layers: int
-    num_experts: int
-    top_k: int
-    expert_bytes: dict[int, int]  # bits -> one expert's blob
-    expert_bytes_source: str  # "bundle DIR" or "layout (not quantized)"
-    non_expert_bytes: int  # at `dtype`
-    kv_margin_bytes: int  # `run`'s margin without its own lengths: KV for PLAN_TOKENS, activations, decode workspace
-    staging_bytes: int  # the engine's staging buffers
-    dtype: str
-
-    def validate(self) -> None:
-        """On read: a model has experts and MoE layers, and an expert's size at each stored precision."""
-        if not self.moe_layers:
-            raise SchemaError("moe_layers", "is empty; a MoE model has at least one MoE layer")
-        for i, layer in enumerate(self.moe_layers):
-            if not 0 <= layer < self.num_hidden_layers:
-                raise SchemaError(f"moe_layers[{i}]", f"is {layer}, not a layer of the {self.num_hidden_layers}")
-        if self.num_experts < 1:
-            raise SchemaError("num_experts", f"is {self.num_experts}; a MoE layer has at least one expert")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise SchemaError("top_k", f"is {self.top_k}, not between 1 and the {self.num_experts} experts")
-        stored = {int(b) for b in Bits}
-        if not self.expert_bytes:
-            raise SchemaError("expert_bytes", "is empty; it gives an expert's size at each stored precision")
-        for bits, nbytes in self.expert_bytes.items():
-            if bits not in stored:
-                raise SchemaError(f"expert_bytes[{bits!r}]", "is not a stored precision "
-                                                             f"({', '.join(map(str, sorted(stored)))})")
-            if nbytes < 1:
-                raise SchemaError(f"expert_bytes[{bits!r}]", f"is {nbytes}; an expert takes at least one byte")
-
-
-@dataclass(frozen=True)
-class Profile(Artifact):
-    """What `moetool profile` measured on one model. A part not asked for is None."""
-
-    SCHEMA: ClassVar[str] = "profile"
-    SCHEMA_VERSION: ClassVar[int] = 1
-
-    what: tuple[str, ...]
-    data: dict[str, int]  # data set -> sequences profiled
-    settings: dict[str, Any]
-    info: ModelInfo
-    routing: RoutingProfile | None = None
-    sensitivity: SensitivityProfile | None = None
-    similarity: SimilarityProfile | None = None
-    prefetch: PrefetchProfile | None = None
-    timing: TimingProfile | None = None
-    hw: dict[str, Any] | None = None  # the hardware profile JSON written from `timing`
-
-    def validate(self) -> None:
-        """On read, what fit and report index by: parts of this model's shape, one count per expert."""
-        bad = [w for w in self.what if w not in WHAT]
-        if bad:
-            raise SchemaError("what", f"names {bad[0]!r}, not one of {', '.join(WHAT)}")
-        r, experts = self.routing, self.info.num_experts
-        if r is not None:
-            if (r.num_experts, r.top_k) != (experts, self.info.top_k):
-                raise SchemaError("routing", f"is of {r.num_experts} experts, top-{r.top_k}, but info says "
-                                             f"{experts}, top-{self.info.top_k}")
-            if not r.layers:
-                raise SchemaError("routing.layers", "is empty")
-            for i, lr in enumerate(r.layers):
-                for name in ("prefill", "decode", "heavy_hitter", "mean_sorted_score"):
-                    if len(getattr(lr, name)) != experts:
-                        raise SchemaError(f"routing.layers[{i}].{name}", f"holds {len(getattr(lr, name))} values, "
-                                                                         f"not one per expert ({experts})")
-            for name, counts in r.score_hist.items():
-                if len(counts) != len(r.score_bins) - 1:
-                    raise SchemaError(f"routing.score_hist[{name!r}]", f"holds {len(counts)} counts, not one per "
-                                                                       f"bin ({len(r.score_bins) - 1})")
-            _finite("routing.score_bins", r.score_bins, low=0.0)
-            _finite("routing.jaccard", r.jaccard, low=0.0, high=1.0)
-        s = self.sensitivity
-        if s is not None:
-            if not s.bits or any(b not in (2, 4, 8) for b in s.bits):
-                raise SchemaError("sensitivity.bits", f"is {list(s.bits)}, not a choice among 2, 4, 8")
-            _finite("sensitivity.base_ppl", [s.base_ppl], low=1.0)
-            for i, ls in enumerate(s.layers):
-                for name in ("ppl", "delta"):
-                    lacking = [b for b in s.bits if b not in getattr(ls, name)]
-                    if lacking:
-                        raise SchemaError(f"sensitivity.layers[{i}].{name}", f"lacks the {lacking[0]}-bit value")
-                _finite(f"sensitivity.layers[{i}].ppl", ls.ppl, low=1.0)
-                _finite(f"sensitivity.layers[{i}].delta", ls.delta)
-            for share in s.int2_share:
-                try:
-                    ok = 0.0 <= float(share) <= 1.0
-                except ValueError:
-                    ok = False
-                if not ok:
-                    raise SchemaError(f"sensitivity.int2_share[{share!r}]", "is keyed by a share of the experts "
-                                                                            "at INT2, a number in [0, 1]")
-            _finite("sensitivity.int2_share", s.int2_share, low=1.0)
-        if self.prefetch is not None:
-            for i, lp in enumerate(self.prefetch.layers):
-                for name in ("recall_topk", "recall_p75"):
-                    _finite(f"prefetch.layers[{i}].{name}", getattr(lp, name), low=0.0, high=1.0)
-            for position, phases in self.prefetch.positions.items():
-                _finite(f"prefetch.positions[{position!r}]", phases, low=0.0, high=1.0)
-
-
-def _finite(field: str, values: Any, low: float | None = None, high: float | None = None) -> None:
-    """Refuse, naming the field, a value of `values` (a list or a dict's values) that is NaN or
-    infinite, or outside [low, high]: measurements fit and report compute with (a perplexity is at
-    least 1, a recall or a Jaccard index lies in [0, 1])."""
-    items = values.items() if isinstance(values, dict) else enumerate(values)
-    for key, v in items:
-        where = f"{field}[{key!r}]"
-        if not math.isfinite(v):
-            raise SchemaError(where, f"is {v}; a measurement is a finite number")
-        if low is not None and v < low:
-            raise SchemaError(where, f"is {v}; it must be at least {low}" + (f" (and at most {high})" if high is not None else ""))
-        if high is not None and v > high:
-            raise SchemaError(where, f"is {v}; it must be at most {high}")
 
 
 def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -26,31 +25,11 @@ from moetool.policies.fate import above_percentile
 from moetool.policies.smoe import thresholds
 from moetool.profile.similarity import POSITIONS
 from moetool.profile.trace import Trace
+from moetool.profile_artifact import LayerPrefetch, PrefetchProfile
 
 Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (layer, [T, H]) -> logits, top-k
 PERCENTILE = 0.75  # Fate §4.2
 SMOE_ALPHA = 0.3  # SMoE §VI-B's middle value; the top-score rule of its prefetcher
-
-
-@dataclass(frozen=True)
-class LayerPrefetch:
-    layer: int  # the predicted MoE layer (i+1)
-    previous: int  # the MoE layer whose gate input feeds the prediction (i)
-    recall_topk: dict[str, float]  # phase -> mean recall
-    recall_p75: dict[str, float]
-    fetched_p75: dict[str, float]  # phase -> mean experts in the 75th-percentile set
-    smoe_recall: float | None  # decode: true top-score experts that the predicted top-score set holds
-    smoe_precision: float | None
-    positions: dict[str, dict[str, float]]  # Fate position -> phase -> recall at top-k
-
-
-@dataclass(frozen=True)
-class PrefetchProfile:
-    layers: tuple[LayerPrefetch, ...]
-    positions: dict[str, dict[str, float]]  # Fate Table 1 "Prefetch Accuracy": position -> phase -> mean
-    percentile: float
-    smoe_alpha: float
-    samples: dict[str, int]  # phase -> samples per layer (prompts in prefill, tokens in decode)
 
 
 def _sets(idx: torch.Tensor, E: int) -> list[set[int]]:

@@ -15,51 +15,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from moetool.policies.common import popularity
 from moetool.profile.trace import Trace
+from moetool.profile_artifact import LayerRouting, RoutingProfile
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # DynaExq Tables 1-2
 SCORE_BINS = tuple(float(x) for x in np.concatenate([[0.0], np.logspace(-4, 0, 25)]))  # gate scores, log-spaced
 HOT_SET = 10  # DynaExq Fig. 2: top-10 most activated experts
 GROUPS = 32  # random batches drawn per batch size for the activation ratio
-
-
-@dataclass(frozen=True)
-class LayerRouting:
-    """One MoE layer; per-expert lists are indexed by expert id."""
-
-    layer: int
-    prefill: tuple[int, ...]  # [E] routed (token, slot) pairs in prefill
-    decode: tuple[int, ...]  # [E] routed (token, slot) pairs in decode
-    heavy_hitter: tuple[int, ...]  # [E] heavy-hitter tokens routed to the expert, prefill (DyMoE eq. 2)
-    hh_load_corr: float | None  # Pearson r between token load and heavy-hitter load (DyMoE Fig. 4's claim)
-    top10_share: float  # share of routed tokens taken by the top 10% of experts (prefill + decode)
-    top25_share: float
-    gini: float  # 0 = every expert equally loaded, -> 1 = one expert takes everything
-    entropy: float  # of the load distribution, normalised by log(E) (1 = uniform)
-    mean_sorted_score: tuple[float, ...]  # [E] mean gate score by rank, decode (SMoE Fig. 4)
-    by_data: dict[str, tuple[int, ...]]  # data set -> [E] counts, prefill + decode
-    hot_sets: dict[str, tuple[int, ...]]  # data set -> its top-`hot_k` experts, most used first
-
-
-@dataclass(frozen=True)
-class RoutingProfile:
-    tokens: dict[str, int]  # phase -> tokens routed (per layer)
-    top_k: int
-    num_experts: int
-    hh_ratio: float
-    importance: str  # how token importance was measured ("eager attention ..." or "unavailable: ...")
-    hot_k: int
-    layers: tuple[LayerRouting, ...]
-    score_bins: tuple[float, ...]  # histogram edges of softmax gate scores
-    score_hist: dict[str, tuple[int, ...]]  # "selected" / "unselected" -> counts per bin, all layers, decode
-    jaccard: dict[str, float]  # "A|B" -> mean over layers of |hot_A & hot_B| / |hot_A | hot_B|
-    activation_ratio: dict[str, dict[str, float]]  # phase -> batch size -> mean share of experts activated
 
 
 def gini(x: np.ndarray) -> float:

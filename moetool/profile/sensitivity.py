@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from moetool.model import ExpertWeights, LoadedModel
 from moetool.policies.common import popularity
 from moetool.policies.fate import int2_experts
+from moetool.profile_artifact import LayerSensitivity, SensitivityProfile
 from moetool.quant.format import auto_group_size
 
 INT2_SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0)  # Fate Fig. 10's x axis, as shares
@@ -134,24 +134,6 @@ def perplexity(lm: LoadedModel, chunks: list[torch.Tensor]) -> float:
         nll += F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
         n += ids.shape[1] - 1
     return math.exp(nll / max(1, n))
-
-
-@dataclass(frozen=True)
-class LayerSensitivity:
-    layer: int
-    ppl: dict[int, float]  # bits -> held-out perplexity with this layer's experts at those bits
-    delta: dict[int, float]  # bits -> ppl - base_ppl
-
-
-@dataclass(frozen=True)
-class SensitivityProfile:
-    base_ppl: float  # every expert at the checkpoint's precision
-    tokens: int  # held-out tokens scored
-    data: str
-    source: str  # "bundle DIR" or "hqq in memory, group size G"
-    bits: tuple[int, ...]
-    layers: tuple[LayerSensitivity, ...]
-    int2_share: dict[str, float]  # Fate Fig. 10: share p (as text) -> perplexity (INT4 cache, INT2 for the share)
 
 
 def measure_sensitivity(lm: LoadedModel, source: QuantSource, chunks: list[torch.Tensor], bits: tuple[int, ...],

@@ -10,31 +10,13 @@ norm). Cosine similarity is taken per token and averaged over every token of bot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from moetool.profile.trace import Trace
+from moetool.profile_artifact import LayerSimilarity, SimilarityProfile
 
 POSITIONS = ("1", "2", "3")  # Fate Table 1
-
-
-@dataclass(frozen=True)
-class LayerSimilarity:
-    """MoE layer `layer` (i+1) against the MoE layer before it (`previous`, i)."""
-
-    layer: int
-    previous: int
-    positions: dict[str, float]  # Fate position -> mean cosine with Gate_in of `layer`
-
-
-@dataclass(frozen=True)
-class SimilarityProfile:
-    adjacent: tuple[float, ...]  # [n_layers - 1] mean cos(h_l, h_{l+1}) of decoder layer outputs (DyMoE Fig. 6)
-    layers: tuple[LayerSimilarity, ...]
-    positions: dict[str, float]  # Fate Table 1 "Average Similarity": mean over MoE layer pairs
-    tokens: int
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,46 +28,10 @@ import torch
 from moetool.engine.clock import load_hw
 from moetool.inference import with_cache
 from moetool.model import LoadedModel
+from moetool.profile_artifact import ExpertTiming, LayerTiming, TimingProfile
 
 REPEATS = 15
 H2D_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class LayerTiming:
-    layer: int
-    t_attn: float  # s, self-attention of one decode token
-    t_gate: float  # s, the router
-    t_moe: float  # s, the whole MoE block (router, routed and shared experts)
-    t_experts: float  # s, the routed experts alone (k experts from host memory in this measurement)
-
-
-@dataclass(frozen=True)
-class ExpertTiming:
-    bits: int
-    nbytes: int  # one expert's blob
-    load_s: float  # host -> compute device copy of the blob (a host memcpy on CPU)
-    dequant_s: float  # blob -> weights in the compute dtype (0 where the path reads the codes as stored)
-    compute_s: float  # one token through the expert: its share of a layer's top-k, as the path runs them
-    path: str = "grouped"  # the engine's path that was timed (`PATHS`)
-    convert_s: float = 0.0  # once per fill, not per use: a CPU kernel's rewrite of a blob as it lands
-
-
-@dataclass(frozen=True)
-class TimingProfile:
-    device: str
-    dtype: str
-    steps: int  # decode steps timed per layer (medians reported)
-    layers: tuple[LayerTiming, ...]
-    experts: tuple[ExpertTiming, ...]
-    c_cpu_s: float  # one reference-precision expert, one token, on the host CPU (SMoE's C_CPU)
-    h2d_gbps: float | None  # measured pinned host-to-device bandwidth; None without CUDA
-    t_dense_s: float  # mean over MoE layers of t_attn + t_gate + (t_moe - t_experts)
-    # The same inside the captured decode step (one graph replay on CUDA: no launches from the host,
-    # so far below t_dense_s there): a captured step with every expert resident, less its experts'
-    # time, per MoE layer. None where it was not measured (`captured_note` says why).
-    t_dense_captured_s: float | None = None
-    captured_note: str = ""
 
 
 def _sync(device: torch.device) -> None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
+from moetool.bits import Bits
 from moetool.errors import MoetoolError
 from moetool.model import ExpertWeights
 from moetool.schema import SchemaError
@@ -33,25 +33,6 @@ REF_DTYPE = "bfloat16"  # the 16-bit reference precision and every bias
 
 DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PROJECTIONS = ("gate_up", "down")
-
-
-class Bits(IntEnum):
-    """Stored precisions. 0 bits (skip the expert) is a policy decision and never stored."""
-
-    BF16 = 16
-    INT8 = 8
-    INT4 = 4
-    INT2 = 2
-
-    @classmethod
-    def parse(cls, value: int | float | str) -> "Bits":
-        try:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return cls(int(value))
-        except ValueError:
-            choices = ", ".join(str(int(b)) for b in cls)
-            raise MoetoolError(f"{value} is not a stored precision; choose bits from {choices}.") from None
 
 
 @dataclass(frozen=True)

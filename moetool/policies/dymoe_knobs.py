@@ -1,0 +1,154 @@
+"""DyMoE's knobs, its depth schedule (eq. 4-5), how `moetool fit` sets lambda, and its part of the
+report (the fitted schedule, Table 3, Fig. 5, Fig. 11); its engine half is `dymoe.py`.
+
+    schedule_table(0.75, L=4, M=2)      # (0.5, [{"position": 0, "r": 1.0, "t": 2}, ...])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from moetool.errors import MoetoolError
+from moetool.policies.dymoe_report import ablation, retention_figure, sensitivity_figure
+from moetool.policies.knobs import Knobs, Params, parse_tiers, register
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, table
+
+EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
+RETENTION_FLOOR = 0.5  # the cosine schedule's mean at lam = 0 (eq. 4): no lower r is reachable
+
+
+# -- depth-aware precision scheduling (§4.3) -------------------------------------------------------
+
+
+def retention(l: int, L: int, lam: float) -> float:
+    """DyMoE eq. 4: r(l) = (1 - lam) * (cos(pi * l / (L - 1)) + 1) / 2 + lam, l = 0 .. L-1 MoE layers."""
+    x = l / (L - 1) if L > 1 else 0.0  # eq. 4 is undefined for L = 1; our choice: r(0) = 1, keep everything
+    return (1.0 - lam) * (math.cos(math.pi * x) + 1.0) / 2.0 + lam
+
+
+def critical_count(r_l: float, M: int) -> int:
+    """DyMoE eq. 5: t_l = ceil(r(l) * M)."""
+    return min(M, math.ceil(r_l * M - EPS))
+
+
+def solve_lambda(r: float, L: int) -> float:
+    """lam whose schedule averages retention `r` over L layers: mean r(l) = (1 - lam) * C + lam.
+
+    C is the mean of (cos + 1) / 2 over the layers, 1/2 for any L >= 2 (the cosine is symmetric), so
+    lam = 2r - 1 there: r = 0.75 -> lam = 0.5, r = 0.9 -> lam = 0.8. Targets below C are unreachable
+    with lam in [0, 1].
+    """
+    C = sum(retention(l, L, 0.0) for l in range(L)) / L
+    if C >= 1.0 - EPS:
+        return 1.0  # one MoE layer: r(0) = 1 whatever lam is
+    lam = (r - C) / (1.0 - C)
+    if not -EPS <= lam <= 1.0 + EPS:
+        raise MoetoolError(f"DyMoE cannot average a retention of {r} over {L} layers: the cosine schedule "
+                           f"(eq. 4) needs {C:.2f} <= r <= 1.")
+    return min(1.0, max(0.0, lam))
+
+
+def schedule_table(r: float, L: int, M: int) -> tuple[float, list[dict[str, float]]]:
+    """(lam, rows of {position, r, t}) for mean retention r over L MoE layers of M experts (eq. 4-5)."""
+    lam = solve_lambda(r, L)
+    return lam, [{"position": l, "r": retention(l, L, lam), "t": critical_count(retention(l, L, lam), M)}
+                 for l in range(L)]
+
+
+def budget_retention(cache: int, info: Any, high: int, low: int) -> float:
+    """The mean retention at which every expert fits on the device, a share r at `high` bits and the
+    rest at `low` (0: not stored): L E (r b_hi + (1 - r) b_lo) <= cache."""
+    n = len(info.moe_layers) * info.num_experts
+    hb, lb = info.expert_bytes[high], info.expert_bytes[low] if low else 0
+    return float(min(1.0, max(0.0, (cache / n - lb) / (hb - lb))))
+
+
+@register("dymoe")
+class DyMoEKnobs(Knobs):
+    """DyMoE's knobs (Table 2's tiers, eq. 2's heavy hitters, eq. 4's r and lambda), its fit and its report."""
+
+    derived = {"lam": ("r",)}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        r: float = 0.75  # target average retention (§6.2 default); solved into lam (eq. 4)
+        lam: float = -1.0  # eq. 4's lambda in [0, 1]; < 0 = solve it from r
+        high_bits: int = 4  # critical experts (Tables 2-3: Int4)
+        low_bits: int = 2  # sub-critical experts; 0 = skip them ("0-bit")
+        config: str = ""  # Table 2's "High / Low": "4/2" or "4/0" (overrides high_bits / low_bits)
+        # share of prompt tokens that are heavy hitters (T_imp of eq. 2): the paper's T_imp is "the top-k
+        # tokens with the highest s_i", its k unnamed; ceil(hh_ratio * T) tokens, 0.2, is our choice
+        hh_ratio: float = 0.2
+        eviction: str = "lru"  # §4.4.2 extends LRU; any name in EVICTIONS
+        prefetcher: str = "dymoe"  # "dymoe" (eq. 6-8), "fate", or "none" (Table 3 rows 2 and 4)
+
+        def __post_init__(self) -> None:
+            if self.lam > 1.0 or not 0.0 < self.r <= 1.0 or not 0.0 < self.hh_ratio <= 1.0:
+                raise ValueError("lam must be <= 1 (negative: solve from r), r and hh_ratio in (0, 1]")
+            parse_tiers(self.config, "'4/2' or '4/0'")
+            if self.prefetcher not in ("dymoe", "fate", "none"):
+                raise ValueError(f"prefetcher must be 'dymoe', 'fate' or 'none', not '{self.prefetcher}'")
+
+    # -- fit and report --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted:
+        """lam (eq. 4) for the target mean retention `--r`, or with `--budget` for the largest r at
+        which every expert fits, r of them at high bits and the rest at low (the defaults' 4/2)."""
+        info, cfg, out = inputs.profile.info, inputs.config, Fitted()
+        high, low = cls.Params().high_bits, cls.Params().low_bits
+        r, how, cache = cfg.r, "--r (target mean retention)", inputs.cache_bytes
+        if cache is not None and all(b in info.expert_bytes for b in (high, low)):
+            r = budget_retention(cache, info, high, low)
+            how = (f"--budget {cfg.budget}: the largest r at which every expert fits, r of them at INT4 and the rest "
+                   f"at INT2 ({cache} bytes for experts after profile.info's reserved memory)")
+            if r < RETENTION_FLOOR:
+                out.warnings.append(f"the budget allows a retention of only {r:.3f}; the cosine schedule needs >= 0.5, "
+                                    "so r = 0.5 (the budget will not hold every expert).")
+                r = RETENTION_FLOOR
+        lam, rows = schedule_table(r, len(info.moe_layers), info.top_k)
+        out.knobs = {"r": round(r, 4), "lam": round(lam, 4)}
+        out.evidence = {"r": {"value": r, "from": how},
+                        "lam": {"value": lam, "r": r, "from": f"r = {r:.4f} via eq. 4", "M": info.top_k,
+                                "schedule": rows,
+                                "rule": "DyMoE eq. 4 mean over MoE layers = r; t_l = ceil(r(l) M) (eq. 5), M = top-k"}}
+        return out
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section:
+        """The fitted schedule (eq. 4-5) per fit; Table 3's ablation from the runs; Fig. 5 per
+        profile; Fig. 11 from the evals; the claims of Table 2 (4/0 at r = 0.9 near INT4) and Fig. 5
+        (INT2 in a shallow layer costs more than in a deep one)."""
+        part, md = Section(), []
+        for path, f in inputs.fits:
+            lam = f.evidence.get(cls.name, {}).get("lam")
+            if lam:
+                head = (f"DyMoE schedule (eq. 4-5) of `{path.name}`, lam = {lam['value']:.4f}, r = {lam['r']:.4f}, "
+                        f"M = {lam['M']}")
+                md += [head + ":\n\n", table(["MoE position", "r(l)", "t_l"],
+                                               [[x["position"], x["r"], x["t"]] for x in lam["schedule"]]), "\n"]
+        md.append(ablation(inputs.runs))
+        for path, prof in inputs.profiles:
+            s = prof.sensitivity
+            if s and s.layers:
+                part.figures.append(sensitivity_figure(s, inputs.out_dir / f"sensitivity{inputs.tag(path)}.png"))
+            if s and 2 in s.bits and len(s.layers) >= 3:
+                third = max(1, len(s.layers) // 3)
+                shallow = sum(ls.delta[2] for ls in s.layers[:third]) / third
+                deep = sum(ls.delta[2] for ls in s.layers[-third:]) / third
+                part.claims.append([f"INT2 in one layer hurts shallow layers more than deep ones (`{path.name}`)",
+                                    f"mean Δppl first {third} layers {shallow:+.3f}, last {third} {deep:+.3f}",
+                                    f"{shallow / deep:.2f}x" if deep > 0 else "-",
+                                    "met" if shallow > deep else "not met"])
+        if (fig := retention_figure(inputs.rows, inputs.out_dir / "dymoe_retention.png")) is not None:
+            part.figures.append(fig)
+        dymoe = inputs.ppl(cls.name, r=0.9, precisions={"high": 4, "low": 0})
+        int4 = inputs.ppl("static", bits=4)
+        if dymoe and int4:
+            a, b = dymoe["metrics"]["ppl"], int4["metrics"]["ppl"]
+            part.claims.insert(0, ["DyMoE 4/0 r = 0.9 within 2% of static INT4", f"{a:.3f} vs {b:.3f}",
+                                   f"{100 * (a / b - 1):+.2f}%", "met" if a / b - 1 <= 0.02 else "not met"])
+        if "".join(md):
+            part.markdown = "## DyMoE (Huang et al., 2026)\n\n" + "".join(md)
+        return part

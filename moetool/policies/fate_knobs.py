@@ -1,0 +1,192 @@
+"""Fate's knobs, how `moetool fit` sets them (L, n, p: §4.3-4.5) and its part of the report (Table 1,
+Fig. 7, Fig. 10); its engine half (prefetch, cache, INT2 transfers) is `fate.py`.
+
+    FateKnobs.Params(L=3, p=0.25).cache_bits        # 4: Fate caches experts at INT4 (§4.5)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.policies.knobs import Knobs, Params, register
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, primary_metric, table
+
+
+def transfer_n(window_s: float, t_io_s: float, num_experts: int) -> int:
+    """Fate §4.3: n = T / t_expert, the decode transfers that overlap one layer's compute window T.
+
+    Floored, but at least 1 (a transfer that half overlaps still helps) and at most every expert of
+    a layer. `fit` calls it with a measured window, the policy with the hardware profile's.
+    """
+    return int(min(num_experts, max(1, math.floor(window_s / t_io_s)))) if t_io_s > 0 else num_experts
+
+
+def boundary_L(accuracy: list[float | None], threshold: float) -> int:
+    """Fate §4.4: MoE layers before the first depth from which every layer's accuracy is >= threshold.
+
+    accuracy[j] is the prefetch recall of MoE layer j (None for the first, which has no predictor and
+    so always counts as shallow).
+    """
+    L = len(accuracy)
+    for j in range(len(accuracy) - 1, -1, -1):
+        if accuracy[j] is None or accuracy[j] < threshold:
+            break
+        L = j
+    return L
+
+
+def int2_share(losses: dict[float, float], max_loss: float) -> float:
+    """Fate §4.5's heuristic search: scan shares upward, keep the last one whose loss <= max_loss."""
+    best = 0.0
+    for p in sorted(losses):
+        if losses[p] > max_loss:
+            break
+        best = p
+    return best
+
+
+@register("fate")
+class FateKnobs(Knobs):
+    """Fate's knobs (§4.2-4.5), its fit and its report."""
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        L: int = 3  # shallow/deep boundary in MoE layers (Qwen1.5-MoE's value, §4.4)
+        p: float = 0.25  # share of prefill experts moved at INT2, least popular first (§4.5)
+        n: int = 0  # decode transfers per layer; 0 = T / t_expert from the hardware profile (§4.3)
+        percentile: float = 0.75  # decode prefetch: predicted score above this quantile (§4.2)
+        cache_bits: int = 4  # precision of cached experts (HQQ INT4, §4.5)
+        low_bits: int = 2  # precision of the unpopular prefill experts (INT2, §4.5)
+        position: int = 2  # Table 1 input position for prediction; the engine provides position 2 only
+        eviction: str = "arc"  # per-layer eviction (§4.4)
+        prefetcher: str = "fate"  # "fate" or "none" (ablation, Fig. 14)
+
+        def __post_init__(self) -> None:
+            if self.position not in (1, 2, 3):
+                raise ValueError("position must be 1, 2 or 3 (Fate Table 1)")
+            if self.position != 2:
+                raise ValueError(f"position {self.position} is not available: the engine predicts from the "
+                                 "gate input of the previous layer (position 2) only")
+            if not 0.0 <= self.p <= 1.0 or not 0.0 <= self.percentile < 1.0:
+                raise ValueError("p must be in [0, 1] and percentile in [0, 1)")
+            if self.prefetcher not in ("fate", "none"):
+                raise ValueError(f"prefetcher must be 'fate' or 'none', not '{self.prefetcher}'")
+
+    # -- fit and report --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted:
+        """L (§4.4) from the profile's per-layer decode prefetch recall; n (§4.3) from its timings;
+        p (§4.5) from fate evals at several p (p = 0 among them), else the profile's INT2-share
+        perplexity curve."""
+        cfg, prof, out = inputs.config, inputs.profile, Fitted()
+        info, fate = prof.info, out.evidence
+        if prof.prefetch is not None:
+            recall = {lp.layer: lp.recall_topk.get("decode", lp.recall_topk.get("prefill"))
+                      for lp in prof.prefetch.layers}
+            acc = [recall.get(layer) for layer in info.moe_layers]
+            fate["L"] = {"value": boundary_L(acc, cfg.l_threshold), "threshold": cfg.l_threshold, "accuracy": acc,
+                         "from": "profile.prefetch.layers[].recall_topk.decode (next router on this gate input)"}
+        else:
+            out.skipped["L"] = "the profile has no prefetch part (--what prefetch)"
+        hw = prof.hw or {}
+        if prof.timing is not None and (prof.timing.h2d_gbps or hw.get("h2d_gbps")):
+            t, bits = prof.timing, cls.Params().cache_bits  # n for the INT4 cache's transfers
+            window = sum(x.t_moe + x.t_attn + x.t_gate for x in t.layers) / max(1, len(t.layers))
+            h2d = t.h2d_gbps or hw.get("h2d_gbps")
+            nbytes = info.expert_bytes[bits]
+            t_io = nbytes / (h2d * 1e9) + hw.get("copy_latency_s", 0.0)
+            h2d_from = "measured" if t.h2d_gbps else "hw preset " + str(prof.settings.get("hw_base"))
+            fate["n"] = {"value": transfer_n(window, t_io, info.num_experts), "T_s": window, "t_expert_s": t_io,
+                         "expert_bytes": nbytes, "bits": bits, "h2d_gbps": h2d,
+                         "from": f"profile.timing.layers (T = t_moe + t_attn + t_gate, decode, measured on {t.device}); "
+                                 f"t_expert = INT4 blob / h2d ({h2d_from})"}
+        else:
+            out.skipped["n"] = "the profile has no timing part with a host-to-device bandwidth (--what timing)"
+        by_p = {}
+        for path, e in inputs.evals:
+            m = primary_metric(e.metrics)
+            if e.policy == cls.name and m and "p" in e.params:
+                by_p[float(e.params["p"])] = (m, path)
+        if len(by_p) >= 2 and 0.0 in by_p:
+            (name, base, higher), _ = by_p[0.0]
+            losses = {p: ((base - v) / base if higher else (v - base) / base) for p, ((_, v, _), _) in by_p.items()}
+            fate["p"] = {"value": int2_share(losses, cfg.max_loss), "max_loss": cfg.max_loss,
+                         "losses": {f"{p:g}": v for p, v in losses.items()}, "metric": name,
+                         "from": [path for _, path in by_p.values()]}
+        elif prof.sensitivity is not None and prof.sensitivity.int2_share:
+            curve = {float(k): v for k, v in prof.sensitivity.int2_share.items()}
+            base = curve.get(0.0)
+            losses = {p: (v - base) / base for p, v in curve.items()} if base else {}
+            fate["p"] = {"value": int2_share(losses, cfg.max_loss), "max_loss": cfg.max_loss,
+                         "losses": {f"{p:g}": v for p, v in losses.items()}, "metric": "held-out perplexity",
+                         "from": "profile.sensitivity.int2_share (INT4 cache, least popular share at INT2)"}
+        else:
+            out.skipped["p"] = "needs fate eval artifacts at p=0 and another p, or a profile with sensitivity"
+        out.knobs = {k: v["value"] for k, v in fate.items()}
+        return out
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section:
+        """Per profile: Table 1 (which input predicts the next gate), the INT2-share curve (Fig. 10,
+        the fitted p marked) and per-layer prefetch recall (Fig. 7, the fitted L marked)."""
+        part, md = Section(), []
+        for path, prof in inputs.profiles:
+            tag, fits = inputs.tag(path), inputs.fits_for(prof)
+            if prof.similarity and prof.similarity.positions:
+                pf = prof.prefetch.positions if prof.prefetch else {}
+                md += [f"### Fate Table 1 (positions vs Gate_in(i+1)), `{path.name}`\n\n",
+                       table(["position", "mean cosine", "prefetch recall prefill", "prefetch recall decode"],
+                             [[pos, v, pf.get(pos, {}).get("prefill"), pf.get(pos, {}).get("decode")]
+                              for pos, v in prof.similarity.positions.items()]), "\n"]
+            if prof.sensitivity and prof.sensitivity.int2_share:
+                md += [f"### INT2 share (Fate Fig. 10), INT4 otherwise, `{path.name}`\n\n",
+                       table(["share p", "perplexity"], [[k, v] for k, v in prof.sensitivity.int2_share.items()]), "\n"]
+                part.figures.append(_int2_figure(prof, fits, inputs.out_dir / f"int2_share{tag}.png"))
+            if prof.prefetch and prof.prefetch.layers:
+                part.figures.append(_prefetch_figure(prof, fits, inputs.out_dir / f"prefetch{tag}.png"))
+        if md:
+            part.markdown = "## Fate (Fang et al., 2025)\n\n" + "".join(md)
+        return part
+
+
+def _int2_figure(prof: Any, fits: list, path: Path) -> Path:
+    from moetool.figures import plt, save
+
+    curve = sorted((float(k), v) for k, v in prof.sensitivity.int2_share.items())
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([100 * p for p, _ in curve], [v for _, v in curve], "o-")
+    for f in fits:
+        if "p" in f.params.get("fate", {}):
+            ax.axvline(100 * f.params["fate"]["p"], color="red", ls="--", label=f"fitted p = {f.params['fate']['p']:g}")
+            ax.legend()
+    ax.set(xlabel="% of active experts at INT2 (least popular first), rest INT4", ylabel="held-out perplexity",
+           title="Perplexity vs INT2 share (Fate Fig. 10)")
+    return save(fig, path)
+
+
+def _prefetch_figure(prof: Any, fits: list, path: Path) -> Path:
+    from moetool.figures import int_axis, plt, save
+
+    p, layers = prof.prefetch, list(prof.info.moe_layers)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    xs = [lp.layer for lp in p.layers]
+    for name, style, get in (("decode, top-k", "o-", lambda lp: lp.recall_topk.get("decode")),
+                             ("decode, 75th pct", "s--", lambda lp: lp.recall_p75.get("decode")),
+                             ("prefill, top-k", "^:", lambda lp: lp.recall_topk.get("prefill"))):
+        ax.plot(xs, [get(lp) if get(lp) is not None else np.nan for lp in p.layers], style, label=name)
+    int_axis(ax, layers[0], layers[-1])
+    for f in fits:
+        fl = f.evidence.get("fate", {}).get("L")
+        if fl:
+            ax.axhline(fl["threshold"], color="gray", ls=":", label=f"threshold {fl['threshold']:g}")
+            if fl["value"] < len(layers):
+                ax.axvline(layers[fl["value"]] - 0.5, color="red", ls="--", label=f"fitted L = {fl['value']}")
+    ax.set(xlabel="predicted MoE layer", ylabel="recall of the true experts", ylim=(0, 1.05),
+           title="Cross-layer prefetch accuracy (Fate Fig. 7)")
+    ax.legend(fontsize=7)
+    return save(fig, path)

@@ -1,0 +1,169 @@
+"""The half of the policy contract the engine does not need: the registry, each policy's knobs and its
+fit and report hooks, without torch.
+
+`moetool report`, `moetool fit` and the checks of `--set` and of an artifact's knobs read only this
+half, so they never wait for torch. A shipped policy is registered twice under its name: first its
+knobs (`Knobs`, in `<paper>_knobs.py`, which `moetool.policies` imports), then its engine half (a
+`Policy` subclassing those knobs, in `<paper>.py`, which `make_policy` imports) takes their place. A
+policy written in one file (`README.md`) subclasses `Policy` and registers once.
+
+    parse_params(POLICIES["fate"], {"L": "4"})      # Fate's Params(L=4, ...), or one sentence
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from moetool.errors import MoetoolError, article, quote
+
+if TYPE_CHECKING:
+    from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
+
+K = TypeVar("K", bound="type[Knobs]")
+
+
+@dataclass(frozen=True)
+class Params:
+    """Base of each policy's knobs; subclasses add fields named as in the paper."""
+
+
+class Knobs:
+    """A policy as the stages that do not run it see it: its registered `name`, its knobs (`Params`),
+    the knobs derived from others, and two optional hooks, `fit` (its knobs from a profile, runs and
+    evals) and `report` (its tables, figures and claims), found through the registry by `moetool fit`
+    and `moetool report` (`policies/stages.py`). `Policy` (`base.py`) adds what the engine calls."""
+
+    name: ClassVar[str] = "base"
+    Params: ClassVar[type[Params]] = Params
+    # knob -> the knobs it is derived from: a fitted value of the former is dropped when `--set`
+    # gives one of the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
+    derived: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted | None:
+        """`moetool fit`: the knobs this paper fits from a profile, runs and evals, each with its
+        evidence; None where it fits nothing. Called once per fit, under the first name it is registered with."""
+        return None
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section | None:
+        """`moetool report`: this paper's tables, figures and claims; None where it adds nothing."""
+        return None
+
+
+POLICIES: dict[str, type[Knobs]] = {}
+
+
+def register(name: str) -> Callable[[K], K]:
+    """Register a policy class under `name`. A name is taken once, except by a subclass of the class
+    registered under it: the engine half of a shipped policy takes the place of its knobs."""
+    def deco(cls: K) -> K:
+        have = POLICIES.get(name)
+        if have is not None and not issubclass(cls, have):
+            raise ValueError(f"policy {name!r} registered twice")
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+    return deco
+
+
+def hooked(hook: str) -> list[tuple[str, type[Knobs]]]:
+    """(name, class) of each registered policy whose `hook` ("fit" or "report") a stage calls: each
+    paper's once, under the first name registered with it (a variant subclassing DyMoE does not fit
+    DyMoE again, nor does DyMoE's engine half), and none that only inherits the default."""
+    seen, out = {getattr(Knobs, hook).__func__}, []
+    for name, cls in POLICIES.items():
+        fn = getattr(cls, hook).__func__
+        if fn not in seen:
+            seen.add(fn)
+            out.append((name, cls))
+    return out
+
+
+def parse_tiers(config: str, examples: str) -> tuple[int, int] | None:
+    """(high, low) bits of a "HIGH/LOW" shorthand as the papers' tables write tiers ("4/2", "16/4";
+    DyMoE's "4/0" skips the low tier), or None for "" (the policy's two bits knobs then hold).
+    A `ValueError` (one sentence at the CLI, from `Params.__post_init__`) for anything else."""
+    if not config:
+        return None
+    parts = config.split("/")
+    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+        raise ValueError(f"config takes 'HIGH/LOW' bits such as {examples}, not {quote(config)}")
+    return int(parts[0]), int(parts[1])
+
+
+def parse_params(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any] | None = None) -> Params:
+    """Build `cls.Params` from fitted values overridden by `--set key=value` strings."""
+    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+    values: dict[str, Any] = {}
+    fitted = {k: v for k, v in (fitted or {}).items()
+              if not (k in cls.derived and any(d in settings for d in cls.derived[k]) and k not in settings)}
+    for source, items in (("fit", fitted), ("--set", settings)):
+        for key, raw in items.items():
+            if key not in fields:
+                known = ", ".join(sorted(fields)) or "none"
+                if source == "fit":
+                    continue  # a fit artifact carries knobs for several policies
+                raise MoetoolError(f"policy '{cls.name}' has no knob {quote(key)} (its knobs: {known}).")
+            values[key] = _coerce(cls.name, key, fields[key].type, raw)
+    for key, value in values.items():
+        _check_range(cls, key, value)
+    try:
+        return cls.Params(**values)
+    except (TypeError, ValueError) as e:
+        raise MoetoolError(f"invalid knobs for policy '{cls.name}': {str(e).rstrip('.')}.") from None
+
+
+def _check_range(cls: type[Knobs], key: str, value: Any) -> None:
+    """The rules every policy's knobs share: counts, layers and bits are not negative (unless the
+    knob's default is negative, its documented 'derive it' sentinel, as DynaExq's n_hi = -1), and
+    a real number is finite. Each Params' own __post_init__ checks its paper's ranges."""
+    default = next(f.default for f in dataclasses.fields(cls.Params) if f.name == key)
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and value < 0 and not (isinstance(default, (int, float)) and default < 0):
+        raise MoetoolError(f"knob '{key}' of policy '{cls.name}' cannot be negative (got {value}).")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MoetoolError(f"knob '{key}' of policy '{cls.name}' must be a finite number, not {value}.")
+
+
+# What a typed value (a fit artifact's JSON, a Python caller's) may be for each knob type: a bool is
+# an int to Python, and JSON's 4 for a float knob is an int, so both are spelled out.
+_TYPED = {"bool": lambda v: isinstance(v, bool), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "str": lambda v: isinstance(v, str)}
+
+
+def _json_prefix(value: Any, limit: int = 60) -> str:
+    """A fit artifact's value as its JSON spells it (true, null), at most `limit` characters: the
+    artifact was read within a size bound and JSON has no aliases, so the whole text is bounded."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
+    name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
+    if not isinstance(raw, str):
+        if name in _TYPED and not _TYPED[name](raw):
+            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {_json_prefix(raw)} "
+                               "(a value in a fit artifact).")
+        return float(raw) if name == "float" else raw
+    try:
+        if name == "bool":
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if name == "int":
+            return int(raw)
+        if name == "float":
+            return float(raw)
+    except ValueError:
+        raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {quote(raw)}.") from None
+    return raw
+
+
+__all__ = ["Knobs", "POLICIES", "Params", "hooked", "parse_params", "parse_tiers", "register"]

@@ -1,0 +1,135 @@
+"""SMoE's knobs, how `moetool fit` sets alpha (eq. 5, from `smoe_fit.py`), and its part of the report
+(Fig. 4, T(alpha), §VI-B's claim); its engine half (Algorithms 1-2, eq. 3, the prefetch) is `smoe.py`.
+
+    SMoEKnobs.Params(alpha=0.25).window     # 3: eq. 3's n, Fig. 6's reuse horizon
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetool.policies.knobs import Knobs, Params, register
+from moetool.policies.smoe_fit import alpha_figure, choose_alpha, fit_polynomial, measured_guard
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
+
+
+@register("smoe")
+class SMoEKnobs(Knobs):
+    """SMoE's knobs (Algorithm 1's alpha, eq. 3's window, Algorithm 2's rule), its fit and its report."""
+
+    @dataclass(frozen=True)
+    class Params(Params):
+        alpha: float = 0.3  # substitution threshold (§VI-B sets 0.25-0.35 per setting; fit it with eq. 5)
+        # eq. 3's n: the mean runs over iterations max(1, j-n) .. j, up to n + 1 of them. The paper gives
+        # no n; 3 is Fig. 6's reuse horizon. (Renamed: a fit's `n` is Fate's transfer count.)
+        window: int = 3
+        bits: int = 16  # SMoE runs unquantized experts
+        eviction: str = "score"  # eq. 3; any name in EVICTIONS
+        prefetcher: str = "smoe"  # "smoe" (top-score), "fate" (75th percentile, n cap) or "none"
+        cpu_assist: bool = True  # Algorithm 2; off: every miss is loaded
+        cpu_rule: str = "alg2"  # "alg2" (the printed two-pointer loop) or "eq4" (eq. 4's exact minimum)
+
+        def __post_init__(self) -> None:
+            # The paper bounds alpha nowhere (Table IV: 0-0.6). At alpha = 1, R = (1 - alpha) S_{k+1} = 0:
+            # any usable inactive expert would substitute however low its score, not the "comparable"
+            # one of §IV-A's C3, so 1 is refused (as `moetool fit --alphas` refuses it, `fit.py`).
+            if not 0.0 <= self.alpha < 1.0 or self.window < 0:
+                raise ValueError("alpha must be in [0, 1) and window >= 0")
+            if self.cpu_rule not in ("alg2", "eq4"):
+                raise ValueError(f"cpu_rule must be 'alg2' or 'eq4', not '{self.cpu_rule}'")
+            if self.prefetcher not in ("smoe", "fate", "none"):
+                raise ValueError(f"prefetcher must be 'smoe', 'fate' or 'none', not '{self.prefetcher}'")
+
+    # -- fit and report --------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, inputs: FitInputs) -> Fitted:
+        """Eq. 5: a polynomial T(alpha) through (alpha, mean TPOT) of smoe runs (given, or swept at
+        `config.alphas`), then the smallest alpha on it with T(alpha) <= R (`--target-tpot`),
+        checked against the runs themselves (`measured_guard`)."""
+        cfg, out = inputs.config, Fitted()
+        mine = [(path, r) for path, r in inputs.runs if r.policy == cls.name]
+        points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in mine
+                  if r.tpot_s and "alpha" in r.params]
+        setting = {f"{r.clock}/{r.hw}/{r.budget_bytes}" for _, r in mine}
+        if len(setting) > 1:
+            out.warnings.append(f"smoe runs mix clocks, hardware or budgets ({', '.join(sorted(setting))}).")
+        source = "runs"
+        if inputs.sweep is not None:
+            for i, a in enumerate(cfg.alphas):
+                r = inputs.sweep({"alpha": str(a)})
+                points.append((float(a), float(r.tpot_s["mean"]), f"sweep alpha={a:g}"))
+                if inputs.progress:
+                    inputs.progress("sweep", i + 1, len(cfg.alphas))
+            source = inputs.sweep_note
+        if len({a for a, _, _ in points}) < 2:
+            out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs) or --sweep"
+            return out
+        x, y = [p[0] for p in points], [p[1] for p in points]
+        poly = fit_polynomial(x, y)
+        choice = choose_alpha(poly["coefficients"], min(x), max(x), cfg.target_tpot)
+        ev = out.evidence["alpha"] = {**poly, **choice, "points": [list(p) for p in points], "tpot": "tpot_s.mean",
+                                      "from": source, "rule": "SMoE eq. 5: smallest alpha with fitted T(alpha) <= R"}
+        if choice["alpha"] is None:
+            out.warnings.append("no --target-tpot: T(alpha) is fitted but alpha is not chosen.")
+            return out
+        if not choice["feasible"]:
+            out.warnings.append(f"no alpha in [{min(x):g}, {max(x):g}] meets TPOT {cfg.target_tpot:g} s; "
+                                f"chose the fastest, alpha={choice['alpha']:.3f}.")
+        alpha = measured_guard(choice["alpha"], points, cfg.target_tpot)
+        if alpha != choice["alpha"]:
+            ev["guarded"] = alpha
+            out.warnings.append(f"the degree-{poly['degree']} T(alpha) chose alpha={choice['alpha']:.3f}, but the runs "
+                                f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
+                                "measured alpha that meets R, is used instead.")
+        out.knobs["alpha"] = round(alpha, 4)
+        return out
+
+    @classmethod
+    def report(cls, inputs: ReportInputs) -> Section:
+        """Fig. 4 (gate scores of selected vs unselected experts) per profile, T(alpha) per fit, and
+        §VI-B's claim: substitution at alpha = 0.3 costs little quality."""
+        part = Section()
+        for path, prof in inputs.profiles:
+            if prof.routing:
+                fig = inputs.out_dir / f"gate_scores{inputs.tag(path)}.png"
+                part.figures.append(_gate_scores_figure(prof.routing, fig))
+        for path, f in inputs.fits:
+            if f.evidence.get(cls.name, {}).get("alpha"):
+                part.figures.append(alpha_figure(f.evidence[cls.name]["alpha"],
+                                                 inputs.out_dir / f"alpha_tpot{inputs.tag(path)}.png"))
+        smoe, resident = inputs.ppl(cls.name, alpha=0.3), inputs.ppl("resident")
+        if smoe and resident:
+            a, b = smoe["metrics"]["ppl"], resident["metrics"]["ppl"]
+            d = a / b - 1
+            part.claims.append(["SMoE alpha = 0.3 within 1% of resident", f"{a:.3f} vs {b:.3f}", f"{100 * d:+.2f}%",
+                                "met" if d <= 0.01 else "not met"])
+        return part
+
+
+def _gate_scores_figure(r: Any, path: Path) -> Path:
+    """Fig. 4: mean gate score by rank (shallow, middle, deep layer) and the score distribution of
+    selected vs unselected experts, from the profile's routing part."""
+    from moetool.figures import MaxNLocator, plt, save
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i in sorted({0, len(r.layers) // 2, len(r.layers) - 1}):
+        ax.plot(range(1, r.num_experts + 1), r.layers[i].mean_sorted_score, label=f"layer {r.layers[i].layer}")
+    ax.axvline(r.top_k + 0.5, color="gray", ls="--", label=f"top-k = {r.top_k}")
+    ax.axhline(1 / r.num_experts, color="black", lw=0.5, ls=":", label=f"uniform 1/E = {1 / r.num_experts:.3g}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="expert rank by gate score", ylabel="mean gate score (decode)", yscale="log",
+           title="Mean gate score by rank")
+    ax.legend()
+    edges = np.array(r.score_bins)
+    for name in ("selected", "unselected"):
+        counts = np.array(r.score_hist[name], float)
+        ax2.stairs(counts / max(1.0, counts.sum()), np.maximum(edges, 1e-5), label=f"{name} experts")
+    ax2.set(xscale="log", xlabel="gate score (softmax)", ylabel="share of (token, expert) pairs",
+            title="Score distribution, all layers, decode")
+    ax2.legend()
+    fig.suptitle("Gate scores of selected vs unselected experts (SMoE Fig. 4)")
+    return save(fig, path)

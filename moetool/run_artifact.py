@@ -1,0 +1,49 @@
+"""The artifact of `moetool run` (`Run`): what one run measured beside the engine's record, read without
+torch (`moetool report`, `moetool fit`); the run stage itself is `run.py`.
+
+    Run.load(Path("out/fate.run.json")).tpot_s["p50"]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moetool.artifacts import Artifact
+from moetool.schema import SchemaError
+from moetool.spec import EngineRecord
+
+
+@dataclass(frozen=True)
+class Run(EngineRecord, Artifact):
+    """What one `moetool run` measured, beside the engine's record. Times are seconds on `clock`
+    (wall, or sim on `hw`)."""
+
+    SCHEMA: ClassVar[str] = "run"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    ttft_s: float | None
+    tpot_s: dict[str, float] | None  # mean, p50, p99, n
+    hit_rate: float | None
+    bytes_h2d: int
+    bytes_per_token: float
+    stall_s: float
+    prompts: list[str]
+    tokens: list[list[int]]  # generated token ids per prompt
+    texts: list[str]
+
+    def validate(self) -> None:
+        """On read: the TPOT statistics `fit` and `report` use are all there, finite and not negative."""
+        super().validate()
+        for key in ("mean", "p50", "p99", "n") if self.tpot_s is not None else ():
+            v = self.tpot_s.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SchemaError(f"tpot_s['{key}']", "is missing" if v is None else f"is {v!r}, not a number",
+                                  missing=v is None)
+            if not math.isfinite(v) or v < 0:
+                raise SchemaError(f"tpot_s['{key}']", f"is {v}; a time or count is finite and not negative")
+        for name in ("bytes_per_token", "stall_s", "ttft_s"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise SchemaError(name, f"is {v}; a measurement is a finite number")
