@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import Fetch, Phase, Where, make_policy
+from moetool.policies import make_policy
+from moetool.policies.base import Fetch, Phase, Where
 from moetool.policies.dymoe import (critical_count, critical_experts, prefill_importance, retention,
                                     solve_lambda)
 

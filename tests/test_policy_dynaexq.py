@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import Fetch, Phase, Step, make_policy
+from moetool.policies import make_policy
+from moetool.policies.base import Fetch, Phase, Step
 from moetool.policies.dynaexq import Hotness, select_high
 
 import policy_fakes

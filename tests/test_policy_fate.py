@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.base import Fetch, Phase, Pool, Where, make_policy
+from moetool.policies import make_policy
+from moetool.policies.base import Fetch, Phase, Pool, Where
 from moetool.policies.common import popularity
 from moetool.policies.eviction import ARC
 from moetool.policies.fate import above_percentile, int2_experts, shallow_favoring, transfer_cap

@@ -6,7 +6,8 @@ from functools import partial
 import pytest
 import torch
 
-from moetool.policies.base import Fetch, Where, make_policy
+from moetool.policies import make_policy
+from moetool.policies.base import Fetch, Where
 from moetool.policies.eviction import EVICTIONS
 from moetool.policies.smoe import ScoreEviction
 from moetool.policies.smoe import cache_router, cpu_split, thresholds

@@ -352,13 +352,3 @@ def check_at_most(policy: Policy, key: str, most: int, unit: str) -> None:
         if most == 1:  # "1 expert per layer", "1 MoE layer"
             unit = unit.replace("experts", "expert", 1).replace("layers", "layer", 1)
         raise MoetoolError(f"knob '{key}' of policy '{policy.name}' is {value}, but the model has {most} {unit}.")
-
-
-def make_policy(name: str, settings: dict[str, str], ctx: EngineContext,
-                fitted: dict[str, Any] | None = None) -> Policy:
-    from moetool.policies import baselines, dymoe, dynaexq, fate, smoe  # noqa: F401 (engine halves replace the knobs)
-
-    if name not in POLICIES:
-        raise MoetoolError(f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))}).")
-    cls = POLICIES[name]
-    return cls(parse_params(cls, settings, fitted), ctx)
