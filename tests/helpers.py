@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import resource
 import shutil
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +237,15 @@ def run_args(bundle: Path, *extra: str) -> list[str]:
     """`moetool run` over `bundle`, quick and on the simulated clock, with `extra` options."""
     return ["run", "--bundle", str(bundle), "--budget", "100%", "--clock", "sim", "--max-new-tokens", "2",
             "--prompt", "Hi", *extra]
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int) -> Iterator[None]:
+    """This process may write files of at most `nbytes` inside the block (`ulimit -f`): Python ignores
+    SIGXFSZ, so a write past it fails with EFBIG, as on a filesystem that holds no larger file."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from helpers import VALID, synthetic_profile, write_json
-from helpers import SOME, copy, run_args
+from helpers import SOME, copy, file_size_limit, run_args
 from helpers import one_error_line as error_line
 from moetool.cli import app
 from moetool.engine.clock import HW_DIR, PLAUSIBLE
@@ -243,12 +242,8 @@ def test_a_failed_write_names_its_path_in_every_writing_command(command, char_ck
     the file or directory asked for, never nothing and never moetool's temp file."""
     synthetic_profile().save(tmp_path / "in.profile.json")
     args = WRITERS[command](char_ckpt, char_bundle, tmp_path)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # Python ignores SIGXFSZ: a write fails with EFBIG
-    try:
+    with file_size_limit(64):
         line = error_line(runner.invoke(app, args))
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     out = Path(args[args.index("--out") + 1])
     assert str(out) in line and ".tmp" not in line, line  # it was "File too large (OSError)."
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from helpers import VALID, run_args, synthetic_profile, write_json
+from helpers import VALID, file_size_limit, run_args, synthetic_profile, write_json
 from helpers import one_error_line as error_line
 from moetool.cli import app
 from moetool.quant.quantize import JOURNAL, LOCK, QuantizeConfig, quantize
@@ -219,12 +219,8 @@ def test_a_file_size_limit_is_one_sentence_saying_so_and_a_rerun_without_it_writ
     synthetic_profile().save(tmp_path / "in.profile.json")
     args = WRITERS[command](char_bundle, tmp_path)
     out = Path(args[args.index("--out") + 1])
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # Python ignores SIGXFSZ: a write fails with EFBIG
-    try:
+    with file_size_limit(64):
         line = error_line(runner.invoke(app, args))
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert line.startswith(f"error: file too large writing {out} (File too large): this process may write files "
                            "of at most 64 B (its file-size limit, ulimit -f)"), line
     assert not out.exists() and not _temp_files(tmp_path)
