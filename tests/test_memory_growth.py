@@ -66,7 +66,10 @@ def per_token(kept: int, tokens: int) -> float:
 
 def test_a_runs_python_memory_grows_only_by_its_step_log(long_bundle):
     cfg = dict(bundle=long_bundle, policy="lru", budget="50%", clock="sim", decode="host", prompts=("The king said",))
-    kept = kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
+    # The lesser of two runs: what a run keeps a token it keeps in both, while an allocation of
+    # something else alive in a whole-suite worker (181 KB once, in one CI run) is not in both.
+    kept = min(kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
+               for _ in range(2))
     assert per_token(kept, 2 * N) <= PER_TOKEN, f"{kept} bytes kept over {2 * N} tokens"
 
 
