@@ -1,8 +1,8 @@
 """A long run's host memory grows only by what its artifact keeps (bench_memory.py --lengths measures it).
 
-Python allocations (tracemalloc) are read twice in one run of 4N tokens, at token 2N and at token
+Python allocations (tracemalloc) are read three times in one run of 4N tokens, at tokens 2N, 3N and
 4N, after a first run has warmed every cache that fills once (router forms, transformers' own, free
-lists): what grows in between is what the run keeps per token. The run keeps one
+lists): what grows in both halves is what the run keeps per token. The run keeps one
 step's time for the TPOT percentiles (17 bytes a step in `StepLog`); the Run's token lists are
 made at the end. Before `StepLog`, each step kept a `StepRecord` and its float: ~130 bytes a token.
 Tensors (the KV cache, which a sequence must keep) are not Python allocations and are not counted.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,10 +23,10 @@ from moetool.run import RunConfig, run
 from helpers import save_char_tokenizer
 from tiny import save_tiny
 
-N = 256  # the run is 4N tokens; Python allocations are read at token 2N and at token 4N
+N = 256  # the run is 4N tokens; Python allocations are read at tokens 2N, 3N and 4N
 PER_TOKEN = 40  # bytes a token the run may keep: a step's record (17) and its arrays' spare room
 # Bytes of allocations that differ between two readings at the same point of a step whatever the
-# length: CPython's free lists and torch's small blocks fill up over a run (10-25 KiB measured here).
+# length: CPython's free lists and torch's small blocks fill up over a run (20-30 KiB over 2N tokens here).
 NOISE = 32 << 10
 VOCAB = 128  # tests/tiny.py's: no other floating tensor of the tiny model ends in 128
 
@@ -41,36 +42,76 @@ def long_bundle(tmp_path_factory):
     return root / "bundle"
 
 
-def kept_between(work, first: int, last: int) -> int:
-    """Bytes of Python allocations held at progress `last` beyond those at `first` of `work(progress)`,
-    traced from before a first `work(None)` (the warm-up), so that what fills once is traced full."""
-    seen: dict[int, int] = {}
+@dataclass(frozen=True)
+class Kept:
+    """Bytes of Python allocations kept over `tokens` tokens, by the line that made them."""
+
+    by_line: dict[str, int]
+    tokens: int
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.by_line.values())
+
+    def per_token(self) -> float:
+        return max(0, self.bytes - NOISE) / self.tokens
+
+    def __str__(self) -> str:
+        largest = sorted(self.by_line.items(), key=lambda kv: -kv[1])[:5]
+        return f"{self.bytes} bytes kept over {self.tokens} tokens; the largest:\n" + "\n".join(
+            f"  {size:+} B at {line}" for line, size in largest)
+
+
+def kept_between(work, first: int, last: int) -> Kept:
+    """Python allocations held at progress `last` beyond those at `first` of `work(progress)`.
+
+    Read at `first`, halfway and `last`, each allocating line counts what it kept in the lesser of
+    the two halves, twice: a line that keeps something every token keeps it in both halves, while
+    what something else alive in the process allocates once (a whole-suite worker once allocated
+    181 KB mid-run) lands in one. Traced from before a first `work(None)` (the warm-up), so that
+    what fills once is traced full."""
+    marks = (first, (first + last) // 2, last)
+    seen: dict[int, tracemalloc.Snapshot] = {}
 
     def progress(done: int, total: int) -> None:
-        if done in (first, last) and done not in seen:
+        if done in marks and done not in seen:
             gc.collect()
-            seen[done] = tracemalloc.get_traced_memory()[0]
+            seen[done] = tracemalloc.take_snapshot()
 
-    tracemalloc.start()
+    tracemalloc.start(1)  # the allocating line; each frame more slows every allocation of the run
     try:
         work(None)
         work(progress)
     finally:
         tracemalloc.stop()
-    return seen[last] - seen[first]
+    halves = [{str(d.traceback[0]): d.size_diff for d in seen[b].compare_to(seen[a], "lineno")}
+              for a, b in zip(marks, marks[1:])]
+    lines = halves[0].keys() & halves[1].keys()
+    return Kept({line: 2 * min(halves[0][line], halves[1][line]) for line in lines
+                 if min(halves[0][line], halves[1][line]) > 0}, last - first)
 
 
-def per_token(kept: int, tokens: int) -> float:
-    return max(0, kept - NOISE) / tokens
+def test_the_reading_counts_what_is_kept_every_token_and_not_what_is_kept_once():
+    kept_once: list[bytes] = []
+    kept_each: list[bytes] = []
+
+    def work(progress) -> None:
+        for done in range(1, 4 * N + 1):
+            if progress is not None:
+                kept_each.append(bytes(100))  # ~133 bytes a token with its object header and list slot
+                if done == 3 * N - 5:
+                    kept_once.append(bytes(181_000))
+                progress(done, 4 * N)
+
+    kept = kept_between(work, 2 * N, 4 * N)
+    assert 120 <= kept.bytes / (2 * N) <= 150, kept
+    assert kept.per_token() > PER_TOKEN  # StepRecord's ~130 bytes a token would fail the tests below
 
 
 def test_a_runs_python_memory_grows_only_by_its_step_log(long_bundle):
     cfg = dict(bundle=long_bundle, policy="lru", budget="50%", clock="sim", decode="host", prompts=("The king said",))
-    # The lesser of two runs: what a run keeps a token it keeps in both, while an allocation of
-    # something else alive in a whole-suite worker (181 KB once, in one CI run) is not in both.
-    kept = min(kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
-               for _ in range(2))
-    assert per_token(kept, 2 * N) <= PER_TOKEN, f"{kept} bytes kept over {2 * N} tokens"
+    kept = kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
+    assert kept.per_token() <= PER_TOKEN, str(kept)
 
 
 @pytest.mark.slow
@@ -78,7 +119,7 @@ def test_a_runs_python_memory_grows_only_by_its_step_log(long_bundle):
 def test_no_papers_policy_keeps_anything_per_token(long_bundle, policy):
     cfg = dict(bundle=long_bundle, policy=policy, budget="50%", clock="sim", decode="host", prompts=("The king said",))
     kept = kept_between(lambda progress: run(RunConfig(**cfg, max_new_tokens=4 * N), progress), 2 * N, 4 * N)
-    assert per_token(kept, 2 * N) <= PER_TOKEN, f"{policy}: {kept} bytes kept over {2 * N} tokens"
+    assert kept.per_token() <= PER_TOKEN, f"{policy}: {kept}"
 
 
 def test_stepwise_perplexity_keeps_its_tokens_nll_not_their_logits(long_bundle, tmp_path):
@@ -108,4 +149,4 @@ def test_stepwise_perplexity_keeps_its_tokens_nll_not_their_logits(long_bundle, 
     assert len(before) == len(held)
     assert logits and logits[0] <= 2, f"{logits} logits tensors alive {N} tokens into a window"
     kept = kept_between(lambda progress: evaluate(cfg, progress), 2 * N, 4 * N - 2)  # 2 x (2N - 1) tokens scored
-    assert per_token(kept, 2 * N) <= PER_TOKEN, f"{kept} bytes kept over {2 * N} tokens"
+    assert kept.per_token() <= PER_TOKEN, str(kept)
