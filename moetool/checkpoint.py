@@ -133,18 +133,41 @@ def weight_files(directory: Path) -> list[Path]:
     raise MoetoolError(f"{directory} holds no safetensors weights.")
 
 
-def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
-    """The causal-LM model of `config` with every parameter on the meta device (buffers real, e.g. RoPE)."""
-    from accelerate import init_empty_weights
+def causal_lm_class(config: Any) -> type[nn.Module]:
+    """transformers' causal-LM class for `config`: its auto mapping's, else the `...ForCausalLM` class
+    of the config's own model module. transformers 5.24 ships Mistral4ForCausalLM, say, without
+    mapping `mistral4` to it, so AutoModelForCausalLM refuses a checkpoint the class itself loads.
+    Only transformers' own modules are read: a model defined by code beside a checkpoint never runs."""
+    import importlib
+
     from transformers import AutoModelForCausalLM
 
     try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        pass
+    module = type(config).__module__  # transformers.models.X.configuration_X
+    if module.startswith("transformers.models.") and ".configuration_" in module:
+        try:
+            modeling = importlib.import_module(module.replace(".configuration_", ".modeling_"))
+        except ImportError:
+            modeling = None
+        found = [c for name, c in sorted(vars(modeling).items()) if name.endswith("ForCausalLM")
+                 and isinstance(c, type) and getattr(c, "config_class", None) is type(config)] if modeling else []
+        if len(found) == 1:
+            return found[0]
+    raise MoetoolError(f"moetool does not support the '{getattr(config, 'model_type', '?')}' architecture: "
+                       "transformers has no causal-LM class for it.")
+
+
+def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
+    """The causal-LM model of `config` with every parameter on the meta device (buffers real, e.g. RoPE)."""
+    from accelerate import init_empty_weights
+
+    cls = causal_lm_class(config)
+    try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)  # never asks
-    except ValueError:
-        model_type = getattr(config, "model_type", "?")
-        raise MoetoolError(f"moetool does not support the '{model_type}' architecture: transformers has no "
-                           "causal-LM class for it.") from None
+            model = cls._from_config(config, dtype=dtype)  # what AutoModelForCausalLM.from_config calls
     except Exception as e:  # noqa: BLE001 - a config from disk that transformers cannot build
         model_type = getattr(config, "model_type", "?")
         raise MoetoolError(f"cannot build a '{model_type}' model from its config: {first_line(e)}.") from None
@@ -460,19 +483,15 @@ def open_checkpoint(source: str, config: Any, dtype: torch.dtype) -> Checkpoint:
 def load_dequantized(src: str, config: Any, dtype: torch.dtype, experts_impl: str) -> nn.Module | None:
     """transformers' own model of an FP8 or MXFP4 checkpoint, holding the numbers moetool reads (what
     `check` compares with: it loads everything anyway); None for any other checkpoint."""
-    from transformers import AutoModelForCausalLM
-
     method = quant_method(config)
     if method == "fp8":  # `read_fp8`'s weights in transformers' model (prequantized.py says why)
         directory = local_directory(src)
         with ExitStack() as files:
             entries = _entries(directory, files)
             state = {k: t[:] for k, (t, _, _) in read_fp8(entries, config, directory).items()}
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
-        return cls.from_pretrained(None, config=without_quantization(config), state_dict=state, dtype=dtype,
-                                   experts_implementation=experts_impl)
+        return causal_lm_class(config).from_pretrained(None, config=without_quantization(config), state_dict=state,
+                                                       dtype=dtype, experts_implementation=experts_impl)
     if method == "mxfp4":
-        return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
-                                                    quantization_config=dequantizer(config).quantization_config,
-                                                    trust_remote_code=False)
+        return causal_lm_class(config).from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
+                                                       quantization_config=dequantizer(config).quantization_config)
     return None

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool.artifacts import ModelFingerprint
-from moetool.checkpoint import build_skeleton, find_experts_modules, load_dequantized, open_checkpoint
+from moetool.checkpoint import build_skeleton, causal_lm_class, find_experts_modules, load_dequantized, open_checkpoint
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
@@ -388,15 +388,13 @@ def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, exper
     `ProviderExperts` and the engine's eager path match) or "grouped_mm" (its default, what the
     engine's grouped path matches).
     """
-    from transformers import AutoModelForCausalLM
-
     src = resolve_source(source)
     config = load_config(src)
     _check_architecture(config, src)
     try:
         model = (load_dequantized(src, config, dtype, experts_impl)  # FP8, MXFP4: the numbers moetool reads
-                 or AutoModelForCausalLM.from_pretrained(src, dtype=dtype, experts_implementation=experts_impl,
-                                                         trust_remote_code=False))
+                 or causal_lm_class(config).from_pretrained(src, dtype=dtype,
+                                                            experts_implementation=experts_impl))
     except MoetoolError:
         raise
     except Exception as e:  # noqa: BLE001 - the checkpoint is user input: any failure is one sentence

@@ -127,3 +127,21 @@ def test_an_experts_module_that_normalises_each_experts_output_is_refused(tmp_pa
     next(iter(find_experts_modules(model).values())).has_post_expert_norm = True
     with pytest.raises(MoetoolError, match="post_expert_norm"):
         inspect_geometry(model)
+
+
+def test_a_causal_lm_outside_transformers_auto_mapping_runs_and_one_without_a_class_is_refused(tmp_path):
+    """transformers 5.24 ships Mistral4ForCausalLM but maps no auto class to it: moetool finds it in the
+    config's own model module (check above is exact on it). A model type with no causal-LM class at
+    all (a vision-language MoE, a diffusion LM) is refused by name before any weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moetool.checkpoint import causal_lm_class
+    from tiny import tiny_config
+
+    config = tiny_config("mistral4")
+    assert type(config) not in AutoModelForCausalLM._model_mapping
+    assert causal_lm_class(config).__name__ == "Mistral4ForCausalLM"
+    for model_type in ("qwen3_vl_moe", "diffusion_gemma"):
+        AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+        with pytest.raises(MoetoolError, match=f"'{model_type}' architecture: transformers has no causal-LM class"):
+            load_model(tmp_path / model_type)

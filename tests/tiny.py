@@ -87,7 +87,15 @@ MORE_CONFIGS: dict[str, dict] = {
     "qwen4_exp_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8, shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, layer_types=['linear_attention', 'indexed_attention'], indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4, hc_lowrank=8, ngram_vocab_size_base=1024, split_ngram_parts=4, heads_per_ngram=2),
     "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8, n_shared_experts=1, n_group=1, topk_group=1),
     "zaya": dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, head_dim=8, sliding_window=16),
+    # Its head size is qk_nope + qk_rope (the config sets it); its causal-LM class is not in
+    # AutoModelForCausalLM's mapping (_CLASSES).
+    "mistral4": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48,
+                     n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                     v_head_dim=8, num_key_value_heads=4, pad_token_id=0),
 }
+
+# Causal LMs transformers ships but does not map its auto class to (by their transformers name).
+_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
 
 def tiny_config(arch: str, **overrides):
@@ -98,10 +106,12 @@ def tiny_config(arch: str, **overrides):
 
 def save_tiny(arch: str, out: Path, seed: int = 0, dtype: torch.dtype | None = None, **overrides) -> Path:
     """A random-weight checkpoint of `arch`, saved with save_pretrained (safetensors), in `dtype` if given."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    config = tiny_config(arch, **overrides)
+    model = (getattr(transformers, _CLASSES[arch])(config) if arch in _CLASSES
+             else transformers.AutoModelForCausalLM.from_config(config))
     # Random init leaves routers near-uniform; larger router weights make routing decisive so a
     # wrong expert shows up as a routing disagreement rather than hiding in a near-tie.
     for name, p in model.named_parameters():
