@@ -18,6 +18,7 @@ from torch import nn
 
 from moetool.artifacts import CheckReport, LayerCheck
 from moetool.errors import MoetoolError
+from moetool.inference import vocab_size
 from moetool.model import find_experts_modules, load_model, load_reference
 from moetool.source import resolve_source
 from moetool.tokenizer import encode
@@ -42,7 +43,7 @@ def check_model(source: str | Path, prompt: str = DEFAULT_PROMPT, tolerance: flo
     src = resolve_source(source)
     ref = load_reference(src, dtype=torch.float32)
     ours = load_model(src, device="cpu", dtype=torch.float32)
-    ids = encode(ours.tokenizer, prompt, ours.model.config.vocab_size)[None]  # [1, T]
+    ids = encode(ours.tokenizer, prompt, vocab_size(ours.model))[None]  # [1, T]
 
     ref_log: dict[str, dict[str, torch.Tensor]] = {}
     our_log: dict[str, dict[str, torch.Tensor]] = {}

@@ -44,7 +44,7 @@ from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
                                 is_mmlu, load_task, offline_sentence, set_fewshot)
 from moetool.hub import cache_only, hub_reachable
-from moetool.inference import context_length
+from moetool.inference import context_length, vocab_size
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
@@ -248,7 +248,7 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
             ids, mask = super().tok_batch_encode(strings, *args, **kwargs)
             return check_ids(ids, self.tokenizer, vocab), mask
 
-    vocab = model.config.vocab_size
+    vocab = vocab_size(model)
     max_length = min(MAX_LENGTH, context_length(model) or MAX_LENGTH)
     # Log-softmax in fp32 whatever the compute dtype, so that bf16 runs of two policies differ by
     # what the policies do, not by rounding in the scoring.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moetool.inference import with_cache
+from moetool.inference import vocab_size, with_cache
 from moetool.tokenizer import encode
 
 ProgressFn = Callable[[int, int], None]
@@ -24,7 +24,7 @@ ProgressFn = Callable[[int, int], None]
 
 def tokenize(lm: Any, text: str) -> torch.Tensor:
     """All of `text` as one id sequence [N], without special tokens (windows start anywhere in it)."""
-    return encode(lm.tokenizer, text, lm.model.config.vocab_size, special_tokens=False)
+    return encode(lm.tokenizer, text, vocab_size(lm.model), special_tokens=False)
 
 
 def perplexity_windows(model: torch.nn.Module, ids: torch.Tensor, context: int, batch_size: int, stepwise: bool,

@@ -26,7 +26,7 @@ from moetool.artifacts import Fit, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text
-from moetool.inference import context_length
+from moetool.inference import context_length, vocab_size
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
@@ -76,7 +76,7 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     """Left-padded ids and attention mask; tokenizer-less test models fold prompt bytes into the vocab."""
     tok = lm.tokenizer
     if tok is None:
-        rows = [encode(None, p, lm.model.config.vocab_size) for p in prompts]
+        rows = [encode(None, p, vocab_size(lm.model)) for p in prompts]
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -87,7 +87,7 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     enc = tok(prompts, return_tensors="pt", padding=True)
-    check_ids(enc.input_ids, tok, lm.model.config.vocab_size)  # the pad token's id too: it is embedded as well
+    check_ids(enc.input_ids, tok, vocab_size(lm.model))  # the pad token's id too: it is embedded as well
     empty = (enc.attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:  # text the tokenizer maps to no token at all (RunConfig.check refuses blank prompts)
         raise MoetoolError(f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens under this model's tokenizer.")

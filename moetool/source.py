@@ -63,8 +63,29 @@ def load_config(source: str) -> Any:
         cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else e.__class__.__name__
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
+    config = _language_model_config(config, source)
     _check_config(config, source)
     return config
+
+
+def _language_model_config(config: Any, source: str) -> Any:
+    """The config of the causal LM transformers makes of `config`: a vision-language release whose
+    model type AutoModelForCausalLM maps to its text decoder's class (Qwen3.5-MoE's
+    `Qwen3_5MoeForConditionalGeneration` checkpoint loads as `Qwen3_5MoeForCausalLM`) is its text
+    config, with the release's quantization_config, as AutoModelForCausalLM makes it; the vision
+    tower's weights are left unread, as transformers leaves them. Its task is checked first, on the
+    release's own `architectures` (the text config names none)."""
+    from transformers import AutoModelForCausalLM
+
+    text = getattr(config, "sub_configs", {}).get("text_config")
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None) if text is not None else None
+    if model_class is None or getattr(model_class, "config_class", None) is not text:
+        return config
+    check_task(config, source)
+    language = config.get_text_config()
+    if getattr(config, "quantization_config", None) is not None:
+        language.quantization_config = config.quantization_config
+    return language
 
 
 def _check_model_type(raw: dict, source: str) -> None:

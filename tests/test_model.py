@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from helpers import ARCHS
-from tiny import MORE_CONFIGS, save_tiny
+from helpers import ARCHS, save_char_tokenizer
+from tiny import MORE_CONFIGS, RELEASES, save_tiny, save_tiny_release
 from moetool.check import check_model
 from moetool.errors import MoetoolError
 from moetool.model import find_experts_modules, load_model, load_reference
@@ -145,3 +145,28 @@ def test_a_causal_lm_outside_transformers_auto_mapping_runs_and_one_without_a_cl
         AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
         with pytest.raises(MoetoolError, match=f"'{model_type}' architecture: transformers has no causal-LM class"):
             load_model(tmp_path / model_type)
+
+
+@pytest.mark.parametrize("arch", sorted(RELEASES))
+def test_a_vision_language_release_runs_as_the_causal_lm_transformers_makes_of_it(tmp_path, arch):
+    """Qwen3.5-MoE is released as `Qwen3_5MoeForConditionalGeneration`, text weights under
+    `model.language_model`; AutoModelForCausalLM loads its text decoder (its text config) or, for
+    Gemma 4, the release's own class (a config whose sizes are in its text_config). Both run through
+    check, quantize and a run, with the tokens of the release's own greedy generate."""
+    from moetool.quant.quantize import QuantizeConfig, quantize
+    from moetool.run import RunConfig, run
+
+    release = save_tiny_release(arch, tmp_path / arch)
+    save_char_tokenizer(tmp_path / arch)
+    report = check_model(tmp_path / arch)
+    assert report.passed and report.max_abs_diff <= 1e-5, report
+    prompt = "The king said"
+    ids = load_model(tmp_path / arch).tokenizer(prompt, return_tensors="pt").input_ids
+    want = release.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                            do_sample=False)[0, ids.shape[1]:].tolist()
+    quantize(QuantizeConfig(model=str(tmp_path / arch), out=tmp_path / "bundle", bits=(16, 4), group_size=16,
+                            dtype="float32", hqq_optimize=False))
+    for source in (dict(model=str(tmp_path / arch)), dict(bundle=tmp_path / "bundle")):
+        got = run(RunConfig(**source, policy="lru", settings={"bits": "16"}, budget="50%", clock="sim",
+                            prompts=(prompt,), max_new_tokens=6))
+        assert got.tokens[0] == want, source

@@ -97,6 +97,18 @@ MORE_CONFIGS: dict[str, dict] = {
 # Causal LMs transformers ships but does not map its auto class to (by their transformers name).
 _CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
+# Vision-language releases whose model type AutoModelForCausalLM maps to a causal LM, as released
+# (`...ForConditionalGeneration`, text weights under `model.language_model`): the tiny text config of
+# MORE_CONFIGS, a one-block vision tower where the release has one. Qwen3.5-MoE's maps to its text
+# decoder's class, Gemma 4's to the release's own class.
+_QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                    spatial_merge_size=1, temporal_patch_size=1)
+RELEASES: dict[str, tuple[str, dict]] = {
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(vision_config=_QWEN_VISION)),
+    "qwen4_exp": ("qwen4_exp_text", dict(vision_config=_QWEN_VISION)),
+    "gemma4": ("gemma4_text", dict(vision_config=None, audio_config=None)),
+}
+
 
 def tiny_config(arch: str, **overrides):
     from transformers import AutoConfig
@@ -121,6 +133,26 @@ def save_tiny(arch: str, out: Path, seed: int = 0, dtype: torch.dtype | None = N
         model.to(dtype)
     model.save_pretrained(out)
     return out
+
+
+def save_tiny_release(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
+    """A random-weight vision-language release of `arch` (RELEASES) saved as released; returns the
+    release's model (its `generate` is the reference for the text moetool runs)."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    text, parts = RELEASES[arch]
+    config = AutoConfig.for_model(arch, text_config={**_COMMON, **MORE_CONFIGS[text]}, **parts)
+    modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    cls = next(c for name, c in vars(modeling).items() if name.endswith("ForConditionalGeneration"))
+    torch.manual_seed(seed)
+    model = cls(config)
+    for name, p in model.named_parameters():  # decisive routing, as save_tiny
+        if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.5)
+    model.save_pretrained(out)
+    return model.eval()
 
 
 class DequantProvider:

@@ -16,6 +16,7 @@ import torch
 
 from moetool import datasets
 from moetool.errors import MoetoolError, quote
+from moetool.inference import vocab_size
 from moetool.model import LoadedModel
 from moetool.tokenizer import encode
 
@@ -27,7 +28,7 @@ def known_names() -> tuple[str, ...]:
 
 
 def _ids(lm: LoadedModel, text: str) -> torch.Tensor:
-    return encode(lm.tokenizer, text, lm.model.config.vocab_size)  # [T]
+    return encode(lm.tokenizer, text, vocab_size(lm.model))  # [T]
 
 
 def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from moetool.errors import MoetoolError
+from moetool.inference import vocab_size
 from moetool.model import LoadedModel, MoeLayer
 from moetool.tokenizer import encode
 
@@ -36,7 +37,7 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
         if cfg.calib_text is not None:
             raise MoetoolError(f"{lm.fingerprint.source} has no tokenizer to read calibration text with.")
         generator = torch.Generator().manual_seed(cfg.seed)
-        return torch.randint(0, lm.model.config.vocab_size, (n_seq, seq_len), generator=generator)
+        return torch.randint(0, vocab_size(lm.model), (n_seq, seq_len), generator=generator)
     if cfg.calib_text is not None:
         from moetool.datasets import read_text_file
 
@@ -47,9 +48,9 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
         text, where = train_text(), "moetool's training text"
     # Tokenize a generous prefix first: the shipped text is ~4.9 MB and a few thousand tokens suffice.
     # `encode` takes a long text a piece at a time, to one call's ids (a --calib-text may be 256 MiB).
-    ids = encode(lm.tokenizer, text[:16 * n_seq * seq_len], lm.model.config.vocab_size)
+    ids = encode(lm.tokenizer, text[:16 * n_seq * seq_len], vocab_size(lm.model))
     if len(ids) < n_seq * seq_len:
-        ids = encode(lm.tokenizer, text, lm.model.config.vocab_size)
+        ids = encode(lm.tokenizer, text, vocab_size(lm.model))
     if len(ids) < seq_len:
         raise MoetoolError(f"{where} holds {len(ids)} tokens, fewer than one calibration sequence "
                            f"({seq_len}); give more text or a shorter sequence length.")
