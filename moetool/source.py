@@ -33,6 +33,7 @@ def resolve_source(source: str | Path) -> str:
     if p.exists():
         if p.is_dir():
             refuse_broken_links(p)  # a config.json linking nowhere is a broken copy, not "no config.json"
+            _refuse_bundle(p)
         if not p.is_dir() or not (p / "config.json").exists():
             raise MoetoolError(f"{p} is not a Hugging Face model directory (no config.json in it).")
         for name in ("config.json", "generation_config.json"):  # transformers reads them whole
@@ -46,6 +47,18 @@ def resolve_source(source: str | Path) -> str:
 
     cache_only_if_unreachable(text)  # offline: the local cache or one sentence, not a minute of retries
     return text
+
+
+def _refuse_bundle(p: Path) -> None:
+    """A bundle, or the model directory inside one, given where a checkpoint is asked for: its experts
+    are in the bundle's shards, so as a checkpoint it reads as one without experts."""
+    # quant.bundle.MANIFEST, quant.quantize.JOURNAL and quant.shards.MODEL_DIR (modules that import this one)
+    if (p / "bundle.json").is_file() or (p / ".quantize-journal.json").is_file():  # quantize.JOURNAL: one begun
+        raise MoetoolError(f"{p} is a moetool bundle, not a model checkpoint: give it as --bundle {p} (check and "
+                           "quantize read the checkpoint a bundle is made from).")
+    if p.name == "model" and (p.parent / "bundle.json").is_file():
+        raise MoetoolError(f"{p} is the model directory of the bundle {p.parent}, which keeps the experts in its "
+                           f"shards: give the bundle as --bundle {p.parent}.")
 
 
 def load_config(source: str) -> Any:

@@ -9,6 +9,8 @@ failed on the code before it.
    both, and a re-run continues only on the same weights' fingerprint.
 4. Text to a pipe was wrapped at 80 columns (`moetool report out | xargs` read a path split in two); a line
    to a pipe or a file is now whole.
+5. A bundle where a checkpoint is asked for (`check BUNDLE`, `--model BUNDLE`, `--model BUNDLE/model`) read as
+   a directory without config.json or a checkpoint without experts; it is named, with `--bundle`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from helpers import one_error_line, synthetic_profile
+from helpers import one_error_line, run_args, synthetic_profile
 from moetool.app import PIPE_CLOSED
 from moetool.cli import app
 from moetool.quant.quantize import JOURNAL
@@ -259,3 +261,22 @@ def test_a_utf16_task_file_is_told_to_be_saved_as_utf8(tiny_ckpt, tmp_path):
     result = runner.invoke(app, ["eval", str(task), "--model", str(tiny_ckpt("qwen2_moe"))])
     line = one_error_line(result)
     assert f"task file {task} is UTF-16 text" in line and "save it as UTF-8" in line
+
+
+def test_a_bundle_given_where_a_checkpoint_is_asked_for_says_to_give_it_as_bundle(tmp_path):
+    """A bundle as `check`'s or `quantize`'s model or as `--model` read as a directory without
+    config.json, and its model/ directory as a checkpoint without experts ("incomplete or of another
+    model"); both are now named as what they are, with the option that takes them."""
+    from helpers import tiny_moe
+
+    bundle = tmp_path / "bundle"
+    assert _quantize(tiny_moe(tmp_path / "ckpt"), bundle).exit_code == 0
+    for args in (["check", bundle], ["quantize", bundle, "--out", tmp_path / "other"], run_args(bundle, "--model", bundle)):
+        line = one_error_line(runner.invoke(app, [str(a) for a in args]))
+        assert f"{bundle} is a moetool bundle, not a model checkpoint: give it as --bundle {bundle}" in line
+    line = one_error_line(runner.invoke(app, ["run", "--model", str(bundle / "model"), "--policy", "lru"]))
+    assert f"{bundle / 'model'} is the model directory of the bundle {bundle}" in line
+    assert not (tmp_path / "other").exists()
+    begun = tmp_path / "begun"  # a quantize refused in its last layer: no bundle.json, its journal names it
+    _refused_late(_checkpoint(tmp_path / "m"), begun)
+    assert f"{begun} is a moetool bundle" in one_error_line(runner.invoke(app, ["check", str(begun)]))
