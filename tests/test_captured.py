@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import copy
-from tiny import MORE_CONFIGS, TINY_CONFIGS, save_tiny
+from tiny import MORE_CONFIGS, RELEASES, TINY_CONFIGS, save_tiny, save_tiny_release
 
 from moetool.engine import build_engine
 from moetool.engine.decode import DIFFERENT_MODEL_TYPES, VERIFIED_MODEL_TYPES, DecodeProgram, choose_path
@@ -303,7 +303,8 @@ def test_a_look_ahead_through_a_batched_router_compiles_in_a_fresh_process(tmp_p
     from moetool import inference
 
     monkeypatch.setattr(inference, "_ROUTER_FORM", {})
-    ckpt = save_tiny(arch, tmp_path / arch)
+    ckpt = tmp_path / arch
+    save_tiny_release(arch, ckpt) if arch in RELEASES else save_tiny(arch, ckpt)
     ref = load_reference(ckpt, experts_impl="batched_mm")
     want = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=NEW, min_new_tokens=NEW,
                         do_sample=False)[0, IDS.shape[1]:].tolist()
@@ -316,7 +317,7 @@ def test_a_look_ahead_through_a_batched_router_compiles_in_a_fresh_process(tmp_p
     assert program.layers.prefetch_bits.get(first) == 16  # the first layer's look-ahead ran in the step
 
 
-ALL_ARCHS = sorted({*TINY_CONFIGS, *MORE_CONFIGS})
+ALL_ARCHS = sorted({*TINY_CONFIGS, *MORE_CONFIGS, *RELEASES})  # a release's text type is its _text's
 
 
 def test_the_captured_architecture_lists_name_real_model_types():
@@ -331,7 +332,8 @@ def test_every_architecture_decodes_transformers_tokens_or_falls_back(tmp_path, 
     decodes plain transformers' greedy tokens (over its default dynamic cache, with a run's
     min_new_tokens); any other falls back with one reason, never a traceback, even when asked for;
     and a type listed as different does differ (else it belongs among the verified)."""
-    ckpt = save_tiny(arch, tmp_path / arch)
+    ckpt = tmp_path / arch
+    save_tiny_release(arch, ckpt) if arch in RELEASES else save_tiny(arch, ckpt)
     ref = load_reference(ckpt, experts_impl="batched_mm")
     want = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=NEW, min_new_tokens=NEW,
                         do_sample=False)[0, IDS.shape[1]:].tolist()

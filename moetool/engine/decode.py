@@ -69,8 +69,9 @@ VERIFIED_MODEL_TYPES = frozenset({
     "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
     "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
     "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax_m2",
-    "minimax_m3_vl_text", "mistral4", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
-    "qwen3_next", "solar_open", "zaya",
+    "minimax_m3_vl_text", "mistral4", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text",
+    "qwen3_moe", "qwen3_next", "solar_open", "zaya",
+    "gemma4",  # the Gemma 4 release (vision-language), which transformers runs as its own class
 })
 
 # Model types whose step compiles but whose tokens over a StaticCache are not transformers' own
