@@ -156,8 +156,10 @@ def causal_lm_class(config: Any) -> type[nn.Module]:
                  and isinstance(c, type) and getattr(c, "config_class", None) is type(config)] if modeling else []
         if len(found) == 1:
             return found[0]
-    raise MoetoolError(f"moetool does not support the '{getattr(config, 'model_type', '?')}' architecture: "
-                       "transformers has no causal-LM class for it.")
+    what = ("a model of several parts (text_config among them) whose text transformers loads as no causal LM" if "text_config" in
+            getattr(config, "sub_configs", {}) else "transformers has no causal-LM class for it")
+    raise MoetoolError(f"moetool does not support the '{getattr(config, 'model_type', '?')}' architecture: {what} "
+                       "(moetool runs causal language models; docs/models.md lists them).")
 
 
 def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
