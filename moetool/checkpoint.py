@@ -156,8 +156,9 @@ def causal_lm_class(config: Any) -> type[nn.Module]:
                  and isinstance(c, type) and getattr(c, "config_class", None) is type(config)] if modeling else []
         if len(found) == 1:
             return found[0]
-    what = ("a model of several parts (text_config among them) whose text transformers loads as no causal LM" if "text_config" in
-            getattr(config, "sub_configs", {}) else "transformers has no causal-LM class for it")
+    several = "text_config" in getattr(config, "sub_configs", {})  # Qwen3-VL-MoE, GLM-4.5V, ERNIE-4.5-VL
+    what = ("a model of several parts (text_config among them) whose text transformers loads as no causal LM"
+            if several else "transformers has no causal-LM class for it")
     raise MoetoolError(f"moetool does not support the '{getattr(config, 'model_type', '?')}' architecture: {what} "
                        "(moetool runs causal language models; docs/models.md lists them).")
 
