@@ -263,12 +263,13 @@ class _Rows:
         return self.tensor[self.start:self.stop]
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
+    """The config of a model's language model: its own, or a vision-language config's text_config."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _expert_count(config: Any) -> int:
-    text = _text_config(config)
+    text = text_config(config)
     return next(getattr(text, n) for n in _EXPERT_COUNT if isinstance(getattr(text, n, None), int))
 
 
@@ -331,7 +332,7 @@ class Checkpoint:
         """An all-meta skeleton whose MoE layers have `experts` experts (built once per count)."""
         if experts not in self._shells:
             cfg = copy.deepcopy(self.config)
-            text = _text_config(cfg)
+            text = text_config(cfg)
             for name in _EXPERT_COUNT:
                 if isinstance(getattr(text, name, None), int):
                     setattr(text, name, experts)
@@ -369,7 +370,7 @@ def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any
     layer, old rotary buffers) are ignored here too, by its own rule."""
     model._adjust_missing_and_unexpected_keys(info)
     unused = sorted(info.unexpected_keys)
-    text = _text_config(model.config)
+    text = text_config(model.config)
     count = next((getattr(text, n) for n in _EXPERT_COUNT if isinstance(getattr(text, n, None), int)), None)
     if count is not None:
         unused += sorted(k for keys in experts.values() for k in keys

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from moetool.checkpoint import text_config
+
 if TYPE_CHECKING:
     from moetool.model import LoadedModel
 
@@ -89,19 +91,14 @@ def _router_extra_args(cls: type) -> tuple[tuple[str, bool], ...] | None:
     return tuple((p.name, p.default is inspect.Parameter.empty) for p in named)
 
 
-def text_config(model: nn.Module) -> Any:
-    """The config of the model's language model: its own, or a vision-language model's text_config."""
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
 def vocab_size(model: nn.Module) -> int:
     """The rows of the model's embedding: the ids a tokenizer may give it."""
-    return text_config(model).vocab_size
+    return text_config(model.config).vocab_size
 
 
 def context_length(model: nn.Module) -> int | None:
     """The longest sequence the model was built for (its config's max_position_embeddings), or None."""
-    n = getattr(text_config(model), "max_position_embeddings", None)
+    n = getattr(text_config(model.config), "max_position_embeddings", None)
     return int(n) if isinstance(n, int) and n > 0 else None
 
 

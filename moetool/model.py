@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetool.artifacts import ModelFingerprint
-from moetool.checkpoint import build_skeleton, causal_lm_class, find_experts_modules, load_dequantized, open_checkpoint
+from moetool.checkpoint import (build_skeleton, causal_lm_class, find_experts_modules, load_dequantized, open_checkpoint,
+                                text_config)
 from moetool.checkpoint import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
@@ -320,7 +321,7 @@ def _has_fused_experts_class(model: nn.Module) -> bool:
 def inspect_geometry(model: nn.Module) -> MoeGeometry:
     """Describe every MoE block of `model`; refuse dense models and unfused MoE architectures."""
     cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # composite (VL) configs nest it
+    text = text_config(cfg)  # composite (VL) configs nest it
     model_type = getattr(cfg, "model_type", type(model).__name__)
     experts = find_experts_modules(model)
     if not experts:

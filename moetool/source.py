@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from moetool.checkpoint import first_line as _first_line
-from moetool.checkpoint import refuse_broken_links
+from moetool.checkpoint import refuse_broken_links, text_config
 from moetool.errors import MoetoolError, quote
 from moetool.files import CONFIG_BYTES, check_file
 from moetool.prequantized import DEQUANTIZED, quant_method
@@ -146,7 +146,7 @@ def _check_config(config: Any, source: str) -> None:
                            "`moetool quantize` quantize its experts.")
     if method is not None:
         check_prequantized(config, source)  # a malformed FP8/MXFP4 quantization_config is one sentence here
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     for name in _POSITIVE_FIELDS:
         value = getattr(text, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:

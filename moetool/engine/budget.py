@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moetool.checkpoint import text_config
 from moetool.engine.store import REFERENCE_BITS
 from moetool.errors import MoetoolError, size_text
 
@@ -55,7 +56,7 @@ def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype, top_
     The activations are a fixed workspace margin plus the engine's per-layer expert outputs, held
     for a prefill of `max_tokens` until they are summed in expert order (T * top_k rows of H).
     """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     item = torch.empty((), dtype=dtype).element_size()
     kv = sum(2 * _kv_heads(c) * _head_dim(c) for c in _layer_configs(cfg))  # K and V values per token
     per_token = kv * item + top_k * cfg.hidden_size * item
