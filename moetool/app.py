@@ -384,8 +384,8 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
             except Exception as e:  # noqa: BLE001 - shown in full, not hidden: a bug to report
                 if (stopped := interruption(e)) is not None:  # a Ctrl-C or SIGTERM a library wrapped
                     raise _stopped(stopped) from None
-                if out_of_memory(e):  # MemoryError, torch's allocators: the machine's limit, not a bug
-                    raise _fail(memory_sentence(e)) from None
+                if (failed := out_of_memory(e)) is not None:  # the machine's limit, not a bug
+                    raise _fail(memory_sentence(failed)) from None
                 _show(held)
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
                 raise _fail(BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG) from None

@@ -80,9 +80,21 @@ def interruption(e: BaseException) -> KeyboardInterrupt | None:
     return None
 
 
-def out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is an allocation that failed: Python's MemoryError (numpy's too), torch's CPU
-    allocator ("can't allocate memory"), CUDA's out of memory, or the OS's ENOMEM (an mmap)."""
+def out_of_memory(e: BaseException) -> BaseException | None:
+    """The failed allocation behind `e`, or None: Python's MemoryError (numpy's too), torch's CPU allocator
+    ("can't allocate memory"), CUDA's out of memory, or the OS's ENOMEM (an mmap). The chain of causes is
+    read as `interruption` reads it, because a library may wrap the allocation in its own error: torch.compile
+    an out of memory met while it compiles or captures, a Ray sweep cell's in a task error."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if _failed_allocation(e):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _failed_allocation(e: BaseException) -> bool:
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError (CUDA)
         return True
     if isinstance(e, OSError):

@@ -36,6 +36,7 @@ from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sh
 from moetool.errors import MoetoolError, Terminated
 from moetool.files import DirectoryLock, not_inside_a_model, temp_file_of
 from moetool.grid import Cell, expand, grid_cells, grid_path, load_grid, select
+from moetool.machine import memory_sentence, out_of_memory
 from moetool.reaper import Reaper, descendants
 
 INDEX = "sweep.json"
@@ -120,6 +121,8 @@ def run_cell(cell: Cell, threads: int | None = None) -> Outcome:
     except MoetoolError as e:
         return "refused", str(e), None
     except Exception as e:  # noqa: BLE001 - a bug in one cell is recorded; the other cells go on
+        if (failed := out_of_memory(e)) is not None:  # the machine's limit, said as `moetool run` says it
+            return "failed", memory_sentence(failed), None
         first = (str(e).strip().splitlines() or [""])[0]
         return "failed", f"it raised {type(e).__name__}: {first}".rstrip(": ") + ".", traceback.format_exc()[-4000:]
     # The cell's settings go into the artifact's inputs, so the artifact alone says which cell it answers.

@@ -245,6 +245,41 @@ def test_an_allocation_the_machine_cannot_give_is_one_sentence_not_a_bug(tiny_ck
     assert not out.exists()
 
 
+# CUDA's own text (c10/cuda/CUDACachingAllocator.cpp), as torch 2.13 raises it.
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
+            "allocated memory 76.40 GiB is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "wrapped-by-a-library"])
+def test_a_device_out_of_memory_in_a_step_is_one_sentence_and_no_artifact(char_bundle, tmp_path, monkeypatch,
+                                                                            wrapped):
+    """CUDA's out of memory, met in a decode step as torch raises it, or wrapped in another error as
+    torch.compile wraps what it meets while it compiles or captures: one sentence naming the device's memory
+    and what to ask for instead (a wrapped one was a traceback asking to report a bug), no artifact."""
+    import torch
+
+    from moetool.engine.runtime import Engine
+
+    def out_of_memory(*args, **kwargs):
+        if not wrapped:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        try:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("the backend failed while it compiled the step") from e
+
+    monkeypatch.setattr(Engine, "run_layer", out_of_memory)
+    out = tmp_path / "o.run.json"
+    line = error_line(runner.invoke(app, run_args(char_bundle, "--decode", "host", "--out", str(out))))
+    assert line == ("error: out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                    "capacity of 79.19 GiB of which 1.06 GiB is free); give a smaller --budget or --batch-size, or "
+                    "free the device (another process may hold its memory)."), line
+    assert not out.exists() and not _temp_files(tmp_path)
+
+
 def _limited(script: str, *args: object, headroom: int) -> subprocess.CompletedProcess:
     """`script` in a Python whose address space may grow `headroom` bytes past what it maps when it calls
     `limit()`."""

@@ -105,6 +105,35 @@ def test_a_killed_sweep_finishes_only_the_missing_cells(tiny_ckpt, tmp_path):
     assert sorted(c["status"] for c in final.values()) == ["done"] * 10 + ["refused"] * 2
 
 
+def test_a_cell_out_of_device_memory_is_failed_with_the_sentence_moetool_run_gives(tiny_ckpt, tmp_path, monkeypatch):
+    """A cell that runs out of the device's memory is recorded as failed with the sentence `moetool run` would
+    print (it was "it raised OutOfMemoryError: CUDA out of memory. Tried to ..." and a traceback), and the
+    other cells go on."""
+    import torch
+
+    import moetool.run
+
+    real = moetool.run.run
+
+    def run(cfg):
+        if cfg.policy == "lod":
+            raise RuntimeError("the backend failed while it compiled the step") from torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 15.6 GiB of which "
+                "3.2 MiB is free. Including non-PyTorch memory, this process has 15.5 GiB memory in use.")
+        return real(cfg)
+
+    monkeypatch.setattr(moetool.run, "run", run)
+    out = tmp_path / "sweep"
+    sweep(SweepConfig(grid=run_grid(tiny_ckpt("qwen2_moe"), policy=["lru", "lod"], budget=["50%"]), out=out,
+                      workers=0))
+    cells = json.loads((out / INDEX).read_text())["cells"]
+    assert sorted(c["status"] for c in cells.values()) == ["done", "failed"]
+    failed = next(c for c in cells.values() if c["status"] == "failed")
+    assert failed["reason"] == ("out of device memory (CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
+                                "total capacity of 15.6 GiB of which 3.2 MiB is free); give a smaller --budget or "
+                                "--batch-size, or free the device (another process may hold its memory)."), failed
+
+
 # -- on a local Ray with 2 CPUs ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
