@@ -80,6 +80,9 @@ def interruption(e: BaseException) -> KeyboardInterrupt | None:
     return None
 
 
+CUDA_CALL_OOM = "CUDA error: out of memory"
+
+
 def out_of_memory(e: BaseException) -> BaseException | None:
     """The failed allocation behind `e`, or None: Python's MemoryError (numpy's too), torch's CPU allocator
     ("can't allocate memory"), CUDA's out of memory, or the OS's ENOMEM (an mmap). The chain of causes is
@@ -99,7 +102,10 @@ def _failed_allocation(e: BaseException) -> bool:
         return True
     if isinstance(e, OSError):
         return e.errno == errno.ENOMEM
-    return isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
+    # torch's CPU allocator; a CUDA call other than the caching allocator's (cudaHostAlloc pinning host
+    # memory, a library's workspace) says "CUDA error: out of memory" in a plain RuntimeError.
+    return isinstance(e, RuntimeError) and ("DefaultCPUAllocator: can't allocate memory" in str(e)
+                                            or CUDA_CALL_OOM in str(e))
 
 
 def memory_sentence(e: BaseException) -> str:
@@ -110,6 +116,9 @@ def memory_sentence(e: BaseException) -> str:
         said = ". ".join(text.split(". ")[:3]).rstrip(".")
         return (f"out of device memory ({said}); give a smaller --budget or --batch-size, or free the device "
                 "(another process may hold its memory).")
+    if CUDA_CALL_OOM in text:  # pinned host memory or the device's, as the call that failed does not say
+        return (f"out of memory in a CUDA call ({CUDA_CALL_OOM}); give a smaller --budget or --host-budget (pinned "
+                "host memory), or free the device (another process may hold its memory).")
     asked = re.search(r"allocate (\d+) bytes", text) or re.search(r"allocate ([\d.]+ [KMGT]i?B)", text)
     amount = "" if asked is None else f" allocating {size_text(int(asked[1])) if asked[1].isdigit() else asked[1]}"
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]

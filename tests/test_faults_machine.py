@@ -253,19 +253,34 @@ CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total c
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "wrapped-by-a-library"])
+CUDA_CALL_OOM = ("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API "
+                 "call, so the stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+CACHING = ("out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+           "79.19 GiB of which 1.06 GiB is free); give a smaller --budget or --batch-size, or free the device "
+           "(another process may hold its memory).")
+
+
+@pytest.mark.parametrize("how,said", [
+    ("raised", CACHING),
+    ("wrapped-by-a-library", CACHING),
+    ("by-a-cuda-call", "out of memory in a CUDA call (CUDA error: out of memory); give a smaller --budget or "
+                       "--host-budget (pinned host memory), or free the device (another process may hold its memory)."),
+])
 def test_a_device_out_of_memory_in_a_step_is_one_sentence_and_no_artifact(char_bundle, tmp_path, monkeypatch,
-                                                                            wrapped):
-    """CUDA's out of memory, met in a decode step as torch raises it, or wrapped in another error as
-    torch.compile wraps what it meets while it compiles or captures: one sentence naming the device's memory
-    and what to ask for instead (a wrapped one was a traceback asking to report a bug), no artifact."""
+                                                                            how, said):
+    """CUDA's out of memory met in a decode step: as torch's caching allocator raises it, wrapped in another
+    error as torch.compile wraps what it meets while it compiles or captures (a traceback asking to report a
+    bug), or as a CUDA call outside that allocator raises it (cudaHostAlloc pinning host memory: a bug report
+    too). One sentence naming the memory and what to ask for instead, and no artifact."""
     import torch
 
     from moetool.engine.runtime import Engine
 
     def out_of_memory(*args, **kwargs):
-        if not wrapped:
+        if how == "raised":
             raise torch.OutOfMemoryError(CUDA_OOM)
+        if how == "by-a-cuda-call":
+            raise RuntimeError(CUDA_CALL_OOM)
         try:
             raise torch.OutOfMemoryError(CUDA_OOM)
         except torch.OutOfMemoryError as e:
@@ -274,9 +289,7 @@ def test_a_device_out_of_memory_in_a_step_is_one_sentence_and_no_artifact(char_b
     monkeypatch.setattr(Engine, "run_layer", out_of_memory)
     out = tmp_path / "o.run.json"
     line = error_line(runner.invoke(app, run_args(char_bundle, "--decode", "host", "--out", str(out))))
-    assert line == ("error: out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-                    "capacity of 79.19 GiB of which 1.06 GiB is free); give a smaller --budget or --batch-size, or "
-                    "free the device (another process may hold its memory)."), line
+    assert line == f"error: {said}", line
     assert not out.exists() and not _temp_files(tmp_path)
 
 
