@@ -102,7 +102,7 @@ def manifest() -> dict:
 def parse_prompt_lines(text: str, where: object) -> list[str]:
     """Prompts of a JSONL text: one per line, a string or an object with "prompt" (or "question")."""
     prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # JSON Lines ends a line at \n only (U+2028 is text)
         if not line.strip():
             continue
         try:

@@ -171,6 +171,15 @@ def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> None:
                     raise MoetoolError(f"document {i} of task '{name}' gives the answer {quote(g)}, which is none "
                                        f"of its {len(choices)} choices, so it would score 0 whatever the model "
                                        "says; fix the task's data or its doc_to_target.")
+                # lm-eval's acc is the argmax of the choices' scores, a tie going to the first: with one choice,
+                # or the answer's text also another choice's, the score is set before the model says anything.
+                at = choices.index(g) if isinstance(g, str) else g
+                if len(choices) < 2 or choices.count(choices[at]) > 1:
+                    why = ("it has one choice, so it would score 1" if len(choices) < 2 else
+                           f"its answer {quote(choices[at])} is {choices.count(choices[at])} of its choices, which tie, "
+                           "so it would score the same")
+                    raise MoetoolError(f"document {i} of task '{name}': {why} whatever the model says; fix the "
+                                       "task's data or its doc_to_choice.")
 
 
 def _check_fewshot(name: str, task: Any, asked: bool) -> None:

@@ -200,6 +200,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                          "include_path": str(cfg.include_path) if cfg.include_path else None,
                          "n_shot": {t: results["n-shot"].get(t) for t in leaves},
                          "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else None,
+                         "cut_from_the_left": hflm.cut_from_the_left, "max_length": hflm.max_length,
                          "lm_eval": lm_eval_version})
 
 
@@ -238,6 +239,26 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
             self.cache_hook.start(len(requests))
             return super().generate_until(requests, disable_tqdm=True)
 
+        # lm-eval scores a (context, continuation) pair by its tokens; two cases it would score without a
+        # word are decided here. A continuation that tokenizes to nothing (it merged into the context's last
+        # token, e.g. "Par" + "is" -> "Paris") would score log p = 0, certain; one longer than the window
+        # meets lm-eval's assert after the model has loaded: both are refused naming the choice. A pair
+        # longer than the window is cut from the left by lm-eval, as it does for any model: counted, and
+        # said after the table (`cut_from_the_left`), never silent.
+        def _encode_pair(self, context, continuation):  # noqa: ANN001 - lm-eval's signature
+            ctx, cont = super()._encode_pair(context, continuation)
+            if not cont:
+                raise MoetoolError(f"the choice {_quoted(continuation)} after {_quoted(context, tail=True)} is no "
+                                   "token of its own (the tokenizer merges it into the context's last token), so "
+                                   "lm-eval would score it as certain; give the task a target_delimiter that starts "
+                                   "the choice as a word (a space).")
+            if len(cont) > self.max_length:
+                raise MoetoolError(f"the choice {_quoted(continuation)} is {len(cont)} tokens, more than the "
+                                   f"{self.max_length} tokens moetool scores at once; shorten the task's choices.")
+            if len(ctx) + len(cont) > self.max_length + 1:
+                self.cut_from_the_left += 1
+            return ctx, cont
+
         # Every id lm-eval hands the model is one it embeds (another model's tokenizer is one sentence).
         def tok_encode(self, string, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
             ids = super().tok_encode(string, *args, **kwargs)
@@ -255,7 +276,15 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
     lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                   softmax_dtype=torch.float32)
     lm.set_cache_hook(Ticker())
+    lm.cut_from_the_left = 0
     return lm
+
+
+def _quoted(text: str, tail: bool = False) -> str:
+    """`text` quoted for a sentence, its first (or last) 40 characters where longer."""
+    if len(text) > 40:
+        text = "..." + text[-40:] if tail else text[:40] + "..."
+    return repr(text)
 
 
 def _metrics(entry: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:

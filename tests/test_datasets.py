@@ -70,3 +70,11 @@ def test_prompt_lines_take_strings_prompts_and_questions_and_name_the_bad_line()
         parse_prompt_lines('"ok"\n{oops\n', "f.jsonl")
     with pytest.raises(MoetoolError, match="f.jsonl line 1 has no string 'prompt' or 'question'"):
         parse_prompt_lines('{"text": "x"}\n', "f.jsonl")
+
+
+def test_a_prompt_holding_a_unicode_line_separator_is_one_line_of_json_lines():
+    """JSON Lines ends a line at \n alone; `json.dumps(..., ensure_ascii=False)` writes U+2028, U+2029 and
+    U+0085 unescaped (text pasted from a PDF holds them), and splitting at them read a valid file as "not
+    JSON". A CRLF file still reads."""
+    text = '{"prompt": "one\u2028two\u2029three\u0085four"}\r\n{"prompt": "five"}\r\n'
+    assert datasets.parse_prompt_lines(text, "f.jsonl") == ["one\u2028two\u2029three\u0085four", "five"]

@@ -295,6 +295,71 @@ def test_an_answer_that_is_none_of_the_choices_is_refused_not_scored_zero(char_c
     assert _cli("eval", task, "--model", char_ckpt, "--limit", "1").exit_code == 0  # only what --limit scores
 
 
+@pytest.mark.parametrize("choices,answer,why", [
+    (["blue"], 0, "it has one choice, so it would score 1"),
+    (["blue", "blue", "red"], 1, "its answer 'blue' is 2 of its choices, which tie, so it would score the same"),
+])
+def test_a_document_scored_before_the_model_says_anything_is_refused(char_ckpt, tmp_path, offline, choices, answer,
+                                                                     why):
+    """One choice scored acc 1, and an answer whose text is an earlier choice too scored 0 (argmax takes the
+    first of a tie): each without a word."""
+    rows = [ROWS[0], {**ROWS[1], "choices": choices, "answer": answer}]
+    line = one_error_line(_cli("eval", _task(tmp_path / "tasks", "t", "multiple_choice", MC, rows=rows),
+                               "--model", char_ckpt))
+    said = f"error: document 1 of task 't': {why} whatever the model says; fix the task's data or its doc_to_choice."
+    assert line == said, line
+
+
+def _word_level_ckpt(src: Path, out: Path) -> Path:
+    """`src`'s model with a word-level tokenizer, in which "Par" and "is" are words and so is "Paris"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(src, out)
+    for f in out.glob("tok*"):
+        f.unlink()
+    words = ["<unk>", "<eos>", "The", "capital", "of", "France", "is", "Par", "Paris", "London", "Grass", "green",
+             "red", "sky", "blue"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out)
+    return out
+
+
+def test_a_choice_the_tokenizer_merges_into_the_context_is_refused_not_scored_certain(char_ckpt, tmp_path, offline):
+    """With no delimiter, "Par" + "is" is the one token "Paris": lm-eval's continuation was no token at all,
+    scored log p = 0 (certain), and won over every other choice."""
+    ckpt = _word_level_ckpt(char_ckpt, tmp_path / "m")
+    rows = [{"q": "The capital of France is Par", "choices": ["is", " London"], "answer": 1}]
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC + "target_delimiter: ''\n", rows=rows)
+    line = one_error_line(_cli("eval", task, "--model", ckpt))
+    assert line == ("error: the choice 'is' after 'The capital of France is Par' is no token of its own (the "
+                    "tokenizer merges it into the context's last token), so lm-eval would score it as certain; give "
+                    "the task a target_delimiter that starts the choice as a word (a space)."), line
+
+
+def test_a_context_past_the_window_is_counted_and_said_and_a_choice_past_it_refused(char_ckpt, tmp_path, offline):
+    """The window is the model's context (128 tokens here, 2048 at most). lm-eval cut a longer context from
+    the left without a word (its warning is a log line moetool keeps quiet); a choice longer than the window
+    met lm-eval's assert, a traceback after the model had loaded."""
+    long_q = "The sky is " * 20  # 220 characters, one token each
+    rows = [ROWS[0], {**ROWS[1], "q": long_q}]
+    out = tmp_path / "t.eval.json"
+    done = _cli("eval", _task(tmp_path / "tasks", "t", "multiple_choice", MC, rows=rows), "--model", char_ckpt,
+                "--out", out)
+    assert done.exit_code == 0, done.output
+    assert ("note: 2 request(s) were longer than the 128 tokens moetool scores at once, and lm-eval cut their "
+            "context from the left") in done.stderr.replace("\n", " "), done.stderr
+    options = json.loads(out.read_text())["options"]
+    assert options["cut_from_the_left"] == 2 and options["max_length"] == 128  # both choices of document 1
+
+    rows = [ROWS[0], {**ROWS[1], "choices": ["red", "green " * 30]}]
+    line = one_error_line(_cli("eval", _task(tmp_path / "tasks2", "t", "multiple_choice", MC, rows=rows),
+                               "--model", char_ckpt))
+    assert line.startswith("error: the choice ' green green green green green green gre...' is 181 tokens, more "
+                           "than the 128 tokens moetool scores at once; shorten the task's choices."), line
+
+
 def test_a_group_with_no_task_writes_nothing(char_ckpt, tmp_path, offline):
     group = tmp_path / "g.yaml"
     group.write_text("group: g\ntask: []\n")

@@ -147,6 +147,22 @@ def test_what_and_data_are_checked(tiny_ckpt):
         profile(ProfileConfig(model=str(tiny_ckpt("qwen2_moe")), data=("nope.txt",), what=("routing",)))
 
 
+@pytest.mark.parametrize("prompts,said", [
+    (["   ", "one about kings", "two", "three"], "prompt 1 of {path} is empty; give it some text or remove it."),
+    (["The sky is blue. " * 8, "two"], "the longest prompt of --data (136 tokens) plus --decode-tokens 2 is 138 "
+                                       "tokens, more than {ckpt}'s context of 128"),
+])
+def test_a_jsonl_prompt_profile_cannot_trace_whole_is_refused(char_ckpt, tmp_path, prompts, said):
+    """A blank prompt was skipped, so fewer sequences than --seqs were traced without a word (`run` refuses
+    it); a prompt longer than the model's context ran past it (--seq-len cuts only texts, not prompts)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    with pytest.raises(MoetoolError) as e:
+        profile(ProfileConfig(model=str(char_ckpt), data=(str(path),), what=("routing",), seqs_per_data=4,
+                              seq_len=16, decode_tokens=2))
+    assert str(e.value).startswith(said.format(path=path, ckpt=char_ckpt)), str(e.value)
+
+
 def test_cli_profile_writes_artifact_and_hw(tiny_ckpt, tmp_path):
     out = tmp_path / "t.profile.json"
     result = runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--data", "heldout",

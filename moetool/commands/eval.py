@@ -92,6 +92,10 @@ def eval(  # noqa: A001 - the command is `moetool eval`
             job, completed=done, total=total, description=f"eval {task} ({policy}), {unit}"))
     if save is not None:
         result.save(save)
+    if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
+        err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
+                         "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "
+                         "for any model); fewer --num-fewshot keeps them whole."), highlight=False)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return

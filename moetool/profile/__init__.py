@@ -147,6 +147,12 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
         raise MoetoolError(f"--seq-len {cfg.seq_len} plus --decode-tokens {cfg.decode_tokens} is "
                            f"{cfg.seq_len + cfg.decode_tokens} tokens, more than {lm.path}'s context of {limit} "
                            "(max_position_embeddings in its config.json).")
+    # A prompt of a JSONL or task data set runs whole, whatever --seq-len says (which cuts only texts).
+    longest = max((s.shape[-1] for seqs in data.values() for s in seqs), default=0)
+    if traced and limit is not None and longest + cfg.decode_tokens > limit:
+        raise MoetoolError(f"the longest prompt of --data ({longest} tokens) plus --decode-tokens {cfg.decode_tokens} "
+                           f"is {longest + cfg.decode_tokens} tokens, more than {lm.path}'s context of {limit} "
+                           "(max_position_embeddings in its config.json).")
     parts: dict[str, Any] = {}
     if traced:
         parts.update(_trace_parts(lm, cfg, what, data, tick))

@@ -44,8 +44,8 @@ def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]
 def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--data") -> list[torch.Tensor]:
     seqs = []
     for i, p in enumerate(prompts[:n], 1):
-        if not p.strip():
-            continue
+        if not p.strip():  # skipped, it left fewer sequences than --seqs without a word (`run` refuses it)
+            raise MoetoolError(f"prompt {i} of {source} is empty; give it some text or remove it.")
         ids = _ids(lm, p)
         if not len(ids):  # text the tokenizer maps to no token (its normalizer drops it): nothing to run
             raise MoetoolError(f"prompt {i} of {source} ({quote(p, 40)}) has no tokens under this model's tokenizer; "
