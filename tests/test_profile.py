@@ -188,3 +188,16 @@ def test_sensitivity_reads_a_bundle_and_refuses_missing_bits(tiny_ckpt, tmp_path
     assert set(prof.sensitivity.layers[0].delta) == {2, 4} and prof.inputs
     with pytest.raises(MoetoolError, match="lacks 8-bit experts"):
         profile(dataclasses.replace(cfg, sensitivity_bits=(8,)))
+
+
+@pytest.mark.parametrize("tokens,n,seq_len,windows", [(145, 4, 128, 1), (600, 4, 128, 4), (512, 4, 128, 4),
+                                                      (511, 4, 128, 3), (60, 4, 128, 1)])
+def test_text_windows_never_overlap_and_are_as_many_as_the_text_holds(tokens, n, seq_len, windows):
+    """A 145-token text gave 4 windows of 128 over the same tokens, so its routing was counted four times."""
+    from moetool.profile.data import spread_chunks
+
+    chunks = spread_chunks(torch.arange(tokens), n, seq_len)
+    assert len(chunks) == windows
+    seen = torch.cat([c[0] for c in chunks])
+    assert seen.unique().numel() == seen.numel()  # no token in two windows
+    assert all(c.shape == (1, min(seq_len, tokens)) for c in chunks)

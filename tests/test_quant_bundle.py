@@ -215,3 +215,25 @@ def test_a_group_too_small_to_save_bytes_is_said_with_the_group_that_would(tmp_p
         wider = quantize(config(model, tmp_path / "b2", group_size=int(said.split()[-1]), calibrate=False,
                                 bits=(16, 2)))
         assert wider.sizes()[2] < sizes[2]  # the group it names saves bytes
+
+
+@pytest.mark.parametrize("tokens,said", [
+    (2048, "calibration uses 512 tokens (2 sequence(s) of 256), not the 2048 of --calib-tokens: the text holds no "
+           "more whole sequences."),
+    (100, "calibration uses 256 tokens (1 sequence(s) of 256), not the 100 of --calib-tokens: calibration takes "
+          "whole sequences."),
+])
+def test_calibration_on_other_than_the_tokens_asked_for_says_so(char_ckpt, tmp_path, tokens, said):
+    """A 600-token text calibrated on 512 tokens when 2048 were asked, and 100 asked calibrated on 256,
+    each without a word."""
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    text = tmp_path / "calib.txt"
+    text.write_text(("The king said hello. " * 30)[:600])  # one token a character
+    done = CliRunner().invoke(app, ["quantize", str(char_ckpt), "--bits", "4", "--group-size", "16", "--no-reference",
+                                    "--calibrate", "--calib-text", str(text), "--calib-tokens", str(tokens),
+                                    "--out", str(tmp_path / "b")])
+    assert done.exit_code == 0, done.output
+    assert f"note: {said}" in " ".join(done.stderr.split()), done.stderr

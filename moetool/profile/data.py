@@ -32,10 +32,13 @@ def _ids(lm: LoadedModel, text: str) -> torch.Tensor:
 
 
 def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:
-    """`n` windows of `seq_len` tokens spread evenly over `ids` (so a mixed text contributes all its parts)."""
+    """`n` windows of `seq_len` tokens spread evenly over `ids` (so a mixed text contributes all its parts),
+    as many as the text holds without overlap: overlapping windows counted the same tokens' routing again
+    (a 145-token text gave 4 windows of 128). The Profile's `data` records how many were taken."""
     if len(ids) < 2:
         return []
     seq_len = min(seq_len, len(ids))
+    n = min(n, len(ids) // seq_len)
     last = len(ids) - seq_len
     starts = sorted({round(i * last / max(1, n - 1)) for i in range(n)}) if n > 1 else [0]
     return [ids[s:s + seq_len][None] for s in starts]

@@ -53,7 +53,7 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
         ids = encode(lm.tokenizer, text, vocab_size(lm.model))
     if len(ids) < seq_len:
         raise MoetoolError(f"{where} holds {len(ids)} tokens, fewer than one calibration sequence "
-                           f"({seq_len}); give more text or a shorter sequence length.")
+                           f"({seq_len} tokens); give more text.")
     n_seq = min(n_seq, len(ids) // seq_len)
     return ids[:n_seq * seq_len].view(n_seq, seq_len)
 
