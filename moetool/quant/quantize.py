@@ -125,8 +125,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     # refused without a directory left behind.
     calib = calibration_ids(lm, cfg) if _calibrated(cfg) else None
     if calib is not None and calib.numel() != cfg.calib_tokens and note is not None:  # whole sequences, or less text
-        why = ("the text holds no more whole sequences" if calib.numel() < cfg.calib_tokens
-               else "calibration takes whole sequences")
+        why = "the text holds no more whole sequences" if calib.numel() < cfg.calib_tokens else "calibration takes whole sequences"
         note(f"calibration uses {calib.numel()} tokens ({calib.shape[0]} sequence(s) of {calib.shape[1]}), not the "
              f"{cfg.calib_tokens} of --calib-tokens: {why}.")
     created = not out.exists()
