@@ -59,6 +59,10 @@ def check_model(source: str | Path, prompt: str = DEFAULT_PROMPT, tolerance: flo
             cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise MoetoolError(f"plain transformers {transformers.__version__} cannot run {source} "
                                f"({type(e).__name__}: {cause}); check its config.json") from e
+        if ref_logits.isnan().any() or ref_logits.isposinf().any():  # NaN != NaN: "FAIL, nan" would blame moetool
+            raise MoetoolError(f"plain transformers {transformers.__version__} computes NaN or infinite logits for "
+                               f"{source} on this prompt, so there is nothing to compare; its config.json (e.g. "
+                               "rms_norm_eps, rope_theta) or its weights make it so.")
         our_logits = ours.model(ids).logits.float()
     finally:
         for h in hooks:

@@ -94,3 +94,12 @@ def quote(value: object, limit: int = 60) -> str:
     short.maxlist = short.maxtuple = short.maxdict = short.maxset = 4
     text = short.repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, for one sentence; a KeyError (whose message is only
+    the key, `'metadata'`) says that a key was missing."""
+    if isinstance(e, KeyError) and len(e.args) == 1:
+        return f"no {e.args[0]!r} key where one was expected"
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else e.__class__.__name__).rstrip(".")

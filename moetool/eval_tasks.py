@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moetool import mmlu
-from moetool.checkpoint import first_line as _first_line
+from moetool.errors import first_line as _first_line
 from moetool.datasets import decode_text
 from moetool.errors import MoetoolError, quote, yaml_error
 from moetool.files import CONFIG_BYTES, read_bytes

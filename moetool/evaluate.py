@@ -37,7 +37,7 @@ import torch
 
 from moetool import mmlu
 from moetool.artifacts import sha256_file
-from moetool.checkpoint import first_line as _first_line
+from moetool.errors import first_line as _first_line
 from moetool.datasets import read_text_file
 from moetool.errors import MoetoolError, not_a_file
 from moetool.eval_artifact import Eval

@@ -7,6 +7,7 @@ router called outside its block, the tokens already in a KV cache, and the model
 
 from __future__ import annotations
 
+import copy
 import inspect
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from moetool.checkpoint import text_config
+from moetool.errors import MoetoolError
 
 if TYPE_CHECKING:
     from moetool.model import LoadedModel
@@ -130,3 +132,79 @@ def past_tokens(kwargs: dict) -> int:
         return int(pos.reshape(-1)[0]) if pos.dim() == 1 else int(pos[..., 0].min())
     layers = getattr(cache, "layers", ())
     return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers))
+
+
+# Config fields a router reads that a config.json can set so that transformers' own router cannot run
+# (DeepSeek-V3's group top-2 over groups of one expert), named in the refusal with their values.
+_ROUTING_FIELDS = ("num_experts_per_tok", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+                   "n_group", "topk_group", "routed_scaling_factor", "topk_method", "scoring_func")
+
+
+def refuse_unroutable(model: nn.Module, layers: Any, source: str) -> None:
+    """Refuse a config whose MoE routers plain transformers cannot run, before any weight is read.
+
+    A config.json that builds (its values pass transformers' checks) may still give a router that
+    fails on every input: DeepSeek-V3's group routing takes the top 2 scores of each group, so groups
+    of one expert (n_routed_experts = n_group) raise in `topk`. Found late, that is transformers'
+    traceback after the model has loaded (or, in a sweep, a failed cell per policy). Each distinct
+    router of `model` (a skeleton on the meta device is enough: `layers` are its geometry's) is
+    copied to the CPU with random weights and run on two random tokens, flat then batched, as
+    `router_form` tries it; one that runs neither way is refused with its own error. A router that
+    cannot be called alone (`call_router` gives None) is not tried."""
+    from transformers import __version__
+
+    tried: set[tuple] = set()
+    for g in layers:
+        block = model.get_submodule(g.path)
+        router = getattr(block, g.router, None) if g.router else None
+        params = _router_extra_args(type(router)) if isinstance(router, nn.Module) else None
+        if params is None or any(required and not hasattr(block, name) for name, required in params):
+            continue
+        key = (type(router), *((n, tuple(t.shape)) for n, t in router.state_dict().items()))
+        if key in tried:
+            continue
+        tried.add(key)
+        probe = _materialized(router)
+        extra = {name: _materialized(getattr(block, name)) for name, _ in params if hasattr(block, name)}
+        dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.float32)
+        hidden = torch.randn(2, g.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        errors = []
+        with torch.no_grad():
+            for x in (hidden, hidden[None]):
+                try:
+                    type(probe).forward(probe, x, **extra)
+                    break
+                except Exception as e:  # noqa: BLE001 - transformers' router on the config's values: any failure
+                    errors.append(e)
+            else:
+                text = text_config(model.config)
+                fields = ", ".join(f"{n}={getattr(text, n)!r}" for n in _ROUTING_FIELDS
+                                   if getattr(text, n, None) is not None)
+                e = errors[0]
+                what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise MoetoolError(f"plain transformers {__version__} cannot route tokens with the config of '{source}': "
+                                   f"the router of MoE layer {g.index} ({type(router).__name__}) raises "
+                                   f"{type(e).__name__}{': ' + what if what else ''} on any input; check config.json's "
+                                   f"routing fields ({fields}).")
+
+
+def _materialized(value: Any) -> Any:
+    """`value` (a module or a tensor, on the meta device or not) as a CPU copy filled with random
+    numbers; anything else as it is."""
+    gen = torch.Generator().manual_seed(0)
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype)
+        if out.is_floating_point():
+            return out.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+        return out.zero_()
+
+    if isinstance(value, torch.Tensor):
+        return fill(value)
+    if not isinstance(value, nn.Module):
+        return value
+    module = copy.deepcopy(value).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*module.parameters(), *module.buffers()):
+            t.copy_(fill(t))
+    return module

@@ -26,9 +26,10 @@ from torch import nn
 from moetool.artifacts import ModelFingerprint
 from moetool.checkpoint import (build_skeleton, causal_lm_class, find_experts_modules, load_dequantized, open_checkpoint,
                                 text_config)
-from moetool.checkpoint import first_line as _first_line
+from moetool.errors import first_line as _first_line
 from moetool.digest import DIGEST_VERSION, weights_digest
 from moetool.errors import MoetoolError
+from moetool.inference import refuse_unroutable
 from moetool.source import check_task, load_config, load_generation_config, resolve_source
 from moetool.tokenizer import load_tokenizer
 
@@ -459,4 +460,5 @@ def install_provider(model: nn.Module, geometry: MoeGeometry, provider: ExpertPr
 def _check_architecture(config: Any, source: str) -> None:
     """Refuse dense and unsupported models from the config alone, before reading any weights."""
     check_task(config, source)
-    inspect_geometry(build_skeleton(config, torch.float32))
+    skeleton = build_skeleton(config, torch.float32)
+    refuse_unroutable(skeleton, inspect_geometry(skeleton).layers, source)

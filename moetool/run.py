@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from moetool.artifacts import Fit, sha256_file
@@ -179,6 +180,25 @@ class _StepCounter(BaseStreamer):
         pass
 
 
+class _NonFinite(LogitsProcessor):
+    """Marks, on the device, each row of a batch whose logits at some step hold a NaN or +inf (the
+    host path's `not_finite`); it changes no score and reads nothing back during generate."""
+
+    def __init__(self, rows: int, device: Any):
+        self.rows = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.rows.logical_or_(scores.isnan().any(-1) | scores.isposinf().any(-1))
+        return scores
+
+
+def _nonfinite_sentence(index: int, count: int, model: str) -> str:
+    return (f"the model computed NaN or infinite logits for prompt {index + 1} of {count}, so its greedy tokens are "
+            f"meaningless and nothing was written; if `moetool check {model}` fails too, its config.json (e.g. "
+            "rms_norm_eps) or its weights are at fault, else the precision this run gave its experts or the "
+            "compute --dtype overflows.")
+
+
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
     """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
     tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
@@ -225,6 +245,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
     lm = ready.lm
     tokens: list[list[int]] = []
     texts: list[str] = []
+    bad = None  # the first prompt whose logits were not finite
     with torch.no_grad():
         for i, prompt in enumerate(prompts if program is not None else ()):
             ids, _ = _encode(lm, [prompt])
@@ -233,6 +254,8 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                 done + n, len(prompts) * cfg.max_new_tokens)) if progress else None)
             tokens.append(row)
             texts.append(lm.tokenizer.decode(row, skip_special_tokens=True) if lm.tokenizer else "")
+            if bad is None and bool(program.nonfinite):  # one read a prompt, after its decode
+                bad = i
         if program is not None:
             ready.engine.decode_info.update(program.summary())
         for start in range(0, len(prompts) if program is None else 0, cfg.batch_size):
@@ -242,11 +265,16 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
             out = lm.model.generate(ids.to(cfg.device), attention_mask=mask.to(cfg.device), do_sample=False,
                                     max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens,
                                     pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer else 0,
-                                    streamer=counter if progress else None)
+                                    streamer=counter if progress else None,
+                                    logits_processor=LogitsProcessorList([check := _NonFinite(len(batch), cfg.device)]))
             for row in out[:, ids.shape[1]:].tolist():
                 tokens.append(row)
                 texts.append(lm.tokenizer.decode(row, skip_special_tokens=True) if lm.tokenizer else "")
+            if bad is None and bool(check.rows.any()):
+                bad = start + int(check.rows.int().argmax())
     ready.engine.close()
+    if bad is not None:
+        raise MoetoolError(_nonfinite_sentence(bad, len(prompts), lm.fingerprint.source))
     record = engine_record(ready)
     s = record["summary"]
     return Run(model=lm.fingerprint, inputs=ready.inputs, **record, ttft_s=s["ttft_s"], tpot_s=s["tpot_s"],

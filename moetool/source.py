@@ -12,10 +12,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from moetool.checkpoint import first_line as _first_line
-from moetool.checkpoint import refuse_broken_links, text_config
+from moetool.errors import first_line as _first_line
+from moetool.checkpoint import text_config
+from moetool.checkpoint_files import refuse_broken_links
 from moetool.errors import MoetoolError, quote
 from moetool.files import CONFIG_BYTES, check_file
 from moetool.prequantized import DEQUANTIZED, quant_method
@@ -66,15 +68,23 @@ def load_config(source: str) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     try:
-        _check_model_type(PretrainedConfig.get_config_dict(source)[0], source)
+        raw = PretrainedConfig.get_config_dict(source)[0]
+        _check_model_type(raw, source)
+        _check_dtype(raw, source)
         # Code shipped with a checkpoint (its auto_map) is never run, and never asked about: without
         # trust_remote_code=False transformers waits on the terminal for a yes or no.
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-    except (OSError, ValueError, TypeError, StrictDataclassError) as e:
+    except MoetoolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no moetool code runs in there: config.json is user input
         # transformers 5 validates configs as huggingface_hub strict dataclasses: their errors say what
         # is wrong (a field's type, layer_types against num_hidden_layers) in the exception they wrap.
+        # Others come from a config class's own __post_init__ reading a value it cannot use (an
+        # AttributeError for a dtype torch lacks, a KeyError for a rope type): named with their type.
         cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ is not None else e
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else e.__class__.__name__
+        if not isinstance(cause, (OSError, ValueError, TypeError)):
+            reason = f"{cause.__class__.__name__}: {reason}"
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
     config = _language_model_config(config, source)
     _check_config(config, source)
@@ -99,6 +109,24 @@ def _language_model_config(config: Any, source: str) -> Any:
     if getattr(config, "quantization_config", None) is not None:
         language.quantization_config = config.quantization_config
     return language
+
+
+def _check_dtype(raw: dict, source: str) -> None:
+    """Refuse a config.json whose `dtype` (or older `torch_dtype`), its own or its text config's, names
+    no floating-point torch dtype: transformers reads it with getattr(torch, ...) as the config
+    loads, and would raise an AttributeError for a name torch lacks, or build a model of integers."""
+    for where, part in (("", raw), ("text_config's ", raw.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        for key in ("dtype", "torch_dtype"):
+            value = part.get(key)
+            if value is None:
+                continue
+            named = getattr(torch, value, None) if isinstance(value, str) else None
+            if not isinstance(named, torch.dtype) or not named.is_floating_point:
+                raise MoetoolError(f"the config.json of '{source}' gives {where}{key} = {value!r}, which is not a "
+                                   "floating-point torch dtype; give \"bfloat16\", \"float16\" or \"float32\" "
+                                   "(the dtype its weights are stored in).")
 
 
 def _check_model_type(raw: dict, source: str) -> None:

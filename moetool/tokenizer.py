@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from moetool.checkpoint import first_line as _first_line
+from moetool.errors import first_line as _first_line
 from moetool.errors import MoetoolError, not_text, quote
 from moetool.files import TOKENIZER_BYTES, check_file
 

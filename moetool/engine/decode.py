@@ -145,6 +145,13 @@ def unavailable(engine: Any) -> str | None:
     return None
 
 
+def not_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Whether `logits` hold a NaN or a +inf, as a 0-dim bool on their device (no host read). -inf is a
+    logit a model or a logits processor may mean (a masked token); NaN and +inf leave the argmax
+    meaningless: the greedy token is then whatever index the kernel happens to return."""
+    return logits.isnan().any() | logits.isposinf().any()
+
+
 class DecodeProgram:
     """The captured decode step of one engine, its static cache and its loop (see the module docstring).
 
@@ -211,6 +218,8 @@ class DecodeProgram:
         self.max_tokens = max_tokens
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the step's input token
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
+        # Set, on the device, by a step whose logits hold a NaN or +inf (`not_finite`); read once a prompt.
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         pin = self.device.type == "cuda"
         self.host_logs = [{k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in
                            self.layers.log.tensors().items()} for _ in range(2)]
@@ -241,6 +250,7 @@ class DecodeProgram:
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The greedy token of `logits` [1, V] as the host path's `generate` picks it: the argmax, with
         the ids `greedy_rule` names never picked (a run decodes all of --max-new-tokens)."""
+        self.nonfinite.logical_or_(not_finite(logits))
         if self.suppressed is not None:
             logits = logits.index_fill(-1, self.suppressed, float("-inf"))
         return logits.argmax(-1)
@@ -308,6 +318,7 @@ class DecodeProgram:
             raise MoetoolError(f"a prompt of {T} tokens plus {max_new_tokens} new ones exceeds the static cache of "
                                f"{self.max_tokens} tokens the captured step was built for.")
         self.cache.reset()
+        self.nonfinite.zero_()
         logits = model(input_ids=ids.to(self.device), cache_position=torch.arange(T, device=self.device),
                        use_cache=True, **with_cache(model, self.cache)).logits
         first = self._pick(logits[:, -1])  # [1]

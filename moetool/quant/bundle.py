@@ -33,7 +33,9 @@ import torch
 from moetool.artifacts import Artifact, ModelFingerprint, read_json
 from moetool.errors import MoetoolError
 from moetool.files import CONFIG_BYTES
-from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into, open_safetensors
+from moetool.inference import refuse_unroutable
+from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into
+from moetool.checkpoint_files import open_safetensors
 from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, attention_for_decode, inspect_geometry, \
     install_provider
 from moetool.quant.format import ALIGN, Bits, Layout, dequantize
@@ -389,6 +391,7 @@ def load_bundle_model(directory: str | Path, device: str | torch.device = "cpu",
     config = load_config(str(files))
     skeleton = build_skeleton(config, dtype)
     geometry = inspect_geometry(skeleton)
+    refuse_unroutable(skeleton, geometry.layers, str(directory))  # a config.json edited since quantize
     with open_safetensors(opened.non_expert_path) as f:
         load_into(skeleton, {k: f.get_slice(k) for k in f.keys()}, dtype, None, where=f"the bundle in {directory}")
     if hasattr(skeleton, "tie_weights"):

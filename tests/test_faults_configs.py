@@ -1,0 +1,123 @@
+"""config.json values that transformers reads without complaint but cannot run, and a model that
+computes NaN: each is one sentence before any weight is read (or, for NaN, before any artifact is
+written), where each gave a traceback after the model had loaded, or a run of meaningless tokens
+with exit code 0. The controls named `..._still_runs` pass on valid neighbours of each fault."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helpers import one_error_line
+from moetool.cli import app
+from moetool.engine.decode import not_finite
+from moetool.run import _NonFinite
+from tiny import save_tiny
+
+runner = CliRunner()
+
+
+def _cli(*args) -> object:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _edited(src: Path, dst: Path, **fields) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+# ---- a router transformers itself cannot run -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grouped_ckpt(tmp_path_factory):
+    """A tiny DeepSeek-V3 of 4 routed experts a layer, in groups (n_group, topk_group) of the test's."""
+    return save_tiny("deepseek_v3", tmp_path_factory.mktemp("grouped") / "m")
+
+
+# DeepSeek-V3's router takes the top 2 scores of each group, views the experts as [n_group, E / n_group]
+# and picks topk_group groups: each of these fails there on every input.
+@pytest.mark.parametrize("n_group,topk_group,raised", [
+    (4, 2, "selected index k out of range"),  # groups of one expert: top 2 of 1
+    (3, 1, "is invalid for input of size"),  # 3 groups do not divide 4 experts
+    (2, 3, "selected index k out of range"),  # 3 of 2 groups
+])
+def test_a_router_transformers_cannot_run_is_refused_before_any_weight_is_read(grouped_ckpt, tmp_path, n_group,
+                                                                                topk_group, raised):
+    bad = _edited(grouped_ckpt, tmp_path / "bad", n_group=n_group, topk_group=topk_group)
+    for args in (("run", "--model", bad, "--max-new-tokens", "2", "--out", tmp_path / "r.json"),
+                 ("quantize", bad, "--out", tmp_path / "b"), ("check", bad)):
+        line = one_error_line(_cli(*args))
+        assert "cannot route tokens" in line and raised in line, line
+        assert f"n_group={n_group}" in line and f"topk_group={topk_group}" in line, line
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_grouped_router_transformers_can_run_still_runs(grouped_ckpt, tmp_path):
+    good = _edited(grouped_ckpt, tmp_path / "good", n_group=2, topk_group=1)  # 2 groups of 2, one kept
+    result = _cli("run", "--model", good, "--max-new-tokens", "2", "--out", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads((tmp_path / "r.json").read_text())["tokens"][0]) == 2
+
+
+# ---- a dtype torch does not have ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("dtype", "float7"), ("dtype", "int8"), ("torch_dtype", "auto"),
+                                         ("dtype", 5)])
+def test_a_config_dtype_that_is_no_floating_point_torch_dtype_is_named(tiny_ckpt, tmp_path, field, value):
+    bad = _edited(tiny_ckpt("qwen2_moe"), tmp_path / "bad", **{field: value})
+    line = one_error_line(_cli("run", "--model", bad, "--max-new-tokens", "2"))
+    assert f"{field} = {value!r}" in line and "bfloat16" in line, line
+
+
+def test_a_config_dtype_torch_has_still_runs(tiny_ckpt, tmp_path):
+    good = _edited(tiny_ckpt("qwen2_moe"), tmp_path / "good", dtype="bfloat16")
+    assert _cli("run", "--model", good, "--max-new-tokens", "2").exit_code == 0
+
+
+# ---- a model that computes NaN ------------------------------------------------------------------------
+
+def test_not_finite_flags_nan_and_plus_inf_but_not_a_masked_token():
+    logits = torch.zeros(1, 8)
+    assert not bool(not_finite(logits.index_fill(-1, torch.tensor([3]), float("-inf"))))
+    assert bool(not_finite(logits.index_fill(-1, torch.tensor([3]), float("nan"))))
+    assert bool(not_finite(logits.index_fill(-1, torch.tensor([3]), float("inf"))))
+
+
+def test_the_host_paths_check_marks_only_the_rows_that_were_not_finite():
+    check = _NonFinite(3, "cpu")
+    scores = torch.zeros(3, 5)
+    scores[1, 2] = float("nan")
+    assert check(torch.zeros(3, 1, dtype=torch.long), scores) is scores  # no score changed
+    scores = torch.zeros(3, 5)
+    scores[2, 0] = float("-inf")  # a processor's mask, not a fault
+    check(None, scores)
+    assert check.rows.tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("decode", ["host", "captured"])
+def test_a_model_that_computes_nan_is_one_sentence_and_no_artifact(tiny_ckpt, tmp_path, decode):
+    # rms_norm_eps < 0: the norm takes the root of a negative number wherever a row's variance is below 1.
+    bad = _edited(tiny_ckpt("qwen2_moe"), tmp_path / "bad", rms_norm_eps=-1.0)
+    out = tmp_path / "r.json"
+    line = one_error_line(_cli("run", "--model", bad, "--max-new-tokens", "3", "--decode", decode, "--out", out))
+    assert "NaN or infinite logits for prompt 1 of 1" in line and "moetool check" in line, line
+    assert not out.exists()
+    line = one_error_line(_cli("check", bad))
+    assert "plain transformers" in line and "NaN or infinite logits" in line, line
+
+
+def test_a_model_that_computes_finite_logits_still_runs_on_both_paths(tiny_ckpt, tmp_path):
+    for decode in ("host", "captured"):
+        out = tmp_path / f"{decode}.json"
+        result = _cli("run", "--model", tiny_ckpt("qwen2_moe"), "--max-new-tokens", "3", "--decode", decode,
+                      "--out", out)
+        assert result.exit_code == 0, result.output
+        assert len(json.loads(out.read_text())["tokens"][0]) == 3
