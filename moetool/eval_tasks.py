@@ -165,6 +165,14 @@ def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> None:
                 choices, gold = task.doc_to_choice(doc), task.doc_to_target(doc)
             except Exception as e:  # noqa: BLE001 - a user's template or data: one sentence
                 raise MoetoolError(f"task '{name}' cannot read its document {i}: {_task_reason(e)}.") from None
+            if not isinstance(choices, (list, tuple)) or not all(isinstance(c, str) for c in choices):
+                raise MoetoolError(f"document {i} of task '{name}' gives the choices {quote(choices)}, not a list of "
+                                   "texts; fix the task's data or its doc_to_choice.")
+            blank = next((j for j, c in enumerate(choices) if not c.strip()), None)
+            if blank is not None:  # scored as the delimiter alone, or as no token (certain); acc_norm divides by 0
+                raise MoetoolError(f"document {i} of task '{name}' has an empty choice ({quote(choices[blank])}, "
+                                   f"choice {blank}), which is no answer a model can give; fix the task's data or "
+                                   "its doc_to_choice.")
             for g in gold if isinstance(gold, list) else [gold]:
                 if isinstance(g, bool) or not ((isinstance(g, int) and 0 <= g < len(choices)) or
                                                (isinstance(g, str) and g in choices)):

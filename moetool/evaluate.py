@@ -47,7 +47,7 @@ from moetool.hub import cache_only, hub_reachable
 from moetool.inference import context_length, vocab_size
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
-from moetool.run import engine_record, prepare
+from moetool.run import engine_record, nonfinite_sentence, prepare
 from moetool.spec import EngineSpec, check_positive
 from moetool.tokenizer import check_ids
 
@@ -129,6 +129,10 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
             raise MoetoolError(f"{source} {why}; perplexity needs text to predict.")
         windows = perplexity_windows(ready.lm.model, ids, context, cfg.batch_size, cfg.stepwise,
                                      torch.device(cfg.device), progress)
+        bad = next((w for w in windows if not math.isfinite(w["nll"])), None)
+        if bad is not None:  # ppl would read nan (or inf): the model's fault, or the precision's, said as such
+            raise MoetoolError(nonfinite_sentence(f"in the window at token {bad['start']} of {source}",
+                                                  ready.lm.fingerprint.source))
     finally:
         ready.engine.close()
     nll = sum(w["nll"] for w in windows)
@@ -173,7 +177,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
             lm = ready.lm
             if lm.tokenizer is None:
                 raise MoetoolError(f"{lm.path} has no tokenizer; lm-eval tasks need one (ppl does not).")
-            hflm = _engine_lm(lm.model, lm.tokenizer, cfg.batch_size, progress)
+            hflm = _engine_lm(lm.model, lm.tokenizer, cfg.batch_size, progress, lm.fingerprint.source)
             check_generation(loaded["tasks"], hflm, lm.path)
             try:
                 results = evaluator.evaluate(lm=hflm, task_dict=loaded, limit=cfg.limit, log_samples=True,
@@ -201,10 +205,12 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                          "n_shot": {t: results["n-shot"].get(t) for t in leaves},
                          "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else None,
                          "cut_from_the_left": hflm.cut_from_the_left, "max_length": hflm.max_length,
+                         "merged_with_context": hflm.merged_with_context,
                          "lm_eval": lm_eval_version})
 
 
-def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress: ProgressFn | None) -> Any:
+def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress: ProgressFn | None,
+               source: str) -> Any:
     """lm-eval's HFLM over the engine-backed model, reporting finished requests to `progress`.
 
     The subclasses live in here so that importing this module (for ppl) does not import lm-eval.
@@ -226,14 +232,25 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
             if progress:
                 progress(self.done, self.total)
 
+    # A log-likelihood that is NaN would be scored as any other number (argmax takes the first NaN):
+    # refused naming the request, as `run` refuses NaN logits.
+    def finite(scores: list, requests: list) -> list:
+        for score, request in zip(scores, requests):
+            value = score[0] if isinstance(score, tuple) else score
+            if math.isnan(value) or value == math.inf:
+                context = request.args[0] if getattr(request, "args", None) else ""
+                raise MoetoolError(nonfinite_sentence(f"scoring the request {_quoted(str(context), tail=True)}",
+                                                      source))
+        return scores
+
     class EngineLM(HFLM):
         def loglikelihood(self, requests, disable_tqdm=False):  # noqa: ANN001 - lm-eval's signature
             self.cache_hook.start(len(requests))
-            return super().loglikelihood(requests, disable_tqdm=True)
+            return finite(super().loglikelihood(requests, disable_tqdm=True), requests)
 
         def loglikelihood_rolling(self, requests, disable_tqdm=False):  # noqa: ANN001
             self.cache_hook.start(len(requests))
-            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+            return finite(super().loglikelihood_rolling(requests, disable_tqdm=True), requests)
 
         def generate_until(self, requests, disable_tqdm=False):  # noqa: ANN001
             self.cache_hook.start(len(requests))
@@ -244,7 +261,10 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
         # token, e.g. "Par" + "is" -> "Paris") would score log p = 0, certain; one longer than the window
         # meets lm-eval's assert after the model has loaded: both are refused naming the choice. A pair
         # longer than the window is cut from the left by lm-eval, as it does for any model: counted, and
-        # said after the table (`cut_from_the_left`), never silent.
+        # said after the table (`cut_from_the_left`), never silent. So is a continuation that merges
+        # with the context's last token only in part ("Par" + "isian" -> "Paris" "ian"): lm-eval scores the
+        # rest of the merged word after a context that changed, as it does for any model
+        # (`merged_with_context`).
         def _encode_pair(self, context, continuation):  # noqa: ANN001 - lm-eval's signature
             ctx, cont = super()._encode_pair(context, continuation)
             if not cont:
@@ -257,6 +277,8 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
                                    f"{self.max_length} tokens moetool scores at once; shorten the task's choices.")
             if len(ctx) + len(cont) > self.max_length + 1:
                 self.cut_from_the_left += 1
+            if self.tok_encode(context + continuation)[:len(ctx)] != ctx:  # the string lm-eval splits
+                self.merged_with_context += 1
             return ctx, cont
 
         # Every id lm-eval hands the model is one it embeds (another model's tokenizer is one sentence).
@@ -276,7 +298,7 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
     lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                   softmax_dtype=torch.float32)
     lm.set_cache_hook(Ticker())
-    lm.cut_from_the_left = 0
+    lm.cut_from_the_left = lm.merged_with_context = 0
     return lm
 
 

@@ -192,11 +192,11 @@ class _NonFinite(LogitsProcessor):
         return scores
 
 
-def _nonfinite_sentence(index: int, count: int, model: str) -> str:
-    return (f"the model computed NaN or infinite logits for prompt {index + 1} of {count}, so its greedy tokens are "
-            f"meaningless and nothing was written; if `moetool check {model}` fails too, its config.json (e.g. "
-            "rms_norm_eps) or its weights are at fault, else the precision this run gave its experts or the "
-            "compute --dtype overflows.")
+def nonfinite_sentence(where: str, model: str) -> str:
+    """The one sentence for a model that computed NaN or infinite logits `where` (e.g. "for prompt 2 of 3")."""
+    return (f"the model computed NaN or infinite logits {where}, so its results are meaningless and nothing was "
+            f"written; if `moetool check {model}` fails too, its config.json (e.g. rms_norm_eps) or its weights are "
+            "at fault, else the precision this run gave its experts or the compute --dtype overflows.")
 
 
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
@@ -274,7 +274,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                 bad = start + int(check.rows.int().argmax())
     ready.engine.close()
     if bad is not None:
-        raise MoetoolError(_nonfinite_sentence(bad, len(prompts), lm.fingerprint.source))
+        raise MoetoolError(nonfinite_sentence(f"for prompt {bad + 1} of {len(prompts)}", lm.fingerprint.source))
     record = engine_record(ready)
     s = record["summary"]
     return Run(model=lm.fingerprint, inputs=ready.inputs, **record, ttft_s=s["ttft_s"], tpot_s=s["tpot_s"],
@@ -282,4 +282,5 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts)
 
 
-__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "prepare", "run"]
+__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "nonfinite_sentence", "prepare",
+           "run"]

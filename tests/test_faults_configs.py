@@ -121,3 +121,24 @@ def test_a_model_that_computes_finite_logits_still_runs_on_both_paths(tiny_ckpt,
                       "--out", out)
         assert result.exit_code == 0, result.output
         assert len(json.loads(out.read_text())["tokens"][0]) == 3
+
+
+def test_an_eval_of_a_model_that_computes_nan_is_one_sentence_and_no_artifact(char_ckpt, tmp_path, monkeypatch):
+    """ppl read nan, and lm-eval's acc took the argmax of NaN log-likelihoods (the first choice): both
+    were written as results."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr("moetool.evaluate.hub_reachable", lambda: False)
+    monkeypatch.setattr("moetool.eval_tasks.hub_reachable", lambda: False)
+    bad = _edited(char_ckpt, tmp_path / "bad", rms_norm_eps=-1.0)
+    out = tmp_path / "e.json"
+    line = one_error_line(_cli("eval", "ppl", "--model", bad, "--limit", "64", "--out", out))
+    assert "NaN or infinite logits in the window at token 0 of " in line, line
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"q": "The sky is", "choices": ["blue", "green"], "answer": 0}) + "\n")
+    task = tmp_path / "t.yaml"
+    task.write_text(f"task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+                    "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+                    "metric_list:\n  - metric: acc\n")
+    line = one_error_line(_cli("eval", task, "--model", bad, "--out", out))
+    assert "NaN or infinite logits scoring the request 'The sky is'" in line, line
+    assert not out.exists()

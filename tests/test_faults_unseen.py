@@ -310,6 +310,20 @@ def test_a_document_scored_before_the_model_says_anything_is_refused(char_ckpt, 
     assert line == said, line
 
 
+@pytest.mark.parametrize("choices,said", [
+    (["", "green"], "has an empty choice ('', choice 0), which is no answer a model can give"),
+    (["red", "  "], "has an empty choice ('  ', choice 1), which is no answer a model can give"),
+    (["red", 3], "gives the choices ['red', 3], not a list of texts"),
+])
+def test_a_choice_that_is_no_text_is_refused_by_its_document(char_ckpt, tmp_path, offline, choices, said):
+    """An empty choice was scored as the delimiter alone (or, with none, as no token: certain), and acc_norm
+    divided by its length of 0 with numpy's warnings on stderr; a number was lm-eval's TypeError."""
+    rows = [ROWS[0], {**ROWS[1], "choices": choices, "answer": 0}]
+    line = one_error_line(_cli("eval", _task(tmp_path / "tasks", "t", "multiple_choice", MC, rows=rows),
+                               "--model", char_ckpt))
+    assert line == f"error: document 1 of task 't' {said}; fix the task's data or its doc_to_choice.", line
+
+
 def _word_level_ckpt(src: Path, out: Path) -> Path:
     """`src`'s model with a word-level tokenizer, in which "Par" and "is" are words and so is "Paris"."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -336,6 +350,34 @@ def test_a_choice_the_tokenizer_merges_into_the_context_is_refused_not_scored_ce
     assert line == ("error: the choice 'is' after 'The capital of France is Par' is no token of its own (the "
                     "tokenizer merges it into the context's last token), so lm-eval would score it as certain; give "
                     "the task a target_delimiter that starts the choice as a word (a space)."), line
+
+
+def _bpe_ckpt(src: Path, out: Path) -> Path:
+    """`src`'s model with a byte-pair tokenizer whose merges make "Par" + "isian" the tokens "Paris" "ian"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(src, out)
+    for f in out.glob("tok*"):
+        f.unlink()
+    merges = [("P", "a"), ("Pa", "r"), ("Par", "i"), ("Pari", "s"), ("i", "a"), ("ia", "n")]
+    vocab = ["<unk>", "<eos>", *sorted(set("The capital of France is Parisian London")), *(a + b for a, b in merges)]
+    tok = Tokenizer(models.BPE({w: i for i, w in enumerate(dict.fromkeys(vocab))}, merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out)
+    return out
+
+
+def test_a_choice_that_merges_with_the_context_in_part_is_counted_and_said(char_ckpt, tmp_path, offline):
+    """"Par" + "isian" is "Paris" "ian": lm-eval scores "ian" after a context whose last token changed to
+    "Paris" (as it does for any model); it was scored so without a word."""
+    ckpt = _bpe_ckpt(char_ckpt, tmp_path / "m")
+    rows = [{"q": "The capital of France is Par", "choices": ["isian", " London"], "answer": 0}]
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC + "target_delimiter: ''\n", rows=rows)
+    result = _cli("eval", task, "--model", ckpt, "--out", tmp_path / "e.json")
+    assert result.exit_code == 0, result.output
+    assert "1 choice(s) merged with the last token of their context" in result.stderr, result.stderr
+    assert json.loads((tmp_path / "e.json").read_text())["options"]["merged_with_context"] == 1
 
 
 def test_a_context_past_the_window_is_counted_and_said_and_a_choice_past_it_refused(char_ckpt, tmp_path, offline):

@@ -96,6 +96,11 @@ def eval(  # noqa: A001 - the command is `moetool eval`
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "
                          "for any model); fewer --num-fewshot keeps them whole."), highlight=False)
+    if merged := result.options.get("merged_with_context"):
+        err.print(styled(("note:", "yellow"), f" {merged} choice(s) merged with the last token of their context "
+                         "(as 'Par' + 'isian' makes 'Paris' 'ian'), and lm-eval scored the rest of the merged word "
+                         "(as it does for any model); a target_delimiter of ' ' in the task keeps choices whole."),
+                  highlight=False)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return
