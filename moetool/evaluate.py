@@ -44,10 +44,10 @@ from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
                                 is_mmlu, load_task, offline_sentence, set_fewshot)
 from moetool.hub import cache_only, hub_reachable
-from moetool.inference import context_length, vocab_size
+from moetool.inference import context_length, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
-from moetool.run import engine_record, nonfinite_sentence, prepare
+from moetool.run import engine_record, prepare
 from moetool.spec import EngineSpec, check_positive
 from moetool.tokenizer import check_ids
 

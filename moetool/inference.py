@@ -134,6 +134,20 @@ def past_tokens(kwargs: dict) -> int:
     return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers))
 
 
+def not_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Whether `logits` hold a NaN or a +inf, as a 0-dim bool on their device (no host read). -inf is a
+    logit a model or a logits processor may mean (a masked token); NaN and +inf leave the argmax
+    meaningless: the greedy token is then whatever index the kernel happens to return."""
+    return logits.isnan().any() | logits.isposinf().any()
+
+
+def nonfinite_sentence(where: str, model: str) -> str:
+    """The one sentence for a model that computed NaN or infinite logits `where` (e.g. "for prompt 2 of 3")."""
+    return (f"the model computed NaN or infinite logits {where}, so its results are meaningless and nothing was "
+            f"written; if `moetool check {model}` fails too, its config.json (e.g. rms_norm_eps) or its weights are "
+            "at fault, else the precision this run gave its experts or the compute --dtype overflows.")
+
+
 # Config fields a router reads that a config.json can set so that transformers' own router cannot run
 # (DeepSeek-V3's group top-2 over groups of one expert), named in the refusal with their values.
 _ROUTING_FIELDS = ("num_experts_per_tok", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",

@@ -27,7 +27,7 @@ from moetool.artifacts import Fit, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text
-from moetool.inference import context_length, vocab_size
+from moetool.inference import context_length, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
@@ -192,13 +192,6 @@ class _NonFinite(LogitsProcessor):
         return scores
 
 
-def nonfinite_sentence(where: str, model: str) -> str:
-    """The one sentence for a model that computed NaN or infinite logits `where` (e.g. "for prompt 2 of 3")."""
-    return (f"the model computed NaN or infinite logits {where}, so its results are meaningless and nothing was "
-            f"written; if `moetool check {model}` fails too, its config.json (e.g. rms_norm_eps) or its weights are "
-            "at fault, else the precision this run gave its experts or the compute --dtype overflows.")
-
-
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
     """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
     tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
@@ -282,5 +275,4 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts)
 
 
-__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "nonfinite_sentence", "prepare",
-           "run"]
+__all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "prepare", "run"]

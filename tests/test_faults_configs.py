@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from helpers import one_error_line
 from moetool.cli import app
-from moetool.engine.decode import not_finite
+from moetool.inference import not_finite
 from moetool.run import _NonFinite
 from tiny import save_tiny
 
@@ -141,4 +141,16 @@ def test_an_eval_of_a_model_that_computes_nan_is_one_sentence_and_no_artifact(ch
                     "metric_list:\n  - metric: acc\n")
     line = one_error_line(_cli("eval", task, "--model", bad, "--out", out))
     assert "NaN or infinite logits scoring the request 'The sky is'" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("what", ["routing", "sensitivity"])
+def test_a_profile_of_a_model_that_computes_nan_is_one_sentence_and_no_artifact(tiny_ckpt, tmp_path, what):
+    """The routing of NaN hidden states was profiled (and fitted to) as any other; a sensitivity of nan
+    against a base of nan ranked nothing."""
+    bad = _edited(tiny_ckpt("qwen2_moe"), tmp_path / "bad", rms_norm_eps=-1.0)
+    out = tmp_path / "p.json"
+    line = one_error_line(_cli("profile", "--model", bad, "--data", "heldout", "--what", what, "--seqs", "1",
+                               "--seq-len", "12", "--decode-tokens", "2", "--out", out))
+    assert "NaN or infinite logits" in line, line
     assert not out.exists()

@@ -29,7 +29,7 @@ from moetool.engine.captured import CapturedLayers
 from moetool.engine.mirror import host_mirrors
 from moetool.engine.stats import StepRecord
 from moetool.errors import MoetoolError
-from moetool.inference import with_cache
+from moetool.inference import not_finite, with_cache
 from moetool.policies.base import Fetch, LayerView, Phase, Step
 
 
@@ -143,13 +143,6 @@ def unavailable(engine: Any) -> str | None:
         if reason:
             return reason
     return None
-
-
-def not_finite(logits: torch.Tensor) -> torch.Tensor:
-    """Whether `logits` hold a NaN or a +inf, as a 0-dim bool on their device (no host read). -inf is a
-    logit a model or a logits processor may mean (a masked token); NaN and +inf leave the argmax
-    meaningless: the greedy token is then whatever index the kernel happens to return."""
-    return logits.isnan().any() | logits.isposinf().any()
 
 
 class DecodeProgram:

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moetool.errors import MoetoolError
+from moetool.inference import nonfinite_sentence, not_finite
 from moetool.model import ExpertWeights, LoadedModel
 from moetool.policies.common import popularity
 from moetool.policies.fate import int2_experts
@@ -131,6 +133,8 @@ def perplexity(lm: LoadedModel, chunks: list[torch.Tensor]) -> float:
     for ids in chunks:
         ids = ids.to(device)
         logits = lm.model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
+        if bool(not_finite(logits)):  # a sensitivity of nan against nan would rank nothing
+            raise MoetoolError(nonfinite_sentence("on the profile's text", lm.fingerprint.source))
         nll += F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
         n += ids.shape[1] - 1
     return math.exp(nll / max(1, n))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moetool.errors import MoetoolError
-from moetool.inference import call_router, router_logits, with_cache
+from moetool.inference import call_router, nonfinite_sentence, not_finite, router_logits, with_cache
 from moetool.model import LoadedModel
 from moetool.engine.signals import token_importance
 
@@ -161,6 +161,8 @@ class Tracer:
             out = self.lm.model(**kwargs, use_cache=True)
         finally:
             self.recording = False
+        if bool(not_finite(out.logits)):  # routing of NaN hidden states would be profiled as any other
+            raise MoetoolError(nonfinite_sentence(f"in a {phase} step", self.lm.fingerprint.source))
         s = self._step
         layers = []
         for g in self.lm.geometry.layers:
