@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from moetool import mmlu
 from moetool.artifacts import sha256_file
@@ -44,7 +45,7 @@ from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
                                 is_mmlu, load_task, offline_sentence, set_fewshot)
 from moetool.hub import cache_only, hub_reachable
-from moetool.inference import context_length, nonfinite_sentence, vocab_size
+from moetool.inference import NonFiniteRows, context_length, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
@@ -255,6 +256,14 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
         def generate_until(self, requests, disable_tqdm=False):  # noqa: ANN001
             self.cache_hook.start(len(requests))
             return super().generate_until(requests, disable_tqdm=True)
+
+        def _model_generate(self, context, max_length, stop, **kwargs):  # noqa: ANN001, ANN003
+            rows = NonFiniteRows(context.shape[0], context.device)  # the text of NaN logits is no answer
+            out = super()._model_generate(context, max_length, stop, logits_processor=LogitsProcessorList([rows]),
+                                          **kwargs)
+            if bool(rows.rows.any()):
+                raise MoetoolError(nonfinite_sentence("generating an answer", source))
+            return out
 
         # lm-eval scores a (context, continuation) pair by its tokens; two cases it would score without a
         # word are decided here. A continuation that tokenizes to nothing (it merged into the context's last

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers.generation.logits_process import LogitsProcessor
 
 from moetool.checkpoint import text_config
 from moetool.errors import MoetoolError
@@ -146,6 +147,18 @@ def nonfinite_sentence(where: str, model: str) -> str:
     return (f"the model computed NaN or infinite logits {where}, so its results are meaningless and nothing was "
             f"written; if `moetool check {model}` fails too, its config.json (e.g. rms_norm_eps) or its weights are "
             "at fault, else the precision this run gave its experts or the compute --dtype overflows.")
+
+
+class NonFiniteRows(LogitsProcessor):
+    """Marks, on the device, each row of a batch whose logits at some step hold a NaN or +inf (`not_finite`
+    by row); it changes no score and reads nothing back during generate."""
+
+    def __init__(self, rows: int, device: Any):
+        self.rows = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.rows.logical_or_(scores.isnan().any(-1) | scores.isposinf().any(-1))
+        return scores
 
 
 # Config fields a router reads that a config.json can set so that transformers' own router cannot run

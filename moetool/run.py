@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from moetool.artifacts import Fit, sha256_file
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text
-from moetool.inference import context_length, nonfinite_sentence, vocab_size
+from moetool.inference import NonFiniteRows, context_length, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
@@ -180,18 +180,6 @@ class _StepCounter(BaseStreamer):
         pass
 
 
-class _NonFinite(LogitsProcessor):
-    """Marks, on the device, each row of a batch whose logits at some step hold a NaN or +inf (the
-    host path's `not_finite`); it changes no score and reads nothing back during generate."""
-
-    def __init__(self, rows: int, device: Any):
-        self.rows = torch.zeros(rows, dtype=torch.bool, device=device)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.rows.logical_or_(scores.isnan().any(-1) | scores.isposinf().any(-1))
-        return scores
-
-
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
     """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
     tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
@@ -259,7 +247,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
                                     max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens,
                                     pad_token_id=lm.tokenizer.pad_token_id if lm.tokenizer else 0,
                                     streamer=counter if progress else None,
-                                    logits_processor=LogitsProcessorList([check := _NonFinite(len(batch), cfg.device)]))
+                                    logits_processor=LogitsProcessorList([check := NonFiniteRows(len(batch), cfg.device)]))
             for row in out[:, ids.shape[1]:].tolist():
                 tokens.append(row)
                 texts.append(lm.tokenizer.decode(row, skip_special_tokens=True) if lm.tokenizer else "")

@@ -15,8 +15,7 @@ from typer.testing import CliRunner
 
 from helpers import one_error_line
 from moetool.cli import app
-from moetool.inference import not_finite
-from moetool.run import _NonFinite
+from moetool.inference import NonFiniteRows, not_finite
 from tiny import save_tiny
 
 runner = CliRunner()
@@ -92,7 +91,7 @@ def test_not_finite_flags_nan_and_plus_inf_but_not_a_masked_token():
 
 
 def test_the_host_paths_check_marks_only_the_rows_that_were_not_finite():
-    check = _NonFinite(3, "cpu")
+    check = NonFiniteRows(3, "cpu")
     scores = torch.zeros(3, 5)
     scores[1, 2] = float("nan")
     assert check(torch.zeros(3, 1, dtype=torch.long), scores) is scores  # no score changed
@@ -154,3 +153,24 @@ def test_a_profile_of_a_model_that_computes_nan_is_one_sentence_and_no_artifact(
                                "--seq-len", "12", "--decode-tokens", "2", "--out", out))
     assert "NaN or infinite logits" in line, line
     assert not out.exists()
+
+
+def test_a_generation_of_a_model_that_computes_nan_is_one_sentence(char_ckpt, tmp_path, monkeypatch):
+    """A generate_until task scored the text of NaN logits (whatever tokens the argmax gave) as an answer."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr("moetool.evaluate.hub_reachable", lambda: False)
+    monkeypatch.setattr("moetool.eval_tasks.hub_reachable", lambda: False)
+    bad = _edited(char_ckpt, tmp_path / "bad", rms_norm_eps=-1.0)
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"q": "The sky is", "target": "blue"}) + "\n")
+    task = tmp_path / "g.yaml"
+    task.write_text(f"task: g\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+                    "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: target\n"
+                    "generation_kwargs:\n  max_gen_toks: 4\n  until: ['\\n']\n"
+                    "metric_list:\n  - metric: exact_match\n")
+    out = tmp_path / "e.json"
+    line = one_error_line(_cli("eval", task, "--model", bad, "--out", out))
+    assert "NaN or infinite logits generating an answer" in line, line
+    assert not out.exists()
+    good = _cli("eval", task, "--model", char_ckpt, "--out", out)  # the same task on a finite model
+    assert good.exit_code == 0, good.output
