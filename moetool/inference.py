@@ -142,9 +142,9 @@ def not_finite(logits: torch.Tensor) -> torch.Tensor:
     return logits.isnan().any() | logits.isposinf().any()
 
 
-def nonfinite_sentence(where: str, model: str) -> str:
-    """The one sentence for a model that computed NaN or infinite logits `where` (e.g. "for prompt 2 of 3")."""
-    return (f"the model computed NaN or infinite logits {where}, so its results are meaningless and nothing was "
+def nonfinite_sentence(where: str, model: str, what: str = "logits") -> str:
+    """The one sentence for a model that computed NaN or infinite `what` `where` (e.g. "for prompt 2 of 3")."""
+    return (f"the model computed NaN or infinite {what} {where}, so its results are meaningless and nothing was "
             f"written; if `moetool check {model}` fails too, its config.json (e.g. rms_norm_eps) or its weights are "
             "at fault, else the precision this run gave its experts or the compute --dtype overflows.")
 

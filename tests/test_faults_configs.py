@@ -174,3 +174,11 @@ def test_a_generation_of_a_model_that_computes_nan_is_one_sentence(char_ckpt, tm
     assert not out.exists()
     good = _cli("eval", task, "--model", char_ckpt, "--out", out)  # the same task on a finite model
     assert good.exit_code == 0, good.output
+
+
+def test_a_calibration_on_nan_hidden_states_is_one_sentence_and_no_bundle(char_ckpt, tmp_path):
+    """HQQ's output error measured on NaN activations was written into the manifest as NaN."""
+    bad = _edited(char_ckpt, tmp_path / "bad", rms_norm_eps=-1.0)
+    line = one_error_line(_cli("quantize", bad, "--calibrate", "--calib-tokens", "256", "--out", tmp_path / "b"))
+    assert "NaN or infinite numbers in the hidden states reaching MoE layer 0 on the calibration text" in line, line
+    assert not (tmp_path / "b").exists()

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.inference import vocab_size
+from moetool.inference import nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, MoeLayer
 from moetool.tokenizer import encode
 
@@ -75,6 +75,9 @@ def calibrate_layer_by_layer(lm: LoadedModel, ids: torch.Tensor, layers: set[int
         def grab(module, args, kwargs, layer=layer):  # noqa: ANN001 - torch hook signature
             hidden = args[0] if args else kwargs["hidden_states"]  # [T, H]
             top_k = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [T, k]
+            if not bool(hidden.isfinite().all()):  # an error measured (or a GPTQ Hessian) on NaN is NaN
+                raise MoetoolError(nonfinite_sentence(f"in the hidden states reaching MoE layer {layer.index} on the "
+                                                      "calibration text", lm.fingerprint.source, "numbers"))
             on_layer(layer, (hidden.detach().float().cpu(), top_k.detach().cpu()))
 
         module = lm.model.get_submodule(layer.path).experts
