@@ -595,6 +595,7 @@ def test_a_demo_conversion_that_is_a_directory_or_not_one_is_refused_before_any_
     (lambda d: d.__setitem__("method", "zzz"), "method"),
     (lambda d: d["entries"][0].__setitem__("method", "zzz"), "entries[0].method"),
     (lambda d: d["entries"][0]["rel_error"].__setitem__("down", float("nan")), "rel_error"),
+    (lambda d: d["entries"][0].__setitem__("out_error", float("nan")), "entries[0].out_error is nan"),
 ])
 def test_a_manifest_edited_with_its_checksum_redone_is_still_checked_for_sense(tiny_bundle, tmp_path, edit, says):
     """The checksum catches an accidental edit; a deliberate one (checksum recomputed) is still read

@@ -144,10 +144,12 @@ class Bundle(Artifact):
             if entry.method not in (*METHODS, "bf16"):
                 raise SchemaError(f"entries[{i}].method", f"is {_quote(entry.method)}, not one of bf16, "
                                                           f"{', '.join(METHODS)}")
-            for name, err in entry.rel_error.items():
+            errors = {f"rel_error[{name!r}]": err for name, err in entry.rel_error.items()}
+            if entry.out_error is not None:
+                errors["out_error"] = entry.out_error
+            for name, err in errors.items():
                 if not math.isfinite(err) or err < 0:
-                    raise SchemaError(f"entries[{i}].rel_error[{name!r}]", f"is {err}; an error is finite and "
-                                                                            "not negative")
+                    raise SchemaError(f"entries[{i}].{name}", f"is {err}; an error is finite and not negative")
         self._check_entries(self._check_files(), stored)
 
     def _check_files(self) -> dict[str, Shard]:
