@@ -17,7 +17,7 @@ from torch import nn
 from transformers.generation.logits_process import LogitsProcessor
 
 from moetool.checkpoint import text_config
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, first_line
 
 if TYPE_CHECKING:
     from moetool.model import LoadedModel
@@ -207,12 +207,10 @@ def refuse_unroutable(model: nn.Module, layers: Any, source: str) -> None:
                 text = text_config(model.config)
                 fields = ", ".join(f"{n}={getattr(text, n)!r}" for n in _ROUTING_FIELDS
                                    if getattr(text, n, None) is not None)
-                e = errors[0]
-                what = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise MoetoolError(f"plain transformers {__version__} cannot route tokens with the config of '{source}': "
                                    f"the router of MoE layer {g.index} ({type(router).__name__}) raises "
-                                   f"{type(e).__name__}{': ' + what if what else ''} on any input; check config.json's "
-                                   f"routing fields ({fields}).")
+                                   f"{type(errors[0]).__name__}: {first_line(errors[0])} on two random tokens; check "
+                                   f"config.json's routing fields ({fields}).")
 
 
 def _materialized(value: Any) -> Any:
