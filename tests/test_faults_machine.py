@@ -82,6 +82,13 @@ def _mapped(proc: subprocess.Popen, name: str) -> Callable[[], bool]:
     return check
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def _temp_files(root: Path) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.name.endswith(".tmp")]
 
@@ -150,7 +157,8 @@ def test_a_quantize_stopped_by_a_signal_says_which_layers_it_keeps_and_leaves_no
     """SIGTERM left the shard being written (`.layer-001.safetensors.XXXXXXXX.tmp`) and the lock file."""
     out = tmp_path / "q"
     proc = _start("quantize", wide_ckpt, "--bits", "16,4,2", "--group-size", "16", "--out", out)
-    code, lines = _signal_at_work(proc, (out / "layer-000.safetensors").exists, signum)
+    # The journal, not the shard: a signal between the shard's rename and its journal entry keeps no layer.
+    code, lines = _signal_at_work(proc, lambda: '"layers": {"' in _text(out / JOURNAL), signum)
     assert code == 128 + signum, lines
     assert len(lines) == 1 and lines[0].startswith(SAID[signum] + f"{out} keeps the "), lines
     assert "of 6 MoE layers finished (no bundle yet); the same command continues from them." in lines[0]
