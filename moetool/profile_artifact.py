@@ -7,6 +7,7 @@ itself is `profile/__init__.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -181,6 +182,8 @@ class ModelInfo:
         """On read: a model has experts and MoE layers, and an expert's size at each stored precision."""
         if not self.moe_layers:
             raise SchemaError("moe_layers", "is empty; a MoE model has at least one MoE layer")
+        if len(set(self.moe_layers)) != len(self.moe_layers):
+            raise SchemaError("moe_layers", f"names a layer twice ({list(self.moe_layers)})")
         for i, layer in enumerate(self.moe_layers):
             if not 0 <= layer < self.num_hidden_layers:
                 raise SchemaError(f"moe_layers[{i}]", f"is {layer}, not a layer of the {self.num_hidden_layers}")
@@ -222,6 +225,14 @@ class Profile(Artifact):
         bad = [w for w in self.what if w not in WHAT]
         if bad:
             raise SchemaError("what", f"names {bad[0]!r}, not one of {', '.join(WHAT)}")
+        _all_finite("", self)  # profile writes no NaN: one is an edit, and fit would compute with it
+        moe = set(self.info.moe_layers)
+        for part in ("routing", "sensitivity", "similarity", "prefetch", "timing"):
+            value = getattr(self, part)
+            if value is not None and hasattr(value, "layers"):
+                # similarity and prefetch pair each MoE layer with the one before: none for a single MoE layer
+                pairs = part in ("similarity", "prefetch") and len(moe) < 2
+                _moe_layers(f"{part}.layers", value.layers, moe, empty_ok=pairs or part == "sensitivity")
         r, experts = self.routing, self.info.num_experts
         if r is not None:
             if (r.num_experts, r.top_k) != (experts, self.info.top_k):
@@ -240,6 +251,12 @@ class Profile(Artifact):
                                                                        f"bin ({len(r.score_bins) - 1})")
             _finite("routing.score_bins", r.score_bins, low=0.0)
             _finite("routing.jaccard", r.jaccard, low=0.0, high=1.0)
+            for phase, ratios in r.activation_ratio.items():
+                for size in ratios:
+                    if not (size.isdigit() and int(size) >= 1):
+                        raise SchemaError(f"routing.activation_ratio[{phase!r}][{size!r}]", "is keyed by a batch "
+                                                                                            "size, a whole number of at least 1")
+                _finite(f"routing.activation_ratio[{phase!r}]", ratios, low=0.0, high=1.0)
         s = self.sensitivity
         if s is not None:
             if not s.bits or any(b not in (2, 4, 8) for b in s.bits):
@@ -261,12 +278,57 @@ class Profile(Artifact):
                     raise SchemaError(f"sensitivity.int2_share[{share!r}]", "is keyed by a share of the experts "
                                                                             "at INT2, a number in [0, 1]")
             _finite("sensitivity.int2_share", s.int2_share, low=1.0)
+            if s.int2_share and not any(float(share) == 0.0 for share in s.int2_share):
+                raise SchemaError("sensitivity.int2_share", "lacks the share 0 (no expert at INT2), the perplexity "
+                                                            "each other share's loss is measured from")
+        t = self.timing
+        if t is not None:
+            for i, lt in enumerate(t.layers):
+                _finite(f"timing.layers[{i}]", {n: getattr(lt, n) for n in ("t_attn", "t_gate", "t_moe", "t_experts")},
+                        low=0.0)
+            if t.h2d_gbps is not None and not t.h2d_gbps > 0:
+                raise SchemaError("timing.h2d_gbps", f"is {t.h2d_gbps}; a measured bandwidth is above 0")
         if self.prefetch is not None:
             for i, lp in enumerate(self.prefetch.layers):
                 for name in ("recall_topk", "recall_p75"):
                     _finite(f"prefetch.layers[{i}].{name}", getattr(lp, name), low=0.0, high=1.0)
             for position, phases in self.prefetch.positions.items():
                 _finite(f"prefetch.positions[{position!r}]", phases, low=0.0, high=1.0)
+
+
+def _all_finite(field: str, value: Any) -> None:
+    """Refuse, naming the field, any float in `value` (a dataclass, a tuple, a dict, nested) that is NaN
+    or infinite."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise SchemaError(field, f"is {value}; a measurement is a finite number")
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _all_finite(f"{field}.{f.name}" if field else f.name, getattr(value, f.name))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _all_finite(f"{field}[{k!r}]", v)
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _all_finite(f"{field}[{i}]", v)
+
+
+def _moe_layers(field: str, layers: tuple, moe: set[int], empty_ok: bool = False) -> None:
+    """A part's per-layer entries: each of a MoE layer of the model (`info.moe_layers`; `previous`
+    too, where the entry has one), each layer once, and at least one where the part was measured
+    (fit reads its knobs off them)."""
+    if not layers and not empty_ok:
+        raise SchemaError(field, "is empty; the part was measured on the model's MoE layers")
+    seen: set[int] = set()
+    for i, entry in enumerate(layers):
+        for name in ("layer", "previous"):
+            index = getattr(entry, name, None)
+            if index is not None and index not in moe:
+                raise SchemaError(f"{field}[{i}].{name}", f"is {index}, not a MoE layer of the model "
+                                                          f"(info.moe_layers: {sorted(moe)})")
+        if entry.layer in seen:
+            raise SchemaError(f"{field}[{i}].layer", f"is {entry.layer} again; each layer is measured once")
+        seen.add(entry.layer)
 
 
 def _finite(field: str, values: Any, low: float | None = None, high: float | None = None) -> None:

@@ -515,6 +515,20 @@ def test_profile_names_a_text_too_short_to_profile_as_such(tiny_bundle, tmp_path
     (lambda p: p["sensitivity"]["layers"][0]["ppl"].__setitem__("2", float("nan")), "layers[0].ppl"),
     (lambda p: p["prefetch"]["layers"][0]["recall_topk"].__setitem__("decode", 5.0), "recall_topk"),
     (lambda p: p["prefetch"]["layers"][0]["recall_topk"].__setitem__("decode", float("nan")), "recall_topk"),
+    # A NaN anywhere (a timing was fit's traceback "cannot convert float NaN to integer"), an anchor missing
+    # (no share 0: Fate's p fitted from no loss at all), a part of no layers or of layers the model does not
+    # have (Fate's n and L fitted from nothing), a batch size that is not a number (report's traceback).
+    (lambda p: p["timing"]["layers"][0].__setitem__("t_moe", float("nan")), "timing.layers[0].t_moe is nan"),
+    (lambda p: p["timing"]["layers"][0].__setitem__("t_attn", -1e-4), "timing.layers[0]['t_attn'] is -0.0001"),
+    (lambda p: p["sensitivity"]["int2_share"].pop("0"), "int2_share lacks the share 0"),
+    (lambda p: p["timing"].__setitem__("layers", []), "timing.layers is empty"),
+    (lambda p: p["prefetch"].__setitem__("layers", []), "prefetch.layers is empty"),
+    (lambda p: p["prefetch"]["layers"][0].__setitem__("layer", 99), "prefetch.layers[0].layer is 99, not a MoE layer"),
+    (lambda p: p["timing"]["layers"][1].__setitem__("layer", 0), "timing.layers[1].layer is 0 again"),
+    (lambda p: p["info"].__setitem__("moe_layers", [0, 1, 2, 2]), "moe_layers names a layer twice"),
+    (lambda p: p.__setitem__("routing", {**VALID["profile"]["routing"],
+                                         "activation_ratio": {"decode": {"abc": 0.5}}}),
+     "activation_ratio['decode']['abc'] is keyed by a batch size"),
 ])
 def test_a_profile_with_measurements_no_run_gives_is_refused_by_fit_and_report(tmp_path, edit, field):
     """NaN, infinite or impossible measurements (a perplexity under 1, a recall over 1, a share that
