@@ -114,6 +114,23 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
     assert Fit.load(saved, model=FP) == result
 
 
+@pytest.mark.parametrize("other,said", [
+    (dict(params={"alpha": 0.4, "bits": 2}), "bits=None / bits=2"),  # a knob (the others did not set it)
+    (dict(params={"alpha": 0.4}, budget=32 << 20), "budget 67108864 B / budget 33554432 B"),
+])
+def test_smoe_runs_that_differ_in_more_than_alpha_fit_no_alpha_and_say_how(tmp_path, other, said):
+    """T(alpha) was fitted through runs of different bits, cpu_assist, hardware or budget, without a word
+    for the knobs (and with a warning but an alpha anyway for the rest): a curve of no one setting."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    runs = [synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(tmp_path / f"a{a}.run.json") for a in (0.0, 0.2)]
+    runs.append(synthetic_run("smoe", tpot=0.06, **other).save(tmp_path / "odd.run.json"))
+    result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075))
+    assert "smoe" not in result.params
+    why = result.evidence["skipped"]["smoe.alpha"]
+    assert why == f"the smoe runs differ in more than alpha ({said}); T(alpha) is fitted through runs that differ " \
+                  "only in alpha", why
+
+
 def test_fit_without_runs_or_budget_skips_and_says_why(tmp_path):
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     result = fit(FitConfig(profile=prof))

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,20 +51,25 @@ class SMoEKnobs(Knobs):
         `config.alphas`), then the smallest alpha on it with T(alpha) <= R (`--target-tpot`),
         checked against the runs themselves (`measured_guard`)."""
         cfg, out = inputs.config, Fitted()
-        mine = [(path, r) for path, r in inputs.runs if r.policy == cls.name]
-        points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in mine
-                  if r.tpot_s and "alpha" in r.params]
-        setting = {f"{r.clock}/{r.hw}/{r.budget_bytes}" for _, r in mine}
-        if len(setting) > 1:
-            out.warnings.append(f"smoe runs mix clocks, hardware or budgets ({', '.join(sorted(setting))}).")
+        mine = [(path, r) for path, r in inputs.runs if r.policy == cls.name and r.tpot_s and "alpha" in r.params]
         source = "runs"
         if inputs.sweep is not None:
             for i, a in enumerate(cfg.alphas):
-                r = inputs.sweep({"alpha": str(a)})
-                points.append((float(a), float(r.tpot_s["mean"]), f"sweep alpha={a:g}"))
+                mine.append((f"sweep alpha={a:g}", inputs.sweep({"alpha": str(a)})))
                 if inputs.progress:
                     inputs.progress("sweep", i + 1, len(cfg.alphas))
             source = inputs.sweep_note
+        # Eq. 5's T(alpha) is one setting's TPOT as alpha varies: runs that differ in anything else (the
+        # clock, the hardware, the budget, another knob: bits, cpu_assist...) are not points of one curve.
+        differ = _differences([_setting(r) for _, r in mine])
+        if differ:
+            runs = "the smoe runs given and swept" if inputs.sweep is not None and len(mine) > len(cfg.alphas) \
+                else "the smoe runs"
+            why = f"{runs} differ in more than alpha ({differ}); T(alpha) is fitted through runs that differ only in alpha"
+            out.skipped["alpha"] = why
+            out.warnings.append(why + ".")
+            return out
+        points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in mine]
         if len({a for a, _, _ in points}) < 2:
             out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs) or --sweep"
             return out
@@ -108,6 +113,22 @@ class SMoEKnobs(Knobs):
             part.claims.append(["SMoE alpha = 0.3 within 1% of resident", f"{a:.3f} vs {b:.3f}", f"{100 * d:+.2f}%",
                                 "met" if d <= 0.01 else "not met"])
         return part
+
+
+def _setting(run: Any) -> dict[str, str]:
+    """What a smoe run's TPOT depends on besides alpha: its clock, hardware, budget and other knobs."""
+    knobs = {f.name: f"{f.name}={run.params.get(f.name)!r}" for f in fields(SMoEKnobs.Params) if f.name != "alpha"}
+    return {"clock": f"{run.clock} clock", "hw": f"hw {run.hw}", "budget": f"budget {run.budget_bytes} B", **knobs}
+
+
+def _differences(settings: list[dict[str, str]]) -> str:
+    """The parts of `settings` that are not all the same, as "hw rtx3090 / hw h100sxm; ..." ("" if none)."""
+    parts = []
+    for key in settings[0] if settings else ():
+        values = list(dict.fromkeys(s[key] for s in settings))
+        if len(values) > 1:
+            parts.append(" / ".join(values))
+    return "; ".join(parts)
 
 
 def _gate_scores_figure(r: Any, path: Path) -> Path:
