@@ -331,7 +331,10 @@ def read_json(path: Path, limit: int = ARTIFACT_BYTES, what: str = "") -> Any:
     raw = read_bytes(path, limit, what)
     name = f"{what} {path}".strip()
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_one_value_a_key)
+    except _RepeatedKey as e:  # json keeps the last silently: a hand edit that turned a run's policy
+        raise MoetoolError(f"{name} gives the key {_text(e.key)!r} twice in one object; it is not one moetool wrote "
+                           "(keep one of them).") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         at = getattr(e, "pos", getattr(e, "start", "?"))  # JSONDecodeError.pos, UnicodeDecodeError.start
         raise MoetoolError(f"{name} is not valid JSON ({e.__class__.__name__} at {at}).") from None
@@ -339,6 +342,19 @@ def read_json(path: Path, limit: int = ARTIFACT_BYTES, what: str = "") -> Any:
         raise MoetoolError(f"{name} is not valid JSON (nested too deeply).") from None
     except ValueError:  # an integer of over 4,300 digits (Python's limit): not anything moetool wrote
         raise MoetoolError(f"{name} is not valid JSON (a number too long to read).") from None
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def _text(value: str) -> str:

@@ -43,6 +43,9 @@ class Run(EngineRecord, Artifact):
                                   missing=v is None)
             if not math.isfinite(v) or v < 0:
                 raise SchemaError(f"tpot_s['{key}']", f"is {v}; a time or count is finite and not negative")
+        n = self.tpot_s["n"] if self.tpot_s is not None else None
+        if n is not None and (n != int(n) or n < 1):  # a run of one token has no TPOT: tpot_s is null
+            raise SchemaError("tpot_s['n']", f"is {n}; it counts the decode steps timed, a whole number of at least 1")
         for name in ("bytes_per_token", "stall_s", "ttft_s"):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

@@ -147,8 +147,17 @@ class EngineRecord:
     layers: dict[str, dict[str, Any]]  # per MoE layer
 
     def validate(self) -> None:
+        from moetool.schema import SchemaError
+
         EngineRecord.check_params(self.policy, self.params)
-        EngineRecord.check_counters(self.summary, "summary")
+        # Every counter the engine wrote, per layer and in the budget too: a share in [0, 1], none NaN.
+        for where in ("summary", "layers", "budget"):
+            EngineRecord.check_counters(getattr(self, where), where)
+        for name, allowed in (("clock", CLOCKS), ("dtype", COMPUTE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise SchemaError(name, f"is {getattr(self, name)!r}, not one of {', '.join(allowed)}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise SchemaError("device", f"is {self.device!r}, not a device moetool runs on (cpu, cuda)")
 
     @staticmethod
     def check_counters(counters: Any, where: str) -> None:

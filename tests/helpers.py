@@ -188,14 +188,18 @@ def sample(tp: Any, **overrides: Any) -> Any:
     return {int: 1, float: 0.5, str: "x", bool: True}.get(tp, {"any": [1, "x", None]})
 
 
+RECORD = dict(clock="sim", device="cpu", dtype="float32")  # an engine record's fields of a closed set of values
+
+
 def valid_artifacts() -> dict[str, Any]:
     """One valid artifact of every kind, each with nested parts where it has any."""
     return {
         "check": CheckReport(model=FP, inputs={}, prompt="hi", passed=True, max_abs_diff=0.0,
                              layers=(LayerCheck(layer=0, routing_agreement=1.0, max_abs_diff=0.0),)),
-        "run": sample(Run, tpot_s={"mean": 0.01, "p50": 0.01, "p99": 0.01, "n": 8}, tokens=[[1, 2]]),
+        "run": sample(Run, tpot_s={"mean": 0.01, "p50": 0.01, "p99": 0.01, "n": 8}, tokens=[[1, 2]], **RECORD),
         "fit": Fit(model=FP, inputs={}, params={"smoe": {"alpha": 0.2}}, evidence={"warnings": []}),
-        "eval": sample(Eval, metrics={"acc": 0.5}, samples={"mc": [{"doc_id": 0, "resps": [[-1.0, False]]}]}),
+        "eval": sample(Eval, metrics={"acc": 0.5}, samples={"mc": [{"doc_id": 0, "resps": [[-1.0, False]]}]},
+                       **RECORD),
         "profile": dataclasses.replace(synthetic_profile(), routing=routing_profile(), similarity=similarity_profile()),
         "sweep": Sweep(model=FP, inputs={}, stage="run", grid={"policy": ["lru"]},
                        cells={"lru": {"status": "refused", "reason": "no."}}),

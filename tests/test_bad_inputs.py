@@ -311,6 +311,14 @@ def test_a_run_with_a_fit_whose_knob_is_the_wrong_type_is_one_sentence(tiny_bund
     (lambda d: d["tpot_s"].update(p99=-1.0), "tpot_s['p99']"),
     (lambda d: d.update(policy="smoe", params={"alpha": 5}), "alpha must be in [0, 1)"),
     (lambda d: d.update(policy="smoe", params={"alpha": "abc"}), "takes a float"),
+    # What a hand edit made that no run writes; each was read and used (a helper's pass).
+    (lambda d: d["tpot_s"].update(n=0), "tpot_s['n'] is 0; it counts the decode steps timed"),
+    (lambda d: d["tpot_s"].update(n=2.5), "tpot_s['n'] is 2.5"),
+    (lambda d: d.update(layers={"0": {"hit_rate": 5.0}}), "layers['0']['hit_rate']"),
+    (lambda d: d.update(layers={"0": {"stall_s": float("nan")}}), "layers['0']['stall_s'] is nan"),
+    (lambda d: d.update(clock="banana"), "clock is 'banana', not one of wall, sim"),
+    (lambda d: d.update(device="tpu"), "device is 'tpu', not a device moetool runs on"),
+    (lambda d: d.update(dtype="int3"), "dtype is 'int3'"),
 ])
 def test_a_run_artifact_fit_and_report_cannot_use_is_refused_on_read(edit, says, tmp_path):
     from helpers import synthetic_profile
@@ -324,6 +332,17 @@ def test_a_run_artifact_fit_and_report_cannot_use_is_refused_on_read(edit, says,
                  ["fit", str(profile), str(run), "--target-tpot", "1ms", "--out", str(tmp_path / "f.fit.json")]):
         assert says in _one_error_line(runner.invoke(app, args))
     assert not (tmp_path / "f.fit.json").exists()
+
+
+def test_an_artifact_that_gives_a_key_twice_is_refused_not_read_as_its_last(tmp_path):
+    """json keeps a repeated key's last value: a run with "policy" twice was read as whichever came last."""
+    text = json.dumps(VALID["run"])
+    run = tmp_path / "x.run.json"
+    run.write_text(text.replace('"policy": ', '"policy": "smoe", "policy": ', 1))
+    line = _one_error_line(runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")]))
+    assert line.endswith("gives the key 'policy' twice in one object; it is not one moetool wrote (keep one of them)."), \
+        line
+    assert not (tmp_path / "rep").exists()
 
 
 @pytest.mark.parametrize("metrics", [{"ppl": 0.0}, {"ppl": float("nan")}, {"nll": -1.0}, {"acc": None}])
