@@ -1,5 +1,7 @@
 """moetool fit: the alpha polynomial and eq. 5, Fate's L/n/p, DyMoE's lambda, DynaExq's n_hi."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -129,6 +131,18 @@ def test_smoe_runs_that_differ_in_more_than_alpha_fit_no_alpha_and_say_how(tmp_p
     why = result.evidence["skipped"]["smoe.alpha"]
     assert why == f"the smoe runs differ in more than alpha ({said}); T(alpha) is fitted through runs that differ " \
                   "only in alpha", why
+
+
+def test_smoe_runs_that_timed_no_decode_step_are_named_as_such(tmp_path):
+    """Runs of one token (tpot_s null) at two alphas were fitted as "needs runs at two or more alphas"; a
+    --sweep of one token a run was a traceback."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    runs = [dataclasses.replace(synthetic_run("smoe", {"alpha": a}, 0.1), tpot_s=None).save(tmp_path / f"a{a}.run.json")
+            for a in (0.0, 0.2)]
+    result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075))
+    assert "2 run(s) given timed no decode step (one token: no TPOT)" in result.evidence["skipped"]["smoe.alpha"]
+    with pytest.raises(MoetoolError, match="--max-new-tokens 1 gives the --sweep runs no decode step to time"):
+        fit(FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=1), alphas=(0.0, 0.2)))
 
 
 def test_fit_without_runs_or_budget_skips_and_says_why(tmp_path):

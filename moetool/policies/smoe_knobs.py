@@ -51,7 +51,9 @@ class SMoEKnobs(Knobs):
         `config.alphas`), then the smallest alpha on it with T(alpha) <= R (`--target-tpot`),
         checked against the runs themselves (`measured_guard`)."""
         cfg, out = inputs.config, Fitted()
-        mine = [(path, r) for path, r in inputs.runs if r.policy == cls.name and r.tpot_s and "alpha" in r.params]
+        mine = [(path, r) for path, r in inputs.runs if r.policy == cls.name and "alpha" in r.params]
+        untimed = [path for path, r in mine if not r.tpot_s]  # a run of one token: no decode step timed
+        mine = [(path, r) for path, r in mine if r.tpot_s]
         source = "runs"
         if inputs.sweep is not None:
             for i, a in enumerate(cfg.alphas):
@@ -71,7 +73,9 @@ class SMoEKnobs(Knobs):
             return out
         points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in mine]
         if len({a for a, _, _ in points}) < 2:
-            out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs) or --sweep"
+            out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs) or --sweep" + (
+                f"; {len(untimed)} run(s) given timed no decode step (one token: no TPOT), e.g. {untimed[0]}"
+                if untimed else "")
             return out
         x, y = [p[0] for p in points], [p[1] for p in points]
         poly = fit_polynomial(x, y)
