@@ -170,6 +170,26 @@ def test_fate_p_from_eval_artifacts(tmp_path):
     assert result.params["fate"]["p"] == 0.25 and result.evidence["fate"]["p"]["metric"] == "acc"
 
 
+@pytest.mark.parametrize("odd,said", [
+    (dict(task="ppl", metrics={"ppl": 128.6}), "task mc / task ppl; metric acc / metric ppl"),  # a perplexity as an acc
+    (dict(params={"p": 0.25, "cache_bits": 8}), "cache_bits=None / cache_bits=8"),
+    (dict(options={"num_fewshot": 5}), "num_fewshot=None / num_fewshot=5"),
+    (dict(params={"p": 0.0}), "two evals at p=0 in"),  # the second was read over the first
+])
+def test_fate_evals_that_differ_in_more_than_p_fit_no_p_and_say_how(tmp_path, odd, said):
+    """Fate's p was fitted from an accuracy at one p and a perplexity at another (a "loss" of -99.7%),
+    or from evals of other precisions or shots, without a word."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    evals = [synthetic_eval("fate", {"p": p}, {"acc": acc}).save(tmp_path / f"fate{p}.eval.json")
+             for p, acc in ((0.0, 0.50), (0.5, 0.45))]
+    other = dataclasses.replace(synthetic_eval("fate", {"p": 0.25}, {"acc": 0.49}), **odd)
+    evals.append(other.save(tmp_path / "odd.eval.json"))
+    result = fit(FitConfig(profile=prof, runs=tuple(evals)))
+    assert "p" not in result.params["fate"]
+    why = result.evidence["skipped"]["fate.p"]
+    assert why.startswith("the fate evals differ in more than p (") and said in why, why
+
+
 def test_cli_fit(tmp_path):
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     runs = [str(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(tmp_path / f"a{a}.run.json"))

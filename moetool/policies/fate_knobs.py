@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from moetool.policies.knobs import Knobs, Params, register
-from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, primary_metric, table
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, differences, primary_metric, table
 
 
 def transfer_n(window_s: float, t_io_s: float, num_experts: int) -> int:
@@ -107,12 +107,22 @@ class FateKnobs(Knobs):
                                  f"t_expert = INT4 blob / h2d ({h2d_from})"}
         else:
             out.skipped["n"] = "the profile has no timing part with a host-to-device bandwidth (--what timing)"
-        by_p = {}
+        by_p, settings, twice = {}, [], None
         for path, e in inputs.evals:
             m = primary_metric(e.metrics)
             if e.policy == cls.name and m and "p" in e.params:
+                if float(e.params["p"]) in by_p:
+                    twice = twice or f"p={float(e.params['p']):g} in {by_p[float(e.params['p'])][1]} and {path}"
                 by_p[float(e.params["p"])] = (m, path)
-        if len(by_p) >= 2 and 0.0 in by_p:
+                settings.append(_eval_setting(e, m[0]))
+        # Losses are one task's metric as p varies: evals of another task, metric, text or knob (or two at
+        # one p, the second read over the first) are not points of one curve.
+        differ = differences(settings) or (twice and f"two evals at {twice}")
+        if differ:
+            out.skipped["p"] = (f"the fate evals differ in more than p ({differ}); p is fitted from evals of one "
+                                "task that differ only in p")
+            out.warnings.append(out.skipped["p"] + ".")
+        elif len(by_p) >= 2 and 0.0 in by_p:
             (name, base, higher), _ = by_p[0.0]
             losses = {p: ((base - v) / base if higher else (v - base) / base) for p, ((_, v, _), _) in by_p.items()}
             fate["p"] = {"value": int2_share(losses, cfg.max_loss), "max_loss": cfg.max_loss,
@@ -152,6 +162,15 @@ class FateKnobs(Knobs):
         if md:
             part.markdown = "## Fate (Fang et al., 2025)\n\n" + "".join(md)
         return part
+
+
+def _eval_setting(e: Any, metric: str) -> dict[str, str]:
+    """What a fate eval's quality depends on besides p: its task, metric, text and scoring, and the
+    precisions of §4.5 (cache_bits, low_bits). L, n, the percentile, the eviction and the prefetcher
+    move experts sooner or later, not at another precision; the budget and the clock change its speed."""
+    knobs = {k: f"{k}={e.params.get(k)!r}" for k in ("cache_bits", "low_bits")}
+    scoring = {k: f"{k}={e.options.get(k)!r}" for k in ("data", "limit", "num_fewshot", "context")}
+    return {"task": f"task {e.task}", "metric": f"metric {metric}", **scoring, **knobs}
 
 
 def _int2_figure(prof: Any, fits: list, path: Path) -> Path:

@@ -14,7 +14,7 @@ import numpy as np
 
 from moetool.policies.knobs import Knobs, Params, register
 from moetool.policies.smoe_fit import alpha_figure, choose_alpha, fit_polynomial, measured_guard
-from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
+from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, differences
 
 
 @register("smoe")
@@ -63,7 +63,7 @@ class SMoEKnobs(Knobs):
             source = inputs.sweep_note
         # Eq. 5's T(alpha) is one setting's TPOT as alpha varies: runs that differ in anything else (the
         # clock, the hardware, the budget, another knob: bits, cpu_assist...) are not points of one curve.
-        differ = _differences([_setting(r) for _, r in mine])
+        differ = differences([_setting(r) for _, r in mine])
         if differ:
             runs = "the smoe runs given and swept" if inputs.sweep is not None and len(mine) > len(cfg.alphas) \
                 else "the smoe runs"
@@ -123,16 +123,6 @@ def _setting(run: Any) -> dict[str, str]:
     """What a smoe run's TPOT depends on besides alpha: its clock, hardware, budget and other knobs."""
     knobs = {f.name: f"{f.name}={run.params.get(f.name)!r}" for f in fields(SMoEKnobs.Params) if f.name != "alpha"}
     return {"clock": f"{run.clock} clock", "hw": f"hw {run.hw}", "budget": f"budget {run.budget_bytes} B", **knobs}
-
-
-def _differences(settings: list[dict[str, str]]) -> str:
-    """The parts of `settings` that are not all the same, as "hw rtx3090 / hw h100sxm; ..." ("" if none)."""
-    parts = []
-    for key in settings[0] if settings else ():
-        values = list(dict.fromkeys(s[key] for s in settings))
-        if len(values) > 1:
-            parts.append(" / ".join(values))
-    return "; ".join(parts)
 
 
 def _gate_scores_figure(r: Any, path: Path) -> Path:

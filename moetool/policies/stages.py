@@ -178,6 +178,16 @@ def primary_metric(metrics: dict[str, Any]) -> tuple[str, float, bool] | None:
     return None
 
 
+def differences(settings: list[dict[str, str]]) -> str:
+    """The parts of `settings` (each a dict of the same keys, its values as text) that are not all the same, as "hw rtx3090 / hw h100sxm; ..." ("" if none)."""
+    parts = []
+    for key in settings[0] if settings else ():
+        values = list(dict.fromkeys(s[key] for s in settings))
+        if len(values) > 1:
+            parts.append(" / ".join(values))
+    return "; ".join(parts)
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 
