@@ -12,6 +12,7 @@ directory whole.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -75,13 +76,17 @@ def _collect(inputs: list[Path]) -> Found:
     files: list[tuple[Path, bool]] = []  # (file, must be an artifact)
     for p in map(Path, inputs):
         if p.is_dir():
-            files += [(f, f.name.endswith(ARTIFACT_NAMES)) for f in sorted(p.rglob("*.json"))]
+            files += [(f, f.name.endswith(ARTIFACT_NAMES)) for f in _json_files(p)]
         elif p.is_file():
             files.append((p, True))
         else:
             raise MoetoolError(f"{p} does not exist.")
     found: Found = defaultdict(list)
+    seen: set[Path] = set()
     for f, named in files:
+        if f.resolve() in seen:  # one file reached twice (a directory and its subdirectory): one artifact
+            continue
+        seen.add(f.resolve())
         try:
             data = read_json(f)
         except MoetoolError:
@@ -98,18 +103,39 @@ def _collect(inputs: list[Path]) -> Found:
     return found
 
 
+def _json_files(directory: Path) -> list[Path]:
+    """The .json files under `directory`, sorted. A subdirectory that cannot be listed is refused:
+    `Path.rglob` passed over it, and its artifacts went missing from the report without a word."""
+    def refuse(e: OSError) -> None:
+        raise MoetoolError(f"cannot list {e.filename} ({e.strerror}), so its artifacts would be missing from the "
+                           "report; make it readable, or give the artifacts outside it.")
+
+    found = []
+    for root, _, names in os.walk(directory, onerror=refuse):
+        found += [Path(root) / n for n in names if n.endswith(".json")]
+    return sorted(found)
+
+
 def _model(art: Any) -> ModelFingerprint:
     return build(ModelFingerprint, art["model"]) if isinstance(art, dict) else art.model
 
 
-def _by_model(found: Found) -> dict[tuple[str, str], tuple[ModelFingerprint, Found]]:
-    """(model_type, config sha256) -> (the model, its artifacts), in the order the models were found."""
-    groups: dict[tuple[str, str], tuple[ModelFingerprint, Found]] = {}
+def _by_model(found: Found) -> dict[str, tuple[ModelFingerprint, Found]]:
+    """A name for each model -> (the model, its artifacts), in the order the models were found. Models are
+    told apart as fit and run tell them (`ModelFingerprint.same_model`): the same config with other
+    weights is another model, and an artifact whose weights digest is unknown joins the first model of
+    its config. The name is `<model_type>-<config hash>`, with the weights' hash where that is not enough."""
+    groups: dict[str, tuple[ModelFingerprint, Found]] = {}
     for schema, items in found.items():
         for path, art in items:
             fp = _model(art)
-            _, mine = groups.setdefault((fp.model_type, fp.config_sha256), (fp, defaultdict(list)))
-            mine[schema].append((path, art))
+            name = next((n for n, (other, _) in groups.items() if other.same_model(fp)), None)
+            if name is None:
+                name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{fp.model_type}-{fp.config_sha256[:12]}")
+                if name in groups:
+                    name += f"-weights-{fp.weights_sha256[:12]}"
+                groups[name] = (fp, defaultdict(list))
+            groups[name][1][schema].append((path, art))
     return groups
 
 
@@ -348,8 +374,7 @@ def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Pa
     if len(groups) > 1 and not by_model:
         (fa, ga), (fb, gb) = list(groups.values())[:2]
         a, b = (next(path for items in g.values() for path, _ in items) for g in (ga, gb))
-        raise MoetoolError(f"{a} and {b} were made for different models ({fa.source}, {fa.model_type} config "
-                           f"{fa.config_sha256[:12]}, vs {fb.source}, {fb.model_type} config {fb.config_sha256[:12]}); "
+        raise MoetoolError(f"{a} and {b} were made for different models ({fa.describe()} vs {fb.describe()}); "
                            "report them separately, or pass --by-model for one sub-report per model.")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -362,11 +387,10 @@ def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Pa
         if not by_model:
             return _report_one(found, tmp)
         written, index = [], ["# moetool report\n\nOne report per model:\n\n"]
-        for fp, mine in groups.values():
-            name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{fp.model_type}-{fp.config_sha256[:12]}")
+        for name, (fp, mine) in groups.items():
             (tmp / name).mkdir()
             written += _report_one(mine, tmp / name)
-            index.append(f"- [{fp.source} ({fp.model_type}, config {fp.config_sha256[:12]})]({name}/summary.md)\n")
+            index.append(f"- [{fp.describe()}]({name}/summary.md)\n")
         atomic_write_bytes(tmp / "summary.md", text_bytes("".join(index)))
         return [*written, tmp / "summary.md"]
 

@@ -437,6 +437,66 @@ def test_report_by_model_writes_one_sub_report_per_model(two_models, tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"art", "rep"}
 
 
+def test_report_tells_models_apart_by_their_weights_as_fit_does(tmp_path):
+    """Runs of two checkpoints of one config and other weights were one model's rows (fit refused the pair)."""
+    art = tmp_path / "art"
+    art.mkdir()
+    synthetic_run("lru", {}, 0.10, model=dataclasses.replace(FP, weights_sha256="1" * 64)).save(art / "a.run.json")
+    synthetic_run("lru", {}, 0.20, model=dataclasses.replace(FP, weights_sha256="2" * 64)).save(art / "b.run.json")
+    synthetic_run("lru", {}, 0.30).save(art / "c.run.json")  # no digest: joins the first model of its config
+    line = cli_refuses(["report", str(art), "--out", str(tmp_path / "rep")])
+    assert "different models" in line and "weights 111111111111" in line and "weights 222222222222" in line, line
+    result = runner.invoke(app, ["report", str(art), "--out", str(tmp_path / "rep"), "--by-model"])
+    assert result.exit_code == 0, result.output
+    subs = sorted(p.name for p in (tmp_path / "rep").iterdir() if p.is_dir())
+    assert subs == ["qwen2_moe-aaaaaaaaaaaa", "qwen2_moe-aaaaaaaaaaaa-weights-222222222222"]
+    first = (tmp_path / "rep" / subs[0] / "summary.md").read_text()
+    assert "a.run.json" in first and "c.run.json" in first and "b.run.json" not in first
+
+
+def test_report_reads_a_file_reached_twice_once(tmp_path):
+    """`report d d/sub` counted the run under d/sub twice, and changed the averages its tables show."""
+    art = tmp_path / "art"
+    (art / "sub").mkdir(parents=True)
+    synthetic_run("lru", {}, 0.10).save(art / "a.run.json")
+    synthetic_run("lru", {}, 0.30).save(art / "sub" / "c.run.json")
+    result = runner.invoke(app, ["report", str(art), str(art / "sub"), str(art / "sub" / "c.run.json"),
+                                 "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    summary = (tmp_path / "rep" / "summary.md").read_text()
+    assert summary.count("c.run.json") == summary.count("a.run.json") >= 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("unshare") is None, reason="root lists any directory, and "
+                    "there is no unshare to run the report as another user")
+def test_report_refuses_a_subdirectory_it_cannot_list():
+    """An unlistable subdirectory's artifacts were missing from the report without a word (rglob passes over it)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="moetool-unlistable-"))  # not under pytest's 0700 tmp: another user reads it
+    try:
+        root.chmod(0o777)
+        art = root / "art"
+        (art / "locked").mkdir(parents=True)
+        synthetic_run("lru", {}, 0.10).save(art / "a.run.json")
+        synthetic_run("lru", {}, 0.30).save(art / "locked" / "c.run.json")
+        (art / "locked").chmod(0)
+        args = ["report", str(art), "--out", str(root / "rep")]
+        if os.geteuid() == 0:  # root lists anything: the report runs as an unprivileged user of a user namespace
+            proc = subprocess.run(["unshare", "-U", sys.executable, "-m", "moetool.cli", *args], capture_output=True,
+                                  text=True, timeout=300)
+            code, stderr = proc.returncode, proc.stderr
+        else:
+            result = runner.invoke(app, args)
+            code, stderr = result.exit_code, result.stderr
+        lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+        assert code == 1 and len(lines) == 1 and f"cannot list {art / 'locked'} (Permission denied)" in lines[0], stderr
+        assert not (root / "rep").exists()
+    finally:
+        (root / "art" / "locked").chmod(0o755)
+        shutil.rmtree(root)
+
+
 def test_a_new_report_leaves_no_stale_figures_and_no_temp_directories(tmp_path):
     art = tmp_path / "art"
     art.mkdir()
