@@ -170,6 +170,8 @@ def read_prompts(path: Path, what: str = "--prompts") -> tuple[str, ...]:
 def heldout_prompts(n: int, words: int = 48) -> tuple[str, ...]:
     """`n` prompts of about `words` words from evenly spaced places in the held-out text."""
     lines = [ln.strip() for ln in heldout_text().splitlines() if len(ln.split()) >= 6]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < len(lines):
+        raise MoetoolError(f"the held-out text gives 1 to {len(lines) - 1} prompts, not {n!r}.")
     step = max(1, len(lines) // (n + 1))
     prompts = []
     for i in range(n):

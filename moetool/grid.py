@@ -32,6 +32,7 @@ import fnmatch
 import hashlib
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ GRIDS_DIR = Path(__file__).with_name("grids")  # packaged grids, named by file s
 STAGES = ("run", "eval")
 ONE_PER_SWEEP = ("model", "bundle", "fit")  # artifacts of one sweep share one model fingerprint
 POLICY_ENTRY_KEYS = ("policy", "label", "set", "grid")
+MAX_CELLS = 10_000  # a sweep of more runs for days on one machine; a grid that crosses into more is a slip
+NAME_BYTES = 255  # a file name's longest on the common file systems (ext4, xfs, btrfs, APFS)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,10 @@ def load_grid(source: str | Path) -> dict[str, Any]:
     path = grid_path(source)
     raw = read_bytes(path, GRID_BYTES, "grid file")
     try:
-        data = yaml.safe_load(decode_text(raw, str(path), "; a grid is a YAML file."))
+        data = yaml.load(decode_text(raw, str(path), "; a grid is a YAML file."), Loader=_loader())
+    except _RepeatedKey as e:  # PyYAML keeps the last: a grid edited twice ran what its last line said
+        raise MoetoolError(f"{path} gives {quote(e.key)} twice in one mapping (line {e.line}); keep one of them.") \
+            from None
     except yaml.YAMLError as e:
         raise yaml_error(str(path), e) from None
     except RecursionError:  # lists nested thousands deep
@@ -109,6 +115,29 @@ def load_grid(source: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise MoetoolError(f"{path} must be a YAML mapping of settings with a `grid:` of axes.")
     return data
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: Any, line: int):
+        self.key, self.line = key, line
+
+
+def _loader() -> type:
+    """PyYAML's safe loader, refusing a mapping that gives a key twice."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)):
+                    if key in seen:
+                        raise _RepeatedKey(key, key_node.start_mark.line + 1)
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
 
 
 # What a grid may expand to: YAML aliases (`*name`) repeat what their anchor holds, so ten lines can
@@ -170,7 +199,8 @@ class _Grid:
             raise MoetoolError(f"stage must be run or eval, not {quote(self.stage)}.")
         cls = _config_class(self.stage)
         self.kinds = {f.name: str(f.type) for f in dataclasses.fields(cls) if f.name != "settings"}
-        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        self.defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        defaults = self.defaults
         self.axes = grid.pop("grid", None)
         self.knobs = self._knobs(grid.pop("set", None) or {}, "set")
         prompts = grid.pop("prompts", None)
@@ -186,6 +216,9 @@ class _Grid:
                                f"{', '.join(sorted(self.kinds))}, set, grid).")
         kind = self.kinds[key]
         if value is None:
+            if self.defaults.get(key) is not None:  # `budget:` (or `--with budget=`) with nothing after it
+                raise MoetoolError(f"setting {quote(key)} is empty; give it a value, or leave it out for its default "
+                                   f"({quote(self.defaults[key])}).")
             return None
         if key == "model":
             return str(self.base / str(value)) if (self.base / str(value)).exists() else str(value)
@@ -210,7 +243,7 @@ class _Grid:
             from moetool.datasets import read_prompts
 
             return list(read_prompts(self.base / str(value["file"]), "prompts file"))
-        if isinstance(value, dict) and set(value) == {"heldout"} and isinstance(value["heldout"], int):
+        if isinstance(value, dict) and set(value) == {"heldout"}:
             from moetool.datasets import heldout_prompts
 
             return list(heldout_prompts(value["heldout"]))
@@ -225,6 +258,8 @@ class _Grid:
         values = values if isinstance(values, list) else [values]
         if not values:
             raise MoetoolError(f"axis {quote(axis)} of the grid has no values.")
+        if any(v is None for v in values):
+            raise MoetoolError(f"axis {quote(axis)} of the grid has an empty value (null); give each of its values.")
         return values
 
     def _policies(self) -> list[tuple[str, str, dict[str, str], dict[str, Any]]]:
@@ -236,7 +271,7 @@ class _Grid:
         for entry in entries:
             spec = entry if isinstance(entry, dict) else {"policy": entry}
             name = spec.get("policy")
-            if name not in POLICIES:
+            if not isinstance(name, str) or name not in POLICIES:
                 raise MoetoolError(f"unknown policy {quote(name)} in the grid (known: {', '.join(sorted(POLICIES))}).")
             fixed = self._knobs(spec.get("set") or {}, f"set of {name}")
             label = str(spec.get("label") or "_".join([name, *(f"{k}={v}" for k, v in fixed.items())]))
@@ -272,6 +307,7 @@ class _Grid:
         for key in self.axes:
             if key in ONE_PER_SWEEP:
                 raise MoetoolError(f"{quote(key)} is one per sweep (its artifacts share one model), not an axis.")
+        self._check_size()
         policies = self._policies()
         names = [k for k in self.axes if k != "policy"]
         axis_knobs = {k for k in names if k not in self.kinds}
@@ -298,11 +334,31 @@ class _Grid:
             settings["settings"] = cell_knobs
             parts = [label, *(f"{k}={cell_knobs[k] if k in axis_knobs else settings[k]}" for k in names)]
             cell = Cell(name=_slug("_".join(parts)), stage=self.stage, settings=settings)
+            if len(cell.artifact.encode()) > NAME_BYTES:  # found at its write, after the index: refused here
+                raise MoetoolError(f"cell {quote(cell.name, 40)} makes a file name of {len(cell.artifact.encode())} "
+                                   f"bytes, more than a file system takes ({NAME_BYTES}); give its policy entry a "
+                                   "shorter label.")
             if cell.name in cells and cells[cell.name].digest != cell.digest:
                 raise MoetoolError(f"two cells of the grid would both be named {quote(cell.name)}; give their policy "
                                    f"entries distinct labels.")
             cells[cell.name] = cell  # the same cell twice (a pinned setting crossing an axis) runs once
         return list(cells.values())
+
+    def _check_size(self) -> None:
+        """Refuse, from the axes' lengths alone, a grid of more than MAX_CELLS cells: a few lines of YAML
+        cross into millions of cells, expanded (minutes, gigabytes) before the first one runs."""
+        entries = self.axes.get("policy", [self.default_policy])
+        count = 0
+        for entry in entries if isinstance(entries, list) else [entries]:
+            crossed = entry.get("grid") if isinstance(entry, dict) else None
+            count += math.prod(len(v) if isinstance(v, list) else 1 for v in crossed.values()) \
+                if isinstance(crossed, dict) else 1
+        for key, values in self.axes.items():
+            if key != "policy":
+                count *= len(values) if isinstance(values, list) else 1
+        if count > MAX_CELLS:
+            raise MoetoolError(f"the grid crosses into {count:,} cells, more than the {MAX_CELLS:,} a sweep runs; "
+                               "split it into smaller grids, or narrow its axes.")
 
     def _axis_choices(self, key: str) -> list[tuple[Any, dict[str, Any]]]:
         """(value, settings pinned with it) for each value of a non-policy axis."""

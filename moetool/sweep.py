@@ -89,10 +89,17 @@ class SweepConfig:
 
 def _resolve(cfg: SweepConfig) -> tuple[dict[str, Any], Path, dict[str, str]]:
     """(the grid after overrides, the directory its paths are relative to, the grid file's sha256)."""
-    if isinstance(cfg.grid, dict):
-        return {**cfg.grid, **cfg.overrides}, Path("."), {}
-    path = grid_path(cfg.grid)
-    return {**load_grid(path), **cfg.overrides}, path.parent, {str(path): sha256_file(path)}
+    path = None if isinstance(cfg.grid, dict) else grid_path(cfg.grid)
+    grid = cfg.grid if path is None else load_grid(path)
+    axes = grid.get("grid") if isinstance(grid.get("grid"), dict) else {}
+    crossed = next((k for k in cfg.overrides if k in axes), None)
+    if crossed is not None:  # the axis decides it in every cell: the override would change nothing, silently
+        raise MoetoolError(f"{crossed} given on the command line replaces a top-level setting of the grid, but the "
+                           f"grid crosses {crossed} as an axis, which decides it in every cell; change the axis in "
+                           "the grid file instead.")
+    if path is None:
+        return {**grid, **cfg.overrides}, Path("."), {}
+    return {**grid, **cfg.overrides}, path.parent, {str(path): sha256_file(path)}
 
 
 def cells_of(cfg: SweepConfig) -> list[Cell]:
@@ -346,6 +353,13 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
             raise MoetoolError(f"cell {cell.name}: {str(e)[0].lower()}{str(e)[1:]}") from None
     out = Path(cfg.out)
     previous = _previous(out, plan.model)
+    if previous:
+        names = {c.name for c in (plan.cells if not cfg.only else grid_cells(grid, base))}
+        stale = [n for n in previous if n not in names]
+        if stale:  # their artifacts would stay beside this grid's, and `report OUT` would draw them as its own
+            more = f" and {len(stale) - 1} more" if len(stale) > 1 else ""
+            raise MoetoolError(f"{out} holds a sweep of another grid, whose cell {stale[0]}{more} this grid does not "
+                               "have; give another --out, or remove that sweep first.")
     cells: dict[str, dict[str, Any]] = {}
     todo: list[Cell] = []
     done = 0

@@ -46,12 +46,52 @@ def mtimes(directory: Path) -> dict[str, int]:
     ({"grid": {"policy": ["lru"], "budget": []}}, "axis 'budget' of the grid has no values"),
     ({"max_new_token": 4, "grid": {"policy": ["lru"]}}, "unknown setting 'max_new_token'"),
     ({"grid": {"policy": ["lru"], "bundle": ["a", "b"]}}, "'bundle' is one per sweep"),
+    # A helper's pass: each was a traceback, a prompt blamed that nobody wrote, or minutes of expansion.
+    ({"grid": {"policy": ["lru"], "budget": [None]}}, "axis 'budget' of the grid has an empty value (null)"),
+    ({"grid": {"policy": [["lru"]]}}, "unknown policy ['lru'] in the grid"),
+    ({"prompts": {"heldout": -1}, "grid": {"policy": ["lru"]}}, "the held-out text gives 1 to "),
+    ({"prompts": {"heldout": 10 ** 8}, "grid": {"policy": ["lru"]}}, "prompts, not 100000000"),
+    ({"prompts": {"heldout": True}, "grid": {"policy": ["lru"]}}, "prompts, not True"),
+    ({"budget": None, "grid": {"policy": ["lru"]}}, "setting 'budget' is empty"),
+    ({"grid": {"policy": [{"policy": "lru", "label": "L" * 300}]}}, "makes a file name of 309 bytes"),
+    ({"grid": {"policy": ["smoe"], "alpha": [i / 100 for i in range(50)], "window": list(range(50)),
+               "budget": [f"{i + 1}%" for i in range(50)]}}, "the grid crosses into 125,000 cells, more than the 10,000"),
 ])
 def test_bad_grids_are_one_sentence(tiny_ckpt, tmp_path, grid, says):
     path = write_grid(tmp_path / "g.yaml", **{**run_grid(tiny_ckpt("qwen2_moe")), **grid})
     line = _one_error_line(runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out")]))
     assert says in line
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_a_grid_that_gives_a_key_twice_is_refused_not_read_as_its_last(tiny_ckpt, tmp_path):
+    path = write_grid(tmp_path / "g.yaml", **run_grid(tiny_ckpt("qwen2_moe"), policy=["lru"]))
+    path.write_text(path.read_text() + "max_new_tokens: 2\n")  # PyYAML kept the last and ran 2 tokens a cell
+    line = _one_error_line(runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out")]))
+    assert line == f"error: {path} gives 'max_new_tokens' twice in one mapping (line {len(path.read_text().splitlines())}); keep one of them.", line
+
+
+def test_a_command_line_setting_the_grid_crosses_is_refused(tiny_ckpt, tmp_path):
+    """`--with policy=zzz` on a grid with a policy axis ran the axis' policies, zzz never checked."""
+    path = write_grid(tmp_path / "g.yaml", **run_grid(tiny_ckpt("qwen2_moe"), policy=["lru"]))
+    line = _one_error_line(runner.invoke(app, ["sweep", str(path), "--with", "policy=zzz", "--out",
+                                               str(tmp_path / "out")]))
+    assert "policy given on the command line replaces a top-level setting of the grid, but the grid crosses " \
+           "policy as an axis" in line, line
+
+
+def test_a_sweep_into_the_directory_of_another_grids_sweep_is_refused(tiny_ckpt, tmp_path):
+    """The other grid's index was replaced and its artifacts left beside this grid's, drawn by report as its own;
+    a grid that adds cells to the sweep there still resumes it."""
+    model = tiny_ckpt("qwen2_moe")
+    first = write_grid(tmp_path / "a.yaml", **run_grid(model, policy=["lru", "lod"]))
+    assert runner.invoke(app, ["sweep", str(first), "--workers", "0", "--out", str(tmp_path / "out")]).exit_code == 0
+    other = write_grid(tmp_path / "b.yaml", **run_grid(model, policy=["eap"]))
+    line = _one_error_line(runner.invoke(app, ["sweep", str(other), "--workers", "0", "--out", str(tmp_path / "out")]))
+    assert "holds a sweep of another grid, whose cell lru and 1 more this grid does not have" in line, line
+    more = write_grid(tmp_path / "c.yaml", **run_grid(model, policy=["lru", "lod", "eap"]))
+    result = runner.invoke(app, ["sweep", str(more), "--workers", "0", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0 and "2 reused, 1 done" in result.stderr, result.output
 
 
 def test_help_has_an_example():
