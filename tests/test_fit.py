@@ -190,6 +190,18 @@ def test_fate_evals_that_differ_in_more_than_p_fit_no_p_and_say_how(tmp_path, od
     assert why.startswith("the fate evals differ in more than p (") and said in why, why
 
 
+def test_fate_L_is_fitted_from_decode_recall_only(tmp_path):
+    """A profile of --decode-tokens 0 has prefill recall alone: L was fitted from it, its evidence saying decode."""
+    prof = synthetic_profile()
+    layers = tuple(dataclasses.replace(lp, recall_topk={"prefill": 1.0}) for lp in prof.prefetch.layers)
+    path = dataclasses.replace(prof, prefetch=dataclasses.replace(prof.prefetch, layers=layers)).save(
+        tmp_path / "s.profile.json")
+    result = fit(FitConfig(profile=path))
+    assert "L" not in result.params["fate"]
+    assert result.evidence["skipped"]["fate.L"] == ("the profile's prefetch part has no decode recall (it was profiled "
+                                                    "with --decode-tokens 0)")
+
+
 def test_cli_fit(tmp_path):
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     runs = [str(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(tmp_path / f"a{a}.run.json"))

@@ -201,3 +201,12 @@ def test_text_windows_never_overlap_and_are_as_many_as_the_text_holds(tokens, n,
     seen = torch.cat([c[0] for c in chunks])
     assert seen.unique().numel() == seen.numel()  # no token in two windows
     assert all(c.shape == (1, min(seq_len, tokens)) for c in chunks)
+
+
+def test_an_hw_out_the_profile_would_not_write_is_refused(tiny_ckpt, tmp_path):
+    """--hw-out without timing in --what wrote nothing and said nothing."""
+    result = runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--data", "heldout", "--what",
+                                 "routing", "--seqs", "1", "--seq-len", "12", "--decode-tokens", "2",
+                                 "--out", str(tmp_path / "p.json"), "--hw-out", str(tmp_path / "h.json")])
+    assert result.exit_code == 1 and "is written from the timing part, which --what routing leaves out" in result.stderr
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "h.json").exists()

@@ -85,12 +85,16 @@ class FateKnobs(Knobs):
         perplexity curve."""
         cfg, prof, out = inputs.config, inputs.profile, Fitted()
         info, fate = prof.info, out.evidence
-        if prof.prefetch is not None:
-            recall = {lp.layer: lp.recall_topk.get("decode", lp.recall_topk.get("prefill"))
-                      for lp in prof.prefetch.layers}
+        # §4.4's boundary is where decode prefetch stops being accurate: the decode recall, and only it (a
+        # profile of --decode-tokens 0 has the prefill's alone, another number under the same name).
+        recall = {lp.layer: lp.recall_topk["decode"] for lp in prof.prefetch.layers
+                  if "decode" in lp.recall_topk} if prof.prefetch is not None else {}
+        if recall:
             acc = [recall.get(layer) for layer in info.moe_layers]
             fate["L"] = {"value": boundary_L(acc, cfg.l_threshold), "threshold": cfg.l_threshold, "accuracy": acc,
                          "from": "profile.prefetch.layers[].recall_topk.decode (next router on this gate input)"}
+        elif prof.prefetch is not None:
+            out.skipped["L"] = "the profile's prefetch part has no decode recall (it was profiled with --decode-tokens 0)"
         else:
             out.skipped["L"] = "the profile has no prefetch part (--what prefetch)"
         hw = prof.hw or {}
