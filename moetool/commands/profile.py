@@ -88,7 +88,7 @@ def profile(
     sens_bits = parse_numbers(bits, "--bits", int)
     parts = _split(what) or ("all",)
     if hw_out is not None and "timing" not in parts and "all" not in parts:  # it would not be written, unsaid
-        raise MoetoolError(f"--hw-out {hw_out} is written from the timing part, which --what {what} leaves out; add "
+        raise MoetoolError(f"--hw-out {hw_out} is written from the timing part, which --what {','.join(parts)} leaves out; add "
                            "timing to --what, or leave --hw-out out.")
     cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,
                         what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
