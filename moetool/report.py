@@ -377,6 +377,9 @@ def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Pa
         raise MoetoolError(f"{a} and {b} were made for different models ({fa.describe()} vs {fb.describe()}); "
                            "report them separately, or pass --by-model for one sub-report per model.")
     out_dir = Path(out_dir)
+    if out_dir.is_symlink():  # the swap renames a directory over the link: the link, not its target, is replaced
+        raise MoetoolError(f"--out {out_dir} is a symbolic link (to {os.readlink(out_dir)}); a report replaces its "
+                           "directory whole, so give the directory itself, or another --out.")
     if out_dir.exists() and not out_dir.is_dir():
         raise MoetoolError(f"{out_dir} is a file; a report is a directory, choose another --out.")
     if out_dir.is_dir() and (bad := _is_report(out_dir)) is not None:

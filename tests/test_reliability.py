@@ -497,6 +497,18 @@ def test_report_refuses_a_subdirectory_it_cannot_list():
         shutil.rmtree(root)
 
 
+def test_a_report_out_that_is_a_link_is_refused_in_words(tmp_path):
+    """It was `linkrep -> linkrep: Is a directory.`, the swap's own error."""
+    art = tmp_path / "art"
+    art.mkdir()
+    synthetic_run("lru", {}, 0.10).save(art / "a.run.json")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    line = cli_refuses(["report", str(art), "--out", str(tmp_path / "link")])
+    assert f"--out {tmp_path / 'link'} is a symbolic link (to {tmp_path / 'real'})" in line, line
+    assert (tmp_path / "link").is_symlink() and not any((tmp_path / "real").iterdir())
+
+
 def test_a_new_report_leaves_no_stale_figures_and_no_temp_directories(tmp_path):
     art = tmp_path / "art"
     art.mkdir()
