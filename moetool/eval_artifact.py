@@ -15,6 +15,10 @@ from moetool.schema import SchemaError
 from moetool.spec import EngineRecord
 
 
+# lm-eval metrics that are shares of the examples scored, whatever the task.
+SHARES = ("acc", "acc_norm", "exact_match", "accuracy", "mean_accuracy")
+
+
 @dataclass(frozen=True)
 class Eval(EngineRecord, Artifact):
     """What one `moetool eval` measured: task metrics, beside the engine's record while measuring.
@@ -45,6 +49,36 @@ class Eval(EngineRecord, Artifact):
         super().validate()
         Eval.check_present({"task": self.task, "metrics": self.metrics, "n": self.n, "subtasks": self.subtasks})
         Eval.check_metrics(self.metrics)
+        Eval.check_scores({"stderr": self.stderr, "samples": self.samples, "summary": self.summary})
+
+    @staticmethod
+    def check_scores(fields: dict[str, Any]) -> None:
+        """On read, of those of these fields present: what report compares policies with. Standard errors
+        are finite and not negative; a sample's doc_id is a number or a name; a multiple-choice sample's
+        responses are [log-likelihood, is-greedy] pairs with a finite log-likelihood (report's "agree w/
+        resident" takes their argmax); the summary's TPOT statistics are an object."""
+        for key, v in (fields.get("stderr") or {}).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise SchemaError(f"stderr['{key}']", f"is {v!r}, not a finite number of at least 0")
+        for task, records in (fields.get("samples") or {}).items():
+            for i, r in enumerate(records):
+                where = f"samples[{task!r}][{i}]"
+                doc = r.get("doc_id")
+                if doc is not None and (isinstance(doc, bool) or not isinstance(doc, (int, str))):
+                    raise SchemaError(f"{where}.doc_id", f"is {doc!r}, not a document's number or name")
+                resps = r.get("resps")
+                if resps is None:
+                    continue
+                if not isinstance(resps, list):
+                    raise SchemaError(f"{where}.resps", f"is {resps!r}, not a list of responses")
+                if any(isinstance(x, list) for x in resps) and not all(
+                        isinstance(x, list) and x and isinstance(x[0], (int, float)) and not isinstance(x[0], bool)
+                        and math.isfinite(x[0]) for x in resps):
+                    raise SchemaError(f"{where}.resps", "holds a response that is not a [log-likelihood, is-greedy] "
+                                                        "pair with a finite log-likelihood")
+        tpot = (fields.get("summary") or {}).get("tpot_s")
+        if tpot is not None and not isinstance(tpot, dict):
+            raise SchemaError("summary['tpot_s']", f"is {tpot!r}, not the object of TPOT statistics")
 
     @staticmethod
     def check_present(fields: dict[str, Any]) -> None:
@@ -68,6 +102,8 @@ class Eval(EngineRecord, Artifact):
                 raise SchemaError(f"metrics['{key}']", f"is {v!r}, not a finite number")
             if (key == "ppl" and v < 1.0) or (key == "nll" and v < 0.0):
                 raise SchemaError(f"metrics['{key}']", f"is {v}, which no {key} can be")
+            if key.split(",")[0] in SHARES and not 0.0 <= v <= 1.0:  # lm-eval's "acc,none" is a share too
+                raise SchemaError(f"metrics['{key}']", f"is {v}, but an {key.split(',')[0]} lies in [0, 1]")
 
     @classmethod
     def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:

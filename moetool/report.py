@@ -44,6 +44,7 @@ def _read_eval(data: Any, where: str) -> dict[str, Any]:
         fields = build_fields(Eval, data, required=("model",))
         Eval.check_present(fields)
         Eval.check_metrics(fields.get("metrics", {}))
+        Eval.check_scores(fields)
         Eval.check_params(fields.get("policy"), fields.get("params"))
     except SchemaError as e:
         raise MoetoolError(f"{where} is not a valid eval artifact: {e.sentence()}.") from None
@@ -238,7 +239,8 @@ def _choices(e: dict) -> dict[tuple[str, Any], int]:
     """(leaf task, doc id) -> the choice with the highest log-likelihood, for multiple-choice evals."""
     return {(task, r["doc_id"]): max(range(len(r["resps"])), key=lambda i: r["resps"][i][0])
             for task, recs in (e.get("samples") or {}).items() for r in recs
-            if isinstance(r, dict) and r.get("resps") and "doc_id" in r}
+            if isinstance(r, dict) and r.get("resps") and "doc_id" in r
+            and all(isinstance(x, list) for x in r["resps"])}  # multiple choice: [log-likelihood, is-greedy] pairs
 
 
 def _quality_table(evals: list[tuple[Path, dict]]) -> str:

@@ -352,6 +352,29 @@ def test_an_eval_artifact_with_a_metric_no_evaluation_gives_is_refused(metrics, 
     assert f"metrics['{next(iter(metrics))}']" in line
 
 
+MC = {"doc_id": 0, "resps": [[-1.0, False], [-2.0, True]]}
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"samples": {"t": [{**MC, "resps": [5, 6]}]}}, None),  # not pairs: a generation's texts, taken as such
+    ({"samples": {"t": [{**MC, "resps": [[]]}]}}, "samples['t'][0].resps holds a response that is not a"),
+    ({"samples": {"t": [{**MC, "resps": [[float("nan"), False], [-1.0, True]]}]}}, "samples['t'][0].resps"),
+    ({"samples": {"t": [{**MC, "doc_id": [1]}]}}, "samples['t'][0].doc_id is [1]"),
+    ({"summary": {"tpot_s": "fast"}}, "summary['tpot_s'] is 'fast'"),
+    ({"metrics": {"acc": 7.0}}, "metrics['acc'] is 7.0, but an acc lies in [0, 1]"),
+    ({"stderr": {"acc": float("nan")}}, "stderr['acc'] is nan"),
+])
+def test_an_eval_report_compares_policies_with_is_read_whole(edit, says, tmp_path):
+    """Each was report's traceback (`_choices`, `_joined`) or a comparison over NaN or an accuracy of 7."""
+    path = write(tmp_path / "x.eval.json", {**VALID["eval"], "samples": {"t": [MC]}, "policy": "lru", **edit})
+    resident = write(tmp_path / "r.eval.json", {**VALID["eval"], "samples": {"t": [MC]}, "policy": "resident"})
+    result = runner.invoke(app, ["report", str(path), str(resident), "--out", str(tmp_path / "rep")])
+    if says is None:
+        assert result.exit_code == 0, result.output
+    else:
+        assert says in _one_error_line(result)
+
+
 def test_a_number_too_long_for_python_is_one_sentence_in_every_json_reader(tiny_bundle, tmp_path):
     huge = "9" * 5000
     run = tmp_path / "x.run.json"
