@@ -298,6 +298,41 @@ def test_a_fit_artifacts_knob_of_the_wrong_type_is_one_sentence(knob, value, say
     assert parse_params(POLICIES["fate"], {}, {"p": 1}).p == 1.0  # JSON's 1 for a float knob is fine
 
 
+def test_a_run_with_a_fit_that_names_a_knob_the_policy_lacks_is_one_sentence(tiny_bundle, tmp_path):
+    """A hand edit's misspelt knob (`alpah`) was passed over, and the default ran without a word."""
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
+    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"smoe": {"alpah": 0.1}}})
+    line = _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--policy", "smoe", "--fit", str(fit))))
+    assert "params['smoe'] names 'alpah', which is no knob of policy 'smoe'" in line, line
+
+
+POINTS = [[0.0, 0.01, "runs"], [0.2, 0.008, "runs"]]
+
+
+@pytest.mark.parametrize("evidence,says", [
+    ({"warnings": 5}, "evidence.warnings must be a list"),
+    ({"warnings": "abc"}, "evidence.warnings must be a list"),  # drawn as three warnings, a, b and c
+    ({"skipped": ["x"]}, "evidence.skipped must be an object"),
+    ({"smoe": {"alpha": "x"}}, "evidence['smoe']['alpha'] must be an object"),
+    ({"smoe": {"alpha": {"points": [[0.1]], "grid": [0.0], "predicted": [0.01], "degree": 1}}},
+     "evidence['smoe']['alpha'].points[0] must be a list of 3 values"),
+    ({"smoe": {"alpha": {"points": POINTS, "grid": [0.0, 0.1], "predicted": [0.01], "degree": 1}}},
+     "evidence['smoe']['alpha'].predicted holds T(alpha) at 1 alphas, not one per grid alpha (2)"),
+    ({"smoe": {"alpha": {"points": POINTS, "grid": [0.0], "predicted": [0.01], "degree": 1, "target_tpot": "fast"}}},
+     "target_tpot must be a number"),
+    ({"smoe": {"alpha": {"points": POINTS, "grid": [0.0], "predicted": [0.01], "degree": 1, "alpha": float("nan")}}},
+     "is nan; a fitted number is finite"),
+    ({"dymoe": {"lam": {"value": 0.5, "r": 0.75, "M": 2, "schedule": [{"position": 0}]}}},
+     "missing evidence['dymoe']['lam'].schedule[0].r"),
+])
+def test_a_fit_whose_evidence_report_draws_is_not_as_fit_writes_it_is_one_sentence(evidence, says, tmp_path):
+    """Each was a traceback in report's drawing (TypeError, IndexError, matplotlib's ValueError, KeyError)."""
+    fit = write(tmp_path / "x.fit.json", {**VALID["fit"], "evidence": evidence})
+    line = _one_error_line(runner.invoke(app, ["report", str(fit), "--out", str(tmp_path / "rep")]))
+    assert says in line, line
+    assert not (tmp_path / "rep").exists()
+
+
 def test_a_run_with_a_fit_whose_knob_is_the_wrong_type_is_one_sentence(tiny_bundle, tmp_path):
     model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]  # a fit made for this model
     fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"fate": {"L": 1.5}}})

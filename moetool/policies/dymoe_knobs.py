@@ -65,11 +65,29 @@ def budget_retention(cache: int, info: Any, high: int, low: int) -> float:
     return float(min(1.0, max(0.0, (cache / n - lb) / (hb - lb))))
 
 
+@dataclass(frozen=True)
+class ScheduleRow:
+    position: int  # MoE position
+    r: float  # r(l), eq. 4
+    t: int  # t_l, eq. 5
+
+
+@dataclass(frozen=True)
+class LamEvidence:
+    """What the report tabulates of a fit's lam: the schedule it solved for."""
+
+    value: float
+    r: float
+    M: int
+    schedule: tuple[ScheduleRow, ...]
+
+
 @register("dymoe")
 class DyMoEKnobs(Knobs):
     """DyMoE's knobs (Table 2's tiers, eq. 2's heavy hitters, eq. 4's r and lambda), its fit and its report."""
 
     derived = {"lam": ("r",)}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
+    evidence = {"lam": LamEvidence}
 
     @dataclass(frozen=True)
     class Params(Params):

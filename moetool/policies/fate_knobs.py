@@ -50,9 +50,19 @@ def int2_share(losses: dict[float, float], max_loss: float) -> float:
     return best
 
 
+@dataclass(frozen=True)
+class LEvidence:
+    """What the report draws of a fit's L (`_prefetch_figure`)."""
+
+    value: int
+    threshold: float
+
+
 @register("fate")
 class FateKnobs(Knobs):
     """Fate's knobs (§4.2-4.5), its fit and its report."""
+
+    evidence = {"L": LEvidence}
 
     @dataclass(frozen=True)
     class Params(Params):

@@ -43,6 +43,10 @@ class Knobs:
     # knob -> the knobs it is derived from: a fitted value of the former is dropped when `--set`
     # gives one of the latter (a fit's DyMoE lam was solved for the fit's r, not for the r asked for).
     derived: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # knob -> a dataclass of the evidence fields this policy's `report` reads of a fit's evidence for it:
+    # a fit artifact's evidence is checked against it when read, so a hand-edited one is a sentence,
+    # not a traceback in the middle of drawing (other evidence fields are free-form).
+    evidence: ClassVar[dict[str, type]] = {}
 
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted | None:

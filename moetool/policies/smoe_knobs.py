@@ -17,9 +17,32 @@ from moetool.policies.smoe_fit import alpha_figure, choose_alpha, fit_polynomial
 from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, differences
 
 
+@dataclass(frozen=True)
+class AlphaEvidence:
+    """What the report draws of a fit's alpha (`alpha_figure`): the measured points, the fitted curve."""
+
+    points: tuple[tuple[float, float, str], ...]  # (alpha, mean TPOT, where it was measured)
+    grid: tuple[float, ...]
+    predicted: tuple[float, ...]  # T(alpha) on `grid`
+    degree: int
+    target_tpot: float | None = None
+    alpha: float | None = None
+
+    def validate(self) -> None:
+        from moetool.schema import SchemaError
+
+        if not self.points:
+            raise SchemaError("points", "is empty; T(alpha) is fitted through measured points")
+        if len(self.grid) != len(self.predicted):
+            raise SchemaError("predicted", f"holds T(alpha) at {len(self.predicted)} alphas, not one per grid alpha "
+                                           f"({len(self.grid)})")
+
+
 @register("smoe")
 class SMoEKnobs(Knobs):
     """SMoE's knobs (Algorithm 1's alpha, eq. 3's window, Algorithm 2's rule), its fit and its report."""
+
+    evidence = {"alpha": AlphaEvidence}
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -73,7 +96,7 @@ class SMoEKnobs(Knobs):
             return out
         points = [(float(r.params["alpha"]), float(r.tpot_s["mean"]), path) for path, r in mine]
         if len({a for a, _, _ in points}) < 2:
-            out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs) or --sweep" + (
+            out.skipped["alpha"] = "needs smoe runs at two or more alphas (--runs, or --sweep with two or more --alphas)" + (
                 f"; {len(untimed)} run(s) given timed no decode step (one token: no TPOT), e.g. {untimed[0]}"
                 if untimed else "")
             return out
