@@ -35,7 +35,8 @@ from urllib.parse import urlparse
 from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sha256_file
 from moetool.errors import MoetoolError, Terminated
 from moetool.files import DirectoryLock, not_inside_a_model, temp_file_of
-from moetool.grid import Cell, expand, grid_cells, grid_path, load_grid, select
+from moetool.schema import SchemaError
+from moetool.grid import STAGES, Cell, expand, grid_cells, grid_path, load_grid, select
 from moetool.machine import memory_sentence, out_of_memory
 from moetool.reaper import Reaper, descendants
 
@@ -58,6 +59,9 @@ def add_worker_arguments(ap: Any) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads with --workers 0")
 
 
+STATUSES = ("done", "refused", "failed", "pending")
+
+
 @dataclass(frozen=True)
 class Sweep(Artifact):
     """The sweep index: every cell of the grid, its status, and its artifact or why it has none.
@@ -73,6 +77,23 @@ class Sweep(Artifact):
     stage: str
     grid: dict[str, Any]  # the grid as expanded (after overrides)
     cells: dict[str, dict[str, Any]]
+
+    def validate(self) -> None:
+        """On read (report draws the index as a table): a stage sweep runs, and per cell a status it writes,
+        its artifact a file name in the sweep directory, its reason one line of text."""
+        if self.stage not in STAGES:
+            raise SchemaError("stage", f"is {self.stage!r}, not one of {', '.join(STAGES)}")
+        for name, cell in self.cells.items():
+            where = f"cells[{name[:40]!r}]"
+            if cell.get("status") not in STATUSES:
+                raise SchemaError(f"{where}.status", f"is {cell.get('status')!r}, not one of {', '.join(STATUSES)}")
+            artifact = cell.get("artifact")
+            if artifact is not None and (not isinstance(artifact, str) or Path(artifact).name != artifact
+                                         or artifact in (".", "..")):
+                raise SchemaError(f"{where}.artifact", f"is {artifact!r}, not a file name in the sweep directory")
+            reason = cell.get("reason")
+            if reason is not None and (not isinstance(reason, str) or "\n" in reason):
+                raise SchemaError(f"{where}.reason", "is not one line of text")
 
 
 @dataclass(frozen=True)

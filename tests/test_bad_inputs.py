@@ -333,6 +333,20 @@ def test_a_fit_whose_evidence_report_draws_is_not_as_fit_writes_it_is_one_senten
     assert not (tmp_path / "rep").exists()
 
 
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: d.update(stage="train"), "stage is 'train', not one of run, eval"),
+    (lambda d: d["cells"]["lru"].update(status="exploded"), ".status is 'exploded'"),
+    (lambda d: d["cells"]["lru"].update(artifact="../../etc/passwd"), "not a file name in the sweep directory"),
+    (lambda d: d["cells"]["lru"].update(status="refused", reason="two\nlines"), ".reason is not one line of text"),
+])
+def test_a_sweep_index_report_draws_is_read_as_sweep_writes_it(edit, says, tmp_path):
+    """Each was drawn into the report's table as it was (a reason's newline broke the table)."""
+    doc = json.loads(json.dumps(VALID["sweep"]))
+    edit(doc)
+    index = write(tmp_path / "sweep.json", doc)
+    assert says in _one_error_line(runner.invoke(app, ["report", str(index), "--out", str(tmp_path / "rep")]))
+
+
 def test_a_run_with_a_fit_whose_knob_is_the_wrong_type_is_one_sentence(tiny_bundle, tmp_path):
     model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]  # a fit made for this model
     fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"fate": {"L": 1.5}}})
