@@ -284,6 +284,17 @@ def test_a_hardware_profile_no_machine_has_is_refused_when_read(field, value, tm
         load_hw(str(path))
 
 
+def test_an_expert_time_keyed_by_no_precision_is_refused(tmp_path):
+    """`t_expert_s: {"17": ...}` was never read: the 16-bit time meant fell back to the FLOP estimate unsaid."""
+    from moetool.engine.clock import load_hw
+
+    doc = {**json.loads((HW_DIR / "rtx3090.json").read_text()), "t_expert_s": {"17": 1e-5}}
+    path = tmp_path / "x.hw.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(MoetoolError, match=r"t_expert_s\[17\] is keyed by 17, not a stored precision"):
+        load_hw(str(path))
+
+
 @settings(max_examples=60, deadline=None, database=None, derandomize=True)
 @given(values=st.fixed_dictionaries({f: st.floats(*PLAUSIBLE[f][:2]) for f in HW_FIELDS}))
 def test_every_hardware_profile_accepted_gives_finite_times_for_any_model(values, tmp_path_factory):

@@ -51,6 +51,13 @@ class HwProfile:
         would put Infinity or NaN into every run (and `report` and `fit` refuse those)."""
         from moetool.schema import SchemaError
 
+        from moetool.bits import Bits
+
+        stored = sorted(int(b) for b in Bits)
+        odd = [b for b in (self.t_expert_s or {}) if b not in stored]
+        if odd:  # a time for no precision: never read, and the precision meant falls back to the FLOP estimate
+            raise SchemaError(f"t_expert_s[{odd[0]}]", f"is keyed by {odd[0]}, not a stored precision "
+                                                     f"({', '.join(map(str, stored))})")
         values = {name: getattr(self, name) for name in PLAUSIBLE if name != "t_expert_s"}
         values |= {f"t_expert_s[{b}]": t for b, t in (self.t_expert_s or {}).items()}
         for name, value in values.items():
