@@ -68,10 +68,10 @@ class FitConfig(FitTargets):
                 raise MoetoolError(f"--alphas are SMoE thresholds between 0 and 1 (1 excluded), not "
                                    f"{', '.join(f'{a:g}' for a in self.alphas) or 'none'}.")
             check_budget(self.sweep.budget, "--sweep-budget")
+            dataclasses.replace(self.sweep, clock="sim").check()
             if self.sweep.max_new_tokens < 2:  # the first token is the prefill's: TPOT times the ones after it
                 raise MoetoolError(f"--max-new-tokens {self.sweep.max_new_tokens} gives the --sweep runs no decode step "
                                    "to time (TPOT is the time of each token after the first); give 2 or more.")
-            dataclasses.replace(self.sweep, clock="sim").check()
 
     def sweep_run(self, model: str | None, policy: str, settings: dict[str, str]) -> RunConfig:
         """One run of the sweep: `policy` at `settings` on the sweep's engine and the sim clock."""

@@ -112,8 +112,8 @@ def _json_files(directory: Path) -> list[Path]:
                            "report; make it readable, or give the artifacts outside it.")
 
     found = []
-    for root, _, names in os.walk(directory, onerror=refuse):
-        found += [Path(root) / n for n in names if n.endswith(".json")]
+    for root, dirs, names in os.walk(directory, onerror=refuse):  # a directory named like a run is refused by name
+        found += [Path(root) / n for n in (*names, *dirs) if n.endswith(".json")]
     return sorted(found)
 
 
