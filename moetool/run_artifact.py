@@ -46,6 +46,12 @@ class Run(EngineRecord, Artifact):
         n = self.tpot_s["n"] if self.tpot_s is not None else None
         if n is not None and (n != int(n) or n < 1):  # a run of one token has no TPOT: tpot_s is null
             raise SchemaError("tpot_s['n']", f"is {n}; it counts the decode steps timed, a whole number of at least 1")
+        for name in ("ttft_s", "tpot_s", "hit_rate", "bytes_h2d", "bytes_per_token", "stall_s"):
+            # `run` copies these from the engine's summary: two values are a hand edit of one, and fit and
+            # report would read the top-level one while the summary's table shows the other
+            if name in self.summary and self.summary[name] != getattr(self, name):
+                raise SchemaError(name, f"is {getattr(self, name)!r}, but summary[{name!r}] is {self.summary[name]!r}; "
+                                        "run writes them equal")
         for name in ("bytes_per_token", "stall_s", "ttft_s"):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

@@ -368,6 +368,8 @@ def test_a_run_with_a_fit_whose_knob_is_the_wrong_type_is_one_sentence(tiny_bund
     (lambda d: d.update(clock="banana"), "clock is 'banana', not one of wall, sim"),
     (lambda d: d.update(device="tpu"), "device is 'tpu', not a device moetool runs on"),
     (lambda d: d.update(dtype="int3"), "dtype is 'int3'"),
+    (lambda d: d.update(summary={"tpot_s": {**d["tpot_s"], "mean": 10.0}}),
+     "but summary['tpot_s'] is {'mean': 10.0"),  # report's table showed one, fit and report's figures the other
 ])
 def test_a_run_artifact_fit_and_report_cannot_use_is_refused_on_read(edit, says, tmp_path):
     from helpers import synthetic_profile
