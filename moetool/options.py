@@ -65,6 +65,9 @@ def parse_settings(pairs: list[str] | None, option: str = "--set") -> dict[str, 
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise MoetoolError(f"{option} takes key=value, not '{pair}'.")
+        if key.strip() in settings:  # the last would win without a word
+            raise MoetoolError(f"{option} gives {key.strip()} twice ({settings[key.strip()]} and {value.strip()}); "
+                               "give it once.")
         settings[key.strip()] = value.strip()
     return settings
 

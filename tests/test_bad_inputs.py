@@ -10,6 +10,7 @@ in a report's --out. Each test fails on the code before these fixes.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -715,3 +716,27 @@ def test_a_manifest_edited_with_its_checksum_redone_is_still_checked_for_sense(t
     rewrite(bundle, doc)
     line = _one_error_line(runner.invoke(app, ["verify", str(bundle)]))
     assert says in line
+
+
+@pytest.mark.parametrize("policy,settings,says", [
+    ("dymoe", {"config": "8/2", "high_bits": "4"}, "--set config=8/2 sets high_bits and low_bits, and --set high_bits=4"),
+    ("dynaexq", {"config": "16/4", "b_lo": "2"}, "--set config=16/4 sets b_hi and b_lo, and --set b_lo=2"),
+    ("fate", {"cache_bits": "2", "low_bits": "4"}, "low_bits must not exceed cache_bits, not 4/2"),
+])
+def test_knobs_that_contradict_each_other_are_refused(policy, settings, says):
+    """The shorthand won and the knob spelt out was dropped without a word (the artifact recorded both); Fate
+    took an unpopular tier more precise than its cache, the inverse of §4.5."""
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import parse_params
+
+    with pytest.raises(MoetoolError, match=re.escape(says)):
+        parse_params(POLICIES[policy], settings)
+    parse_params(POLICIES[policy], {k: v for k, v in settings.items() if k != next(iter(settings))})  # either alone
+
+
+def test_a_setting_given_twice_is_refused_not_taken_as_its_last():
+    from moetool.options import parse_settings
+
+    with pytest.raises(MoetoolError, match=re.escape("--set gives bits twice (4 and 2); give it once.")):
+        parse_settings(["bits=4", "bits=2"])
+    assert parse_settings(["bits=4", "window=2"]) == {"bits": "4", "window": "2"}

@@ -88,6 +88,7 @@ class DyMoEKnobs(Knobs):
 
     derived = {"lam": ("r",)}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
     evidence = {"lam": LamEvidence}
+    shorthands = {"config": ("high_bits", "low_bits")}
 
     @dataclass(frozen=True)
     class Params(Params):

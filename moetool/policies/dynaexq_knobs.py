@@ -27,6 +27,7 @@ class DynaExqKnobs(Knobs):
 
     # a fitted n_hi was sized for the fit's tiers (16/4 by default), not for `--set config=4/2`
     derived = {"n_hi": ("config", "b_hi", "b_lo")}
+    shorthands = {"config": ("b_hi", "b_lo")}
 
     @dataclass(frozen=True)
     class Params(Params):

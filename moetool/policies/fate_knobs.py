@@ -84,6 +84,8 @@ class FateKnobs(Knobs):
                                  "gate input of the previous layer (position 2) only")
             if not 0.0 <= self.p <= 1.0 or not 0.0 <= self.percentile < 1.0:
                 raise ValueError("p must be in [0, 1] and percentile in [0, 1)")
+            if self.low_bits > self.cache_bits:  # §4.5: the unpopular share moves at fewer bits than the cache
+                raise ValueError(f"low_bits must not exceed cache_bits, not {self.low_bits}/{self.cache_bits}")
             if self.prefetcher not in ("fate", "none"):
                 raise ValueError(f"prefetcher must be 'fate' or 'none', not '{self.prefetcher}'")
 

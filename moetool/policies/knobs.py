@@ -47,6 +47,9 @@ class Knobs:
     # a fit artifact's evidence is checked against it when read, so a hand-edited one is a sentence,
     # not a traceback in the middle of drawing (other evidence fields are free-form).
     evidence: ClassVar[dict[str, type]] = {}
+    # shorthand knob -> the knobs it sets (DyMoE's `config` "4/2" sets high_bits and low_bits): `--set`
+    # giving both is refused, since the shorthand wins and the other was dropped without a word.
+    shorthands: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted | None:
@@ -104,6 +107,11 @@ def parse_tiers(config: str, examples: str) -> tuple[int, int] | None:
 def parse_params(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any] | None = None) -> Params:
     """Build `cls.Params` from fitted values overridden by `--set key=value` strings."""
     fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+    for short, spelled in cls.shorthands.items():
+        both = [k for k in spelled if k in settings]
+        if settings.get(short) and both:
+            raise MoetoolError(f"policy '{cls.name}': --set {short}={settings[short]} sets {' and '.join(spelled)}, "
+                               f"and --set {both[0]}={settings[both[0]]} sets it too; give one of them.")
     values: dict[str, Any] = {}
     fitted = {k: v for k, v in (fitted or {}).items()
               if not (k in cls.derived and any(d in settings for d in cls.derived[k]) and k not in settings)}
