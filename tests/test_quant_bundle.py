@@ -34,6 +34,8 @@ def test_bundle_holds_every_expert_at_every_precision(built, models):
     assert len(bundle.entries) == 2 * 4 * 4 and len(bundle.shards) == 2
     sizes = bundle.sizes()
     assert list(sizes) == [16, 8, 4, 2] and sizes[16] > sizes[8] > sizes[4] > sizes[2]
+    # quantize's "vs bf16" column without a stored reference (--no-reference): bf16 from the shapes
+    assert bundle.bf16_bytes() == sizes[16]
     ob = Bundle.open(out, verify="full", model=lm.fingerprint)
     for layer in lm.geometry.layers:
         for expert in range(layer.num_experts):

@@ -81,7 +81,7 @@ def quantize(
         out.print_json(json.dumps(bundle.to_json()))
         return
     sizes = bundle.sizes()
-    ref = sizes.get(16) or max(sizes.values())
+    ref = sizes.get(16) or bundle.bf16_bytes()  # --no-reference stores none: bf16 from the experts' shapes
     per_channel = ", INT8 per channel" if bundle.settings.get("int8_per_channel") else ""
     table = Table(title=f"bundle {save} ({bundle.method}, group {bundle.group_size}{per_channel})")
     for col in ("bits", "bytes", "vs bf16"):

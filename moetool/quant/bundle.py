@@ -38,7 +38,7 @@ from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into
 from moetool.checkpoint_files import open_safetensors
 from moetool.model import DeviceProvider, ExpertWeights, LoadedModel, attention_for_decode, inspect_geometry, \
     install_provider
-from moetool.quant.format import ALIGN, Bits, Layout, dequantize
+from moetool.quant.format import ALIGN, Bits, Layout, dequantize, make_layout
 from moetool.quant.shards import (MODEL_DIR, NON_EXPERT, ModelFile, Shard, blob_crc32, check_model_file, check_shard,
                                   map_shard)
 from moetool.schema import SchemaError
@@ -234,6 +234,19 @@ class Bundle(Artifact):
         for e in self.entries:
             out[e.bits] = out.get(e.bits, 0) + e.nbytes
         return dict(sorted(out.items(), reverse=True))
+
+    def bf16_bytes(self) -> int:
+        """What every expert takes at bf16, stored or not (`--no-reference`): each expert's layout at 16
+        bits, from the shapes of one precision's layouts."""
+        bits = max(e.bits for e in self.entries)
+        total = 0
+        for e in self.entries:
+            if e.bits == bits:
+                layout = self.layouts[e.layout]
+                gate_up, down = (next(p for p in layout.projections if p.name == n) for n in ("gate_up", "down"))
+                has_bias = any(p.name == "gate_up_bias" for p in layout.parts)
+                total += make_layout(16, gate_up.shape, down.shape, has_bias).nbytes
+        return total
 
     @classmethod
     def open(cls, directory: Path, verify: Literal["fast", "full"] = "fast",
