@@ -589,6 +589,11 @@ def test_quantize_says_when_the_bundle_rounds_the_checkpoints_numbers(tmp_path, 
         assert notes == []
     else:
         assert len(notes) == 1 and f"experts are {says}" in notes[0] and "bfloat16" in notes[0]
+        # without the reference there are no 16-bit experts to round: only the other weights are said
+        result = runner.invoke(app, ["quantize", str(model), "--bits", "4", "--no-reference", "--no-hqq-optimize",
+                                     "--out", str(tmp_path / "q2")])
+        notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+        assert len(notes) == 1 and "16-bit" not in notes[0] and "non-expert weights in bfloat16" in notes[0], notes
 
 
 def test_profile_names_a_text_too_short_to_profile_as_such(tiny_bundle, tmp_path):

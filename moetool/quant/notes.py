@@ -18,7 +18,7 @@ def gate_up_shape(layer: MoeLayer) -> tuple[int, int]:
 _ROUNDED = {"F16": "float16", "F32": "float32", "F64": "float64", "F8_SCALED": "FP8 times float32 block scales"}
 
 
-def precision_note(stored: set[str], dtype: str) -> str | None:
+def precision_note(stored: set[str], dtype: str, reference: bool = True) -> str | None:
     """What storing a checkpoint whose experts are in `stored` (safetensors dtype names) as a bundle
     does to its numbers, or None where nothing is rounded: a bundle keeps its 16-bit experts in
     bfloat16 (`format.REF_DTYPE`, the papers' reference precision) and its other weights in
@@ -27,6 +27,9 @@ def precision_note(stored: set[str], dtype: str) -> str | None:
     rounded = sorted(_ROUNDED[d] for d in stored if d in _ROUNDED)
     if not rounded:
         return None
+    if not reference:  # --no-reference: no 16-bit experts to round; the other weights still are
+        return (f"the checkpoint's weights are {' and '.join(rounded)}; the bundle keeps its non-expert weights in "
+                f"{dtype}, as plain transformers does with dtype={dtype}.") if dtype not in rounded else None
     return (f"the checkpoint's experts are {' and '.join(rounded)}; the bundle keeps its 16-bit experts in "
             f"bfloat16 and its other weights in {dtype}, so runs over it (lossless ones included) decode the "
             f"model rounded to those, as plain transformers does with dtype={dtype}, not the checkpoint's own "

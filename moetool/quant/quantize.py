@@ -149,7 +149,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
         if created and not any(out.glob("layer-*.safetensors")):
             shutil.rmtree(out, ignore_errors=True)
         raise
-    said = precision_note(lm.experts.checkpoint.stored_dtypes(), cfg.dtype)  # said of a finished bundle only
+    said = precision_note(lm.experts.checkpoint.stored_dtypes(), cfg.dtype, reference=16 in cfg.bits)  # a finished one
     if said and note is not None:
         note(said)
     return bundle
