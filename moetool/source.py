@@ -60,7 +60,8 @@ def _refuse_bundle(p: Path) -> None:
                            "quantize read the checkpoint a bundle is made from).")
     if p.name == "model" and (p.parent / "bundle.json").is_file():
         raise MoetoolError(f"{p} is the model directory of the bundle {p.parent}, which keeps the experts in its "
-                           f"shards: give the bundle as --bundle {p.parent}.")
+                           f"shards: give the bundle as --bundle {p.parent} (check and quantize read the checkpoint "
+                           "a bundle is made from).")
 
 
 def load_config(source: str) -> Any:
