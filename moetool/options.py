@@ -104,6 +104,30 @@ def spec_fields(model: str | None, bundle: Path | None, policy: str, set_: list[
                 experts_impl=ExpertsImpl(experts_impl).value, decode=Decode(decode).value)
 
 
+def fit_note(fit: Path | None, policy: str) -> str | None:
+    """What to say when `--fit` holds no knob for `policy` though its paper fits some (`moetool fit`
+    skipped them: SMoE's alpha without runs, DynaExq's n_hi without --budget): the run takes the
+    policy's defaults, which it would otherwise do without a word while recording the fit as an input.
+    None where the fit holds some, the policy fits none, or the fit cannot be read (the run says why)."""
+    from moetool.artifacts import Fit
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import hooked
+
+    if fit is None or policy not in POLICIES:
+        return None
+    if not any(issubclass(POLICIES[policy], cls) for _, cls in hooked("fit")):
+        return None  # lru, lod, resident...: no knob of theirs is fitted
+    try:
+        loaded = Fit.load(Path(fit))
+    except MoetoolError:
+        return None
+    if loaded.params.get(policy):
+        return None
+    why = [f"{k}: {v}" for k, v in loaded.evidence.get("skipped", {}).items() if k.startswith(f"{policy}.")]
+    said = f" (it says {why[0]})" if why else ""
+    return f"{fit} holds no fitted knob of policy '{policy}'{said}; it runs on its defaults."
+
+
 __all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "Decode", "DecodeOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
            "ExpertsImpl", "ExpertsImplOpt", "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
-           "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]
+           "fit_note", "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]

@@ -307,6 +307,20 @@ def test_a_run_with_a_fit_that_names_a_knob_the_policy_lacks_is_one_sentence(tin
     assert "params['smoe'] names 'alpah', which is no knob of policy 'smoe'" in line, line
 
 
+def test_a_run_with_a_fit_that_fitted_nothing_for_its_policy_says_so(tiny_bundle, tmp_path):
+    """smoe ran on its defaults with the fit recorded as an input, where the fit had said alpha was not fitted."""
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
+    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"fate": {"L": 1}},
+                                          "evidence": {"skipped": {"smoe.alpha": "needs smoe runs"}}})
+    result = runner.invoke(app, run_args(tiny_bundle, "--policy", "smoe", "--fit", str(fit)))
+    assert result.exit_code == 0, result.output
+    notes = [ln for ln in result.stderr.splitlines() if ln.startswith("note:")]
+    assert notes == [f"note: {fit} holds no fitted knob of policy 'smoe' (it says smoe.alpha: needs smoe runs); it "
+                     "runs on its defaults."], result.stderr
+    result = runner.invoke(app, run_args(tiny_bundle, "--policy", "lru", "--fit", str(fit)))  # lru fits nothing
+    assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+
+
 POINTS = [[0.0, 0.01, "runs"], [0.2, 0.008, "runs"]]
 
 

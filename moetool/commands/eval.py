@@ -16,7 +16,7 @@ from rich.table import Table
 
 from moetool.app import command, err, not_an_input, out, styled, writable
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
-                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
+                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, fit_note, spec_fields)
 from moetool.spec import DEFAULT_HW
 
 
@@ -84,6 +84,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                      task=task, num_fewshot=num_fewshot, limit=limit, include_path=include_path,
                      mmlu_source=mmlu_source.value, data=data, stepwise=stepwise, context=context,
                      batch_size=batch_size)
+    if (said := fit_note(fit, policy)) is not None:
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     unit = "tokens" if task == PPL else "requests"
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():

@@ -14,7 +14,7 @@ from rich.table import Table
 from moetool.app import command, err, not_an_input, out, styled, writable
 from moetool.errors import MoetoolError
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, Decode, DecodeOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
-                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, spec_fields)
+                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, fit_note, spec_fields)
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
@@ -60,6 +60,8 @@ def run(
     cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
                                      experts_impl, decode),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if (said := fit_note(fit, policy)) is not None:
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         # generated tokens; the bar's default columns read markup, and --policy is checked only later
         task = bar.add_task(escape(f"run {policy}"), total=len(cfg.prompts) * max_new_tokens)
