@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,11 +19,8 @@ from transformers.generation.logits_process import LogitsProcessor
 from moetool.checkpoint import text_config
 from moetool.errors import MoetoolError, first_line
 
-if TYPE_CHECKING:
-    from moetool.model import LoadedModel
 
-
-def call_router(lm: LoadedModel, layer: int, hidden: torch.Tensor) -> Any:
+def call_router(lm: Any, layer: int, hidden: torch.Tensor) -> Any:  # lm: a model.LoadedModel (model imports this module)
     """MoE layer `layer`'s router on `hidden` [T, H] outside its block's forward (cross-layer
     look-ahead, routing profiles): what the router returns, or None where it cannot run alone.
 
