@@ -10,8 +10,8 @@ are strict and fail with one sentence.
     report.save(Path("out/check.json"))
     CheckReport.load(Path("out/check.json"), model=fp)
 
-The fit stage's artifact (`Fit`) sits here too: `run` reads it and the policies' fit and report
-hooks name it, and neither may import the fit stage, which imports both.
+The fit stage's artifact (`Fit`) is in moetool.fit_artifact: its read checks the knobs against the
+policies' registry, and this module sits below the policies (their fit hooks read a fingerprint).
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -384,56 +383,3 @@ class CheckReport(Artifact):
     max_abs_diff: float  # on the final logits
     layers: tuple[LayerCheck, ...]
     tolerance: float = 1e-5
-
-
-@dataclass(frozen=True)
-class Fit(Artifact):
-    """Fitted policy knobs, per policy name (written by `moetool fit`, read by `--fit`), with their evidence.
-
-    `evidence` holds "warnings" (a list), "skipped" ("<policy>.<knob>" -> why it was not fitted)
-    and, per policy name, that policy's evidence per knob (`policies.stages.Fitted.evidence`).
-    """
-
-    SCHEMA: ClassVar[str] = "fit"
-    SCHEMA_VERSION: ClassVar[int] = 1
-
-    params: dict[str, dict[str, Any]]  # policy -> knob -> value
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        """On read: the knobs are the policies' own (a name the policy lacks, a hand edit's `alpah`, was
-        passed over and the default ran), the warnings and reasons are text, no number is NaN, and the
-        evidence a policy's report draws has the shape it draws (`Knobs.evidence`)."""
-        from moetool.policies import POLICIES  # the registry, without torch: report reads fits
-
-        for policy, knobs in self.params.items():
-            if policy in POLICIES:
-                known = {f.name for f in fields(POLICIES[policy].Params)}
-                unknown = sorted(set(knobs) - known)
-                if unknown:
-                    raise SchemaError(f"params[{policy!r}]", f"names {_text(unknown[0])!r}, which is no knob of policy "
-                                                             f"'{policy}' (its knobs: {', '.join(sorted(known))})")
-        ev = self.evidence
-        build(list[str], ev.get("warnings", []), "evidence.warnings")
-        build(dict[str, str], ev.get("skipped", {}), "evidence.skipped")
-        _finite_numbers(ev, "evidence")
-        for policy, cls in POLICIES.items():
-            mine = ev.get(policy)
-            if mine is None or not cls.evidence:
-                continue
-            if not isinstance(mine, dict):
-                raise SchemaError(f"evidence[{policy!r}]", "must be an object of the evidence per knob")
-            for knob, schema in cls.evidence.items():
-                if mine.get(knob) is not None:
-                    build(schema, mine[knob], f"evidence[{policy!r}][{knob!r}]")
-
-
-def _finite_numbers(value: Any, where: str) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise SchemaError(where, f"is {value}; a fitted number is finite")
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _finite_numbers(v, f"{where}[{k!r}]")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _finite_numbers(v, f"{where}[{i}]")

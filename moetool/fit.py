@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetool.artifacts import Fit, read_json, sha256_file
+from moetool.artifacts import read_json, sha256_file
+from moetool.fit_artifact import Fit
 from moetool.errors import MoetoolError
 from moetool.policies import hooked
 from moetool.policies.dymoe_knobs import RETENTION_FLOOR

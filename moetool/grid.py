@@ -393,7 +393,7 @@ class _Grid:
             manifest = Bundle.load(Path(bundle) / MANIFEST, model=fp)  # refuses a bundle of another model
             fp = fp or manifest.model
         if fit is not None:
-            from moetool.artifacts import Fit
+            from moetool.fit_artifact import Fit
 
             Fit.load(Path(fit), model=fp)
         return fp

@@ -109,7 +109,7 @@ def fit_note(fit: Path | None, policy: str) -> str | None:
     skipped them: SMoE's alpha without runs, DynaExq's n_hi without --budget): the run takes the
     policy's defaults, which it would otherwise do without a word while recording the fit as an input.
     None where the fit holds some, the policy fits none, or the fit cannot be read (the run says why)."""
-    from moetool.artifacts import Fit
+    from moetool.fit_artifact import Fit
     from moetool.policies import POLICIES
     from moetool.policies.knobs import hooked
 

@@ -100,7 +100,7 @@ def demo_sweeps(cfg: DemoConfig, model: str, bundle: Path, fitted: Path) -> dict
 
 
 def demo_pipeline(cfg: DemoConfig, progress: Progress | None = None) -> dict[str, Path]:
-    from moetool.artifacts import Fit
+    from moetool.fit_artifact import Fit
     from moetool.demo import build_demo_model
     from moetool.fit import SWEEP_TOKENS, FitConfig, fit
     from moetool.model import model_fingerprint

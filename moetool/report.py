@@ -18,7 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from moetool.artifacts import Fit, ModelFingerprint, atomic_write_bytes, read_json, replace_dir
+from moetool.artifacts import ModelFingerprint, atomic_write_bytes, read_json, replace_dir
+from moetool.fit_artifact import Fit
 from moetool.errors import MoetoolError
 from moetool.eval_artifact import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label

@@ -23,7 +23,8 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
-from moetool.artifacts import Fit, sha256_file
+from moetool.artifacts import sha256_file
+from moetool.fit_artifact import Fit
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text

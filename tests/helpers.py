@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, settings
 
-from moetool.artifacts import CheckReport, Fit, LayerCheck, ModelFingerprint
+from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint
+from moetool.fit_artifact import Fit
 from moetool.evaluate import Eval
 from moetool.model import ExpertWeights
 from moetool.profile import ModelInfo, Profile

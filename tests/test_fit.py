@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from moetool.artifacts import Fit, ModelFingerprint
+from moetool.artifacts import ModelFingerprint
+from moetool.fit_artifact import Fit
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval

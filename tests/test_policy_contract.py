@@ -63,7 +63,7 @@ def test_the_readme_policy_skips_light_slots(tiny_ckpt, skip_light):
 def test_the_readme_policy_is_fitted_run_and_reported_from_its_own_file(tiny_ckpt, skip_light, tmp_path):
     """profile -> fit -> run -> report with nothing registered but the README's block: the fit stage
     finds its `fit`, the run takes the fitted tau, the report places its table."""
-    from moetool.artifacts import Fit
+    from moetool.fit_artifact import Fit
     from moetool.fit import FitConfig, fit
     from moetool.profile import ProfileConfig, profile
     from moetool.report import report

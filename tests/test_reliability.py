@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from moetool.artifacts import CheckReport, Fit, ModelFingerprint
+from moetool.artifacts import CheckReport, ModelFingerprint
+from moetool.fit_artifact import Fit
 from moetool.cli import app
 from moetool.errors import MoetoolError
 from moetool.evaluate import Eval

@@ -11,11 +11,12 @@ live in its own files, as its `plan` does (a shipped paper's in `<paper>_knobs.p
     part = POLICIES["dymoe"].report(arts)       # Section(markdown="## DyMoE ...", figures=[...])
 
 Nothing here imports a stage (fit, run, report, matplotlib): the engine imports every policy file.
-The hooks read the profile, run and eval artifacts through protocols (`ProfileRecord`, `RunRecord`,
-`EvalRecord`): what a hook may rely on of the real classes, moetool.profile_artifact.Profile,
-moetool.run_artifact.Run and moetool.eval_artifact.Eval, which the profile, run and eval stages make
-(the profile measures with the papers' equations; run and eval build the engine, which imports every
-policy file).
+The hooks read the profile, fit, run and eval artifacts through protocols (`ProfileRecord`,
+`FitRecord`, `RunRecord`, `EvalRecord`): what a hook may rely on of the real classes,
+moetool.profile_artifact.Profile, moetool.fit_artifact.Fit, moetool.run_artifact.Run and
+moetool.eval_artifact.Eval, which the stages make (the profile measures with the papers' equations;
+a fit's read checks its knobs against this registry; run and eval build the engine, which imports
+every policy file).
 """
 
 from __future__ import annotations
@@ -26,12 +27,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from moetool.artifacts import Fit, ModelFingerprint
+    from moetool.artifacts import ModelFingerprint
 
 
 # -- the artifacts the hooks read (the module's docstring says why protocols) ---------------------
 # Each names what `ReportInputs`' helpers and the policies' `fit` and `report` read; the real
 # artifacts carry more.
+
+
+class FitRecord(Protocol):
+    """`moetool.fit_artifact.Fit`: the knobs a fit wrote per policy, and the model it fitted them on."""
+
+    @property
+    def model(self) -> ModelFingerprint: ...
+    @property
+    def params(self) -> dict[str, dict[str, Any]]: ...
+    @property
+    def evidence(self) -> dict[str, Any]: ...
 
 
 class ModelInfoRecord(Protocol):
@@ -201,7 +213,7 @@ class ReportInputs:
     """
 
     profiles: tuple[tuple[Path, ProfileRecord], ...]
-    fits: tuple[tuple[Path, Fit], ...]
+    fits: tuple[tuple[Path, FitRecord], ...]
     runs: tuple[tuple[Path, RunRecord], ...]
     evals: tuple[tuple[Path, dict], ...]
     rows: tuple[dict[str, Any], ...]
@@ -215,7 +227,7 @@ class ReportInputs:
         many = len(self.profiles) > 1 if any(p == path for p, _ in self.profiles) else len(self.fits) > 1
         return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name.split(".")[0]) if many else ""
 
-    def fits_for(self, prof: ProfileRecord) -> list[Fit]:
+    def fits_for(self, prof: ProfileRecord) -> list[FitRecord]:
         """The fits made for `prof`'s model (what a profile figure may mark its fitted knob on)."""
         return [f for _, f in self.fits if f.model.same_model(prof.model)]
 
