@@ -458,5 +458,27 @@ def not_an_input(save: Path | None, *inputs: Path | str | None, inside: Path | s
                            "outside it.")
 
 
-__all__ = ["BUG", "PIPE_CLOSED", "app", "command", "environment_origin", "err", "not_an_input", "os_sentence", "out",
-           "pipe_closed", "styled", "writable"]
+
+def given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among `names` (parameter names) that the command line gives, as spelled there
+    (`--sweep-budget`): what an option read only in another mode is checked by, since a default cannot
+    tell "left out" from "given its default value". `ctx`: the command's (a `typer.Context` parameter)."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    return [flags.get(n, n) for n in names
+            if getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT")]
+
+
+def only_with(mode: str, names: list[str], fix: str | None = None) -> None:
+    """Refuse options given where `mode` (the option or setting that reads them) is off: they change
+    nothing there, and the command would have run as if they were not given. `fix`: how to turn it on
+    (default: "add MODE")."""
+    if not names:
+        return
+    one = len(names) == 1
+    listed = names[0] if one else ", ".join(names[:-1]) + " and " + names[-1]
+    raise MoetoolError(f"{listed} {'is' if one else 'are'} read only with {mode}, so {'it changes' if one else 'they change'} "
+                       f"nothing here; leave {'it' if one else 'them'} out, or {fix or 'add ' + mode}.")
+
+
+__all__ = ["BUG", "PIPE_CLOSED", "app", "command", "environment_origin", "err", "given", "not_an_input", "only_with",
+           "os_sentence", "out", "pipe_closed", "styled", "writable"]

@@ -94,8 +94,8 @@ class EvalConfig(EngineSpec):
                 raise MoetoolError(f"--context must be at least 2 tokens, not {self.context}.")
             if self.num_fewshot is not None or self.include_path is not None:
                 raise MoetoolError("--num-fewshot and --include-path are for lm-eval tasks, not ppl.")
-        elif self.data is not None or self.stepwise:
-            raise MoetoolError("--data and --stepwise are for ppl, not lm-eval tasks.")
+        elif self.data is not None or self.stepwise or self.context is not None:
+            raise MoetoolError("--data, --stepwise and --context are for ppl, not lm-eval tasks.")
         super().check()
 
 

@@ -56,7 +56,7 @@ class FitConfig(FitTargets):
             raise MoetoolError(f"--max-loss is a relative loss, 0 or more (0.01 = 1%), not {self.max_loss:g}.")
         if not 0 <= self.l_threshold <= 1:
             raise MoetoolError(f"--l-threshold is a recall between 0 and 1, not {self.l_threshold:g}.")
-        if not RETENTION_FLOOR <= self.r <= 1:
+        if self.r is not None and not RETENTION_FLOOR <= self.r <= 1:
             raise MoetoolError(f"--r is a mean retention between {RETENTION_FLOOR:g} (the cosine schedule's floor, "
                                f"DyMoE eq. 4) and 1, not {self.r:g}.")
         if self.target_tpot is not None and not (math.isfinite(self.target_tpot) and self.target_tpot > 0):
@@ -68,6 +68,10 @@ class FitConfig(FitTargets):
             if not self.alphas or not all(0 <= a < 1 for a in self.alphas):
                 raise MoetoolError(f"--alphas are SMoE thresholds between 0 and 1 (1 excluded), not "
                                    f"{', '.join(f'{a:g}' for a in self.alphas) or 'none'}.")
+            if len(set(self.alphas)) < 2 and not self.runs:  # eq. 5 fits T(alpha) through 2+ points
+                raise MoetoolError(f"--alphas {', '.join(f'{a:g}' for a in self.alphas)} gives the --sweep one point of "
+                                   "SMoE's T(alpha) (eq. 5), and a curve needs two or more alphas; give more --alphas "
+                                   "(or smoe runs at other alphas with --runs).")
             check_budget(self.sweep.budget, "--sweep-budget")
             dataclasses.replace(self.sweep, clock="sim").check()
             if self.sweep.max_new_tokens < 2:  # the first token is the prefill's: TPOT times the ones after it

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from moetool.artifacts import Artifact, _text
 from moetool.policies import POLICIES  # the registry, without torch: report reads fits
+from moetool.policies.knobs import Sizing
 from moetool.schema import SchemaError, build
 
 
@@ -36,7 +37,8 @@ class Fit(Artifact):
     def validate(self) -> None:
         """On read: the knobs are the policies' own (a name the policy lacks, a hand edit's `alpah`, was
         passed over and the default ran), the warnings and reasons are text, no number is NaN, and the
-        evidence a policy's report draws has the shape it draws (`Knobs.evidence`)."""
+        evidence a policy's report draws has the shape it draws (`Knobs.evidence`), as has the budget a
+        knob was sized for (`Sizing`), which a run compares with its own."""
         for policy, knobs in self.params.items():
             if policy in POLICIES:
                 known = {f.name for f in fields(POLICIES[policy].Params)}
@@ -50,13 +52,22 @@ class Fit(Artifact):
         _finite_numbers(ev, "evidence")
         for policy, cls in POLICIES.items():
             mine = ev.get(policy)
-            if mine is None or not cls.evidence:
+            if mine is None:
                 continue
             if not isinstance(mine, dict):
                 raise SchemaError(f"evidence[{policy!r}]", "must be an object of the evidence per knob")
             for knob, schema in cls.evidence.items():
                 if mine.get(knob) is not None:
                     build(schema, mine[knob], f"evidence[{policy!r}][{knob!r}]")
+            for knob, of_knob in mine.items():  # what a run compares its budget and tiers with
+                if isinstance(of_knob, dict) and "budget" in of_knob:
+                    build(Sizing, of_knob["budget"], f"evidence[{policy!r}][{knob!r}]['budget']")
+
+    def sizing(self, policy: str) -> dict[str, Sizing]:
+        """`policy`'s fitted knobs that hold for one budget and tiers only (`policies.knobs.Sizing`)."""
+        mine = self.evidence.get(policy) or {}
+        return {knob: build(Sizing, ev["budget"], knob) for knob, ev in mine.items()
+                if knob in self.params.get(policy, {}) and isinstance(ev, dict) and "budget" in ev}
 
 
 def _finite_numbers(value: Any, where: str) -> None:

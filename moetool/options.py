@@ -128,6 +128,24 @@ def fit_note(fit: Path | None, policy: str) -> str | None:
     return f"{fit} holds no fitted knob of policy '{policy}'{said}; it runs on its defaults."
 
 
+
+def wall_hw_note(hw: str) -> str:
+    """What `--hw` does on the wall clock, where nothing is simulated: the times are this machine's,
+    and the run records no `hw`; only the costs a cost-aware policy decides with are the preset's."""
+    return (f"--hw {hw} on the wall clock times nothing (the times are this machine's); it gives only the costs "
+            "that cost-aware policies decide with (Fate's n, SMoE's load-or-compute), recorded as "
+            "summary.policy_hw. Add --clock sim to simulate that machine.")
+
+def fit_dropped_note(fit: Path | None, policy: str, summary: dict[str, Any]) -> str | None:
+    """What to say when the run did not take some of `--fit`'s knobs (`summary["fit_dropped"]`): they
+    were sized for another budget or tiers, and the policy's defaults ran in their place."""
+    dropped = summary.get("fit_dropped") or {}
+    if not dropped:
+        return None
+    why = "; ".join(f"{k} ({v})" for k, v in dropped.items())
+    return (f"{fit} fitted policy '{policy}''s {why}: this run takes the policy's default for "
+            f"{'it' if len(dropped) == 1 else 'them'} (`moetool fit --budget` fits them for this run's budget).")
+
 __all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "Decode", "DecodeOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
            "ExpertsImpl", "ExpertsImplOpt", "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
-           "fit_note", "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]
+           "fit_dropped_note", "fit_note", "wall_hw_note", "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]

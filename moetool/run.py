@@ -108,6 +108,7 @@ class Prepared:
     dtype: str = "float32"  # the compute dtype, resolved
     store: HostStore | None = None  # what `build` (re)builds the engine from
     fitted: dict[str, Any] | None = None
+    fit_sizing: dict[str, Any] | None = None  # knob -> the budget and tiers it was fitted for (`Fit.sizing`)
     max_tokens: int = PLAN_TOKENS
     batch: int = 1
     host_budget: int | None = None
@@ -128,14 +129,14 @@ def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = P
     lm, store, inputs = load(spec, dtype)
     if callable(max_tokens):
         max_tokens = max_tokens(lm)
-    fitted = None
+    fitted = sizing = None
     if spec.fit is not None:
         fit = Fit.load(Path(spec.fit), model=lm.fingerprint)
-        fitted = fit.params.get(spec.policy, {})
+        fitted, sizing = fit.params.get(spec.policy, {}), fit.sizing(spec.policy)
         inputs[str(spec.fit)] = sha256_file(Path(spec.fit))
     ready = Prepared(spec=spec, lm=lm, engine=None, budget=None, inputs=inputs, dtype=str(dtype).removeprefix("torch."),
-                     store=store, fitted=fitted, max_tokens=max_tokens, batch=batch or getattr(spec, "batch_size", 1),
-                     host_budget=host_budget)
+                     store=store, fitted=fitted, fit_sizing=sizing, max_tokens=max_tokens,
+                     batch=batch or getattr(spec, "batch_size", 1), host_budget=host_budget)
     return build(ready, captured)
 
 
@@ -148,7 +149,7 @@ def build(ready: Prepared, captured: bool = False) -> Prepared:
     ready.engine, ready.budget = build_engine(
         ready.lm, ready.store, spec.policy, settings=spec.settings, fitted=ready.fitted, budget=spec.budget,
         clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=ready.max_tokens, batch=ready.batch,
-        host_budget=ready.host_budget, experts_impl=spec.experts_impl, captured=captured)
+        host_budget=ready.host_budget, experts_impl=spec.experts_impl, captured=captured, fit_sizing=ready.fit_sizing)
     return ready
 
 
@@ -159,7 +160,8 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
     return dict(policy=spec.policy, params=engine.policy.describe(), clock=spec.clock,
                 hw=spec.hw if spec.clock == "sim" else None, device=str(spec.device), dtype=ready.dtype,
                 budget_bytes=split.total_bytes, budget=dataclasses.asdict(split), peak_device_bytes=s["peak_device_bytes"],
-                summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info},
+                summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info,
+                         **({"fit_dropped": engine.fit_dropped} if engine.fit_dropped else {})},
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 

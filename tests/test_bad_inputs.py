@@ -10,8 +10,8 @@ in a report's --out. Each test fails on the code before these fixes.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -145,6 +145,25 @@ def test_a_same_size_edit_of_a_bundles_config_is_caught_when_it_opens(tiny_bundl
     assert "is corrupt" in _one_error_line(runner.invoke(app, run_args(copy, "--prompt", "hi")))
 
 
+@pytest.mark.parametrize("given,says", [
+    (["--calib-tokens", "512"], "--calib-tokens feeds calibration"),
+    (["--calib-text", "TEXT"], "--calib-text feeds calibration"),
+    (["--calib-text", "TEXT", "--calib-tokens", "2048"], "--calib-text and --calib-tokens feed calibration"),
+])
+def test_calibration_options_without_calibration_are_refused(tmp_path, given, says):
+    """HQQ reads no activations unless --calibrate asks for its output error: --calib-tokens was ignored
+    without a word, and --calib-text turned calibration on unasked (a run many times longer)."""
+    text = tmp_path / "calib.txt"
+    text.write_text("some text to calibrate on")
+    out = tmp_path / "q"
+    args = [str(text) if a == "TEXT" else a for a in given]
+    line = _one_error_line(runner.invoke(app, ["quantize", str(tiny_moe(tmp_path / "m")), "--bits", "4", *args,
+                                               "--out", str(out)]))
+    assert line == f"error: {says}, which HQQ runs only with --calibrate (to measure its output error); add " \
+                   "--calibrate, or --method gptq.", line
+    assert not out.exists()
+
+
 def test_a_refused_quantize_leaves_no_directory_behind(tmp_path):
     model = tiny_moe(tmp_path / "m")  # no tokenizer: it cannot read calibration text
     text = tmp_path / "calib.txt"
@@ -210,6 +229,42 @@ def test_fit_refuses_an_unknown_hardware_preset(tmp_path):
     args = ["fit", str(profile), "--hw", "nosuch", "--out", str(tmp_path / "f.json")]
     line = _one_error_line(runner.invoke(app, args))
     assert "no hardware profile 'nosuch'" in line and not (tmp_path / "f.json").exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    (["fit", "PROFILE", "--alphas", "0.1,0.2"], "--alphas is read only with --sweep, so it changes nothing here; "
+                                                "leave it out, or add --sweep."),
+    (["fit", "PROFILE", "--hw", "h200", "--sweep-budget", "10%", "--device", "cpu"],
+     "--hw, --sweep-budget and --device are read only with --sweep, so they change nothing here; leave them out, "
+     "or add --sweep."),
+    (["eval", "bigbench-mc", "--bundle", "BUNDLE", "--context", "3"], "--data, --stepwise and --context are for ppl, "
+                                                                       "not lm-eval tasks."),
+    (["profile", "--bundle", "BUNDLE", "--what", "routing", "--bits", "4"],
+     "--bits is read only with --what sensitivity, so it changes nothing here; leave it out, or add sensitivity to --what."),
+    (["profile", "--bundle", "BUNDLE", "--what", "sensitivity", "--data", "heldout", "--seqs", "2"],
+     "--seqs and --data are read only with --what routing, similarity or prefetch"),
+    (["profile", "--bundle", "BUNDLE", "--what", "timing", "--decode-tokens", "3"],
+     "--decode-tokens is read only with --what routing, similarity or prefetch"),
+    (["profile", "--bundle", "BUNDLE", "--what", "routing", "--hw-base", "h200"], "--hw-base is read only with --what timing"),
+    (["sweep", "GRID", "--workers", "0", "--cpus-per-cell", "2"], "--cpus-per-cell is read only with Ray (--workers "
+                                                                  "other than 0), so it changes nothing here; leave it "
+                                                                  "out, or drop --workers 0."),
+    (["sweep", "GRID", "--address", "localhost:6379", "--workers", "4"], "--workers is read only with the local Ray"),
+])
+def test_an_option_given_where_its_mode_is_off_is_refused(tiny_bundle, tmp_path, args, says):
+    """Each ran with exit code 0 and wrote an artifact that recorded the option (a profile even listed
+    --data as its input), while nothing read it: `fit --alphas` without --sweep, `eval TASK --context`,
+    `profile --what routing --bits 4`, `sweep --workers 0 --cpus-per-cell 2`."""
+    from helpers import synthetic_profile
+
+    profile = synthetic_profile().save(tmp_path / "p.profile.json")
+    grid = tmp_path / "g.yaml"
+    grid.write_text("stage: run\ngrid:\n  policy: [lru]\n")
+    out = tmp_path / "o"
+    where = {"PROFILE": str(profile), "BUNDLE": str(tiny_bundle), "GRID": str(grid)}
+    line = _one_error_line(runner.invoke(app, [*(where.get(a, a) for a in args), "--out", str(out)]))
+    assert says in line, line
+    assert not out.exists()
 
 
 def test_a_binary_grid_file_is_one_sentence(tmp_path):
@@ -299,6 +354,25 @@ def test_a_fit_artifacts_knob_of_the_wrong_type_is_one_sentence(knob, value, say
     assert parse_params(POLICIES["fate"], {}, {"p": 1}).p == 1.0  # JSON's 1 for a float knob is fine
 
 
+@pytest.mark.parametrize("policy,settings,says", [
+    ("smoe", {"eviction": "lru", "window": "9"}, "--set window=9 changes nothing with eviction=lru"),
+    ("smoe", {"cpu_assist": "false", "cpu_rule": "eq4"}, "--set cpu_rule=eq4 changes nothing with cpu_assist=false"),
+    ("fate", {"prefetcher": "none", "n": "7"}, "--set n=7 changes nothing with prefetcher=none"),
+    ("fate", {"prefetcher": "none", "percentile": "0.1"}, "--set percentile=0.1 changes nothing with prefetcher=none"),
+    ("dymoe", {"r": "0.9", "lam": "1"}, "--set r=0.9 changes nothing with lam=1.0"),
+])
+def test_a_knob_the_policy_does_not_read_beside_another_is_refused(tiny_bundle, policy, settings, says):
+    """Each ran with the knob recorded in its params and the same tokens, hits and bytes as without it."""
+    with pytest.raises(MoetoolError, match=re.escape(says)):
+        parse_params(POLICIES[policy], settings)
+    args = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    line = _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--policy", policy, "--prompt", "Hi", *args)))
+    assert says in line and line.endswith("out, or change " + line.split(" with ")[1].split("=")[0] + "."), line
+    kept = {k: v for k, v in settings.items() if k not in ("window", "cpu_rule", "n", "percentile", "r")}
+    parse_params(POLICIES[policy], kept)  # the other knob alone is fine, and so is the knob where it is read
+    parse_params(POLICIES[policy], {k: v for k, v in settings.items() if k not in kept})
+
+
 def test_a_run_with_a_fit_that_names_a_knob_the_policy_lacks_is_one_sentence(tiny_bundle, tmp_path):
     """A hand edit's misspelt knob (`alpah`) was passed over, and the default ran without a word."""
     model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
@@ -321,7 +395,64 @@ def test_a_run_with_a_fit_that_fitted_nothing_for_its_policy_says_so(tiny_bundle
     assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
 
 
+def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_run_says_so(tiny_bundle, tmp_path):
+    """DynaExq's n_hi (§3.1) is sized for the fit's --budget and tiers. A run at another budget took it as
+    it was: too few high-precision experts for a larger budget, without a word. It now derives n_hi from
+    its own budget (the default, n_hi < 0), records what it dropped and why, and says so."""
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
+    sized = {"budget": "75%", "cache_bytes": 1000, "knobs": {"b_hi": 16, "b_lo": 4}}
+    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"dynaexq": {"n_hi": 0}},
+                                          "evidence": {"dynaexq": {"n_hi": {"value": 0, "budget": sized}}}})
+
+    def ran(*extra: str) -> tuple[dict, list[str]]:
+        out = tmp_path / "r.run.json"
+        result = runner.invoke(app, [*run_args(tiny_bundle, "--policy", "dynaexq", "--fit", str(fit), "--prompt", "Hi",
+                                               "--out", str(out)), *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text()), [ln for ln in result.stderr.splitlines() if ln.startswith("note:")]
+
+    art, notes = ran()  # run_args' --budget 100%
+    assert art["params"]["n_hi"] == -1 and art["summary"]["fit_dropped"] == {
+        "n_hi": "sized for --budget 75%, and this run has --budget 100%"}
+    assert notes == [f"note: {fit} fitted policy 'dynaexq''s n_hi (sized for --budget 75%, and this run has --budget "
+                     "100%): this run takes the policy's default for it (`moetool fit --budget` fits them for this "
+                     "run's budget)."], notes
+    art, notes = ran("--budget", "75.0%")  # the fit's budget, spelled otherwise: taken
+    assert art["params"]["n_hi"] == 0 and "fit_dropped" not in art["summary"] and notes == []
+    art, notes = ran("--budget", "75%", "--set", "n_hi=1")  # --set is the user's, not the fit's
+    assert art["params"]["n_hi"] == 1 and notes == []
+
+
+def test_a_fitted_dymoe_r_for_other_tiers_is_dropped_with_its_lam():
+    """DyMoE's r fitted from a budget assumed 4/2's bytes; `config=4/0` keeps no low tier, so the budget
+    holds another r, and lam (solved from r) goes with it. An r the user asked for (`--r`) has no sizing."""
+    from moetool.policies.knobs import Sizing, stale_fitted
+
+    cls = POLICIES["dymoe"]
+    sizing = {"r": Sizing("25%", 1000, {"high_bits": 4, "low_bits": 2})}
+    fitted = {"r": 0.6, "lam": 0.2}
+    drops = stale_fitted(cls, {"config": "4/0"}, fitted, sizing, lambda b: b == "25%", "25%")
+    assert drops == {"r": "sized for low_bits=2, and this run has low_bits=0",
+                     "lam": "derived from the fit's r, which this run does not take"}
+    assert stale_fitted(cls, {"config": "4/2"}, fitted, sizing, lambda b: b == "25%", "25%") == {}
+    assert stale_fitted(cls, {"low_bits": "0", "r": "0.9"}, fitted, sizing, lambda b: b == "25%", "25%") == {}
+    assert set(stale_fitted(cls, {}, fitted, sizing, lambda b: False, "40%")) == {"r", "lam"}
+    assert stale_fitted(cls, {}, fitted, {}, lambda b: False, "40%") == {}  # a fit without sizing: as before
+
+
 POINTS = [[0.0, 0.01, "runs"], [0.2, 0.008, "runs"]]
+
+
+def test_hw_on_the_wall_clock_says_what_it_does(tiny_bundle):
+    """`run --hw h100sxm` on the wall clock recorded `hw: null` and printed CPU times under "(wall clock)":
+    nothing said that --hw had simulated nothing."""
+    result = runner.invoke(app, [*run_args(tiny_bundle, "--policy", "lru", "--prompt", "Hi"), "--clock", "wall",
+                                 "--hw", "h100sxm"])
+    assert result.exit_code == 0, result.output
+    notes = [ln for ln in result.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: --hw h100sxm on the wall clock times nothing"), notes
+    quiet = runner.invoke(app, [*run_args(tiny_bundle, "--policy", "lru", "--prompt", "Hi"), "--hw", "h100sxm"])
+    assert quiet.exit_code == 0 and "note:" not in quiet.stderr, quiet.stderr  # the sim clock: --hw is its machine
 
 
 @pytest.mark.parametrize("evidence,says", [
@@ -329,6 +460,8 @@ POINTS = [[0.0, 0.01, "runs"], [0.2, 0.008, "runs"]]
     ({"warnings": "abc"}, "evidence.warnings must be a list"),  # drawn as three warnings, a, b and c
     ({"skipped": ["x"]}, "evidence.skipped must be an object"),
     ({"smoe": {"alpha": "x"}}, "evidence['smoe']['alpha'] must be an object"),
+    ({"dynaexq": {"n_hi": {"budget": {"budget": "25%", "cache_bytes": "x", "knobs": {}}}}},
+     "evidence['dynaexq']['n_hi']['budget'].cache_bytes must be an integer"),
     ({"smoe": {"alpha": {"points": [[0.1]], "grid": [0.0], "predicted": [0.01], "degree": 1}}},
      "evidence['smoe']['alpha'].points[0] must be a list of 3 values"),
     ({"smoe": {"alpha": {"points": POINTS, "grid": [0.0, 0.1], "predicted": [0.01], "degree": 1}}},

@@ -15,6 +15,7 @@ from moetool.fit import FitConfig, cache_bytes, fit
 from moetool.options import parse_seconds
 from moetool.policies.dymoe_knobs import budget_retention, retention, schedule_table
 from moetool.policies.dynaexq_knobs import budget_n_hi
+from moetool.policies.knobs import Sizing
 from moetool.policies.fate_knobs import boundary_L, int2_share, transfer_n
 from moetool.policies.smoe_fit import choose_alpha, fit_polynomial, measured_guard
 from moetool.run import RunConfig
@@ -115,6 +116,11 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
     assert set(result.inputs) == {str(prof), *map(str, runs)}
     saved = result.save(tmp_path / "s.fit.json")
     assert Fit.load(saved, model=FP) == result
+    # what a run at another budget or tiers checks before it takes n_hi and r (`stale_fitted`)
+    cache = cache_bytes("50%", INFO)
+    assert Fit.load(saved, model=FP).sizing("dynaexq") == {"n_hi": Sizing("50%", cache, {"b_hi": 16, "b_lo": 4})}
+    assert result.sizing("dymoe") == {"r": Sizing("50%", cache, {"high_bits": 4, "low_bits": 2})}
+    assert result.sizing("smoe") == {} and result.sizing("lru") == {}
 
 
 @pytest.mark.parametrize("other,said", [
@@ -287,3 +293,26 @@ def test_alphas_the_policy_refuses_are_refused_before_the_sweep(tmp_path):
     with pytest.raises(MoetoolError, match=r"--alphas are SMoE thresholds between 0 and 1 \(1 excluded\), not 0, 1"):
         FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 1.0)).check()
     FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 0.99)).check()
+
+
+def test_a_sweep_of_one_alpha_is_refused_before_it_runs(tmp_path):
+    """`--sweep --alphas 0.3` ran its one alpha, then said eq. 5 needs two: minutes of runs for nothing."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    for alphas in ((0.3,), (0.3, 0.3)):
+        with pytest.raises(MoetoolError, match=r"gives the --sweep one point of SMoE's T\(alpha\)"):
+            FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=alphas).check()
+    run = synthetic_run("smoe", {"alpha": 0.1}, 0.09).save(tmp_path / "a.run.json")  # a second point from a run
+    FitConfig(profile=prof, runs=(run,), sweep=RunConfig(max_new_tokens=2), alphas=(0.3,)).check()
+
+
+def test_an_r_given_wins_over_the_budgets_for_dymoe(tmp_path):
+    """`fit --r 0.9 --budget 50%` took the budget's r over the 0.9 asked for, without a word; the
+    budget still sizes DynaExq's n_hi. Without --r the budget sizes r, and without either r is §6.2's."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    asked = fit(FitConfig(profile=prof, r=0.9, budget="50%"))
+    assert asked.params["dymoe"]["r"] == 0.9 and asked.sizing("dymoe") == {} and "n_hi" in asked.params["dynaexq"]
+    assert asked.evidence["dymoe"]["r"]["from"] == "--r (target mean retention)"
+    sized = fit(FitConfig(profile=prof, budget="50%"))
+    assert sized.params["dymoe"]["r"] == pytest.approx(budget_retention(cache_bytes("50%", INFO), INFO, 4, 2), abs=1e-4)
+    bare = fit(FitConfig(profile=prof))
+    assert bare.params["dymoe"]["r"] == 0.75 and "no --budget" in bare.evidence["dymoe"]["r"]["from"]

@@ -14,9 +14,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, styled, writable
+from moetool.app import command, err, given, not_an_input, out, styled, writable
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
-                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, fit_note, spec_fields)
+                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt,
+                             fit_dropped_note, fit_note, spec_fields, wall_hw_note)
 from moetool.spec import DEFAULT_HW
 
 
@@ -28,6 +29,7 @@ class MmluSource(str, Enum):
 
 @command
 def eval(  # noqa: A001 - the command is `moetool eval`
+    ctx: typer.Context,
     task: Annotated[str, typer.Argument(help="An lm-eval task, group or tag (mmlu, mmlu_anatomy, hellaswag, ...), "
                                              "a task YAML (it may run Python: see --include-path), "
                                              "bigbench-mc / bigbench-mc-cloze (packaged, offline), or ppl.")],
@@ -84,6 +86,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                      task=task, num_fewshot=num_fewshot, limit=limit, include_path=include_path,
                      mmlu_source=mmlu_source.value, data=data, stepwise=stepwise, context=context,
                      batch_size=batch_size)
+    if Clock(clock) == Clock.wall and given(ctx, "hw"):
+        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
     if (said := fit_note(fit, policy)) is not None:
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     unit = "tokens" if task == PPL else "requests"
@@ -94,6 +98,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
             job, completed=done, total=total, description=f"eval {task} ({policy}), {unit}"))
     if save is not None:
         result.save(save)
+    if (said := fit_dropped_note(fit, policy, result.summary)) is not None:
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "

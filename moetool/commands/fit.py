@@ -10,13 +10,14 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, styled, writable
+from moetool.app import command, err, given, not_an_input, only_with, out, styled, writable
 from moetool.options import BundleOpt, DeviceOpt, Dtype, DtypeOpt, HwOpt, JsonOpt, parse_numbers, parse_seconds
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
 @command
 def fit(
+    ctx: typer.Context,
     profile: Annotated[Path, typer.Argument(help="A profile artifact (moetool profile --out).")],
     save: Annotated[Path, typer.Option("--out", help="Where to write the fit artifact (NAME.fit.json).")],
     more: Annotated[list[Path] | None, typer.Argument(help="More run/eval artifacts (so that --runs *.run.json works).")] = None,
@@ -26,8 +27,10 @@ def fit(
     target_tpot: Annotated[str | None, typer.Option(help="TPOT budget R for SMoE eq. 5: seconds (0.05) or 50ms.")] = None,
     max_loss: Annotated[float, typer.Option(help="Fate p: relative loss allowed (0.01 = 1%).")] = 0.01,
     l_threshold: Annotated[float, typer.Option(help="Fate L: decode prefetch recall every deeper layer must keep.")] = 0.7,
-    r: Annotated[float, typer.Option(help="DyMoE target mean retention (without --budget).")] = 0.75,
-    budget: Annotated[str | None, typer.Option(help="Device budget (12GiB) or expert cache share (25%) for DyMoE r and DynaExq n_hi.")] = None,
+    r: Annotated[float | None, typer.Option(help="DyMoE target mean retention; without it, the largest r --budget "
+                                            "holds, or 0.75 (§6.2) without --budget.", show_default=False)] = None,
+    budget: Annotated[str | None, typer.Option(help="Device budget (12GiB) or expert cache share (25%) for DynaExq "
+                                               "n_hi, and DyMoE r without --r.")] = None,
     model: Annotated[str | None, typer.Option(help="Model for --sweep (default: the profile's).")] = None,
     bundle: BundleOpt = None,
     hw: HwOpt = DEFAULT_HW,
@@ -50,9 +53,8 @@ def fit(
     from moetool.engine.clock import load_hw
 
     load_hw(hw)  # an unknown preset or a bad profile file is refused even where only --sweep would read it
-    if not sweep and hw != DEFAULT_HW:
-        err.print(styled(("warning:", "yellow"), " --hw is used by --sweep's runs only; without --sweep it changes "
-                         "nothing."), highlight=False)
+    if not sweep:  # the options of --sweep's runs
+        only_with("--sweep", given(ctx, "alphas", "model", "bundle", "hw", "sweep_budget", "max_new_tokens", "device", "dtype"))
     grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
     sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget, hw=hw, device=device,
                            dtype=Dtype(dtype).value,

@@ -10,7 +10,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, writable
+from moetool.app import command, err, given, not_an_input, only_with, out, writable
 from moetool.errors import MoetoolError
 from moetool.options import DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, parse_numbers
 from moetool.spec import DEFAULT_HW
@@ -44,6 +44,7 @@ def _device_preset(device: str, what: tuple[str, ...]) -> str:
 
 @command
 def profile(
+    ctx: typer.Context,
     save: Annotated[Path, typer.Option("--out", help="Where to write the profile artifact (NAME.profile.json).")],
     model: ModelOpt = None,
     bundle: Annotated[Path | None, typer.Option(help="Quantized bundle for sensitivity and timing (default: HQQ in memory).")] = None,
@@ -90,6 +91,17 @@ def profile(
     if hw_out is not None and "timing" not in parts and "all" not in parts:  # it would not be written, unsaid
         raise MoetoolError(f"--hw-out {hw_out} is written from the timing part, which --what {','.join(parts)} leaves out; add "
                            "timing to --what, or leave --hw-out out.")
+    # Each part reads its own options; one given where its part is left out would be recorded in the
+    # profile's settings (--data even as an input) as if it had been measured with.
+    on = {"routing", "sensitivity", "similarity", "prefetch", "timing"} if "all" in parts else set(parts)
+    traced = "--what routing, similarity or prefetch"
+    if not {"routing", "similarity", "prefetch"} & on:  # timing reads the first 32 tokens of --data's first sequence
+        only_with(traced, given(ctx, "seqs", "decode_tokens", *(() if "timing" in on else ("data", "seq_len"))),
+                  "add one of them to --what")
+    if "sensitivity" not in on:  # scored on the held-out text, whatever --data is
+        only_with("--what sensitivity", given(ctx, "bits", "ppl_tokens"), "add sensitivity to --what")
+    if "timing" not in on:
+        only_with("--what timing", given(ctx, "hw_base"), "add timing to --what")
     cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,
                         what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
                         decode_tokens=decode_tokens, sensitivity_bits=sens_bits, ppl_tokens=ppl_tokens,

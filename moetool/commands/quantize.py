@@ -29,8 +29,10 @@ def quantize(
                                                    "row instead of --group-size groups: the layout torch's int8 "
                                                    "weight-only CPU kernel runs without dequantizing.")] = False,
     save: Annotated[Path, typer.Option("--out", help="Bundle directory to write.")] = Path("bundle"),
-    calib_text: Annotated[Path | None, typer.Option(help="UTF-8 text to calibrate GPTQ on (default: shipped training text).")] = None,
-    calib_tokens: Annotated[int, typer.Option(help="Calibration tokens in total.")] = 2048,
+    calib_text: Annotated[Path | None, typer.Option(help="UTF-8 text to calibrate on, for GPTQ or HQQ's --calibrate "
+                                                    "(default: shipped training text).")] = None,
+    calib_tokens: Annotated[int | None, typer.Option(help="Calibration tokens in total, for GPTQ or HQQ's --calibrate "
+                                                     "[default: 2048].", show_default=False)] = None,
     calibrate: Annotated[bool, typer.Option(help="Also measure HQQ's output error on calibration activations.")] = False,
     dtype: Annotated[str, typer.Option(help="dtype the checkpoint is read and calibrated in, and the bundle's "
                                        "non-expert weights are stored in.")] = "bfloat16",
@@ -58,11 +60,15 @@ def quantize(
     if not_text(str(Path(save).resolve())) is not None:  # a bundle there could be written but never opened
         raise MoetoolError(f"--out {save} is not UTF-8 (a byte of its path is not), and safetensors opens only UTF-8 "
                            "paths, so no command could read the bundle; give another directory.")
+    given = [name for name, value in (("--calib-text", calib_text), ("--calib-tokens", calib_tokens)) if value is not None]
+    if given and method == "hqq" and not calibrate:  # HQQ reads no activations unless asked to measure its error
+        raise MoetoolError(f"{' and '.join(given)} {'feed' if len(given) > 1 else 'feeds'} calibration, which HQQ runs "
+                           "only with --calibrate (to measure its output error); add --calibrate, or --method gptq.")
     wanted = sorted({*((16,) if reference else ()), *parse_numbers(bits, "--bits", int)}, reverse=True)
+    counted = {} if calib_tokens is None else {"calib_tokens": calib_tokens}  # else QuantizeConfig's default
     cfg = QuantizeConfig(model=model, out=save, bits=tuple(wanted), method=method, group_size=group_size,
-                         int8_per_channel=int8_per_channel,
-                         calib_text=calib_text, calib_tokens=calib_tokens, calibrate=calibrate, dtype=dtype,
-                         verify=verify, hqq_optimize=hqq_optimize)
+                         int8_per_channel=int8_per_channel, calib_text=calib_text, calibrate=calibrate, dtype=dtype,
+                         verify=verify, hqq_optimize=hqq_optimize, **counted)
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:

@@ -11,10 +11,11 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from moetool.app import command, err, not_an_input, out, styled, writable
+from moetool.app import command, err, given, not_an_input, out, styled, writable
 from moetool.errors import MoetoolError
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, Decode, DecodeOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
-                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt, fit_note, spec_fields)
+                             ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt,
+                             fit_dropped_note, fit_note, spec_fields, wall_hw_note)
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
@@ -24,6 +25,7 @@ def _fmt_s(x: float | None) -> str:
 
 @command
 def run(
+    ctx: typer.Context,
     model: ModelOpt = None,
     bundle: BundleOpt = None,
     policy: PolicyOpt = "lru",
@@ -60,6 +62,8 @@ def run(
     cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
                                      experts_impl, decode),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if Clock(clock) == Clock.wall and given(ctx, "hw"):
+        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
     if (said := fit_note(fit, policy)) is not None:
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -68,6 +72,8 @@ def run(
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
     if save is not None:
         result.save(save)
+    if (said := fit_dropped_note(fit, policy, result.summary)) is not None:
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     s = result.summary
     compiled = f", compiled in {s['compile_s']:.1f} s" if s.get("compile_s") is not None else ""
     err.print(f"decode path: {s.get('path', 'host')} ({s.get('path_reason', '')}{compiled})", highlight=False)

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetool.app import command, err, out, styled, writable
+from moetool.app import command, err, given, only_with, out, styled, writable
 from moetool.errors import MoetoolError
 from moetool.grid import packaged_grids
 from moetool.options import parse_settings
@@ -29,6 +29,7 @@ def _yaml_value(text: str) -> Any:
 
 @command(name="sweep")
 def sweep(
+    ctx: typer.Context,
     grid: Annotated[str, typer.Argument(help=f"A grid file (YAML), or a packaged grid: {', '.join(packaged_grids())}.")],
     save: Annotated[Path, typer.Option("--out", help="Sweep directory: one artifact per cell and sweep.json.")],
     model: Annotated[str | None, typer.Option(help="Model of every cell (replaces the grid's `model:`).")] = None,
@@ -65,6 +66,10 @@ def sweep(
             overrides[key] = str(Path(value).resolve()) if key != "model" or Path(value).exists() else value
     if device is not None:
         overrides["device"] = device
+    if workers == 0:  # the cells run one by one in this process: no Ray asks for CPUs, no torch threads are set
+        only_with("Ray (--workers other than 0)", given(ctx, "cpus_per_cell"), "drop --workers 0")
+    elif address is not None and workers is not None:  # the cluster's own CPUs are what it has
+        only_with("the local Ray moetool starts (no --address)", given(ctx, "workers"), "drop --address")
     cfg = SweepConfig(grid=grid, out=save, overrides=overrides, only=tuple(only or ()), address=address,
                       workers=workers, cpus_per_cell=cpus_per_cell, retry_refused=retry_refused)
     counts: dict[str, int] = {}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetSplit, capture_workspace, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
-                                   parse_size, plan_margin, split_budget)
+                                   parse_budget, parse_size, plan_margin, split_budget)
 from moetool.engine.captured import captured_workspace
 from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
@@ -21,7 +21,8 @@ from moetool.engine.store import HostStore
 from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, available_memory
-from moetool.policies import make_policy
+from moetool.policies import POLICIES, make_policy
+from moetool.policies.knobs import Sizing, stale_fitted
 from moetool.policies.base import EngineContext
 
 def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
@@ -61,12 +62,30 @@ def default_host_budget() -> int:
     return max(0, free - max(1 << 30, free // 10))
 
 
+def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | None,
+               sizing: dict[str, Sizing] | None, budget: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The fitted knobs this run takes, and those it drops with why: sized for another --budget (compared
+    as read: `25%` and `25.0%` are one budget) or other tiers (`policies.knobs.stale_fitted`)."""
+    if not fitted or not sizing or policy not in POLICIES:
+        return fitted, {}
+    mine = parse_budget(budget)
+
+    def same(other: str) -> bool:
+        try:
+            return parse_budget(other) == mine
+        except MoetoolError:  # a hand-edited fit's budget no budget parser reads: not this one
+            return False
+
+    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing, same, budget)
+    return {k: v for k, v in fitted.items() if k not in drops}, drops
+
+
 def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: dict[str, str] | None = None,
                  fitted: dict[str, Any] | None = None, budget: str = "100%", clock: str = "wall",
                  hw: str = DEFAULT_HW, device: str | torch.device = "cpu", max_tokens: int = PLAN_TOKENS,
                  batch: int = 1, host_budget: int | None = None, host_tiers: bool | None = None,
-                 experts_impl: str = "grouped_mm", kernels: bool = True,
-                 captured: bool = False) -> tuple[Engine, BudgetSplit]:
+                 experts_impl: str = "grouped_mm", kernels: bool = True, captured: bool = False,
+                 fit_sizing: dict[str, Sizing] | None = None) -> tuple[Engine, BudgetSplit]:
     """Build the policy and the engine over `store` and install it in `lm`.
 
     `host_tiers` (default: on CUDA, or wherever a `host_budget` is given) keeps the policy's
@@ -80,7 +99,8 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     weight-only one; `moetool.quant.kernels`); off, they are dequantized per batch as every other
     precision. `captured` plans the engine for the captured decode step (`engine/decode.py`): its
     workspace in the budget, slots in the bundle's own layout (no CPU kernels), and on CUDA the host
-    mirrors as the pinned tier (the store's own tiers off).
+    mirrors as the pinned tier (the store's own tiers off). `fit_sizing` says which `fitted` knobs hold for
+    one budget and tiers (`Fit.sizing`); those sized for others are dropped (`engine.fit_dropped` says why).
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
@@ -104,6 +124,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
                         available_bits=store.bits, hw=policy_cost.policy_view(captured))
+    fitted, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget)
     pol = make_policy(policy, settings or {}, ctx, fitted)
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
@@ -122,6 +143,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
         foreign = max(0, torch.cuda.memory_allocated(device) - lm.non_expert_bytes())
     engine = Engine(lm, store, pol, residency, clk, cost, device, experts_impl, kernels)
     engine.stats.foreign_bytes = foreign
+    engine.fit_dropped = dropped
     engine.plan_tokens, engine.plan_batch = max_tokens, batch
     engine.planned_captured = captured  # the budget holds the captured step's workspace
     dtype = str(store.compute_dtype).removeprefix("torch.")

@@ -88,6 +88,8 @@ class DyMoEKnobs(Knobs):
 
     derived = {"lam": ("r",)}  # `--set r=0.9` with `--fit F`: lam is solved for 0.9, not taken from F
     evidence = {"lam": LamEvidence}
+    # lam given wins over r, and the run records the r that lam gives (eq. 4)
+    applies = {"r": ("lam", lambda v: v < 0, "lam < 0 (lam is solved from r; a lam given wins)")}
     shorthands = {"config": ("high_bits", "low_bits")}
 
     @dataclass(frozen=True)
@@ -113,12 +115,17 @@ class DyMoEKnobs(Knobs):
     # -- fit and report --------------------------------------------------------------------------
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted:
-        """lam (eq. 4) for the target mean retention `--r`, or with `--budget` for the largest r at
-        which every expert fits, r of them at high bits and the rest at low (the defaults' 4/2)."""
+        """lam (eq. 4) for the target mean retention `--r`; without it, for the largest r at which every
+        expert fits `--budget`, r of them at high bits and the rest at low (the defaults' 4/2), or for
+        §6.2's r = 0.75 without a budget. An `--r` given wins over the budget's."""
         info, cfg, out = inputs.profile.info, inputs.config, Fitted()
         high, low = cls.Params().high_bits, cls.Params().low_bits
-        r, how, cache = cfg.r, "--r (target mean retention)", inputs.cache_bytes
-        if cache is not None and all(b in info.expert_bytes for b in (high, low)):
+        r, how, cache, sized = cfg.r, "--r (target mean retention)", inputs.cache_bytes, {}
+        sizable = cache is not None and all(b in info.expert_bytes for b in (high, low))
+        if r is None and not sizable:
+            why = "no --budget" if cache is None else f"the profile gives no size of a {high}- or {low}-bit expert"
+            r, how = cls.Params().r, f"the paper's default r (§6.2): no --r, and {why} to size r with"
+        elif r is None:
             r = budget_retention(cache, info, high, low)
             how = (f"--budget {cfg.budget}: the largest r at which every expert fits, r of them at INT4 and the rest "
                    f"at INT2 ({cache} bytes for experts after profile.info's reserved memory)")
@@ -126,9 +133,11 @@ class DyMoEKnobs(Knobs):
                 out.warnings.append(f"the budget allows a retention of only {r:.3f}; the cosine schedule needs >= 0.5, "
                                     "so r = 0.5 (the budget will not hold every expert).")
                 r = RETENTION_FLOOR
+            # r holds for this budget and these tiers only: a run at another takes the paper's r (`stale_fitted`)
+            sized = {"budget": {"budget": cfg.budget, "cache_bytes": cache, "knobs": {"high_bits": high, "low_bits": low}}}
         lam, rows = schedule_table(r, len(info.moe_layers), info.top_k)
         out.knobs = {"r": round(r, 4), "lam": round(lam, 4)}
-        out.evidence = {"r": {"value": r, "from": how},
+        out.evidence = {"r": {"value": r, "from": how, **sized},
                         "lam": {"value": lam, "r": r, "from": f"r = {r:.4f} via eq. 4", "M": info.top_k,
                                 "schedule": rows,
                                 "rule": "DyMoE eq. 4 mean over MoE layers = r; t_l = ceil(r(l) M) (eq. 5), M = top-k"}}

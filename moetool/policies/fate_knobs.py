@@ -63,6 +63,8 @@ class FateKnobs(Knobs):
     """Fate's knobs (§4.2-4.5), its fit and its report."""
 
     evidence = {"L": LEvidence}
+    applies = {"n": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.3's cap on its transfers)"),
+               "percentile": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.2's decode rule)")}
 
     @dataclass(frozen=True)
     class Params(Params):

@@ -50,6 +50,10 @@ class Knobs:
     # shorthand knob -> the knobs it sets (DyMoE's `config` "4/2" sets high_bits and low_bits): `--set`
     # giving both is refused, since the shorthand wins and the other was dropped without a word.
     shorthands: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # knob -> (another knob, the test its value passes when the first is read, that test in words):
+    # `--set window=9` beside `eviction=lru` changed nothing while the run recorded window=9, so a knob
+    # `--set` gives where its policy never reads it is refused (a fit's knobs are all the fit's).
+    applies: ClassVar[dict[str, tuple[str, Callable[[Any], bool], str]]] = {}
 
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted | None:
@@ -126,9 +130,72 @@ def parse_params(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
     for key, value in values.items():
         _check_range(cls, key, value)
     try:
-        return cls.Params(**values)
+        params = cls.Params(**values)
     except (TypeError, ValueError) as e:
         raise MoetoolError(f"invalid knobs for policy '{cls.name}': {str(e).rstrip('.')}.") from None
+    for key in settings:
+        if key in cls.applies:
+            other, reads, when = cls.applies[key]
+            if not reads(getattr(params, other)):
+                raise MoetoolError(f"policy '{cls.name}': --set {key}={settings[key]} changes nothing with "
+                                   f"{other}={_spelled(getattr(params, other))}, since {key} is read only with {when}; "
+                                   f"leave {key} out, or change {other}.")
+    return params
+
+
+def _spelled(value: Any) -> str:
+    """A knob's value as `--set` spells it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What `moetool fit --budget` sized a knob for, in the knob's evidence under "budget": the --budget
+    it was given, the expert cache that left (bytes, for the record), and the values of the knobs the size
+    assumed (the tiers). DynaExq's n_hi (§3.1) and DyMoE's budget-derived r hold for that budget and
+    those tiers only; `stale_fitted` drops them from a run that has others."""
+
+    budget: str
+    cache_bytes: int
+    knobs: dict[str, Any]
+
+
+def resolved(cls: type[Knobs], params: Params) -> dict[str, Any]:
+    """`params` as the policy reads them: a shorthand ("config" "4/0") in place of the knobs it sets."""
+    values = dataclasses.asdict(params)
+    for short, spelled in cls.shorthands.items():
+        tiers = parse_tiers(values.get(short) or "", "")
+        if tiers is not None:
+            values.update(zip(spelled, tiers))
+    return values
+
+
+def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any], sizing: dict[str, Sizing],
+                 same_budget: Callable[[str], bool], budget: str) -> dict[str, str]:
+    """The fitted knobs a run does not take, each with why: sized (`Sizing`) for another --budget than
+    `budget` (`same_budget` compares them as the engine reads budgets), or for other values of the knobs
+    the size assumed than this run's; then any fitted knob `derived` from one of those. A knob `--set`
+    gives is not the fit's and stays. The policy's default takes a dropped knob's place (DynaExq's
+    n_hi < 0 derives it from this run's budget), and the run says so."""
+    fitted = {k: v for k, v in fitted.items() if k not in settings}
+    kept = {k: v for k, v in fitted.items() if k not in sizing}
+    here = resolved(cls, parse_params(cls, settings, kept))
+    drops: dict[str, str] = {}
+    for knob, size in sizing.items():
+        if knob not in fitted:
+            continue
+        if not same_budget(size.budget):
+            drops[knob] = f"sized for --budget {size.budget}, and this run has --budget {budget}"
+            continue
+        other = [f"{k}={v}" for k, v in size.knobs.items() if here.get(k, v) != v]
+        if other:
+            now = ", ".join(f"{k}={here.get(k)}" for k in size.knobs if here.get(k) != size.knobs[k])
+            drops[knob] = f"sized for {', '.join(other)}, and this run has {now}"
+    for knob, sources in cls.derived.items():
+        gone = [d for d in sources if d in drops]
+        if knob in fitted and knob not in drops and gone:
+            drops[knob] = f"derived from the fit's {gone[0]}, which this run does not take"
+    return drops
 
 
 def _check_range(cls: type[Knobs], key: str, value: Any) -> None:
@@ -178,4 +245,5 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
     return raw
 
 
-__all__ = ["Knobs", "POLICIES", "Params", "hooked", "parse_params", "parse_tiers", "register"]
+__all__ = ["Knobs", "POLICIES", "Params", "Sizing", "hooked", "parse_params", "parse_tiers", "register", "resolved",
+           "stale_fitted"]

@@ -43,6 +43,8 @@ class SMoEKnobs(Knobs):
     """SMoE's knobs (Algorithm 1's alpha, eq. 3's window, Algorithm 2's rule), its fit and its report."""
 
     evidence = {"alpha": AlphaEvidence}
+    applies = {"window": ("eviction", lambda v: v == "score", "eviction=score (eq. 3's window of scores)"),
+               "cpu_rule": ("cpu_assist", bool, "cpu_assist=true (Algorithm 2 picks the CPU's experts)")}
 
     @dataclass(frozen=True)
     class Params(Params):
