@@ -463,7 +463,8 @@ def given(ctx: typer.Context, *names: str) -> list[str]:
     """The options among `names` (parameter names) that the command line gives, as spelled there
     (`--sweep-budget`): what an option read only in another mode is checked by, since a default cannot
     tell "left out" from "given its default value". `ctx`: the command's (a `typer.Context` parameter)."""
-    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    flags = {p.name: p.secondary_opts[0] if getattr(p, "secondary_opts", None) and ctx.params.get(p.name) is False
+             else p.opts[0] for p in ctx.command.params}  # as typed: --no-hqq-optimize
     return [flags.get(n, n) for n in names
             if getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT")]
 

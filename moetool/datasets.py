@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from moetool.errors import MoetoolError, not_text
 from moetool.files import PROMPTS_BYTES, TEXT_BYTES, read_bytes
@@ -99,6 +100,17 @@ def manifest() -> dict:
     return json.loads(_read_text("MANIFEST.json"))
 
 
+class _Twice(Exception):
+    pass
+
+
+def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise _Twice(next(k for k in keys if keys.count(k) > 1))
+    return dict(pairs)
+
+
 def parse_prompt_lines(text: str, where: object) -> list[str]:
     """Prompts of a JSONL text: one per line, a string or an object with "prompt" (or "question")."""
     prompts = []
@@ -106,7 +118,9 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = json.loads(line, object_pairs_hook=_one_of_each)
+        except _Twice as e:  # json keeps the last: `{"prompt": "a", "prompt": "b"}` ran "b" without a word
+            raise MoetoolError(f"{where} line {n} gives the key {e.args[0]!r} twice; give it once.") from None
         except (ValueError, RecursionError):  # not JSON, a 5,000-digit number, nested thousands deep
             raise MoetoolError(f"{where} line {n} is not JSON (expected {{\"prompt\": \"...\"}}).") from None
         value = item.get("prompt", item.get("question")) if isinstance(item, dict) else item
@@ -119,8 +133,9 @@ def parse_prompt_lines(text: str, where: object) -> list[str]:
 
 
 # Byte-order marks, longest first (UTF-32 LE's begins with UTF-16 LE's), and the codec each says.
-_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
-         (codecs.BOM_UTF16_BE, "UTF-16"), (codecs.BOM_UTF8, "UTF-8"))
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32", "utf-32-le"), (codecs.BOM_UTF32_BE, "UTF-32", "utf-32-be"),
+         (codecs.BOM_UTF16_LE, "UTF-16", "utf-16-le"), (codecs.BOM_UTF16_BE, "UTF-16", "utf-16-be"),
+         (codecs.BOM_UTF8, "UTF-8", "utf-8"))
 
 
 def decode_text(raw: bytes, where: str, then: str, wide: bool = True) -> str:
@@ -130,16 +145,16 @@ def decode_text(raw: bytes, where: str, then: str, wide: bool = True) -> str:
     one sentence: a file another program reads again, an lm-eval task's, must be UTF-8 for it). No
     other encoding is guessed, and a NUL character is refused: a binary file read as text would be
     scored as garbage."""
-    codec = next((name for bom, name in _BOMS if raw.startswith(bom)), "UTF-8")
+    bom, codec, python = next(((b, n, c) for b, n, c in _BOMS if raw.startswith(b)), (b"", "UTF-8", "utf-8"))
     if codec != "UTF-8" and not wide:
         raise MoetoolError(f"{where} is {codec} text (it starts with a {codec} byte-order mark); save it as "
                            f"UTF-8{then}")
     try:
         # As stored: no newline translation, so the sha256 an artifact records is the file's.
-        text = raw.decode({"UTF-8": "utf-8-sig", "UTF-16": "utf-16", "UTF-32": "utf-32"}[codec])
+        text = raw[len(bom):].decode(python)  # the mark off first, so that an offset is the file's own
     except UnicodeDecodeError as e:
         mark = "" if codec == "UTF-8" else f", though it starts with a {codec} byte-order mark"
-        raise MoetoolError(f"{where} is not {codec} text (byte {e.start} is not{mark}){then}") from None
+        raise MoetoolError(f"{where} is not {codec} text (byte {len(bom) + e.start} is not{mark}){then}") from None
     if (nul := text.find("\0")) >= 0:  # valid UTF-8, and no text: UTF-16 without its mark reads as "H\0e\0l\0..."
         raise MoetoolError(f"{where} holds a NUL character (character {nul + 1}), which no text holds: a binary "
                            f"file, or UTF-16 saved without its byte-order mark{then}")

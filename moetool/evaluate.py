@@ -50,7 +50,7 @@ from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
 from moetool.spec import EngineSpec, check_positive
-from moetool.tokenizer import check_ids
+from moetool.tokenizer import check_ids, unknown_tokens
 
 PPL_CONTEXT = 512  # ppl's default window
 MAX_LENGTH = 2048  # longest lm-eval sequence; the budget's KV margin is sized for it
@@ -87,6 +87,10 @@ class EvalConfig(EngineSpec):
         if self.mmlu_source != "auto" and not is_mmlu(self.task):
             raise MoetoolError(f"--mmlu-source is for lm-eval's mmlu tasks (mmlu, mmlu_stem, mmlu_<subject>, ...), "
                                f"not '{self.task}'.")
+        if self.decode != "auto":  # EngineSpec's field, which a grid of evals (or a Python caller) can set
+            raise MoetoolError(f"decode is a setting of run, not of eval: an eval scores through the host path "
+                               f"(lm-eval and perplexity call the model's forward), so decode: {self.decode} would "
+                               "change nothing; leave it out.")
         if self.task == PPL:
             if self.data is not None and not Path(self.data).is_file():
                 raise not_a_file(self.data, "--data")
@@ -142,7 +146,9 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 metrics={"ppl": math.exp(nll / n), "nll": nll / n}, stderr={}, n=n, unit="tokens",
                 subtasks={}, samples={PPL: windows},
                 options={"data": source, "context": context, "limit": limit, "stepwise": cfg.stepwise,
-                         "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored"})
+                         "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored",
+                         # characters the vocabulary lacks, scored as its placeholder (`tokenizer.unknown_tokens`)
+                         "unknown_tokens": unknown_tokens(ids, ready.lm.tokenizer, text)[0]})
 
 
 def ppl_context(asked: int | None, lm: LoadedModel) -> int:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from moetool.artifacts import read_json, sha256_file
 from moetool.fit_artifact import Fit
 from moetool.errors import MoetoolError
-from moetool.policies import hooked
+from moetool.policies import POLICIES, hooked
 from moetool.policies.dymoe_knobs import RETENTION_FLOOR
 from moetool.policies.smoe_fit import ALPHAS
 from moetool.policies.stages import FitInputs, FitTargets
@@ -113,9 +113,16 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
     sweep = _Sweep(cfg, prof) if cfg.sweep is not None else None
     params: dict[str, dict[str, Any]] = {}
     ev: dict[str, Any] = {"warnings": [], "skipped": {}}
+    fitting = [cls for _, cls in hooked("fit")]
+    for kind, given in (("a run", runs), ("an eval", evals)):  # inputs no fit reads, recorded without a word
+        for path, art in given:
+            cls = POLICIES.get(art.policy)
+            if cls is None or not any(issubclass(cls, f) for f in fitting):
+                ev["warnings"].append(f"{path} is {kind} of policy '{art.policy}', which no paper's fit reads; "
+                                      "nothing was fitted from it.")
     for name, cls in hooked("fit"):  # each paper's fit once
         mine = dataclasses.replace(shared, policy=name, sweep=sweep.of(name) if sweep else None,
-                                   sweep_note=sweep.note if sweep else "")
+                                   sweep_note=sweep.note if sweep else "", sweep_budget=sweep.budget if sweep else None)
         got = cls.fit(mine)
         if got is None:
             continue
@@ -139,6 +146,7 @@ class _Sweep:
         sw = cfg.sweep
         self.cfg, self.prof, self.source = cfg, prof, None
         self.note = f"sweep: sim clock on {sw.hw}, budget {sw.budget}, {sw.max_new_tokens} tokens"
+        self.budget = {"budget": sw.budget, "cache_bytes": cache_bytes(sw.budget, prof.info)}
 
     def of(self, policy: str) -> Callable[[dict[str, str]], Run]:
         return lambda settings: self.run(policy, settings)

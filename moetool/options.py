@@ -108,15 +108,16 @@ def fit_note(fit: Path | None, policy: str) -> str | None:
     """What to say when `--fit` holds no knob for `policy` though its paper fits some (`moetool fit`
     skipped them: SMoE's alpha without runs, DynaExq's n_hi without --budget): the run takes the
     policy's defaults, which it would otherwise do without a word while recording the fit as an input.
-    None where the fit holds some, the policy fits none, or the fit cannot be read (the run says why)."""
+    Said too for a policy no fit is for (lru): the fit is an input it never reads. None where the fit
+    holds some, or cannot be read (the run says why)."""
     from moetool.fit_artifact import Fit
     from moetool.policies import POLICIES
     from moetool.policies.knobs import hooked
 
     if fit is None or policy not in POLICIES:
         return None
-    if not any(issubclass(POLICIES[policy], cls) for _, cls in hooked("fit")):
-        return None  # lru, lod, resident...: no knob of theirs is fitted
+    if not any(issubclass(POLICIES[policy], cls) for _, cls in hooked("fit")):  # lru, lod, resident...
+        return f"policy '{policy}' has no fitted knobs (no paper's fit is its), so --fit changes nothing for it."
     try:
         loaded = Fit.load(Path(fit))
     except MoetoolError:
@@ -143,8 +144,9 @@ def fit_dropped_note(fit: Path | None, policy: str, summary: dict[str, Any]) -> 
     if not dropped:
         return None
     why = "; ".join(f"{k} ({v})" for k, v in dropped.items())
+    hint = " (`moetool fit --budget` fits for this run's budget)" if "--budget" in why else ""
     return (f"{fit} fitted policy '{policy}''s {why}: this run takes the policy's default for "
-            f"{'it' if len(dropped) == 1 else 'them'} (`moetool fit --budget` fits them for this run's budget).")
+            f"{'it' if len(dropped) == 1 else 'them'}{hint}.")
 
 __all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "Decode", "DecodeOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
            "ExpertsImpl", "ExpertsImplOpt", "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",

@@ -244,23 +244,55 @@ def _choices(e: dict) -> dict[tuple[str, Any], int]:
             and all(isinstance(x, list) for x in r["resps"])}  # multiple choice: [log-likelihood, is-greedy] pairs
 
 
+def _measures(evals: list[dict]) -> dict[int, str]:
+    """Each eval's column: its task, and where one task was measured more than one way (ppl on two texts,
+    or one file's two contents, windows, limits; a task at two few-shot counts or limits) what it was
+    measured on, so that one row's cell never shows one of several numbers (the last one read)."""
+    def measure(e: dict) -> tuple:
+        o, inputs = e.get("options") or {}, e.get("inputs") or {}
+        if e.get("task") == "ppl":
+            data = str(o.get("data", ""))
+            return (Path(data).name, inputs.get(data, ""), o.get("context"), o.get("limit"), bool(o.get("stepwise")))
+        return (o.get("num_fewshot"), o.get("limit"))
+
+    kinds: dict[str, set] = defaultdict(set)
+    for e in evals:
+        kinds[e.get("task", "?")].add(measure(e))
+    out = {}
+    for e in evals:
+        task, m = e.get("task", "?"), measure(e)
+        if len(kinds[task]) == 1:
+            out[id(e)] = task
+        elif task == "ppl":
+            name, sha, context, limit, stepwise = m
+            same_name = sum(k[0] == name for k in kinds[task]) > 1 and len({k[1] for k in kinds[task]
+                                                                             if k[0] == name}) > 1
+            out[id(e)] = (f"ppl ({name}{'@' + sha[:8] if same_name and sha else ''}, context {context}"
+                          f"{f', {limit} tokens' if limit else ''}{', stepwise' if stepwise else ''})")
+        else:
+            shots, limit = m
+            out[id(e)] = f"{task} ({'default' if shots is None else shots}-shot{f', limit {limit}' if limit else ''})"
+    return out
+
+
 def _quality_table(evals: list[tuple[Path, dict]]) -> str:
     """One row per setting (policy, knobs, budget), one column per task: what each policy costs in quality.
 
     "agree" is the share of questions answered like `resident` (the exact model) on the same
     questions: a paired measure that still separates policies when accuracy sits near chance.
     """
-    tasks = sorted({e.get("task", "?") for _, e in evals if primary_metric(e.get("metrics", {}))})
+    scored = [e for _, e in evals if primary_metric(e.get("metrics", {}))]
+    columns = _measures(scored)
+    tasks = sorted(set(columns.values()))
     if not tasks:
         return ""
     rows: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
-    for _, e in evals:
-        if primary_metric(e.get("metrics", {})):
-            cache = int((e.get("budget") or {}).get("cache_bytes") or 0)  # total budgets differ by the KV margin
-            rows[setting_label(e.get("policy", "?"), e.get("params") or {}), cache][e.get("task", "?")] = e
+    for e in scored:
+        cache = int((e.get("budget") or {}).get("cache_bytes") or 0)  # total budgets differ by the KV margin
+        rows[setting_label(e.get("policy", "?"), e.get("params") or {}), cache][columns[id(e)]] = e
     ref = {t: _choices(e) for (label, _), by_task in rows.items() if label.startswith("resident")
            for t, e in by_task.items()}
-    with_err = {t for _, e in evals if e.get("stderr") for t in [e.get("task")]}
+    with_err = {columns[id(e)] for e in scored if e.get("stderr")}
     heads, body = ["setting", "expert cache MiB"], []
     for t in tasks:
         heads += [t] + (["± stderr"] if t in with_err else []) + (["agree w/ resident"] if ref.get(t) else [])

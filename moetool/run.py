@@ -27,13 +27,13 @@ from moetool.artifacts import sha256_file
 from moetool.fit_artifact import Fit
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
-from moetool.errors import MoetoolError, not_text
+from moetool.errors import MoetoolError, not_text, quote
 from moetool.inference import NonFiniteRows, context_length, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
 from moetool.spec import EngineSpec, check_positive, resolve_dtype
-from moetool.tokenizer import check_ids, encode
+from moetool.tokenizer import check_ids, encode, refuse_unknown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +93,8 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
     empty = (enc.attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:  # text the tokenizer maps to no token at all (RunConfig.check refuses blank prompts)
         raise MoetoolError(f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens under this model's tokenizer.")
+    for i, (row, keep) in enumerate(zip(enc.input_ids, enc.attention_mask)):
+        refuse_unknown(row[keep.bool()], tok, f"prompt {i + 1} ({quote(prompts[i], 40)})", prompts[i])
     return enc.input_ids, enc.attention_mask
 
 
@@ -263,7 +265,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
     s = record["summary"]
     return Run(model=lm.fingerprint, inputs=ready.inputs, **record, ttft_s=s["ttft_s"], tpot_s=s["tpot_s"],
                hit_rate=s["hit_rate"], bytes_h2d=s["bytes_h2d"], bytes_per_token=s["bytes_per_token"],
-               stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts)
+               stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts, batch_size=ready.batch)
 
 
 __all__ = ["Prepared", "Run", "RunConfig", "BudgetSplit", "engine_record", "load", "prepare", "run"]

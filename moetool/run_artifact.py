@@ -32,6 +32,9 @@ class Run(EngineRecord, Artifact):
     prompts: list[str]
     tokens: list[list[int]]  # generated token ids per prompt
     texts: list[str]
+    # prompts decoded together: hits, TPOT and bytes per token all change with it (runs before it was
+    # recorded decoded one at a time unless path_reason says otherwise)
+    batch_size: int = 1
 
     def validate(self) -> None:
         """On read: the TPOT statistics `fit` and `report` use are all there, finite and not negative."""
@@ -43,6 +46,8 @@ class Run(EngineRecord, Artifact):
                                   missing=v is None)
             if not math.isfinite(v) or v < 0:
                 raise SchemaError(f"tpot_s['{key}']", f"is {v}; a time or count is finite and not negative")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise SchemaError("batch_size", f"is {self.batch_size!r}; it counts the prompts decoded together, 1 or more")
         n = self.tpot_s["n"] if self.tpot_s is not None else None
         if n is not None and (n != int(n) or n < 1):  # a run of one token has no TPOT: tpot_s is null
             raise SchemaError("tpot_s['n']", f"is {n}; it counts the decode steps timed, a whole number of at least 1")

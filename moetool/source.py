@@ -198,6 +198,12 @@ def load_generation_config(model: nn.Module, directory: Path) -> None:
     # searched beams in lm-eval, and in `run` its progress streamer refused them in a traceback after the
     # model had loaded; refusing it would keep check and quantize from a model whose weights are fine.
     config.num_beams = 1
+    config.num_return_sequences = 1
+    # Nor does a checkpoint's clock or text stop one: `run` decodes all of --max-new-tokens on every path
+    # (a `max_time` cut the host path short without a word, and the captured step ignores it), and
+    # `stop_strings` needs a tokenizer handed to generate (a traceback in `run`); lm-eval passes its own.
+    config.max_time = None
+    config.stop_strings = None
     model.generation_config = config
 
 

@@ -23,7 +23,8 @@ _WINDOW = 512  # characters each side of a cut that its check tokenizes: longer 
 _TRIES = 4  # cuts of each kind tried before a chunk, and so the whole text, is tokenized in one call
 
 
-def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = True) -> torch.Tensor:
+def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = True, what: str | None = None,
+           unknown_ok: bool = False) -> torch.Tensor:
     """Token ids [T] of `text`, exactly those of one tokenizer call on all of it. Tokenizer-less
     checkpoints (the tests' tiny models) get the text's UTF-8 bytes folded into their vocabulary:
     the one place that fallback is written.
@@ -41,7 +42,9 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
     alone, a tokenizer that is local at none), the whole text is tokenized in one call, as a short
     text is. Special tokens the tokenizer adds
     (BOS, EOS) frame the pieces' ids as they frame a text's own, checked on the text's head and tail
-    against the tokenizer; where they do not, one call too."""
+    against the tokenizer; where they do not, one call too. A text read as nothing but the unknown token
+    is refused (`refuse_unknown`, naming `what`, else the text), unless `unknown_ok` (a prefix the caller
+    reads on past)."""
     if (why := not_text(text)) is not None:  # what no tokenizer encodes: one sentence, not a traceback
         raise MoetoolError(f"the text {quote(text, 40)} {why}.")
     if tokenizer is None:
@@ -56,6 +59,8 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
         ids = torch.cat([torch.tensor(head, dtype=torch.long),
                          *(torch.tensor(_plain(tokenizer, text[a:b]), dtype=torch.long) for a, b in spans),
                          torch.tensor(tail, dtype=torch.long)])
+    if not unknown_ok:
+        refuse_unknown(ids, tokenizer, what or f"the text {quote(text, 40)}", text)
     return check_ids(ids, tokenizer, vocab_size)
 
 
@@ -136,6 +141,31 @@ def _frame(tokenizer: Any, text: str) -> tuple[list[int], list[int]] | None:
                 tokenizer(s, add_special_tokens=True).input_ids == head + _plain(tokenizer, s) + tail for s in ends):
             return head, tail
     return None
+
+
+def unknown_tokens(ids: torch.Tensor, tokenizer: Any, text: str | None = None) -> tuple[int, int]:
+    """(tokens of `ids` that are the tokenizer's unknown token, tokens that are not special): a text in a
+    script the vocabulary lacks (CJK under a Latin character vocabulary) is read as a run of `<unk>`,
+    one placeholder, and would be scored or run as that. (0, n) for a tokenizer without one (byte-level
+    BPE, which has no character it cannot spell). The unknown token's own string written in `text`
+    (SmolLM2's is `<|endoftext|>`) is the text's, not a placeholder for it, and is not counted."""
+    unk = getattr(tokenizer, "unk_token_id", None) if tokenizer is not None else None
+    if unk is None:
+        return 0, ids.numel()
+    special = [i for i in getattr(tokenizer, "all_special_ids", []) if i != unk]
+    content = ~torch.isin(ids, torch.tensor(special, dtype=ids.dtype)) if special else torch.ones_like(ids, dtype=torch.bool)
+    written = text.count(tokenizer.unk_token) if text and tokenizer.unk_token else 0
+    return max(0, int((ids == unk).sum()) - written), int(content.sum())
+
+
+def refuse_unknown(ids: torch.Tensor, tokenizer: Any, what: str, text: str | None = None) -> None:
+    """One sentence when every token of `what` (a text, a prompt) is the unknown token."""
+    unknown, content = unknown_tokens(ids, tokenizer, text)
+    if content and unknown == content:
+        raise MoetoolError(f"{what} is read by this model's tokenizer as {unknown} unknown token"
+                           f"{'' if unknown == 1 else 's'} ({quote(tokenizer.unk_token, 10)}): its characters are not in "
+                           "the vocabulary, so the model would see a placeholder, not the text; give text in a script "
+                           "the tokenizer spells.")
 
 
 def check_ids(ids: torch.Tensor, tokenizer: Any, vocab_size: int) -> torch.Tensor:

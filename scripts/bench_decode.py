@@ -48,7 +48,7 @@ from moetool.quant.bundle import load_bundle_model
 
 PROMPT = "The king said to the people of the city that the war was over, and"
 POLICIES = {  # name -> knobs: every shipped policy, lossless ones at 16 bits
-    "resident": {}, "lod": {}, "lru": {}, "eap": {}, "fate": {"cache_bits": "16", "low_bits": "16", "p": "0"},
+    "resident": {}, "lod": {}, "lru": {}, "eap": {}, "fate": {"cache_bits": "16", "p": "0"},
     "dymoe": {"config": "4/2"}, "smoe": {"cpu_assist": "false"}, "dynaexq": {"config": "16/4"},
     "static": {"bits": "4"},
 }

@@ -141,11 +141,13 @@ def synthetic_profile(model: ModelFingerprint = FP) -> Profile:
                    settings={"hw_base": "x"}, info=INFO, sensitivity=sens, prefetch=prefetch, timing=timing, hw=hw)
 
 
-def synthetic_run(policy: str, params: dict, tpot: float, budget: int = 64 << 20, model=FP, ttft: float = 0.5) -> Run:
+def synthetic_run(policy: str, params: dict, tpot: float, budget: int = 64 << 20, model=FP, ttft: float = 0.5,
+                  batch_size: int = 1) -> Run:
     return Run(model=model, inputs={}, policy=policy, params=params, clock="sim", hw="rtx3090", device="cpu",
                budget_bytes=budget, budget={}, peak_device_bytes=0, ttft_s=ttft,
                tpot_s={"mean": tpot, "p50": tpot, "p99": tpot, "n": 8}, hit_rate=0.5, bytes_h2d=0,
-               bytes_per_token=0.0, stall_s=0.0, summary={}, layers={}, prompts=["x"], tokens=[[1]], texts=[""])
+               bytes_per_token=0.0, stall_s=0.0, summary={}, layers={}, prompts=["x"], tokens=[[1]], texts=[""],
+               batch_size=batch_size)
 
 
 def routing_profile() -> RoutingProfile:

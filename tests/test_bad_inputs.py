@@ -164,6 +164,22 @@ def test_calibration_options_without_calibration_are_refused(tmp_path, given, sa
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args,says", [
+    (["--bits", "16,4", "--no-reference"], "--no-reference leaves the bf16 reference (16 bits) out, and --bits names "
+                                           "16; give one of them."),
+    (["--bits", "16", "--group-size", "8", "--no-hqq-optimize"],
+     "--group-size and --no-hqq-optimize are read only with a low-bit precision in --bits, so they change nothing here; "
+     "leave them out, or add 8, 4 or 2 to --bits."),
+])
+def test_quantize_options_that_change_nothing_are_refused(tmp_path, args, says):
+    """Each wrote a bundle whose settings recorded the option (`group_size: 8`, or 16 bits beside
+    --no-reference) though nothing read it."""
+    out = tmp_path / "q"
+    line = _one_error_line(runner.invoke(app, ["quantize", str(tiny_moe(tmp_path / "m")), *args, "--out", str(out)]))
+    assert says in line, line
+    assert not out.exists()
+
+
 def test_a_refused_quantize_leaves_no_directory_behind(tmp_path):
     model = tiny_moe(tmp_path / "m")  # no tokenizer: it cannot read calibration text
     text = tmp_path / "calib.txt"
@@ -212,7 +228,11 @@ def test_a_count_knob_beyond_the_model_is_refused_not_clamped(policy, key, value
         make_policy(policy, {key: value}, ctx)
     make_policy(policy, {key: str(most)}, ctx)  # the largest meaningful value runs
     # The paper's default (Fate's L = 3) still runs on a model with fewer layers: it caches them all.
-    assert make_policy("fate", {}, make_ctx(layers=(0, 1), cache_bytes=100_000)).quota == {0: 8, 1: 8}
+    fate = make_policy("fate", {}, make_ctx(layers=(0, 1), cache_bytes=100_000))
+    assert fate.quota == {0: 8, 1: 8}
+    assert fate.describe()["L"] == 2  # and records the L it ran with: the run's params said L = 3
+    with pytest.raises(MoetoolError, match="knob 'L' of policy 'fate' is 3, but the model has 2 MoE layers"):
+        make_policy("fate", {"L": "3"}, make_ctx(layers=(0, 1), cache_bytes=100_000))  # asked for: not clamped
 
 
 def test_a_negative_sentinel_knob_stays_allowed():
@@ -392,7 +412,8 @@ def test_a_run_with_a_fit_that_fitted_nothing_for_its_policy_says_so(tiny_bundle
     assert notes == [f"note: {fit} holds no fitted knob of policy 'smoe' (it says smoe.alpha: needs smoe runs); it "
                      "runs on its defaults."], result.stderr
     result = runner.invoke(app, run_args(tiny_bundle, "--policy", "lru", "--fit", str(fit)))  # lru fits nothing
-    assert result.exit_code == 0 and "note:" not in result.stderr, result.stderr
+    assert result.exit_code == 0 and "note: policy 'lru' has no fitted knobs (no paper's fit is its), so --fit changes " \
+                                     "nothing for it." in result.stderr, result.stderr
 
 
 def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_run_says_so(tiny_bundle, tmp_path):
@@ -415,12 +436,20 @@ def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_ru
     assert art["params"]["n_hi"] == -1 and art["summary"]["fit_dropped"] == {
         "n_hi": "sized for --budget 75%, and this run has --budget 100%"}
     assert notes == [f"note: {fit} fitted policy 'dynaexq''s n_hi (sized for --budget 75%, and this run has --budget "
-                     "100%): this run takes the policy's default for it (`moetool fit --budget` fits them for this "
+                     "100%): this run takes the policy's default for it (`moetool fit --budget` fits for this "
                      "run's budget)."], notes
     art, notes = ran("--budget", "75.0%")  # the fit's budget, spelled otherwise: taken
     assert art["params"]["n_hi"] == 0 and "fit_dropped" not in art["summary"] and notes == []
     art, notes = ran("--budget", "75%", "--set", "n_hi=1")  # --set is the user's, not the fit's
     assert art["params"]["n_hi"] == 1 and notes == []
+    # a sweep over budgets with one fit: the cells record it, and the sweep says so once
+    grid = tmp_path / "g.yaml"
+    grid.write_text(f"stage: run\nbundle: {tiny_bundle}\nclock: sim\nmax_new_tokens: 2\nprompts: [Hi]\n"
+                    "grid:\n  policy: [dynaexq]\n  budget: ['75%', '100%']\n")
+    done = runner.invoke(app, ["sweep", str(grid), "--fit", str(fit), "--workers", "0", "--out", str(tmp_path / "sw")])
+    assert done.exit_code == 0, done.output
+    notes = [ln for ln in done.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: 1 cell(s) ran their policy's default for fitted knobs"), notes
 
 
 def test_a_fitted_dymoe_r_for_other_tiers_is_dropped_with_its_lam():

@@ -37,7 +37,7 @@ CASES = [
     ("lod", {}, "10%", True),
     ("lru", {}, "25%", True),
     ("eap", {}, "50%", True),
-    ("fate", {"cache_bits": "16", "low_bits": "16", "p": "0"}, "50%", True),
+    ("fate", {"cache_bits": "16", "p": "0"}, "50%", True),
     ("static", {"bits": "4"}, "100%", False),
     ("fate", {}, "25%", False),
     ("dymoe", {"config": "4/0"}, "30%", False),
@@ -310,7 +310,7 @@ def test_a_look_ahead_through_a_batched_router_compiles_in_a_fresh_process(tmp_p
                         do_sample=False)[0, IDS.shape[1]:].tolist()
     lm = load_model(ckpt)
     engine, _, program = _program(lm, HostStore.from_experts(lm.experts, torch.float32), "fate",
-                                  {"cache_bits": "16", "low_bits": "16", "p": "0"}, "50%")
+                                  {"cache_bits": "16", "p": "0"}, "50%")
     assert program.layers.routers and all(batched for _, _, batched in program.layers.routers.values())
     assert program.generate(IDS, NEW) == want
     first = min(program.layers.layers)

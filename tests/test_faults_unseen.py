@@ -462,3 +462,76 @@ def test_a_count_knob_past_the_model_is_said_in_the_right_number(most, unit, sai
     policy = SimpleNamespace(name="eap", Params=eap.Params, params=eap.Params(k=5))  # k past the model's
     with pytest.raises(MoetoolError, match=f"the model has {said}\\.$"):
         check_at_most(policy, "k", most, unit)
+
+
+def test_text_in_a_script_the_vocabulary_lacks_is_refused_or_counted(char_ckpt, tmp_path):
+    """A character vocabulary reads CJK as `<unk>`: `eval ppl` scored 27 placeholders of 30 tokens as the
+    text's perplexity, and a text of nothing else (three zero-width spaces) got "ppl 126 over 2 tokens",
+    without a word. All of a text or a prompt as the unknown token is refused; some of it is counted in
+    the artifact and said."""
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("The king said 日本語 to the queen.\n", encoding="utf-8")
+    out = tmp_path / "e.eval.json"
+    done = runner.invoke(app, ["eval", "ppl", "--model", str(char_ckpt), "--data", str(mixed), "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    assert Eval.load(out).options["unknown_tokens"] == 3
+    assert "note: 3 token(s) of " in done.stderr and "unknown token" in done.stderr, done.stderr
+    plain = tmp_path / "plain.txt"
+    plain.write_text("The king said hello to the queen.\n")
+    done = runner.invoke(app, ["eval", "ppl", "--model", str(char_ckpt), "--data", str(plain), "--out", str(out)])
+    assert done.exit_code == 0 and Eval.load(out).options["unknown_tokens"] == 0 and "unknown" not in done.stderr
+    alien = tmp_path / "alien.txt"
+    alien.write_text("\u200b\u200b\u200b", encoding="utf-8")
+    line = one_error_line(runner.invoke(app, ["eval", "ppl", "--model", str(char_ckpt), "--data", str(alien)]))
+    assert "is read by this model's tokenizer as 3 unknown tokens ('<unk>')" in line, line
+    line = one_error_line(runner.invoke(app, ["run", "--model", str(char_ckpt), "--prompt", "日本語", "--max-new-tokens",
+                                              "2", "--clock", "sim"]))
+    assert line.startswith("error: prompt 1 ('日本語') is read by this model's tokenizer as 3 unknown tokens"), line
+
+
+def test_the_unknown_tokens_own_string_and_a_long_head_are_not_placeholders(char_ckpt, tmp_path):
+    """`<unk>` typed in a text is the text's own token, not characters the vocabulary lacks; and a
+    calibration text whose first thousands of characters are all unknown was refused as a whole from its
+    head, without naming the file."""
+    from moetool.model import load_model
+    from moetool.tokenizer import unknown_tokens
+
+    lm = load_model(str(char_ckpt))
+    ids = encode(lm.tokenizer, "<unk>", 128)  # a character vocabulary: its special string is one token
+    assert unknown_tokens(ids, lm.tokenizer, "<unk>")[0] == 0
+    calib = tmp_path / "calib.txt"
+    calib.write_text("日" * 9000 + ("The king said hello to the queen. " * 300), encoding="utf-8")
+    done = runner.invoke(app, ["quantize", str(char_ckpt), "--bits", "4", "--group-size", "16", "--calibrate",
+                               "--calib-text", str(calib), "--calib-tokens", "512", "--no-hqq-optimize",
+                               "--out", str(tmp_path / "b")])
+    assert done.exit_code == 0, done.output
+    alien = tmp_path / "alien.txt"
+    alien.write_text("日" * 9000, encoding="utf-8")
+    line = one_error_line(runner.invoke(app, ["quantize", str(char_ckpt), "--bits", "4", "--group-size", "16",
+                                              "--calibrate", "--calib-text", str(alien), "--calib-tokens", "512",
+                                              "--out", str(tmp_path / "b2")]))
+    assert line.startswith(f"error: --calib-text {alien} is read by this model's tokenizer as 9000 unknown"), line
+
+
+def test_a_bad_byte_after_a_byte_order_mark_is_named_at_its_offset_in_the_file(tmp_path):
+    """The offset was the decoded body's (byte 7), not the file's (byte 10), after a UTF-8 BOM."""
+    from moetool.datasets import read_text_file
+
+    bad = tmp_path / "bom.txt"
+    bad.write_bytes(b"\xef\xbb\xbfHello w\xffrld\n")
+    with pytest.raises(MoetoolError, match=r"is not UTF-8 text \(byte 10 is not\)"):
+        read_text_file(bad, "--data")
+    wide = tmp_path / "wide.txt"
+    wide.write_bytes(b"\xff\xfe" + "Hi".encode("utf-16-le") + b"\x00\xd8")  # a lone high surrogate at byte 6
+    with pytest.raises(MoetoolError, match=r"is not UTF-16 text \(byte 6 is not, though it starts with a UTF-16"):
+        read_text_file(wide, "--data")
+
+
+def test_a_prompt_line_that_gives_its_key_twice_is_refused(tmp_path):
+    """`{"prompt": "first", "prompt": "second"}` ran "second" without a word (json keeps the last)."""
+    from moetool.datasets import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "first", "prompt": "second"}\n')
+    with pytest.raises(MoetoolError, match=r"line 1 gives the key 'prompt' twice; give it once"):
+        read_prompts(path)

@@ -301,6 +301,20 @@ def test_a_generation_config_asking_for_beam_search_runs_greedily(tiny_ckpt, tmp
     assert json.loads(beams.stdout)["tokens"] == json.loads(greedy.stdout)["tokens"]
 
 
+@pytest.mark.parametrize("asks", [{"max_time": 1e-9}, {"stop_strings": ["*"]}, {"do_sample": True, "num_return_sequences": 3}])
+def test_a_generation_config_that_would_stop_or_multiply_a_run_is_not_taken(char_ckpt, tmp_path, asks):
+    """`max_time` cut the host path's run to one token with exit code 0 (the captured step decoded all);
+    `stop_strings` was transformers' traceback, as it needs a tokenizer handed to generate. `run` decodes
+    all of --max-new-tokens, one sequence a prompt, on every path."""
+    ckpt = _copy(char_ckpt, tmp_path / "m")
+    (ckpt / "generation_config.json").write_text(json.dumps(asks))
+    plain = _cli("run", "--model", char_ckpt, "--prompt", "Hello", "--max-new-tokens", "4", "--json")
+    asked = _cli("run", "--model", ckpt, "--prompt", "Hello", "--max-new-tokens", "4", "--json")
+    assert asked.exit_code == plain.exit_code == 0, asked.output
+    assert json.loads(asked.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
+    assert len(json.loads(asked.stdout)["tokens"][0]) == 4
+
+
 def test_a_generation_config_asking_for_sampling_still_runs_greedily(tiny_ckpt, tmp_path):
     ckpt = _copy(tiny_ckpt("qwen2_moe"), tmp_path / "m")
     (ckpt / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.9}))

@@ -126,6 +126,7 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
 @pytest.mark.parametrize("other,said", [
     (dict(params={"alpha": 0.4, "bits": 2}), "bits=None / bits=2"),  # a knob (the others did not set it)
     (dict(params={"alpha": 0.4}, budget=32 << 20), "budget 67108864 B / budget 33554432 B"),
+    (dict(params={"alpha": 0.4}, batch_size=4), "batch 1 / batch 4"),  # the Run did not record its batch
 ])
 def test_smoe_runs_that_differ_in_more_than_alpha_fit_no_alpha_and_say_how(tmp_path, other, said):
     """T(alpha) was fitted through runs of different bits, cpu_assist, hardware or budget, without a word
@@ -237,6 +238,19 @@ def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
     a = result.evidence["smoe"]["alpha"]
     assert [p[0] for p in a["points"]] == [0.0, 0.2, 0.4] and all(p[1] > 0 for p in a["points"])
     assert a["from"].startswith("sweep: sim clock") and result.params["smoe"]["alpha"] == 0.0  # R = 1 s: any alpha
+    # T(alpha) is the sweep's budget's and its knobs': a run at another budget or with other knobs does not take it
+    sized = result.sizing("smoe")["alpha"]
+    assert (sized.budget, sized.knobs["bits"], sized.knobs["cpu_assist"]) == (RunConfig().budget, 16, True)
+    assert "alpha" not in sized.knobs
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import stale_fitted
+
+    fitted, same = result.params["smoe"], (lambda b: b == RunConfig().budget)
+    assert stale_fitted(POLICIES["smoe"], {}, fitted, {"alpha": sized}, same, RunConfig().budget) == {}
+    assert stale_fitted(POLICIES["smoe"], {"cpu_assist": "false"}, fitted, {"alpha": sized}, lambda b: False, "x") == {
+        "alpha": f"sized for --budget {RunConfig().budget}, and this run has --budget x"}
+    assert stale_fitted(POLICIES["smoe"], {"cpu_assist": "false"}, fitted, {"alpha": sized}, same,
+                        RunConfig().budget) == {"alpha": "sized for cpu_assist=true, and this run has cpu_assist=false"}
 
 
 def test_the_stage_asks_each_paper_once_and_takes_only_its_knobs(tmp_path):
@@ -316,3 +330,27 @@ def test_an_r_given_wins_over_the_budgets_for_dymoe(tmp_path):
     assert sized.params["dymoe"]["r"] == pytest.approx(budget_retention(cache_bytes("50%", INFO), INFO, 4, 2), abs=1e-4)
     bare = fit(FitConfig(profile=prof))
     assert bare.params["dymoe"]["r"] == 0.75 and "no --budget" in bare.evidence["dymoe"]["r"]["from"]
+
+
+def test_runs_no_fit_reads_are_said(tmp_path):
+    """`fit --runs` with an lru run: recorded among the fit's inputs, and nothing said of it."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    lru = synthetic_run("lru", {}, 0.01).save(tmp_path / "lru.run.json")
+    smoe = synthetic_run("smoe", {"alpha": 0.1}, 0.01).save(tmp_path / "smoe.run.json")
+    result = fit(FitConfig(profile=prof, runs=(lru, smoe)))
+    said = [w for w in result.evidence["warnings"] if "no paper's fit reads" in w]
+    assert said == [f"{lru} is a run of policy 'lru', which no paper's fit reads; nothing was fitted from it."]
+
+
+def test_fate_evals_of_one_path_but_two_texts_fit_no_p(tmp_path):
+    """Two ppl evals of `t.txt`, rewritten between them: p = 0.5 was fitted from a "loss" that was the
+    difference of the two texts, though each eval recorded its text's sha256."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    evals = []
+    for p, ppl, sha in ((0.0, 20.0, "a" * 64), (0.5, 20.1, "b" * 64)):
+        e = dataclasses.replace(synthetic_eval("fate", {"p": p}, {"ppl": ppl}), task="ppl",
+                                options={"data": "t.txt"}, inputs={"t.txt": sha})
+        evals.append(e.save(tmp_path / f"fate{p}.eval.json"))
+    result = fit(FitConfig(profile=prof, runs=tuple(evals)))
+    assert "p" not in result.params["fate"]
+    assert "text sha256 aaaaaaaaaaaa / text sha256 bbbbbbbbbbbb" in result.evidence["skipped"]["fate.p"]

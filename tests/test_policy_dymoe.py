@@ -201,7 +201,10 @@ def test_set_r_overrides_a_fitted_lambda():
     assert make_policy("dymoe", {}, make_ctx(), fitted).lam == 0.0
     pol = make_policy("dymoe", {"r": "0.9"}, make_ctx(), fitted)
     assert pol.lam == pytest.approx(0.8) and math.isclose(sum(pol.describe()["retention"]) / 4, 0.9)
-    assert make_policy("dymoe", {"r": "0.9", "lam": "0.2"}, make_ctx(), fitted).lam == 0.2  # both set: lam wins
+    # both set: lam wins, so the r given would change nothing and the run would record another r
+    with pytest.raises(MoetoolError, match="--set r=0.9 changes nothing with lam=0.2"):
+        make_policy("dymoe", {"r": "0.9", "lam": "0.2"}, make_ctx(), fitted)
+    assert make_policy("dymoe", {"lam": "0.2"}, make_ctx(), fitted).lam == 0.2  # lam alone: the fit's r is not read
 
 
 def test_lookahead_prefill_ties_go_to_the_larger_mean_score_at_any_prompt_length():

@@ -124,6 +124,8 @@ def test_set_tiers_drop_a_fitted_n_hi():
     ctx = make_ctx()
     own = make_policy("dynaexq", {"config": "4/2"}, ctx)
     assert own.n_hi > 0
+    # recorded as run: the run's params said b_hi=16, b_lo=4 (the defaults `config` overrode)
+    assert (own.describe()["b_hi"], own.describe()["b_lo"], own.describe()["config"]) == (4, 2, "4/2")
     assert make_policy("dynaexq", {"config": "4/2"}, ctx, {"n_hi": 0}).n_hi == own.n_hi
     assert make_policy("dynaexq", {}, ctx, {"n_hi": 0}).n_hi == 0  # the fit's own tiers: kept
     assert make_policy("dynaexq", {"config": "4/2", "n_hi": "1"}, ctx, {"n_hi": 0}).n_hi == 1

@@ -163,6 +163,25 @@ def test_a_jsonl_prompt_profile_cannot_trace_whole_is_refused(char_ckpt, tmp_pat
     assert str(e.value).startswith(said.format(path=path, ckpt=char_ckpt)), str(e.value)
 
 
+def test_a_data_file_is_recorded_by_its_own_sha256(char_ckpt, tmp_path):
+    """The profile hashed the decoded text: a file with a byte-order mark, or in UTF-16, was recorded
+    under a hash no file on disk has (and the same as the plain UTF-8 file's), where `eval ppl --data`
+    records the file's own."""
+    import hashlib
+
+    text = "The king said the sky was blue, and the queen agreed with him. " * 3
+    got = {}
+    for name, data in (("plain.txt", text.encode()), ("bom.txt", b"\xef\xbb\xbf" + text.encode()),
+                       ("utf16.txt", text.encode("utf-16"))):
+        path = tmp_path / name
+        path.write_bytes(data)
+        prof = profile(ProfileConfig(model=str(char_ckpt), data=(str(path),), what=("routing",), seqs_per_data=1,
+                                     seq_len=16, decode_tokens=1))
+        got[name] = prof.inputs[f"data:{path}"]
+        assert got[name] == hashlib.sha256(data).hexdigest()
+    assert len(set(got.values())) == 3
+
+
 def test_cli_profile_writes_artifact_and_hw(tiny_ckpt, tmp_path):
     out = tmp_path / "t.profile.json"
     result = runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--data", "heldout",
@@ -210,3 +229,33 @@ def test_an_hw_out_the_profile_would_not_write_is_refused(tiny_ckpt, tmp_path):
                                  "--out", str(tmp_path / "p.json"), "--hw-out", str(tmp_path / "h.json")])
     assert result.exit_code == 1 and "is written from the timing part, which --what routing leaves out" in result.stderr
     assert not (tmp_path / "p.json").exists() and not (tmp_path / "h.json").exists()
+
+
+def test_a_bundle_without_its_reference_is_not_profiled_as_the_model(tmp_path):
+    """A --no-reference bundle's model runs on its highest stored precision: its sensitivity measured
+    INT2 against INT4 (base perplexity the INT4 model's) and its routing was traced through INT4
+    experts, all recorded as the model's, and fitted from."""
+    from helpers import quantize_config, tiny_moe
+    from moetool.quant import quantize
+
+    model = tiny_moe(tmp_path / "m")
+    bundle = tmp_path / "b"
+    quantize(quantize_config(model, bundle, bits=(4, 2), calibrate=False, hqq_optimize=False))
+    for what in (("routing",), ("sensitivity",)):
+        with pytest.raises(MoetoolError, match=rf"stores no bf16 reference .* so {what[0]} would measure the model "
+                                               r"at its 4-bit experts, not the model; add --model"):
+            profile(ProfileConfig(bundle=str(bundle), what=what, data=("heldout",), seqs_per_data=1, seq_len=8,
+                                  decode_tokens=1, ppl_tokens=16))
+    got = profile(ProfileConfig(model=str(model), bundle=str(bundle), what=("routing",), data=("heldout",),
+                                seqs_per_data=1, seq_len=8, decode_tokens=1))  # the checkpoint is the reference
+    assert got.routing is not None
+
+
+def test_a_jsonl_file_is_read_as_prompts_whatever_the_case_of_its_suffix(char_ckpt, tmp_path):
+    """`prompts.JSONL` was profiled as raw text: windows of its JSON, not its prompts."""
+    for name in ("p.jsonl", "p.JSONL"):
+        path = tmp_path / name
+        path.write_text('{"prompt": "The king said"}\n{"prompt": "The queen said"}\n')
+        prof = profile(ProfileConfig(model=str(char_ckpt), data=(str(path),), what=("routing",), seqs_per_data=4,
+                                     seq_len=16, decode_tokens=1))
+        assert prof.data == {str(path): 2}, prof.data  # two prompts, not windows of the file's text

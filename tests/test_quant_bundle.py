@@ -220,9 +220,10 @@ def test_a_group_too_small_to_save_bytes_is_said_with_the_group_that_would(tmp_p
 
 
 @pytest.mark.parametrize("tokens,said", [
-    (2048, "calibration uses 512 tokens (2 sequence(s) of 256), not the 2048 of --calib-tokens: the text holds no "
+    # sequences of the model's 128 positions, not moetool's 256: past them the model computes nothing it is used for
+    (2048, "calibration uses 512 tokens (4 sequence(s) of 128), not the 2048 of --calib-tokens: the text holds no "
            "more whole sequences."),
-    (100, "calibration uses 256 tokens (1 sequence(s) of 256), not the 100 of --calib-tokens: calibration takes "
+    (100, "calibration uses 128 tokens (1 sequence(s) of 128), not the 100 of --calib-tokens: calibration takes "
           "whole sequences."),
 ])
 def test_calibration_on_other_than_the_tokens_asked_for_says_so(char_ckpt, tmp_path, tokens, said):
@@ -239,3 +240,4 @@ def test_calibration_on_other_than_the_tokens_asked_for_says_so(char_ckpt, tmp_p
                                     "--out", str(tmp_path / "b")])
     assert done.exit_code == 0, done.output
     assert f"note: {said}" in " ".join(done.stderr.split()), done.stderr
+    assert json.loads((tmp_path / "b" / "bundle.json").read_text())["settings"]["calibration"]["seq_len"] == 128

@@ -131,6 +131,16 @@ def test_group_size_that_does_not_tile_is_refused():
         make_layout(Bits.INT4, (64, 64), (64, 32), has_bias=False, group_size=48)
     with pytest.raises(MoetoolError, match="cannot be packed"):
         make_layout(Bits.INT2, (2, 64), (64, 64), has_bias=False, group_size=64)  # 2 groups, 4 codes a byte
+    # the way out, where there is one: each group size it names packs both projections
+    with pytest.raises(MoetoolError, match="with group size 2 cannot be packed 4 codes per byte: group size 1 packs"):
+        make_layout(Bits.INT2, (4, 6), (6, 2), has_bias=False, group_size=2)
+    make_layout(Bits.INT2, (4, 6), (6, 2), has_bias=False, group_size=1)
+    # and where there is none (widths 33 and 5: an odd number of groups at every size), not a loop of
+    # "pick another group size" and "pick one that divides both widths (e.g. 1)"
+    with pytest.raises(MoetoolError, match=r"no group size dividing both input widths \(33 and 5\) packs these "
+                                           r"experts at 4 bits; leave 4 out of --bits"):
+        make_layout(Bits.INT4, (10, 33), (33, 5), has_bias=False, group_size=1)
+    make_layout(Bits.INT8, (10, 33), (33, 5), has_bias=False, group_size=1)
 
 
 @pytest.mark.cuda

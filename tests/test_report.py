@@ -107,6 +107,24 @@ def _ppl_eval(policy: str, params: dict, ppl: float) -> dict:
             "params": params, "budget": {"cache_bytes": 8 << 20}, "metrics": {"ppl": ppl}, "stderr": {}}
 
 
+def test_quality_table_keeps_a_column_per_text_a_task_was_measured_on(tmp_path):
+    """Perplexity on three texts showed one number per setting (the last eval read), under "ppl", with
+    no word of the other two or of which text it was. One file's two contents are two columns too."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    for i, (data, sha, ppl) in enumerate((("a/bom.txt", "1" * 64, 79.8), ("cjk.txt", "2" * 64, 50.5),
+                                          ("b/bom.txt", "3" * 64, 42.0))):
+        e = {**_ppl_eval("resident", {"bits": 16}, ppl), "options": {"data": data, "context": 512},
+             "inputs": {data: sha}}
+        (d / f"e{i}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    heads = "| setting | expert cache MiB | ppl (bom.txt@11111111, context 512) | ppl (bom.txt@33333333, context 512) " \
+            "| ppl (cjk.txt, context 512) |"
+    assert heads in md, md
+    assert "| resident bits=16 | 8 | 79.8 | 42 | 50.5 |" in md, md
+
+
 def test_trends_table_checks_each_claim_on_the_matching_settings(tmp_path):
     """Each claim compares the settings it names (matched on recorded knobs), and says met or not met."""
     d = tmp_path / "evals"

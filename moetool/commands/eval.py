@@ -86,10 +86,6 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                      task=task, num_fewshot=num_fewshot, limit=limit, include_path=include_path,
                      mmlu_source=mmlu_source.value, data=data, stepwise=stepwise, context=context,
                      batch_size=batch_size)
-    if Clock(clock) == Clock.wall and given(ctx, "hw"):
-        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
-    if (said := fit_note(fit, policy)) is not None:
-        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     unit = "tokens" if task == PPL else "requests"
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar, nullcontext() if task == PPL else _quiet_lm_eval_bars():
@@ -98,8 +94,16 @@ def eval(  # noqa: A001 - the command is `moetool eval`
             job, completed=done, total=total, description=f"eval {task} ({policy}), {unit}"))
     if save is not None:
         result.save(save)
+    # notes after the work: a refusal is its one sentence alone
+    if Clock(clock) == Clock.wall and given(ctx, "hw"):
+        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
+    if (said := fit_note(fit, policy)) is not None:
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     if (said := fit_dropped_note(fit, policy, result.summary)) is not None:
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
+    if unknown := result.options.get("unknown_tokens"):
+        err.print(styled(("note:", "yellow"), f" {unknown} token(s) of {result.options['data']} are the tokenizer's unknown token (characters its vocabulary lacks): "
+                         "the perplexity scores the model on that placeholder there, not on the text."), highlight=False)
     if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "

@@ -34,7 +34,8 @@ def fit(
     model: Annotated[str | None, typer.Option(help="Model for --sweep (default: the profile's).")] = None,
     bundle: BundleOpt = None,
     hw: HwOpt = DEFAULT_HW,
-    sweep_budget: Annotated[str, typer.Option(help="Budget of the --sweep runs.")] = DEFAULT_BUDGET,
+    sweep_budget: Annotated[str | None, typer.Option(help=f"Budget of the --sweep runs (default: --budget, else "
+                                                          f"{DEFAULT_BUDGET}).", show_default=False)] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per --sweep run (default: 16).")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = Dtype.auto,
@@ -56,7 +57,8 @@ def fit(
     if not sweep:  # the options of --sweep's runs
         only_with("--sweep", given(ctx, "alphas", "model", "bundle", "hw", "sweep_budget", "max_new_tokens", "device", "dtype"))
     grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
-    sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget, hw=hw, device=device,
+    # one budget for the whole fit unless asked otherwise: SMoE's alpha then holds where n_hi and r do
+    sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget or budget or DEFAULT_BUDGET, hw=hw, device=device,
                            dtype=Dtype(dtype).value,
                            max_new_tokens=SWEEP_TOKENS if max_new_tokens is None else max_new_tokens)
     cfg = FitConfig(profile=profile, runs=tuple([*(runs or []), *(more or [])]), sweep=sweep_runs if sweep else None,

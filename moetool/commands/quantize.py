@@ -10,13 +10,14 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from moetool.app import command, err, out, styled, writable
+from moetool.app import command, err, given, only_with, out, styled, writable
 from moetool.errors import MoetoolError, not_text
 from moetool.options import JsonOpt, ModelArg, parse_numbers
 
 
 @command
 def quantize(
+    ctx: typer.Context,
     model: ModelArg = "demo",
     bits: Annotated[str, typer.Option(help="Precisions to store, comma-separated; 16 (bf16) is added unless "
                                       "--no-reference.")] = "8,4,2",
@@ -60,11 +61,18 @@ def quantize(
     if not_text(str(Path(save).resolve())) is not None:  # a bundle there could be written but never opened
         raise MoetoolError(f"--out {save} is not UTF-8 (a byte of its path is not), and safetensors opens only UTF-8 "
                            "paths, so no command could read the bundle; give another directory.")
-    given = [name for name, value in (("--calib-text", calib_text), ("--calib-tokens", calib_tokens)) if value is not None]
-    if given and method == "hqq" and not calibrate:  # HQQ reads no activations unless asked to measure its error
-        raise MoetoolError(f"{' and '.join(given)} {'feed' if len(given) > 1 else 'feeds'} calibration, which HQQ runs "
+    feeds = [name for name, value in (("--calib-text", calib_text), ("--calib-tokens", calib_tokens)) if value is not None]
+    if feeds and method == "hqq" and not calibrate:  # HQQ reads no activations unless asked to measure its error
+        raise MoetoolError(f"{' and '.join(feeds)} {'feed' if len(feeds) > 1 else 'feeds'} calibration, which HQQ runs "
                            "only with --calibrate (to measure its output error); add --calibrate, or --method gptq.")
-    wanted = sorted({*((16,) if reference else ()), *parse_numbers(bits, "--bits", int)}, reverse=True)
+    asked = parse_numbers(bits, "--bits", int)
+    if not reference and 16 in asked:
+        raise MoetoolError("--no-reference leaves the bf16 reference (16 bits) out, and --bits names 16; give one of "
+                           "them.")
+    wanted = sorted({*((16,) if reference else ()), *asked}, reverse=True)
+    if not [b for b in wanted if b != 16]:  # no quantizer runs: bf16 experts are copied as they are
+        only_with("a low-bit precision in --bits", given(ctx, "method", "group_size", "int8_per_channel", "hqq_optimize",
+                                                         "calibrate"), "add 8, 4 or 2 to --bits")
     counted = {} if calib_tokens is None else {"calib_tokens": calib_tokens}  # else QuantizeConfig's default
     cfg = QuantizeConfig(model=model, out=save, bits=tuple(wanted), method=method, group_size=group_size,
                          int8_per_channel=int8_per_channel, calib_text=calib_text, calibrate=calibrate, dtype=dtype,

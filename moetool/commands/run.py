@@ -62,16 +62,17 @@ def run(
     cfg = RunConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
                                      experts_impl, decode),
                     prompts=texts, max_new_tokens=max_new_tokens, batch_size=batch_size)
-    if Clock(clock) == Clock.wall and given(ctx, "hw"):
-        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
-    if (said := fit_note(fit, policy)) is not None:
-        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         # generated tokens; the bar's default columns read markup, and --policy is checked only later
         task = bar.add_task(escape(f"run {policy}"), total=len(cfg.prompts) * max_new_tokens)
         result = run_stage(cfg, progress=lambda done, total: bar.update(task, completed=done))
     if save is not None:
         result.save(save)
+    # notes after the work: a refusal is its one sentence alone
+    if Clock(clock) == Clock.wall and given(ctx, "hw"):
+        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
+    if (said := fit_note(fit, policy)) is not None:
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     if (said := fit_dropped_note(fit, policy, result.summary)) is not None:
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     s = result.summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -68,8 +69,9 @@ def sweep(
         overrides["device"] = device
     if workers == 0:  # the cells run one by one in this process: no Ray asks for CPUs, no torch threads are set
         only_with("Ray (--workers other than 0)", given(ctx, "cpus_per_cell"), "drop --workers 0")
-    elif address is not None and workers is not None:  # the cluster's own CPUs are what it has
-        only_with("the local Ray moetool starts (no --address)", given(ctx, "workers"), "drop --address")
+    elif (address or os.environ.get("RAY_ADDRESS")) and workers is not None:  # the cluster's CPUs are what it has
+        only_with("the local Ray moetool starts (no --address, no RAY_ADDRESS)", given(ctx, "workers"),
+                  "drop --address" if address else "unset RAY_ADDRESS")
     cfg = SweepConfig(grid=grid, out=save, overrides=overrides, only=tuple(only or ()), address=address,
                       workers=workers, cpus_per_cell=cpus_per_cell, retry_refused=retry_refused)
     counts: dict[str, int] = {}
@@ -99,6 +101,8 @@ def sweep(
         status = cell["status"]
         table.add_row(name, styled((status, STYLE[status])), cell["artifact"] or cell["reason"] or "")
     out.print(table)
+    if (said := _fit_dropped(save, index.cells)) is not None:  # what `run` and `eval` say of one cell
+        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     tally = ", ".join(f"{n} {k}" for k, n in counts.items())
     err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)
     refused = [n for n, c in index.cells.items() if c["status"] == "refused"]
@@ -110,3 +114,25 @@ def sweep(
     if failed:
         raise MoetoolError(f"{len(failed)} of {len(index.cells)} cells failed ({failed[0]}: "
                            f"{index.cells[failed[0]]['reason']}); the same command runs them again.")
+
+
+def _fit_dropped(out_dir: Path, cells: dict[str, dict[str, Any]]) -> str | None:
+    """The cells whose policy did not take some of the fit's knobs (sized for another budget or knobs,
+    `summary.fit_dropped`), in one line: a grid runs many budgets over one fit."""
+    import json
+
+    dropped = {}
+    for name, cell in cells.items():
+        if cell["status"] in ("done", "reused") and cell["artifact"]:
+            try:
+                summary = json.loads((out_dir / cell["artifact"]).read_text()).get("summary") or {}
+            except (OSError, ValueError, AttributeError):
+                continue  # the index names it; `report` reads it strictly
+            if summary.get("fit_dropped"):
+                dropped[name] = summary["fit_dropped"]
+    if not dropped:
+        return None
+    first, why = next(iter(dropped.items()))
+    knob, reason = next(iter(why.items()))
+    return (f"{len(dropped)} cell(s) ran their policy's default for fitted knobs sized for another budget or knobs "
+            f"(e.g. {first}: {knob}, {reason}); each artifact says which under summary.fit_dropped.")

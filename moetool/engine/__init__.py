@@ -66,7 +66,7 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
                sizing: dict[str, Sizing] | None, budget: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
     """The fitted knobs this run takes, and those it drops with why: sized for another --budget (compared
     as read: `25%` and `25.0%` are one budget) or other tiers (`policies.knobs.stale_fitted`)."""
-    if not fitted or not sizing or policy not in POLICIES:
+    if not fitted or policy not in POLICIES:
         return fitted, {}
     mine = parse_budget(budget)
 
@@ -76,7 +76,7 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
         except MoetoolError:  # a hand-edited fit's budget no budget parser reads: not this one
             return False
 
-    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing, same, budget)
+    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget)
     return {k: v for k, v in fitted.items() if k not in drops}, drops
 
 

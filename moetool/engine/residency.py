@@ -82,8 +82,9 @@ class Residency:
             if spec.slots <= 0:
                 continue
             if spec.bits not in store.bits:
-                raise MoetoolError(f"the policy wants a {spec.bits}-bit cache but the bundle has only "
-                                   f"{list(store.bits)} bits.")
+                raise MoetoolError(f"the policy wants a {spec.bits}-bit cache, but the experts it runs from are "
+                                   f"stored at {list(store.bits)} bits only; give a --bundle made with `moetool "
+                                   f"quantize --bits {spec.bits}`.")
             if spec.eviction is not None and spec.eviction not in EVICTIONS:
                 raise MoetoolError(f"unknown eviction '{spec.eviction}' (known: {', '.join(sorted(EVICTIONS))}).")
             budget.reserve(spec.slots * store.slot_bytes(spec.bits), f"the {spec.bits}-bit pool of {spec.slots} slots")

@@ -27,7 +27,11 @@ def make_policy(name: str, settings: dict[str, str], ctx: EngineContext,
     if name not in POLICIES:
         raise MoetoolError(f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))}).")
     cls = POLICIES[name]
-    return cls(parse_params(cls, settings, fitted), ctx)
+    policy = cls(parse_params(cls, settings, fitted), ctx)
+    asked = [k for k in settings if k in policy.clamped]  # a default's value given, clamped as the default is
+    if asked:
+        raise MoetoolError(policy.clamped[asked[0]])
+    return policy
 
 
 def __getattr__(name: str):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.policies.knobs import POLICIES, Knobs, Params, parse_params, register  # noqa: F401 (the contract's other half)
+from moetool.policies.knobs import POLICIES, Knobs, Params, parse_params, register, resolved  # noqa: F401 (the contract's other half)
 
 if TYPE_CHECKING:
     from moetool.policies.device import DevicePlan, DeviceView
@@ -255,6 +255,7 @@ class Policy(Knobs):
     def __init__(self, params: Params, ctx: EngineContext):
         self.params = params
         self.ctx = ctx
+        self.clamped: dict[str, str] = {}  # knob -> why its default was clamped (`check_at_most`)
         if isinstance(getattr(params, "bits", None), int):
             check_bits(self.name, ctx, params.bits)
 
@@ -329,26 +330,36 @@ class Policy(Knobs):
         return True
 
     def describe(self) -> dict[str, Any]:
+        """The knobs as the policy runs them, for the record: a shorthand's tiers in place of the knobs
+        it sets (`config=4/2` records b_hi=4, b_lo=2, not the defaults it overrode)."""
         high, low = self.precisions()
-        return {**dataclasses.asdict(self.params), "precisions": {"high": high, "low": low}}
+        return {**resolved(type(self), self.params), "precisions": {"high": high, "low": low}}
 
 
 def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
     """One sentence when a policy wants a precision the bundle lacks."""
     for b in bits:
         if b not in ctx.available_bits:
-            raise MoetoolError(f"policy '{policy}' wants {b}-bit experts but the bundle has "
-                               f"{list(ctx.available_bits)} bits.")
+            raise MoetoolError(f"policy '{policy}' wants {b}-bit experts, but the experts it runs from are stored "
+                               f"at {list(ctx.available_bits)} bits only (a checkpoint without --bundle holds its "
+                               f"own precision); give a --bundle made with `moetool quantize --bits {b}`.")
 
 
 def check_at_most(policy: Policy, key: str, most: int, unit: str) -> None:
     """One sentence when a count knob asked for exceeds what the model has (e.g. Fate's L over its
     MoE layers): clamping it silently would run, and record, a setting other than the one asked
     for. The knob's default is the paper's value for its model and is clamped (Fate's L = 3 on a
-    two-layer model caches both layers whole)."""
+    two-layer model caches both layers whole), in `policy.params` too, so the run records the value
+    it ran with (L = 2), not the one it could not."""
     value = getattr(policy.params, key)
     default = next(f.default for f in dataclasses.fields(policy.Params) if f.name == key)
-    if value > most and value != default:
-        if most == 1:  # "1 expert per layer", "1 MoE layer"
-            unit = unit.replace("experts", "expert", 1).replace("layers", "layer", 1)
-        raise MoetoolError(f"knob '{key}' of policy '{policy.name}' is {value}, but the model has {most} {unit}.")
+    if value <= most:
+        return
+    if most == 1:  # "1 expert per layer", "1 MoE layer"
+        unit = unit.replace("experts", "expert", 1).replace("layers", "layer", 1)
+    why = f"knob '{key}' of policy '{policy.name}' is {value}, but the model has {most} {unit}."
+    if value != default:
+        raise MoetoolError(why)
+    # the default, or the default's value given: `make_policy` refuses the latter (`--set L=3` is asked for)
+    policy.clamped[key] = why
+    policy.params = dataclasses.replace(policy.params, **{key: most})

@@ -185,6 +185,7 @@ class Fate(FateKnobs, Policy):
         check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if params.p > 0 else ()))
         check_at_most(self, "L", len(ctx.moe_layers), "MoE layers")
         check_at_most(self, "n", ctx.num_experts, "experts per layer")
+        params = self.params  # as clamped
         self.low_slots, self.quota = pool_split(ctx, params.L, params.p, params.cache_bits, params.low_bits)
         self.prefetcher = CrossLayerPrefetch(ctx, params.cache_bits, params.low_bits, params.p, params.n,
                                              params.percentile) if params.prefetcher == "fate" else None

@@ -64,7 +64,8 @@ class FateKnobs(Knobs):
 
     evidence = {"L": LEvidence}
     applies = {"n": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.3's cap on its transfers)"),
-               "percentile": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.2's decode rule)")}
+               "percentile": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.2's decode rule)"),
+               "low_bits": ("p", lambda v: v > 0, "p > 0 (§4.5's share of prefill experts at INT2)")}
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -187,8 +188,11 @@ def _eval_setting(e: Any, metric: str) -> dict[str, str]:
     precisions of §4.5 (cache_bits, low_bits). L, n, the percentile, the eviction and the prefetcher
     move experts sooner or later, not at another precision; the budget and the clock change its speed."""
     knobs = {k: f"{k}={e.params.get(k)!r}" for k in ("cache_bits", "low_bits")}
-    scoring = {k: f"{k}={e.options.get(k)!r}" for k in ("data", "limit", "num_fewshot", "context")}
-    return {"task": f"task {e.task}", "metric": f"metric {metric}", **scoring, **knobs}
+    scoring = {k: f"{k}={e.options.get(k)!r}" for k in ("data", "limit", "num_fewshot", "context", "stepwise")}
+    # the text's content, not only its path: a file rewritten between two evals is another text
+    text = (e.inputs or {}).get(str(e.options.get("data")))
+    return {"task": f"task {e.task}", "metric": f"metric {metric}", **scoring,
+            **({"text": f"text sha256 {text[:12]}"} if text else {}), **knobs}
 
 
 def _int2_figure(prof: Any, fits: list, path: Path) -> Path:

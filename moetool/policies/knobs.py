@@ -174,7 +174,8 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
                  same_budget: Callable[[str], bool], budget: str) -> dict[str, str]:
     """The fitted knobs a run does not take, each with why: sized (`Sizing`) for another --budget than
     `budget` (`same_budget` compares them as the engine reads budgets), or for other values of the knobs
-    the size assumed than this run's; then any fitted knob `derived` from one of those. A knob `--set`
+    the size assumed than this run's; then any fitted knob `derived` from one of those, and any the
+    policy does not read beside this run's other knobs (`Knobs.applies`). A knob `--set`
     gives is not the fit's and stays. The policy's default takes a dropped knob's place (DynaExq's
     n_hi < 0 derives it from this run's budget), and the run says so."""
     fitted = {k: v for k, v in fitted.items() if k not in settings}
@@ -187,14 +188,19 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
         if not same_budget(size.budget):
             drops[knob] = f"sized for --budget {size.budget}, and this run has --budget {budget}"
             continue
-        other = [f"{k}={v}" for k, v in size.knobs.items() if here.get(k, v) != v]
+        other = [f"{k}={_spelled(v)}" for k, v in size.knobs.items() if here.get(k, v) != v]
         if other:
-            now = ", ".join(f"{k}={here.get(k)}" for k in size.knobs if here.get(k) != size.knobs[k])
+            now = ", ".join(f"{k}={_spelled(here.get(k))}" for k in size.knobs if here.get(k, size.knobs[k]) != size.knobs[k])
             drops[knob] = f"sized for {', '.join(other)}, and this run has {now}"
     for knob, sources in cls.derived.items():
         gone = [d for d in sources if d in drops]
         if knob in fitted and knob not in drops and gone:
             drops[knob] = f"derived from the fit's {gone[0]}, which this run does not take"
+    for knob in fitted:  # a fitted knob this run never reads (Fate's n with --set prefetcher=none)
+        if knob in cls.applies and knob not in drops:
+            other, reads, when = cls.applies[knob]
+            if not reads(here.get(other)):
+                drops[knob] = f"read only with {when}, and this run has {other}={_spelled(here.get(other))}"
     return drops
 
 

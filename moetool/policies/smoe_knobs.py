@@ -120,6 +120,11 @@ class SMoEKnobs(Knobs):
                                 f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
                                 "measured alpha that meets R, is used instead.")
         out.knobs["alpha"] = round(alpha, 4)
+        if inputs.sweep_budget is not None and len(mine) == len(cfg.alphas):  # every point the sweep's
+            # T(alpha) is this budget's, at the knobs the sweep ran (the defaults): a run at another takes
+            # the paper's alpha (`knobs.stale_fitted`). Given runs record no --budget to compare with.
+            ev["budget"] = {**inputs.sweep_budget, "knobs": {f.name: getattr(cls.Params(), f.name)
+                                                            for f in fields(cls.Params) if f.name != "alpha"}}
         return out
 
     @classmethod
@@ -147,7 +152,8 @@ class SMoEKnobs(Knobs):
 def _setting(run: Any) -> dict[str, str]:
     """What a smoe run's TPOT depends on besides alpha: its clock, hardware, budget and other knobs."""
     knobs = {f.name: f"{f.name}={run.params.get(f.name)!r}" for f in fields(SMoEKnobs.Params) if f.name != "alpha"}
-    return {"clock": f"{run.clock} clock", "hw": f"hw {run.hw}", "budget": f"budget {run.budget_bytes} B", **knobs}
+    return {"clock": f"{run.clock} clock", "hw": f"hw {run.hw}", "budget": f"budget {run.budget_bytes} B",
+            "batch": f"batch {run.batch_size}", **knobs}
 
 
 def _gate_scores_figure(r: Any, path: Path) -> Path:

@@ -106,6 +106,8 @@ class RunRecord(Protocol):
     @property
     def budget_bytes(self) -> int: ...
     @property
+    def batch_size(self) -> int: ...
+    @property
     def ttft_s(self) -> float | None: ...
     @property
     def tpot_s(self) -> dict[str, float] | None: ...  # mean, p50, p99, n
@@ -122,6 +124,12 @@ class EvalRecord(Protocol):
     def params(self) -> dict[str, Any]: ...
     @property
     def metrics(self) -> dict[str, float]: ...
+    @property
+    def task(self) -> str: ...
+    @property
+    def options(self) -> dict[str, Any]: ...  # how it was scored (data, context, limit, few-shot, ...)
+    @property
+    def inputs(self) -> dict[str, str]: ...  # sha256 of the files it read, a ppl text's among them
 
 
 # -- fit -------------------------------------------------------------------------------------------
@@ -157,6 +165,9 @@ class FitInputs:
     cache_bytes: int | None  # device bytes `--budget` leaves for experts, as the engine splits it (None: no budget)
     sweep: Callable[[dict[str, str]], RunRecord] | None = None
     sweep_note: str = ""  # how the sweep ran, for the evidence's "from"
+    # the sweep's --budget and the expert cache it leaves (`knobs.Sizing` less its knobs): a knob fitted
+    # from the sweep's runs holds at that budget
+    sweep_budget: dict[str, Any] | None = None
     progress: Callable[[str, int, int], None] | None = None  # (part, done, total)
 
 

@@ -133,6 +133,13 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
 
         bundle = lm.bundle or Bundle.open(Path(cfg.bundle), model=lm.fingerprint)
         inputs[str(Path(cfg.bundle) / "bundle.json")] = sha256_file(Path(cfg.bundle) / "bundle.json")
+        measured = [w for w in what if w != "timing"]  # the parts that measure the model itself
+        if cfg.model is None and 16 not in bundle.manifest.bits and measured:
+            top = max(bundle.manifest.bits)
+            raise MoetoolError(f"the bundle in {cfg.bundle} stores no bf16 reference (it was quantized with "
+                               f"--no-reference), so {', '.join(measured)} would measure the model at its {top}-bit "
+                               f"experts, not the model; add --model with the checkpoint it was quantized from, or "
+                               f"profile only --what timing.")
         needed = (*cfg.sensitivity_bits, *((4, 2) if cfg.int2_shares else ())) if "sensitivity" in what else ()
         missing = [b for b in needed if b not in bundle.manifest.bits]
         if missing:

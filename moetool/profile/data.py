@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moetool import datasets
+from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError, quote
 from moetool.inference import vocab_size
 from moetool.model import LoadedModel
@@ -70,13 +71,13 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
     if not path.is_file():
         raise MoetoolError(f"--data {name} is neither a file nor a known data set ({', '.join(known_names())}).")
     text = datasets.read_text_file(path, "--data")
-    sha = hashlib.sha256(text.encode()).hexdigest()
-    if path.suffix == ".jsonl":
+    sha = sha256_file(path)  # the file's, as every artifact records its inputs (a BOM or UTF-16 is not the text's)
+    if path.suffix.lower() == ".jsonl":
         prompts = datasets.parse_prompt_lines(text, path)
         seqs = _prompts(lm, prompts, n, path)
     else:
         seqs = spread_chunks(_ids(lm, text), n, seq_len)
     if not seqs:
-        what = "no prompt" if path.suffix == ".jsonl" else "fewer than 2 tokens"
+        what = "no prompt" if path.suffix.lower() == ".jsonl" else "fewer than 2 tokens"
         raise MoetoolError(f"{path} holds {what}: nothing to profile on.")
     return seqs, sha

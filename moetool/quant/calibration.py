@@ -16,7 +16,7 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.inference import nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, MoeLayer
-from moetool.tokenizer import encode
+from moetool.tokenizer import encode, unknown_tokens
 
 
 class CalibrationSettings(Protocol):
@@ -48,12 +48,14 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
         text, where = train_text(), "moetool's training text"
     # Tokenize a generous prefix first: the shipped text is ~4.9 MB and a few thousand tokens suffice.
     # `encode` takes a long text a piece at a time, to one call's ids (a --calib-text may be 256 MiB).
-    ids = encode(lm.tokenizer, text[:16 * n_seq * seq_len], vocab_size(lm.model))
-    if len(ids) < n_seq * seq_len:
-        ids = encode(lm.tokenizer, text, vocab_size(lm.model))
+    prefix = text[:16 * n_seq * seq_len]
+    ids = encode(lm.tokenizer, prefix, vocab_size(lm.model), unknown_ok=True)
+    unknown, content = unknown_tokens(ids, lm.tokenizer, prefix)
+    if len(ids) < n_seq * seq_len or (content and unknown == content):  # short, or a head the vocabulary lacks
+        ids = encode(lm.tokenizer, text, vocab_size(lm.model), what=f"--calib-text {where}" if cfg.calib_text else where)
     if len(ids) < seq_len:
-        raise MoetoolError(f"{where} holds {len(ids)} tokens, fewer than one calibration sequence "
-                           f"({seq_len} tokens); give more text.")
+        raise MoetoolError(f"{where} holds {len(ids)} token{'' if len(ids) == 1 else 's'}, fewer than one "
+                           f"calibration sequence ({seq_len} tokens); give more text.")
     n_seq = min(n_seq, len(ids) // seq_len)
     return ids[:n_seq * seq_len].view(n_seq, seq_len)
 

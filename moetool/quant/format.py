@@ -217,6 +217,15 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _packable(packing: Packing, gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], axis: int) -> list[int]:
+    """The group sizes up to PREFERRED_GROUP that divide both projections' input widths and pack both
+    `packing.per_byte` codes to a byte, smallest first (a width with an odd factor can leave none)."""
+    both = math.gcd(gate_up_shape[1], down_shape[1])
+    return [g for g in range(1, min(both, PREFERRED_GROUP) + 1) if both % g == 0 and all(
+        Projection("", tuple(shape), packing.name, g, axis).grouped_shape()[0] % packing.per_byte == 0
+        for shape in (gate_up_shape, down_shape))]
+
+
 def make_layout(bits: Bits | int, gate_up_shape: tuple[int, ...], down_shape: tuple[int, ...], has_bias: bool,
                 group_size: int = 64, axis: int = 1, int8_per_channel: bool = False) -> Layout:
     """The layout of an expert with these shapes at `bits`; refuses shapes the grid cannot tile.
@@ -245,8 +254,12 @@ def make_layout(bits: Bits | int, gate_up_shape: tuple[int, ...], down_shape: tu
             proj = Projection(name, shape, packing.name, group_size, axis)
             rows, cols = proj.grouped_shape()
             if rows % packing.per_byte:
+                fits = _packable(packing, gate_up_shape, down_shape, axis)
+                how = (f"group size {fits[-1]} packs both projections" if fits else
+                       f"no group size dividing both input widths ({gate_up_shape[1]} and {down_shape[1]}) packs "
+                       f"these experts at {int(bits)} bits; leave {int(bits)} out of --bits")
                 raise MoetoolError(f"the {name} projection {list(shape)} with group size {group_size} cannot be "
-                                   f"packed {packing.per_byte} codes per byte; pick another group size.")
+                                   f"packed {packing.per_byte} codes per byte: {how}.")
             specs += [(f"{name}.q", "uint8", (rows // packing.per_byte, cols)),
                       (f"{name}.scale", META_DTYPE, proj.meta_shape()),
                       (f"{name}.zero", META_DTYPE, proj.meta_shape())]

@@ -39,6 +39,7 @@ from moetool.errors import MoetoolError, keeping, not_a_file, quote
 from moetool.files import DirectoryLock as _DirectoryLock
 from moetool.files import not_inside_a_model, target_of_temp, temp_file_of
 from moetool.schema import build
+from moetool.inference import context_length
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.prequantized import without_quantization
 from moetool.quant import gptq, hqq
@@ -105,6 +106,9 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     layers = lm.geometry.layers
     if cfg.group_size == 0:
         cfg = dataclasses.replace(cfg, group_size=auto_group_size(layers))
+    # Calibration sequences within the model's positions: past them, HQQ's output error and GPTQ's
+    # Hessians would come from hidden states the model never computes in use (as `eval ppl` refuses).
+    cfg = dataclasses.replace(cfg, calib_seq_len=min(cfg.calib_seq_len, context_length(lm.model) or cfg.calib_seq_len))
     total = sum(layer.num_experts for layer in layers)
     report(Progress("load", 0, total))
     inputs = {"calib_text": sha256_file(Path(cfg.calib_text))} if cfg.calib_text else {}
