@@ -213,6 +213,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                          "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else None,
                          "cut_from_the_left": hflm.cut_from_the_left, "max_length": hflm.max_length,
                          "merged_with_context": hflm.merged_with_context,
+                         "tied_choices": hflm.tied_choices,
                          "lm_eval": lm_eval_version})
 
 
@@ -294,6 +295,11 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
                 self.cut_from_the_left += 1
             if self.tok_encode(context + continuation)[:len(ctx)] != ctx:  # the string lm-eval splits
                 self.merged_with_context += 1
+            # Two choices of one context that tokenize alike (東京 and 大阪 as `<unk><unk>` under a vocabulary
+            # that lacks them) score alike, and lm-eval counts the tie as the first: counted and said.
+            seen = self.continuations.setdefault(hash(tuple(ctx)), {})
+            if seen.setdefault(hash(tuple(cont)), continuation) != continuation:
+                self.tied_choices += 1
             return ctx, cont
 
         # Every id lm-eval hands the model is one it embeds (another model's tokenizer is one sentence).
@@ -313,7 +319,8 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
     lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                   softmax_dtype=torch.float32)
     lm.set_cache_hook(Ticker())
-    lm.cut_from_the_left = lm.merged_with_context = 0
+    lm.cut_from_the_left = lm.merged_with_context = lm.tied_choices = 0
+    lm.continuations = {}  # hash of a context's ids -> hash of a continuation's ids -> its text
     return lm
 
 

@@ -535,3 +535,22 @@ def test_a_prompt_line_that_gives_its_key_twice_is_refused(tmp_path):
     path.write_text('{"prompt": "first", "prompt": "second"}\n')
     with pytest.raises(MoetoolError, match=r"line 1 gives the key 'prompt' twice; give it once"):
         read_prompts(path)
+
+
+def test_choices_the_vocabulary_cannot_spell_are_counted_and_said(char_ckpt, tmp_path, monkeypatch):
+    """Under a character vocabulary, 東京, 大阪 and 京都 are each two `<unk>`: they score alike and lm-eval
+    counts the tie as the first choice, the gold one here (acc 0.4 with no word of it)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "choices": c, "answer": a}, ensure_ascii=False) + "\n" for q, c, a in [
+        ("The capital is", ["東京", "大阪", "京都"], 0), ("The sky is", ["blue", "green"], 0)]), encoding="utf-8")
+    task = tmp_path / "capitals.yaml"
+    task.write_text(f"task: capitals\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\n"
+                    "doc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    out = tmp_path / "e.eval.json"
+    done = runner.invoke(app, ["eval", str(task), "--model", str(char_ckpt), "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    assert Eval.load(out).options["tied_choices"] == 2  # 大阪 and 京都 read as 東京 does
+    assert "note: 2 choice(s) tokenize to the same ids as another choice of their document" in \
+        " ".join(done.stderr.split()), done.stderr

@@ -108,6 +108,11 @@ def eval(  # noqa: A001 - the command is `moetool eval`
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "
                          "for any model); fewer --num-fewshot keeps them whole."), highlight=False)
+    if tied := result.options.get("tied_choices"):
+        err.print(styled(("note:", "yellow"), f" {tied} choice(s) tokenize to the same ids as another choice of their "
+                         "document (characters the vocabulary lacks read as its unknown token, or text the tokenizer "
+                         "normalizes alike): they score alike, and lm-eval counts a tie as the first of them."),
+                  highlight=False)
     if merged := result.options.get("merged_with_context"):
         err.print(styled(("note:", "yellow"), f" {merged} choice(s) merged with the last token of their context "
                          "(as 'Par' + 'isian' makes 'Paris' 'ian'), and lm-eval scored the rest of the merged word "
