@@ -130,6 +130,13 @@ def fit_note(fit: Path | None, policy: str) -> str | None:
 
 
 
+def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary: dict[str, Any]) -> list[str]:
+    """What `run` and `eval` say after the work of how their engine options were taken: `--hw` given on
+    the wall clock (`wall_hw`), a fit with nothing for the policy, fitted knobs the run did not take."""
+    said = [wall_hw_note(hw)] if wall_hw else []
+    return said + [n for n in (fit_note(fit, policy), fit_dropped_note(fit, policy, summary)) if n is not None]
+
+
 def wall_hw_note(hw: str) -> str:
     """What `--hw` does on the wall clock, where nothing is simulated: the times are this machine's,
     and the run records no `hw`; only the costs a cost-aware policy decides with are the preset's."""
@@ -150,4 +157,4 @@ def fit_dropped_note(fit: Path | None, policy: str, summary: dict[str, Any]) -> 
 
 __all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "Decode", "DecodeOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",
            "ExpertsImpl", "ExpertsImplOpt", "HostBudgetOpt", "HwOpt", "JsonOpt", "ModelArg", "ModelOpt", "PolicyOpt", "SetOpt",
-           "fit_dropped_note", "fit_note", "wall_hw_note", "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]
+           "engine_notes", "fit_dropped_note", "fit_note", "wall_hw_note", "parse_numbers", "parse_seconds", "parse_settings", "spec_fields"]

@@ -17,7 +17,7 @@ from rich.table import Table
 from moetool.app import command, err, given, not_an_input, out, styled, writable
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt,
-                             fit_dropped_note, fit_note, spec_fields, wall_hw_note)
+                             engine_notes, spec_fields)
 from moetool.spec import DEFAULT_HW
 
 
@@ -95,15 +95,12 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     if save is not None:
         result.save(save)
     # notes after the work: a refusal is its one sentence alone
-    if Clock(clock) == Clock.wall and given(ctx, "hw"):
-        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
-    if (said := fit_note(fit, policy)) is not None:
-        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
-    if (said := fit_dropped_note(fit, policy, result.summary)) is not None:
+    for said in engine_notes(Clock(clock) == Clock.wall and bool(given(ctx, "hw")), hw, fit, policy, result.summary):
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     if unknown := result.options.get("unknown_tokens"):
-        err.print(styled(("note:", "yellow"), f" {unknown} token(s) of {result.options['data']} are the tokenizer's unknown token (characters its vocabulary lacks): "
-                         "the perplexity scores the model on that placeholder there, not on the text."), highlight=False)
+        err.print(styled(("note:", "yellow"), f" {unknown} token(s) of {result.options['data']} are the tokenizer's "
+                         "unknown token (characters its vocabulary lacks): the perplexity scores the model on that "
+                         "placeholder there, not on the text."), highlight=False)
     if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "

@@ -15,7 +15,7 @@ from moetool.app import command, err, given, not_an_input, out, styled, writable
 from moetool.errors import MoetoolError
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, Decode, DecodeOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt,
-                             fit_dropped_note, fit_note, spec_fields, wall_hw_note)
+                             engine_notes, spec_fields)
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
@@ -69,11 +69,7 @@ def run(
     if save is not None:
         result.save(save)
     # notes after the work: a refusal is its one sentence alone
-    if Clock(clock) == Clock.wall and given(ctx, "hw"):
-        err.print(styled(("note:", "yellow"), f" {wall_hw_note(hw)}"), highlight=False)
-    if (said := fit_note(fit, policy)) is not None:
-        err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
-    if (said := fit_dropped_note(fit, policy, result.summary)) is not None:
+    for said in engine_notes(Clock(clock) == Clock.wall and bool(given(ctx, "hw")), hw, fit, policy, result.summary):
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     s = result.summary
     compiled = f", compiled in {s['compile_s']:.1f} s" if s.get("compile_s") is not None else ""

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.inference import nonfinite_sentence, vocab_size
+from moetool.inference import context_length, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, MoeLayer
 from moetool.tokenizer import encode, unknown_tokens
 
@@ -26,6 +26,13 @@ class CalibrationSettings(Protocol):
     calib_tokens: int
     calib_seq_len: int
     seed: int  # random ids for a tokenizer-less checkpoint
+
+
+def calibration_length(lm: LoadedModel, cfg: CalibrationSettings) -> int:
+    """Tokens a calibration sequence holds: `calib_seq_len`, within the model's positions. Past them HQQ's
+    output error and GPTQ's Hessians would come from hidden states the model never computes in use (as
+    `eval ppl` refuses windows longer than the model's context)."""
+    return min(cfg.calib_seq_len, context_length(lm.model) or cfg.calib_seq_len)
 
 
 def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:

@@ -39,12 +39,11 @@ from moetool.errors import MoetoolError, keeping, not_a_file, quote
 from moetool.files import DirectoryLock as _DirectoryLock
 from moetool.files import not_inside_a_model, target_of_temp, temp_file_of
 from moetool.schema import build
-from moetool.inference import context_length
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.prequantized import without_quantization
 from moetool.quant import gptq, hqq
 from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
-from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids
+from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids, calibration_length
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.notes import gate_up_shape, precision_note, size_note
 from moetool.quant.format import (DTYPES, META_DTYPE, Bits, Layout, QTensor, auto_group_size, dequantize,
@@ -106,9 +105,7 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     layers = lm.geometry.layers
     if cfg.group_size == 0:
         cfg = dataclasses.replace(cfg, group_size=auto_group_size(layers))
-    # Calibration sequences within the model's positions: past them, HQQ's output error and GPTQ's
-    # Hessians would come from hidden states the model never computes in use (as `eval ppl` refuses).
-    cfg = dataclasses.replace(cfg, calib_seq_len=min(cfg.calib_seq_len, context_length(lm.model) or cfg.calib_seq_len))
+    cfg = dataclasses.replace(cfg, calib_seq_len=calibration_length(lm, cfg))  # within the model's positions
     total = sum(layer.num_experts for layer in layers)
     report(Progress("load", 0, total))
     inputs = {"calib_text": sha256_file(Path(cfg.calib_text))} if cfg.calib_text else {}
@@ -121,10 +118,8 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     layouts = {layer.index: {b: make_layout(b, gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
                                             layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
-    said = size_note(layers, layouts, cfg.group_size)
-    if said and note is not None:
+    if (said := size_note(layers, layouts, cfg.group_size)) and note is not None:
         note(said)
-
     # The calibration text is read before anything is written: a text the tokenizer cannot use is
     # refused without a directory left behind.
     calib = calibration_ids(lm, cfg) if _calibrated(cfg) else None
