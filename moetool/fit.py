@@ -122,7 +122,7 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
                                       "nothing was fitted from it.")
     for name, cls in hooked("fit"):  # each paper's fit once
         mine = dataclasses.replace(shared, policy=name, sweep=sweep.of(name) if sweep else None,
-                                   sweep_note=sweep.note if sweep else "", sweep_budget=sweep.budget if sweep else None)
+                                   sweep_note=sweep.note if sweep else "", sweep_sized=sweep.sized if sweep else None)
         got = cls.fit(mine)
         if got is None:
             continue
@@ -146,7 +146,11 @@ class _Sweep:
         sw = cfg.sweep
         self.cfg, self.prof, self.source = cfg, prof, None
         self.note = f"sweep: sim clock on {sw.hw}, budget {sw.budget}, {sw.max_new_tokens} tokens"
-        self.budget = {"budget": sw.budget, "cache_bytes": cache_bytes(sw.budget, prof.info)}
+        from moetool.engine.clock import load_hw
+
+        hw = load_hw(sw.hw)[0]
+        self.sized = {"budget": sw.budget, "cache_bytes": cache_bytes(sw.budget, prof.info),
+                      "link": {"h2d_gbps": hw.h2d_gbps, "copy_latency_s": hw.copy_latency_s}}
 
     def of(self, policy: str) -> Callable[[dict[str, str]], Run]:
         return lambda settings: self.run(policy, settings)

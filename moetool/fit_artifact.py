@@ -37,8 +37,8 @@ class Fit(Artifact):
     def validate(self) -> None:
         """On read: the knobs are the policies' own (a name the policy lacks, a hand edit's `alpah`, was
         passed over and the default ran), the warnings and reasons are text, no number is NaN, and the
-        evidence a policy's report draws has the shape it draws (`Knobs.evidence`), as has the budget a
-        knob was sized for (`Sizing`), which a run compares with its own."""
+        evidence a policy's report draws has the shape it draws (`Knobs.evidence`), as has what a knob was
+        sized for (`Sizing`), which a run compares with its own."""
         for policy, knobs in self.params.items():
             if policy in POLICIES:
                 known = {f.name for f in fields(POLICIES[policy].Params)}
@@ -60,14 +60,14 @@ class Fit(Artifact):
                 if mine.get(knob) is not None:
                     build(schema, mine[knob], f"evidence[{policy!r}][{knob!r}]")
             for knob, of_knob in mine.items():  # what a run compares its budget and tiers with
-                if isinstance(of_knob, dict) and "budget" in of_knob:
-                    build(Sizing, of_knob["budget"], f"evidence[{policy!r}][{knob!r}]['budget']")
+                if isinstance(of_knob, dict) and "sized_for" in of_knob:
+                    build(Sizing, of_knob["sized_for"], f"evidence[{policy!r}][{knob!r}]['sized_for']")
 
     def sizing(self, policy: str) -> dict[str, Sizing]:
-        """`policy`'s fitted knobs that hold for one budget and tiers only (`policies.knobs.Sizing`)."""
+        """`policy`'s fitted knobs that hold for one budget, tiers or machine only (`policies.knobs.Sizing`)."""
         mine = self.evidence.get(policy) or {}
-        return {knob: build(Sizing, ev["budget"], knob) for knob, ev in mine.items()
-                if knob in self.params.get(policy, {}) and isinstance(ev, dict) and "budget" in ev}
+        return {knob: build(Sizing, ev["sized_for"], knob) for knob, ev in mine.items()
+                if knob in self.params.get(policy, {}) and isinstance(ev, dict) and "sized_for" in ev}
 
 
 def _finite_numbers(value: Any, where: str) -> None:

@@ -423,7 +423,7 @@ def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_ru
     model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
     sized = {"budget": "75%", "cache_bytes": 1000, "knobs": {"b_hi": 16, "b_lo": 4}}
     fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"dynaexq": {"n_hi": 0}},
-                                          "evidence": {"dynaexq": {"n_hi": {"value": 0, "budget": sized}}}})
+                                          "evidence": {"dynaexq": {"n_hi": {"value": 0, "sized_for": sized}}}})
 
     def ran(*extra: str) -> tuple[dict, list[str]]:
         out = tmp_path / "r.run.json"
@@ -489,8 +489,8 @@ def test_hw_on_the_wall_clock_says_what_it_does(tiny_bundle):
     ({"warnings": "abc"}, "evidence.warnings must be a list"),  # drawn as three warnings, a, b and c
     ({"skipped": ["x"]}, "evidence.skipped must be an object"),
     ({"smoe": {"alpha": "x"}}, "evidence['smoe']['alpha'] must be an object"),
-    ({"dynaexq": {"n_hi": {"budget": {"budget": "25%", "cache_bytes": "x", "knobs": {}}}}},
-     "evidence['dynaexq']['n_hi']['budget'].cache_bytes must be an integer"),
+    ({"dynaexq": {"n_hi": {"sized_for": {"budget": "25%", "cache_bytes": "x", "knobs": {}}}}},
+     "evidence['dynaexq']['n_hi']['sized_for'].cache_bytes must be an integer"),
     ({"smoe": {"alpha": {"points": [[0.1]], "grid": [0.0], "predicted": [0.01], "degree": 1}}},
      "evidence['smoe']['alpha'].points[0] must be a list of 3 values"),
     ({"smoe": {"alpha": {"points": POINTS, "grid": [0.0, 0.1], "predicted": [0.01], "degree": 1}}},

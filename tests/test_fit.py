@@ -245,12 +245,25 @@ def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
     from moetool.policies import POLICIES
     from moetool.policies.knobs import stale_fitted
 
-    fitted, same = result.params["smoe"], (lambda b: b == RunConfig().budget)
-    assert stale_fitted(POLICIES["smoe"], {}, fitted, {"alpha": sized}, same, RunConfig().budget) == {}
-    assert stale_fitted(POLICIES["smoe"], {"cpu_assist": "false"}, fitted, {"alpha": sized}, lambda b: False, "x") == {
-        "alpha": f"sized for --budget {RunConfig().budget}, and this run has --budget x"}
-    assert stale_fitted(POLICIES["smoe"], {"cpu_assist": "false"}, fitted, {"alpha": sized}, same,
-                        RunConfig().budget) == {"alpha": "sized for cpu_assist=true, and this run has cpu_assist=false"}
+    fitted, same, here = result.params["smoe"], (lambda b: b == RunConfig().budget), RunConfig().budget
+    # and the sweep's machine's: one bf16 expert's copy on rtx3090's link (the sweep's --hw)
+    from moetool.engine.clock import load_hw
+
+    hw = load_hw(RunConfig().hw)[0]
+    from moetool.profile_artifact import Profile
+
+    t_load = Profile.load(prof).info.expert_bytes[16] / (hw.h2d_gbps * 1e9) + hw.copy_latency_s
+    assert sized.costs == {"t_load.16": pytest.approx(t_load)}
+    costs = {"t_load.16": t_load * 1.05}  # within COST_TOLERANCE: the same machine's
+    assert stale_fitted(POLICIES["smoe"], {}, fitted, {"alpha": sized}, same, here, costs) == {}
+    assert stale_fitted(POLICIES["smoe"], {"cpu_assist": "false"}, fitted, {"alpha": sized}, lambda b: False, "x",
+                        costs) == {"alpha": f"sized for --budget {here}, and this run has --budget x"}
+    assert stale_fitted(POLICIES["smoe"], {"cpu_assist": "false"}, fitted, {"alpha": sized}, same, here, costs) == {
+        "alpha": "sized for cpu_assist=true, and this run has cpu_assist=false"}
+    faster = {"t_load.16": t_load / 4}  # an H200's link, say
+    assert stale_fitted(POLICIES["smoe"], {}, fitted, {"alpha": sized}, same, here, faster, "h200") == {
+        "alpha": f"sized for t_load.16 = {t_load * 1e3:.3g} ms, and this run's costs (h200) give "
+                 f"{t_load / 4 * 1e3:.3g} ms"}
 
 
 def test_the_stage_asks_each_paper_once_and_takes_only_its_knobs(tmp_path):
@@ -354,3 +367,23 @@ def test_fate_evals_of_one_path_but_two_texts_fit_no_p(tmp_path):
     result = fit(FitConfig(profile=prof, runs=tuple(evals)))
     assert "p" not in result.params["fate"]
     assert "text sha256 aaaaaaaaaaaa / text sha256 bbbbbbbbbbbb" in result.evidence["skipped"]["fate.p"]
+
+
+def test_fates_n_holds_for_the_link_it_was_divided_by(tmp_path):
+    """§4.3's n = T / t_expert is the profiled machine's: a run whose costs give another copy time (a sim
+    run on another --hw) took it as it was, without a word. It now derives n from its own costs (the
+    default n = 0), and a fitted n beside `--set prefetcher=none` (which reads no n) is not taken either."""
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import stale_fitted
+
+    result = fit(FitConfig(profile=synthetic_profile().save(tmp_path / "s.profile.json")))
+    sized = result.sizing("fate")["n"]
+    t_io = result.evidence["fate"]["n"]["t_expert_s"]
+    assert sized.costs == {"t_load.4": t_io} and sized.knobs == {"cache_bits": 4} and sized.budget is None
+    fitted, same = result.params["fate"], (lambda b: True)
+    assert stale_fitted(POLICIES["fate"], {}, fitted, {"n": sized}, same, "25%", {"t_load.4": t_io}) == {}
+    assert set(stale_fitted(POLICIES["fate"], {}, fitted, {"n": sized}, same, "25%", {"t_load.4": t_io / 3},
+                            "h200")) == {"n"}
+    assert stale_fitted(POLICIES["fate"], {"prefetcher": "none"}, fitted, {"n": sized}, same, "25%",
+                        {"t_load.4": t_io}) == {"n": "read only with prefetcher=fate (§4.3's cap on its transfers), "
+                                                     "and this run has prefetcher=none"}

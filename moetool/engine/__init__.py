@@ -63,9 +63,11 @@ def default_host_budget() -> int:
 
 
 def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | None,
-               sizing: dict[str, Sizing] | None, budget: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+               sizing: dict[str, Sizing] | None, budget: str, ctx: EngineContext) -> tuple[dict[str, Any] | None,
+                                                                                         dict[str, str]]:
     """The fitted knobs this run takes, and those it drops with why: sized for another --budget (compared
-    as read: `25%` and `25.0%` are one budget) or other tiers (`policies.knobs.stale_fitted`)."""
+    as read: `25%` and `25.0%` are one budget), other tiers or knobs, or another machine's costs than the
+    ones the policy decides with here (`ctx.hw`), or not read beside the others (`knobs.stale_fitted`)."""
     if not fitted or policy not in POLICIES:
         return fitted, {}
     mine = parse_budget(budget)
@@ -76,7 +78,8 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
         except MoetoolError:  # a hand-edited fit's budget no budget parser reads: not this one
             return False
 
-    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget)
+    costs = {f"t_load.{b}": t for b, t in (ctx.hw.get("t_load") or {}).items()}
+    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget, costs, ctx.hw.get("name", ""))
     return {k: v for k, v in fitted.items() if k not in drops}, drops
 
 
@@ -124,7 +127,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
                         available_bits=store.bits, hw=policy_cost.policy_view(captured))
-    fitted, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget)
+    fitted, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, ctx)
     pol = make_policy(policy, settings or {}, ctx, fitted)
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None

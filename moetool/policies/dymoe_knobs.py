@@ -134,7 +134,7 @@ class DyMoEKnobs(Knobs):
                                     "so r = 0.5 (the budget will not hold every expert).")
                 r = RETENTION_FLOOR
             # r holds for this budget and these tiers only: a run at another takes the paper's r (`stale_fitted`)
-            sized = {"budget": {"budget": cfg.budget, "cache_bytes": cache, "knobs": {"high_bits": high, "low_bits": low}}}
+            sized = {"sized_for": {"budget": cfg.budget, "cache_bytes": cache, "knobs": {"high_bits": high, "low_bits": low}}}
         lam, rows = schedule_table(r, len(info.moe_layers), info.top_k)
         out.knobs = {"r": round(r, 4), "lam": round(lam, 4)}
         out.evidence = {"r": {"value": r, "from": how, **sized},

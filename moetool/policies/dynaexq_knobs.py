@@ -63,7 +63,7 @@ class DynaExqKnobs(Knobs):
                                     "non_expert": info.non_expert_bytes, "kv_margin": info.kv_margin_bytes,
                                     "staging": info.staging_bytes},
                                 "from": f"--budget {budget}, profile.info ({info.expert_bytes_source})",
-                                "budget": {"budget": budget, "cache_bytes": cache, "knobs": {"b_hi": hi, "b_lo": lo}},
+                                "sized_for": {"budget": budget, "cache_bytes": cache, "knobs": {"b_hi": hi, "b_lo": lo}},
                                 "rule": "DynaExq §3.1: (cache - L E b_lo) // b_hi // L, at most E"}
         return out
 

@@ -122,6 +122,9 @@ class FateKnobs(Knobs):
             h2d_from = "measured" if t.h2d_gbps else "hw preset " + str(prof.settings.get("hw_base"))
             fate["n"] = {"value": transfer_n(window, t_io, info.num_experts), "T_s": window, "t_expert_s": t_io,
                          "expert_bytes": nbytes, "bits": bits, "h2d_gbps": h2d,
+                         # §4.3's n is the machine's whose link it divides by: a run whose costs give
+                         # another copy time takes n from its own (the default n = 0), `knobs.stale_fitted`
+                         "sized_for": {"knobs": {"cache_bits": bits}, "costs": {f"t_load.{bits}": t_io}},
                          "from": f"profile.timing.layers (T = t_moe + t_attn + t_gate, decode, measured on {t.device}); "
                                  f"t_expert = INT4 blob / h2d ({h2d_from})"}
         else:

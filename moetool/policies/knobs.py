@@ -150,14 +150,19 @@ def _spelled(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Sizing:
-    """What `moetool fit --budget` sized a knob for, in the knob's evidence under "budget": the --budget
-    it was given, the expert cache that left (bytes, for the record), and the values of the knobs the size
-    assumed (the tiers). DynaExq's n_hi (§3.1) and DyMoE's budget-derived r hold for that budget and
-    those tiers only; `stale_fitted` drops them from a run that has others."""
+    """What a fitted knob was sized for, in its evidence under "sized_for": the --budget (and the expert
+    cache it left, for the record), the values of the knobs the size assumed (the tiers), and the costs
+    it assumed (`t_load.<bits>`: one expert's copy, seconds). DynaExq's n_hi (§3.1) and DyMoE's
+    budget-derived r hold for one budget and tiers, Fate's n (§4.3) for one link, SMoE's swept alpha
+    for the sweep's budget, knobs and machine; `stale_fitted` drops them from a run that has others."""
 
-    budget: str
-    cache_bytes: int
-    knobs: dict[str, Any]
+    budget: str | None = None
+    cache_bytes: int | None = None
+    knobs: dict[str, Any] | None = None
+    costs: dict[str, float] | None = None
+
+
+COST_TOLERANCE = 0.1  # relative: a cost within it is the same machine's (a hw profile written from a profile)
 
 
 def resolved(cls: type[Knobs], params: Params) -> dict[str, Any]:
@@ -171,10 +176,12 @@ def resolved(cls: type[Knobs], params: Params) -> dict[str, Any]:
 
 
 def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any], sizing: dict[str, Sizing],
-                 same_budget: Callable[[str], bool], budget: str) -> dict[str, str]:
+                 same_budget: Callable[[str], bool], budget: str, costs: dict[str, float] | None = None,
+                 machine: str = "") -> dict[str, str]:
     """The fitted knobs a run does not take, each with why: sized (`Sizing`) for another --budget than
-    `budget` (`same_budget` compares them as the engine reads budgets), or for other values of the knobs
-    the size assumed than this run's; then any fitted knob `derived` from one of those, and any the
+    `budget` (`same_budget` compares them as the engine reads budgets), for other values of the knobs
+    the size assumed than this run's, or for other costs than `costs` (this run's, of `machine`) beyond
+    COST_TOLERANCE; then any fitted knob `derived` from one of those, and any the
     policy does not read beside this run's other knobs (`Knobs.applies`). A knob `--set`
     gives is not the fit's and stays. The policy's default takes a dropped knob's place (DynaExq's
     n_hi < 0 derives it from this run's budget), and the run says so."""
@@ -185,21 +192,29 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
     for knob, size in sizing.items():
         if knob not in fitted:
             continue
-        if not same_budget(size.budget):
+        if size.budget is not None and not same_budget(size.budget):
             drops[knob] = f"sized for --budget {size.budget}, and this run has --budget {budget}"
             continue
-        other = [f"{k}={_spelled(v)}" for k, v in size.knobs.items() if here.get(k, v) != v]
+        asked = size.knobs or {}
+        other = [f"{k}={_spelled(v)}" for k, v in asked.items() if here.get(k, v) != v]
         if other:
-            now = ", ".join(f"{k}={_spelled(here.get(k))}" for k in size.knobs if here.get(k, size.knobs[k]) != size.knobs[k])
+            now = ", ".join(f"{k}={_spelled(here.get(k))}" for k in asked if here.get(k, asked[k]) != asked[k])
             drops[knob] = f"sized for {', '.join(other)}, and this run has {now}"
+            continue
+        for key, then in (size.costs or {}).items():
+            now = (costs or {}).get(key)
+            if now is None or abs(now - then) > COST_TOLERANCE * max(abs(now), abs(then)):
+                drops[knob] = (f"sized for {key} = {then * 1e3:.3g} ms, and this run's costs ({machine or 'its --hw'}) "
+                               f"give {'none' if now is None else f'{now * 1e3:.3g} ms'}")
+                break
     for knob, sources in cls.derived.items():
         gone = [d for d in sources if d in drops]
         if knob in fitted and knob not in drops and gone:
             drops[knob] = f"derived from the fit's {gone[0]}, which this run does not take"
-    for knob in fitted:  # a fitted knob this run never reads (Fate's n with --set prefetcher=none)
-        if knob in cls.applies and knob not in drops:
+    for knob in fitted:  # a fitted knob this run never reads (Fate's n with --set prefetcher=none); a fit's
+        if knob in cls.applies and knob not in drops:  # own pair (DyMoE's r and the lam solved from it) is one
             other, reads, when = cls.applies[knob]
-            if not reads(here.get(other)):
+            if other in settings and not reads(here.get(other)):
                 drops[knob] = f"read only with {when}, and this run has {other}={_spelled(here.get(other))}"
     return drops
 
@@ -252,4 +267,4 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
 
 
 __all__ = ["Knobs", "POLICIES", "Params", "Sizing", "hooked", "parse_params", "parse_tiers", "register", "resolved",
-           "stale_fitted"]
+           "stale_fitted", "COST_TOLERANCE"]

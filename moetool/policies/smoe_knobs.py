@@ -120,11 +120,15 @@ class SMoEKnobs(Knobs):
                                 f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
                                 "measured alpha that meets R, is used instead.")
         out.knobs["alpha"] = round(alpha, 4)
-        if inputs.sweep_budget is not None and len(mine) == len(cfg.alphas):  # every point the sweep's
-            # T(alpha) is this budget's, at the knobs the sweep ran (the defaults): a run at another takes
-            # the paper's alpha (`knobs.stale_fitted`). Given runs record no --budget to compare with.
-            ev["budget"] = {**inputs.sweep_budget, "knobs": {f.name: getattr(cls.Params(), f.name)
-                                                            for f in fields(cls.Params) if f.name != "alpha"}}
+        sized, info = inputs.sweep_sized, inputs.profile.info
+        if sized is not None and len(mine) == len(cfg.alphas):  # every point the sweep's
+            # T(alpha) is this budget's and this machine's, at the knobs the sweep ran (the defaults): a
+            # run elsewhere takes the paper's alpha (`knobs.stale_fitted`). Given runs record no --budget.
+            knobs = {f.name: getattr(cls.Params(), f.name) for f in fields(cls.Params) if f.name != "alpha"}
+            bits, link = knobs["bits"], sized["link"]
+            t_load = info.expert_bytes[bits] / (link["h2d_gbps"] * 1e9) + link["copy_latency_s"]
+            ev["sized_for"] = {"budget": sized["budget"], "cache_bytes": sized["cache_bytes"], "knobs": knobs,
+                               "costs": {f"t_load.{bits}": t_load}}
         return out
 
     @classmethod

@@ -165,9 +165,9 @@ class FitInputs:
     cache_bytes: int | None  # device bytes `--budget` leaves for experts, as the engine splits it (None: no budget)
     sweep: Callable[[dict[str, str]], RunRecord] | None = None
     sweep_note: str = ""  # how the sweep ran, for the evidence's "from"
-    # the sweep's --budget and the expert cache it leaves (`knobs.Sizing` less its knobs): a knob fitted
-    # from the sweep's runs holds at that budget
-    sweep_budget: dict[str, Any] | None = None
+    # what the sweep's runs ran at: its --budget and the expert cache it leaves, and its --hw's link
+    # ("h2d_gbps", "copy_latency_s"): a knob fitted from them holds there (`knobs.Sizing`)
+    sweep_sized: dict[str, Any] | None = None
     progress: Callable[[str, int, int], None] | None = None  # (part, done, total)
 
 
