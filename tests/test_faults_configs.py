@@ -149,8 +149,9 @@ def test_a_profile_of_a_model_that_computes_nan_is_one_sentence_and_no_artifact(
     against a base of nan ranked nothing."""
     bad = _edited(tiny_ckpt("qwen2_moe"), tmp_path / "bad", rms_norm_eps=-1.0)
     out = tmp_path / "p.json"
-    line = one_error_line(_cli("profile", "--model", bad, "--data", "heldout", "--what", what, "--seqs", "1",
-                               "--seq-len", "12", "--decode-tokens", "2", "--out", out))
+    traced = ("--data", "heldout", "--seqs", "1", "--seq-len", "12", "--decode-tokens", "2")  # what routing reads
+    line = one_error_line(_cli("profile", "--model", bad, "--what", what, *(traced if what == "routing" else
+                                                                           ("--ppl-tokens", "64")), "--out", out))
     assert "NaN or infinite logits" in line, line
     assert not out.exists()
 
