@@ -438,3 +438,23 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
                 index = write()
                 tell(cell.name, status)
     return index
+
+
+def fit_dropped_cells(out_dir: Path, cells: dict[str, dict[str, Any]]) -> str | None:
+    """The cells whose policy did not take some of the fit's knobs (`summary.fit_dropped`), in one line:
+    a grid runs many budgets and knobs over one fit, and `run` says it of one."""
+    dropped = {}
+    for name, cell in cells.items():
+        if cell["status"] == "done" and cell["artifact"]:
+            try:
+                summary = json.loads((out_dir / cell["artifact"]).read_text()).get("summary") or {}
+            except (OSError, ValueError, AttributeError):
+                continue  # the index names it; `report` reads it strictly
+            if summary.get("fit_dropped"):
+                dropped[name] = summary["fit_dropped"]
+    if not dropped:
+        return None
+    first, why = next(iter(dropped.items()))
+    knob, reason = next(iter(why.items()))
+    return (f"{len(dropped)} cell(s) ran their policy's default for fitted knobs that do not hold there (e.g. "
+            f"{first}: {knob}, {reason}); each artifact says which and why under summary.fit_dropped.")

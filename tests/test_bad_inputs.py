@@ -449,7 +449,8 @@ def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_ru
     done = runner.invoke(app, ["sweep", str(grid), "--fit", str(fit), "--workers", "0", "--out", str(tmp_path / "sw")])
     assert done.exit_code == 0, done.output
     notes = [ln for ln in done.stderr.splitlines() if ln.startswith("note:")]
-    assert len(notes) == 1 and notes[0].startswith("note: 1 cell(s) ran their policy's default for fitted knobs"), notes
+    assert len(notes) == 1 and notes[0].startswith("note: 1 cell(s) ran their policy's default for fitted knobs that "
+                                                            "do not hold there"), notes
 
 
 def test_a_fitted_dymoe_r_for_other_tiers_is_dropped_with_its_lam():

@@ -77,6 +77,13 @@ def demo(
             err.print(styled((f"{done + 1}/{total}", "dim"), f" {what}"), highlight=False)
 
         paths = demo_pipeline(cfg, progress=progress)
+    from moetool.sweep import INDEX, Sweep, fit_dropped_cells
+
+    for grid in ("runs", "evals"):  # as `moetool sweep` says it of its grid
+        if (Path(paths[grid]) / INDEX).is_file():
+            said = fit_dropped_cells(Path(paths[grid]), Sweep.load(Path(paths[grid]) / INDEX).cells)
+            if said is not None:
+                err.print(styled(("note:", "yellow"), f" {grid}: {said}"), highlight=False)
     summary = paths["report"] / "summary.md"
     out.print(f"report: {paths['report']}  (summary: {summary})")
     if summary.is_file():

@@ -56,7 +56,7 @@ def sweep(
     Example: `moetool sweep grid.yaml --out out/sweep`, with grid.yaml holding `model: ckpt`,
     `prompts: ["Hello"]`, `max_new_tokens: 16` and `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
-    from moetool.sweep import SweepConfig, Terminated
+    from moetool.sweep import SweepConfig, Terminated, fit_dropped_cells
     from moetool.sweep import sweep as sweep_stage
 
     writable(save, "dir")
@@ -101,7 +101,7 @@ def sweep(
         status = cell["status"]
         table.add_row(name, styled((status, STYLE[status])), cell["artifact"] or cell["reason"] or "")
     out.print(table)
-    if (said := _fit_dropped(save, index.cells)) is not None:  # what `run` and `eval` say of one cell
+    if (said := fit_dropped_cells(save, index.cells)) is not None:  # what `run` and `eval` say of one cell
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     tally = ", ".join(f"{n} {k}" for k, n in counts.items())
     err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)
@@ -115,24 +115,3 @@ def sweep(
         raise MoetoolError(f"{len(failed)} of {len(index.cells)} cells failed ({failed[0]}: "
                            f"{index.cells[failed[0]]['reason']}); the same command runs them again.")
 
-
-def _fit_dropped(out_dir: Path, cells: dict[str, dict[str, Any]]) -> str | None:
-    """The cells whose policy did not take some of the fit's knobs (sized for another budget or knobs,
-    `summary.fit_dropped`), in one line: a grid runs many budgets over one fit."""
-    import json
-
-    dropped = {}
-    for name, cell in cells.items():
-        if cell["status"] in ("done", "reused") and cell["artifact"]:
-            try:
-                summary = json.loads((out_dir / cell["artifact"]).read_text()).get("summary") or {}
-            except (OSError, ValueError, AttributeError):
-                continue  # the index names it; `report` reads it strictly
-            if summary.get("fit_dropped"):
-                dropped[name] = summary["fit_dropped"]
-    if not dropped:
-        return None
-    first, why = next(iter(dropped.items()))
-    knob, reason = next(iter(why.items()))
-    return (f"{len(dropped)} cell(s) ran their policy's default for fitted knobs sized for another budget or knobs "
-            f"(e.g. {first}: {knob}, {reason}); each artifact says which under summary.fit_dropped.")
