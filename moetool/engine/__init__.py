@@ -102,8 +102,8 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     weight-only one; `moetool.quant.kernels`); off, they are dequantized per batch as every other
     precision. `captured` plans the engine for the captured decode step (`engine/decode.py`): its
     workspace in the budget, slots in the bundle's own layout (no CPU kernels), and on CUDA the host
-    mirrors as the pinned tier (the store's own tiers off). `fit_sizing` says which `fitted` knobs hold for
-    one budget and tiers (`Fit.sizing`); those sized for others are dropped (`engine.fit_dropped` says why).
+    mirrors as the pinned tier (the store's own tiers off). `fit_sizing` says what each `fitted` knob was sized
+    for (`Fit.sizing`: budget, tiers, costs); those that do not hold here are dropped (`engine.fit_dropped`).
     """
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")

@@ -86,7 +86,7 @@ class Engine(Loads):
         self.captured: Any = None
         self.capturing = False
         self.planned_captured = False  # whether the budget holds the captured step's workspace (build_engine)
-        self.fit_dropped: dict[str, str] = {}  # fitted knobs sized for another budget or tiers -> why (build_engine)
+        self.fit_dropped: dict[str, str] = {}  # fitted knobs that do not hold for this run -> why (build_engine)
         self.decode_info: dict[str, Any] = {"path": "host", "path_reason": "the host-driven engine (model forward calls)"}
         # The sequence length and batch the budget's KV margin was planned for (0: not checked).
         self.plan_tokens, self.plan_batch = 0, 1
