@@ -152,6 +152,7 @@ class _Console(Console):
         return f"{name} ({target})" if target.startswith(os.sep) else name  # "pipe:[123]" says nothing
 
     def _print(self, *objects: Any, **kwargs: Any) -> None:
+        objects = tuple(visible(o) for o in objects)
         tables = [o for o in objects if isinstance(o, Table)]
         if not tables and not self.is_terminal:
             kwargs.setdefault("soft_wrap", True)
@@ -171,6 +172,37 @@ class _Console(Console):
 
     def on_broken_pipe(self) -> None:
         pipe_closed()
+
+
+# Control characters in what the consoles print are shown, not obeyed. Prompts, generated text (a
+# byte-fallback vocabulary decodes ESC as readily as a letter), paths and cell names come from users
+# and models, and an escape sequence among them would recolour, retitle or clear the terminal that
+# reads them. Each becomes its Unicode control picture (ESC -> U+241B), one character for one, so a
+# styled span keeps its place; a C1 control (U+0080-U+009F, which some terminals obey too) becomes
+# U+FFFD. Newlines and tabs lay text out and stay. Rich alone drops five controls (BEL, BS, VT, FF, CR)
+# without a trace and passes the rest.
+_SHOWN = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421} | \
+         {c: 0xFFFD for c in range(0x80, 0xA0)}
+
+
+def visible(obj: Any) -> Any:
+    """`obj` (a str, a `Text`, a `Table` of them; anything else as it is) with its control characters
+    shown as pictures (`_SHOWN`)."""
+    if isinstance(obj, str):
+        return obj.translate(_SHOWN)
+    if isinstance(obj, Text):
+        shown = obj.plain.translate(_SHOWN)
+        if shown == obj.plain:
+            return obj
+        obj = obj.copy()
+        obj.plain = shown  # the same length: the spans keep their places
+        return obj
+    if isinstance(obj, Table):
+        obj.title = visible(obj.title)
+        for column in obj.columns:
+            column.header = visible(column.header)
+            column._cells = [visible(c) for c in column._cells]
+    return obj
 
 
 def pipe_closed() -> NoReturn:
@@ -204,8 +236,9 @@ def reader_gone() -> bool:
 # Neither console reads markup: what they print holds the user's text (prompts, generated text, paths,
 # task and cell names), and "[/x]" in it would be a MarkupError after the work, "[red]" would vanish.
 # Styles are given as `Text` spans (`styled`).
-out = _Console(markup=False)
-err = _Console(stderr=True, markup=False)
+# Nor emoji codes: ":smile:" in a prompt or a generated text is printed as written.
+out = _Console(markup=False, emoji=False)
+err = _Console(stderr=True, markup=False, emoji=False)
 # Progress bars use `disable=not err.is_terminal`: on a pipe or a log file a bar cannot redraw, and
 # its teardown would put a blank line before a one-line error.
 
@@ -332,8 +365,9 @@ def _stopped(e: KeyboardInterrupt) -> typer.Exit:
 
 
 def styled(*parts: str | tuple[str, str]) -> Text:
-    """Text with styled spans, for the consoles (which read no markup): `styled(("OK", "green"), " done")`."""
-    return Text.assemble(*parts)
+    """Text with styled spans, for the consoles (which read no markup): `styled(("OK", "green"), " done")`.
+    Its controls are shown (`visible`) before Rich's `Text` would drop five of them."""
+    return Text.assemble(*(visible(p) if isinstance(p, str) else (visible(p[0]), p[1]) for p in parts))
 
 
 def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:

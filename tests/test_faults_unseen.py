@@ -450,6 +450,33 @@ def test_a_path_that_looks_like_markup_is_printed_as_it_is(char_ckpt, tmp_path):
     assert "m[bold]x" in result.stdout and "PASS" in result.stdout
 
 
+def test_control_characters_and_emoji_codes_are_printed_as_written_not_obeyed(char_ckpt):
+    """An escape sequence in a prompt (or a generated text, or a path) reached the terminal as it was
+    and recoloured, retitled or cleared it; Rich alone drops BEL, BS, VT, FF and CR without a trace;
+    and ":smile:" was printed as an emoji. Each control is shown as its picture, one for one."""
+    prompt = "a\x1b[2Jb\x07c :smile: d\x9be"
+    result = _cli("run", "--model", char_ckpt, "--prompt", prompt, "--max-new-tokens", "2", "--clock", "sim")
+    assert result.exit_code == 0, result.output
+    assert "a\u241b[2Jb\u2407c :smile: d\ufffde" in result.stdout
+    assert not any(ch in result.output for ch in "\x1b\x07\x9b")
+
+
+def test_a_styled_line_keeps_its_styles_where_controls_are_shown():
+    from rich.console import Console
+    from rich.text import Text
+
+    from moetool.app import styled, visible
+
+    line = visible(styled(("x\x1b", "bold"), " y\x00z", ("w", "red")))
+    assert line.plain == "x\u241b y\u2400zw"
+    assert [(s.start, s.end, str(s.style)) for s in line.spans] == [(0, 2, "bold"), (6, 7, "red")]
+    console = Console(force_terminal=True, color_system="standard", width=40)
+    with console.capture() as shown:
+        console.print(line)
+    assert "\x1b[1m" in shown.get() and "\x1b[2J" not in shown.get()  # Rich's own styles, none of the text's
+    assert visible(Text("plain\ttext\n")).plain == "plain\ttext\n"
+
+
 @pytest.mark.parametrize("most,unit,said", [(1, "experts per layer", "1 expert per layer"),
                                             (1, "MoE layers", "1 MoE layer"), (4, "MoE layers", "4 MoE layers")])
 def test_a_count_knob_past_the_model_is_said_in_the_right_number(most, unit, said):
