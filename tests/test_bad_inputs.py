@@ -453,6 +453,31 @@ def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_ru
                                                             "do not hold there"), notes
 
 
+def test_a_fitted_smoe_alpha_from_runs_with_another_cache_is_not_taken(tiny_bundle, tmp_path):
+    """An alpha fitted through given runs records their expert cache (a Run records bytes, not --budget): a
+    run whose cache differs takes the paper's alpha, records why and says so; one with the same cache takes it."""
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
+    curve = {"points": [[0.0, 0.1, "a.run.json"], [0.2, 0.08, "b.run.json"]], "grid": [0.0, 0.2], "predicted": [0.1, 0.08],
+             "degree": 1}
+
+    def ran(cache: int) -> dict:
+        fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"smoe": {"alpha": 0.05}},
+                                              "evidence": {"smoe": {"alpha": {**curve, "sized_for": {"cache_bytes": cache}}}}})
+        out = tmp_path / "r.run.json"
+        result = runner.invoke(app, [*run_args(tiny_bundle, "--policy", "smoe", "--fit", str(fit), "--prompt", "Hi",
+                                               "--out", str(out))])
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text()), result.stderr
+
+    art, said = ran(1000)
+    cache = art["budget"]["cache_bytes"]
+    assert art["params"]["alpha"] == 0.3 and art["summary"]["fit_dropped"] == {
+        "alpha": f"sized for the expert cache of the runs it was fitted from, 1000 B, and this run's is {size_text(cache)}"}
+    assert "note:" in said and "alpha" in said
+    art, said = ran(cache)
+    assert art["params"]["alpha"] == 0.05 and "fit_dropped" not in art["summary"] and "note:" not in said
+
+
 def test_a_fitted_dymoe_r_for_other_tiers_is_dropped_with_its_lam():
     """DyMoE's r fitted from a budget assumed 4/2's bytes; `config=4/0` keeps no low tier, so the budget
     holds another r, and lam (solved from r) goes with it. An r the user asked for (`--r`) has no sizing."""

@@ -120,7 +120,45 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
     cache = cache_bytes("50%", INFO)
     assert Fit.load(saved, model=FP).sizing("dynaexq") == {"n_hi": Sizing("50%", cache, {"b_hi": 16, "b_lo": 4})}
     assert result.sizing("dymoe") == {"r": Sizing("50%", cache, {"high_bits": 4, "low_bits": 2})}
-    assert result.sizing("smoe") == {} and result.sizing("lru") == {}
+    # SMoE's T(alpha) holds for its runs' machine (their --hw's link; synthetic runs record no cache or knobs)
+    assert result.sizing("smoe")["alpha"].costs.keys() == {"t_load.16"} and result.sizing("lru") == {}
+
+
+def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_path):
+    """Eq. 5's T(alpha) through runs one gives is theirs: one expert cache, one set of the other knobs, one
+    machine. A run with another cache (--budget), other knobs or another --hw's link took the alpha as it
+    was, without a word (a sweep's alpha already recorded this; given runs record bytes, not --budget)."""
+    from moetool.engine.clock import load_hw
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import stale_fitted
+
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    knobs = {"window": 3, "bits": 16, "cpu_assist": True}
+    runs = [dataclasses.replace(synthetic_run("smoe", {"alpha": a, **knobs}, 0.1 - 0.1 * a),
+                                budget={"cache_bytes": 1 << 20}).save(tmp_path / f"a{a}.run.json") for a in (0.0, 0.2, 0.4)]
+    result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075))
+    sized = Fit.load(result.save(tmp_path / "f.fit.json"), model=FP).sizing("smoe")["alpha"]
+    hw = load_hw("rtx3090")[0]
+    t_load = INFO.expert_bytes[16] / (hw.h2d_gbps * 1e9) + hw.copy_latency_s
+    assert (sized.budget, sized.cache_bytes, sized.knobs) == (None, 1 << 20, knobs)
+    assert sized.costs == {"t_load.16": pytest.approx(t_load)}
+    fitted, same = result.params["smoe"], (lambda b: True)
+
+    def drops(settings=None, cache=1 << 20, t=t_load):
+        return stale_fitted(POLICIES["smoe"], settings or {}, fitted, {"alpha": sized}, same, "25%", {"t_load.16": t},
+                            "h200", cache)
+
+    assert drops() == {}
+    assert drops(cache=2 << 20) == {"alpha": "sized for the expert cache of the runs it was fitted from, 1.0 MiB, and this "
+                                             "run's is 2.0 MiB"}
+    assert drops({"window": "5"}) == {"alpha": "sized for window=3, and this run has window=5"}
+    assert set(drops(t=t_load / 4)) == {"alpha"}
+    # runs on a machine fit cannot read (a --hw file since moved): fitted, and said to be unchecked
+    gone = [dataclasses.replace(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a), hw=str(tmp_path / "moved.json"))
+            .save(tmp_path / f"g{a}.run.json") for a in (0.0, 0.2)]
+    result = fit(FitConfig(profile=prof, runs=tuple(gone), target_tpot=0.075))
+    assert "alpha" in result.params["smoe"] and result.sizing("smoe") == {}
+    assert any("hardware profile could not be read" in w for w in result.evidence["warnings"])
 
 
 @pytest.mark.parametrize("other,said", [

@@ -66,7 +66,8 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
                sizing: dict[str, Sizing] | None, budget: str, ctx: EngineContext) -> tuple[dict[str, Any] | None,
                                                                                          dict[str, str]]:
     """The fitted knobs this run takes, and those it drops with why: sized for another --budget (compared
-    as read: `25%` and `25.0%` are one budget), other tiers or knobs, or another machine's costs than the
+    as read: `25%` and `25.0%` are one budget; a size fitted from runs, which record no --budget, by the
+    expert cache it left), other tiers or knobs, or another machine's costs than the
     ones the policy decides with here (`ctx.hw`), or not read beside the others (`knobs.stale_fitted`)."""
     if not fitted or policy not in POLICIES:
         return fitted, {}
@@ -79,7 +80,8 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
             return False
 
     costs = {f"t_load.{b}": t for b, t in (ctx.hw.get("t_load") or {}).items()}
-    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget, costs, ctx.hw.get("name", ""))
+    drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget, costs, ctx.hw.get("name", ""),
+                         ctx.cache_bytes)
     return {k: v for k, v in fitted.items() if k not in drops}, drops
 
 

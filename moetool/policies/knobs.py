@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from moetool.errors import MoetoolError, article, quote
+from moetool.errors import MoetoolError, article, quote, size_text
 
 if TYPE_CHECKING:
     from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section
@@ -153,8 +153,10 @@ class Sizing:
     """What a fitted knob was sized for, in its evidence under "sized_for": the --budget (and the expert
     cache it left, for the record), the values of the knobs the size assumed (the tiers), and the costs
     it assumed (`t_load.<bits>`: one expert's copy, seconds). DynaExq's n_hi (§3.1) and DyMoE's
-    budget-derived r hold for one budget and tiers, Fate's n (§4.3) for one link, SMoE's swept alpha
-    for the sweep's budget, knobs and machine; `stale_fitted` drops them from a run that has others."""
+    budget-derived r hold for one budget and tiers, Fate's n (§4.3) for one link, SMoE's alpha for the
+    budget, knobs and machine of the runs its T(alpha) went through; `stale_fitted` drops them from a
+    run that has others. Without a --budget (runs record the bytes, not the option), `cache_bytes` is
+    what is compared."""
 
     budget: str | None = None
     cache_bytes: int | None = None
@@ -177,10 +179,11 @@ def resolved(cls: type[Knobs], params: Params) -> dict[str, Any]:
 
 def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any], sizing: dict[str, Sizing],
                  same_budget: Callable[[str], bool], budget: str, costs: dict[str, float] | None = None,
-                 machine: str = "") -> dict[str, str]:
+                 machine: str = "", cache_bytes: int | None = None) -> dict[str, str]:
     """The fitted knobs a run does not take, each with why: sized (`Sizing`) for another --budget than
-    `budget` (`same_budget` compares them as the engine reads budgets), for other values of the knobs
-    the size assumed than this run's, or for other costs than `costs` (this run's, of `machine`) beyond
+    `budget` (`same_budget` compares them as the engine reads budgets; without one, for another expert
+    cache than `cache_bytes`), for other values of the knobs the size assumed than this run's, or
+    for other costs than `costs` (this run's, of `machine`) beyond
     COST_TOLERANCE; then any fitted knob `derived` from one of those, and any the
     policy does not read beside this run's other knobs (`Knobs.applies`). A knob `--set`
     gives is not the fit's and stays. The policy's default takes a dropped knob's place (DynaExq's
@@ -194,6 +197,11 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
             continue
         if size.budget is not None and not same_budget(size.budget):
             drops[knob] = f"sized for --budget {size.budget}, and this run has --budget {budget}"
+            continue
+        if size.budget is None and size.cache_bytes is not None and cache_bytes is not None \
+                and size.cache_bytes != cache_bytes:
+            drops[knob] = (f"sized for the expert cache of the runs it was fitted from, {size_text(size.cache_bytes)}, "
+                           f"and this run's is {size_text(cache_bytes)}")
             continue
         asked = size.knobs or {}
         other = [f"{k}={_spelled(v)}" for k, v in asked.items() if here.get(k, v) != v]

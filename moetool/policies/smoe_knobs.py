@@ -120,15 +120,14 @@ class SMoEKnobs(Knobs):
                                 f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
                                 "measured alpha that meets R, is used instead.")
         out.knobs["alpha"] = round(alpha, 4)
-        sized, info = inputs.sweep_sized, inputs.profile.info
-        if sized is not None and len(mine) == len(cfg.alphas):  # every point the sweep's
-            # T(alpha) is this budget's and this machine's, at the knobs the sweep ran (the defaults): a
-            # run elsewhere takes the paper's alpha (`knobs.stale_fitted`). Given runs record no --budget.
-            knobs = {f.name: getattr(cls.Params(), f.name) for f in fields(cls.Params) if f.name != "alpha"}
-            bits, link = knobs["bits"], sized["link"]
-            t_load = info.expert_bytes[bits] / (link["h2d_gbps"] * 1e9) + link["copy_latency_s"]
-            ev["sized_for"] = {"budget": sized["budget"], "cache_bytes": sized["cache_bytes"], "knobs": knobs,
-                               "costs": {f"t_load.{bits}": t_load}}
+        # T(alpha) is one budget's and one machine's, at the knobs its runs ran (they differ in alpha
+        # alone, above): a run elsewhere takes the paper's alpha (`knobs.stale_fitted`).
+        sized = _sized_for(cls, inputs, mine[0][1])
+        if sized is None:
+            out.warnings.append("the smoe runs' hardware profile could not be read, so a run on another machine's "
+                                "costs would take the fitted alpha; give the runs' --hw where fit can read it.")
+        else:
+            ev["sized_for"] = sized
         return out
 
     @classmethod
@@ -151,6 +150,37 @@ class SMoEKnobs(Knobs):
             part.claims.append(["SMoE alpha = 0.3 within 1% of resident", f"{a:.3f} vs {b:.3f}", f"{100 * d:+.2f}%",
                                 "met" if d <= 0.01 else "not met"])
         return part
+
+
+def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any] | None:
+    """What the fitted alpha holds for (`knobs.Sizing`): the sweep's --budget, default knobs and --hw,
+    or, for T(alpha) through given runs alone (one `_setting`, `run` one of them), their expert cache
+    (a Run records bytes, not the --budget option) and knobs, and on the sim clock the copy time of their
+    --hw (None when that profile cannot be read). Runs on the wall clock name no machine to compare:
+    their alpha is kept wherever the cache and knobs are the same (as a sweep's is on any machine whose
+    link is the sweep's --hw's)."""
+    from moetool.engine.clock import load_hw
+    from moetool.errors import MoetoolError
+
+    info, sweep = inputs.profile.info, inputs.sweep_sized
+    if sweep is not None:  # the sweep ran at its own budget and --hw, and given runs must match it
+        knobs = {f.name: getattr(cls.Params(), f.name) for f in fields(cls.Params) if f.name != "alpha"}
+        sized, link = {"budget": sweep["budget"], "cache_bytes": sweep["cache_bytes"]}, sweep["link"]
+    else:
+        knobs = {f.name: run.params[f.name] for f in fields(cls.Params) if f.name != "alpha" and f.name in run.params}
+        sized = {"cache_bytes": run.budget.get("cache_bytes")}
+        link = None
+        if run.clock == "sim":
+            try:
+                hw = load_hw(run.hw)[0]
+            except MoetoolError:
+                return None
+            link = {"h2d_gbps": hw.h2d_gbps, "copy_latency_s": hw.copy_latency_s}
+    sized["knobs"] = knobs
+    bits = knobs.get("bits", cls.Params().bits)
+    if link is not None and bits in info.expert_bytes:
+        sized["costs"] = {f"t_load.{bits}": info.expert_bytes[bits] / (link["h2d_gbps"] * 1e9) + link["copy_latency_s"]}
+    return sized
 
 
 def _setting(run: Any) -> dict[str, str]:
