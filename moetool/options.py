@@ -37,8 +37,9 @@ PolicyOpt = Annotated[str, typer.Option(metavar="POLICY", help="Policy: a name i
                                         "an unknown one is refused with the list of them all.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")]
 FitOpt = Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used (--set wins).")]
-BudgetOpt = Annotated[str, typer.Option(help=f"Device budget: a size (12GiB) or the expert cache as a share of bf16 "
-                                        f"experts ({DEFAULT_BUDGET}).")]
+BudgetOpt = Annotated[str, typer.Option(help=f"Device budget: a size (12GiB) or the expert cache as a share of the "
+                                        f"experts at 16 bits ({DEFAULT_BUDGET}; bf16 from a bundle, the compute dtype "
+                                        "without one).")]
 ClockOpt = Annotated[Clock, typer.Option(help="wall (measured) or sim (modelled on --hw).")]
 HwOpt = Annotated[str, typer.Option(help=f"Hardware profile for the sim clock: a preset name ({DEFAULT_HW}, ...) "
                                     f"or a profile JSON.")]

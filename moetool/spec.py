@@ -32,7 +32,7 @@ class EngineSpec:
     policy: str = "lru"  # a name in moetool.policies.POLICIES
     settings: dict[str, str] = field(default_factory=dict)  # policy knobs as `--set key=value` strings
     fit: Path | None = None  # fit artifact whose knobs for `policy` are used (`settings` win)
-    budget: str = DEFAULT_BUDGET  # whole device budget (12GiB) or expert cache share of bf16 experts (25%)
+    budget: str = DEFAULT_BUDGET  # whole device budget (12GiB) or expert cache share of the 16-bit experts (25%)
     clock: str = "wall"  # one of CLOCKS
     hw: str = DEFAULT_HW  # hardware profile of the sim clock: a preset name or a profile JSON
     device: str = "cpu"
@@ -87,7 +87,7 @@ def check_size(text: str, option: str) -> int:
 
 
 def check_budget(text: str, option: str = "--budget") -> None:
-    """A size (12GiB) or a share of the bf16 experts (25%), as the engine's budget planner reads it."""
+    """A size (12GiB) or a share of the 16-bit experts (25%), as the engine's budget planner reads it."""
     from moetool.engine.budget import parse_budget
 
     parse_budget(text, option)

@@ -27,7 +27,8 @@ from moetool.policies.base import EngineContext
 
 def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
                      device: str | torch.device = "cpu", captured: bool = False) -> BudgetSplit:
-    """`12GiB` is the whole device budget; `25%` is the expert cache as a share of bf16 experts. On a
+    """`12GiB` is the whole device budget; `25%` is the expert cache as a share of the 16-bit experts
+    (the store's: bf16 from a bundle, the compute dtype from a checkpoint). On a
     GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`); for the captured
     decode step, its gather workspace (`captured_workspace`) and what its compile and capture take
     (`capture_workspace`)."""

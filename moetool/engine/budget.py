@@ -157,7 +157,7 @@ MAX_SHARE_PCT = 1000.0  # a share budget above this is a typo, not a plan
 
 
 def parse_budget(spec: str, option: str = "--budget") -> tuple[str, float]:
-    """("share", fraction of the bf16 experts) for `25%`, ("size", bytes) for `12GiB`, or one sentence."""
+    """("share", fraction of the 16-bit experts) for `25%`, ("size", bytes) for `12GiB`, or one sentence."""
     text = spec.strip()
     if not text.endswith("%"):
         return "size", float(parse_size(text, option))
@@ -166,7 +166,7 @@ def parse_budget(spec: str, option: str = "--budget") -> tuple[str, float]:
     except ValueError:
         raise MoetoolError(f"{option} '{spec}' is not a percentage like 25%.") from None
     if not (math.isfinite(pct) and 0 <= pct <= MAX_SHARE_PCT):
-        raise MoetoolError(f"{option} '{spec}' must be between 0% and {MAX_SHARE_PCT:g}% of the bf16 expert bytes.")
+        raise MoetoolError(f"{option} '{spec}' must be between 0% and {MAX_SHARE_PCT:g}% of the 16-bit expert bytes.")
     return "share", pct / 100
 
 
