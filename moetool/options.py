@@ -133,8 +133,11 @@ def fit_note(fit: Path | None, policy: str) -> str | None:
 
 def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary: dict[str, Any]) -> list[str]:
     """What `run` and `eval` say after the work of how their engine options were taken: `--hw` given on
-    the wall clock (`wall_hw`), a fit with nothing for the policy, fitted knobs the run did not take."""
+    the wall clock (`wall_hw`), a count knob's default clamped to the model (`policies.base.check_at_most`),
+    a fit with nothing for the policy, fitted knobs the run did not take."""
     said = [wall_hw_note(hw)] if wall_hw else []
+    said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
+             for why in (summary.get("clamped") or {}).values()]
     return said + [n for n in (fit_note(fit, policy), fit_dropped_note(fit, policy, summary)) if n is not None]
 
 

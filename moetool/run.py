@@ -163,7 +163,8 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
                 hw=spec.hw if spec.clock == "sim" else None, device=str(spec.device), dtype=ready.dtype,
                 budget_bytes=split.total_bytes, budget=dataclasses.asdict(split), peak_device_bytes=s["peak_device_bytes"],
                 summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info,
-                         **({"fit_dropped": engine.fit_dropped} if engine.fit_dropped else {})},
+                         **({"fit_dropped": engine.fit_dropped} if engine.fit_dropped else {}),
+                         **({"clamped": engine.policy.clamped} if engine.policy.clamped else {})},
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 

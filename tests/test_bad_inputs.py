@@ -235,6 +235,24 @@ def test_a_count_knob_beyond_the_model_is_refused_not_clamped(policy, key, value
         make_policy("fate", {"L": "3"}, make_ctx(layers=(0, 1), cache_bytes=100_000))  # asked for: not clamped
 
 
+def test_a_default_clamped_to_the_model_is_recorded_and_said(tiny_bundle, tmp_path):
+    """Fate's L = 3 on a two-layer model ran as L = 2 and recorded only L = 2: the run could not be told
+    from one given `--set L=2`, and nothing was said."""
+    out = tmp_path / "f.run.json"
+    result = runner.invoke(app, run_args(tiny_bundle, "--policy", "fate", "--set", "p=0", "--prompt", "Hi", "--out", str(out)))
+    assert result.exit_code == 0, result.output
+    art = json.loads(out.read_text())
+    layers = len(art["layers"])
+    assert art["params"]["L"] == layers < 3
+    assert art["summary"]["clamped"] == {"L": f"knob 'L' of policy 'fate' is 3, but the model has {layers} MoE layers."}
+    assert f"note: knob 'L' of policy 'fate' is 3, but the model has {layers} MoE layers: its default ran clamped" \
+        in result.stderr
+    given = tmp_path / "g.run.json"
+    result = runner.invoke(app, run_args(tiny_bundle, "--policy", "fate", "--set", "p=0", "--set", f"L={layers}", "--prompt", "Hi",
+                                         "--out", str(given)))
+    assert result.exit_code == 0 and "clamped" not in json.loads(given.read_text())["summary"]
+
+
 def test_a_negative_sentinel_knob_stays_allowed():
     assert parse_params(POLICIES["dynaexq"], {"n_hi": "-1"}).n_hi == -1  # -1: "the most the budget holds"
     with pytest.raises(MoetoolError, match="cannot be negative"):
