@@ -57,8 +57,8 @@ class FitConfig(FitTargets):
         if not 0 <= self.l_threshold <= 1:
             raise MoetoolError(f"--l-threshold is a recall between 0 and 1, not {self.l_threshold:g}.")
         if self.r is not None and not RETENTION_FLOOR <= self.r <= 1:
-            raise MoetoolError(f"--r is a mean retention between {RETENTION_FLOOR:g} (the cosine schedule's floor, "
-                               f"DyMoE eq. 4) and 1, not {self.r:g}.")
+            raise MoetoolError(f"--r is a share of critical experts between {RETENTION_FLOOR:g} (the least the cosine "
+                               f"schedule keeps, DyMoE eq. 4-5) and 1, not {self.r:g}.")
         if self.target_tpot is not None and not (math.isfinite(self.target_tpot) and self.target_tpot > 0):
             raise MoetoolError(f"--target-tpot must be more than 0 seconds, not {self.target_tpot:g}.")
         if self.budget is not None:

@@ -204,7 +204,7 @@ def test_a_bug_shows_its_traceback_and_asks_to_be_reported(profile_file, tmp_pat
     (["--max-loss", "-1"], "--max-loss is a relative loss, 0 or more"),
     (["--max-loss", "nan"], "--max-loss is a relative loss, 0 or more"),
     (["--l-threshold", "2"], "--l-threshold is a recall between 0 and 1"),
-    (["--r", "0.2"], "--r is a mean retention between 0.5"),
+    (["--r", "0.2"], "--r is a share of critical experts between 0.5"),
     (["--target-tpot", "0ms"], "--target-tpot must be more than 0 seconds"),
     (["--target-tpot", "soon"], "--target-tpot takes seconds"),
     (["--sweep", "--alphas", "0,2"], "--alphas are SMoE thresholds between 0 and 1"),

@@ -13,7 +13,7 @@ from moetool.errors import MoetoolError
 from moetool.evaluate import Eval
 from moetool.fit import FitConfig, cache_bytes, fit
 from moetool.options import parse_seconds
-from moetool.policies.dymoe_knobs import budget_retention, retention, schedule_table
+from moetool.policies.dymoe_knobs import budget_retention, critical_share, retention, schedule_table, solve_lambda
 from moetool.policies.dynaexq_knobs import budget_n_hi
 from moetool.policies.knobs import Sizing
 from moetool.policies.fate_knobs import boundary_L, int2_share, transfer_n
@@ -76,14 +76,15 @@ def test_int2_share_stops_at_the_first_loss_over_the_limit():
 
 
 def test_lambda_solved_for_r():
-    for r, lam in ((0.75, 0.5), (0.9, 0.8), (1.0, 1.0)):
+    """lam for Table 2's r: the least whose mean t_l / M over the layers (eq. 5) reaches r."""
+    for r in (0.75, 0.9, 1.0):
         got, table = schedule_table(r, 8, 4)
-        assert got == pytest.approx(lam)
-        assert np.mean([row["r"] for row in table]) == pytest.approx(r)
-        assert table[0]["r"] == pytest.approx(1.0) and table[-1]["r"] == pytest.approx(lam)
-        assert all(row["t"] == min(4, int(np.ceil(retention(row["position"], 8, lam) * 4 - 1e-9))) for row in table)
-    with pytest.raises(MoetoolError):
-        schedule_table(0.3, 8, 4)
+        assert got == solve_lambda(r, 8, 4)
+        kept = np.mean([row["t"] for row in table]) / 4
+        assert kept >= r and kept == critical_share(got, 8, 4) and critical_share(max(0.0, got - 2e-6), 8, 4) < r or got == 0
+        assert table[0]["r"] == pytest.approx(1.0) and table[-1]["r"] == pytest.approx(got)
+        assert all(row["t"] == min(4, int(np.ceil(retention(row["position"], 8, got) * 4 - 1e-9))) for row in table)
+    assert schedule_table(0.3, 8, 4)[0] == 0.0  # below the schedule's floor: lam = 0 (fit warns)
 
 
 def test_budget_to_retention_and_n_hi():
@@ -106,7 +107,8 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
     result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075, budget="50%"))
     assert result.params["smoe"]["alpha"] == pytest.approx(0.25, abs=0.006)
     assert result.params["fate"] == {"L": 2, "n": 2, "p": 0.25}  # n = 310 us // 128 us
-    assert result.params["dymoe"]["lam"] == pytest.approx(2 * result.params["dymoe"]["r"] - 1, abs=1e-3)
+    r, lam = result.params["dymoe"]["r"], result.params["dymoe"]["lam"]
+    assert lam == pytest.approx(solve_lambda(r, 4, 2), abs=1e-4) and critical_share(lam, 4, 2) >= r
     assert result.params["dynaexq"]["n_hi"] == budget_n_hi(cache_bytes("50%", INFO), 4, 8, INFO.expert_bytes[4],
                                                            INFO.expert_bytes[16])
     ev = result.evidence
@@ -195,7 +197,7 @@ def test_fit_without_runs_or_budget_skips_and_says_why(tmp_path):
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     result = fit(FitConfig(profile=prof))
     assert "smoe" not in result.params and "dynaexq" not in result.params
-    assert result.params["dymoe"] == {"r": 0.75, "lam": 0.5}
+    assert result.params["dymoe"] == {"r": 0.75, "lam": 1e-6}  # 4 top-2 layers: t_l = 2, 2, 1, 1
     assert set(result.evidence["skipped"]) == {"smoe.alpha", "dynaexq.n_hi"}
 
 

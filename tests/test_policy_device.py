@@ -19,7 +19,7 @@ CTX_HW = {"t_load": {16: 2e-4, 8: 1e-4, 4: 5e-5, 2: 3e-5}, "t_expert": {16: 2e-5
 POLICIES = [
     ("resident", {}), ("static", {"bits": "4"}), ("lod", {}), ("lru", {}), ("eap", {}),
     ("fate", {}), ("fate", {"percentile": "0.5", "n": "3"}), ("fate", {"cache_bits": "16", "p": "0"}),
-    ("dymoe", {"config": "4/2"}), ("dymoe", {"config": "4/0", "r": "0.6"}), ("dymoe", {"config": "4/2", "prefetcher": "fate"}),
+    ("dymoe", {"config": "4/2"}), ("dymoe", {"config": "4/0", "r": "0.7"}), ("dymoe", {"config": "4/2", "prefetcher": "fate"}),
     ("dymoe", {"config": "8/4", "prefetcher": "none", "r": "0.9"}),
     ("smoe", {"cpu_assist": "false"}), ("smoe", {"cpu_assist": "false", "alpha": "0.6", "prefetcher": "fate"}),
     ("dynaexq", {"config": "16/4"}), ("dynaexq", {"config": "4/2"}),

@@ -1,7 +1,6 @@
 """DyMoE's mechanisms against the paper's equations and cache rules, on hand-made views."""
 
 import json
-import math
 from functools import partial
 
 import pytest
@@ -10,8 +9,8 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.policies import make_policy
 from moetool.policies.base import Fetch, Phase, Where
-from moetool.policies.dymoe import (critical_count, critical_experts, prefill_importance, retention,
-                                    solve_lambda)
+from moetool.policies.dymoe import (critical_count, critical_experts, critical_share, prefill_importance,
+                                    retention, solve_lambda)
 
 import policy_fakes
 from policy_fakes import FakeCache, load, residency_for
@@ -32,14 +31,23 @@ def test_cosine_retention_and_critical_counts():
     assert retention(0, 1, 0.3) == 1.0  # a single MoE layer keeps everything
 
 
-def test_lambda_solved_from_average_retention():
-    assert solve_lambda(0.75, 4) == pytest.approx(0.5)
-    assert solve_lambda(0.9, 5) == pytest.approx(0.8)  # the cosine averages to 1/2 for any L >= 2
-    for L in (2, 3, 7, 24):
-        lam = solve_lambda(0.8, L)
-        assert sum(retention(l, L, lam) for l in range(L)) / L == pytest.approx(0.8)
-    with pytest.raises(MoetoolError, match="retention of 0.4"):
-        solve_lambda(0.4, 4)
+def test_lambda_solved_for_the_share_of_critical_experts_kept():
+    """Table 2's r is "the average proportion of Critical experts preserved across layers": the mean of
+    t_l / M (eq. 5, which rounds up), not the mean of r(l). Solving mean r(l) = r (lam = 2r - 1) kept 98%
+    of a top-2 model's experts critical at r = 0.75 and every one at r = 0.9 (Mixtral's shape)."""
+    # Mixtral: 32 layers, top-2. lam just above 0: layers 0-15 keep both, 16-31 one -> 48 / 64 = 0.75
+    lam = solve_lambda(0.75, 32, 2)
+    assert lam == pytest.approx(1e-6) and critical_share(lam, 32, 2) == 0.75
+    assert [critical_count(retention(l, 32, lam), 2) for l in range(32)] == [2] * 16 + [1] * 16
+    assert critical_share(0.0, 32, 2) == 47 / 64  # lam = 0: the last layer's r = 0 keeps none
+    assert critical_share(0.5, 32, 2) == 63 / 64  # what the old rule ran for r = 0.75
+    for L, M, r in ((32, 2, 0.9), (48, 8, 0.75), (48, 8, 0.9), (27, 6, 0.75), (4, 8, 0.8)):
+        lam = solve_lambda(r, L, M)
+        got = critical_share(lam, L, M)
+        assert got >= r and critical_share(lam - 2e-6, L, M) < r  # the least lam that reaches r
+    # below the schedule's floor lam = 0 runs (a top-1 model keeps its one expert whatever lam is)
+    assert solve_lambda(0.75, 8, 1) == 0.0 and critical_share(0.0, 8, 1) == 7 / 8
+    assert solve_lambda(0.4, 4, 8) == 0.0
 
 
 # -- eq. 1-3 and the critical set -------------------------------------------------------------------
@@ -171,10 +179,10 @@ def test_lookahead_decode_direct_topt_eq8():
 
 
 def test_knobs_and_description():
-    pol = make_policy("dymoe", {"r": "0.9", "config": "4/0"}, make_ctx())
-    assert (pol.high, pol.low, pol.lam) == (4, 0, pytest.approx(0.8))
+    pol = make_policy("dymoe", {"r": "0.9", "config": "4/0"}, make_ctx(layers=range(5)))
+    assert (pol.high, pol.low, pol.lam) == (4, 0, pytest.approx(0.414214, abs=1e-6))
     d = pol.describe()
-    assert d["retention"][0] == 1.0 and math.isclose(sum(d["retention"]) / 4, 0.9)
+    assert d["retention"][0] == 1.0 and d["critical_share"] == pytest.approx(0.9)  # 9 of 10 critical
     json.dumps(d)
     assert "token_importance" in type(pol).signals
     with pytest.raises(MoetoolError, match="config"):
@@ -190,17 +198,29 @@ def test_an_explicit_lambda_records_the_retention_it_gives():
 
     d = make_policy("dymoe", {"lam": "1"}, make_ctx()).describe()
     assert d["r"] == 1.0 and ablation_row("dymoe", d) == "3. Cache + Prefetch"
-    d = make_policy("dymoe", {"lam": "0.5", "config": "4/0"}, make_ctx()).describe()
-    assert d["r"] == pytest.approx(0.75) and ablation_row("dymoe", d).startswith("6.")
-    assert make_policy("dymoe", {"r": "0.9"}, make_ctx()).describe()["r"] == 0.9  # r as given when lam is solved
+    d = make_policy("dymoe", {"lam": "0", "config": "4/0"}, make_ctx(layers=range(4))).describe()
+    assert d["r"] == pytest.approx(5 / 8) and ablation_row("dymoe", d).startswith("6.")  # t_l = 2, 2, 1, 0 of 2
+    d = make_policy("dymoe", {"r": "0.9"}, make_ctx(layers=range(5))).describe()
+    assert d["r"] == 0.9 and d["critical_share"] == pytest.approx(0.9)  # r as given when lam is solved
+
+
+def test_an_r_below_what_the_schedule_keeps_is_refused_or_its_default_recorded():
+    """On a top-1 model every layer but the last (r = 0 at lam = 0) keeps its one expert critical whatever
+    lam is (eq. 5 rounds up): over 8 layers the default r = 0.75 runs at lam = 0 and records the share
+    that ran, 7/8; an r given is refused."""
+    pol = make_policy("dymoe", {}, make_ctx(layers=range(8), k=1))
+    assert pol.lam == 0.0 and pol.describe()["r"] == 7 / 8 and "r" in pol.clamped
+    with pytest.raises(MoetoolError, match="knob 'r' of policy 'dymoe' is 0.8, but the cosine schedule"):
+        make_policy("dymoe", {"r": "0.8"}, make_ctx(layers=range(8), k=1))
+    assert make_policy("dymoe", {}, make_ctx(layers=range(4), k=1)).clamped == {}  # 3 of 4: 0.75 is reached
 
 
 def test_set_r_overrides_a_fitted_lambda():
     """A fit carries r and the lam solved for it; `--set r=` must re-solve lam, not keep the fit's."""
     fitted = {"r": 0.5, "lam": 0.0}
     assert make_policy("dymoe", {}, make_ctx(), fitted).lam == 0.0
-    pol = make_policy("dymoe", {"r": "0.9"}, make_ctx(), fitted)
-    assert pol.lam == pytest.approx(0.8) and math.isclose(sum(pol.describe()["retention"]) / 4, 0.9)
+    pol = make_policy("dymoe", {"r": "0.9"}, make_ctx(layers=range(5)), fitted)
+    assert pol.lam == pytest.approx(0.414214, abs=1e-6) and pol.describe()["critical_share"] == pytest.approx(0.9)
     # both set: lam wins, so the r given would change nothing and the run would record another r
     with pytest.raises(MoetoolError, match="--set r=0.9 changes nothing with lam=0.2"):
         make_policy("dymoe", {"r": "0.9", "lam": "0.2"}, make_ctx(), fitted)

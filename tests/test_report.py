@@ -60,8 +60,33 @@ def test_report_writes_figures_and_summary(artifacts, tmp_path):
                  "TPOT(s) 16 MiB", "TPOT(s) 24 MiB", "## Policy comparison", "Fate Table 1", "DyMoE schedule",
                  "| smoe | alpha |", "Jaccard", "![prefetch](prefetch.png)"):
         assert text in md, text
-    row = next(line for line in md.splitlines() if line.startswith("| 5. Cache+Dyquant(4/2)+Prefetcher"))
+    row = next(line for line in md.splitlines() if line.startswith("| 5. Cache+Dyquant(4/2)+Prefetcher (dymoe 4/2, r = 0.9)"))
     assert "| 0.115 |" in row and "| 0.076667 |" in row  # 16 MiB and 24 MiB TPOT (8 MiB: the r-sweep runs)
+    # one configuration a row: eap and DyMoE at r = 1 (INT4) both stand for row 3, and are not averaged
+    rows = [line for line in md.splitlines() if line.startswith("| 3. Cache + Prefetch")]
+    assert [r.split("|")[1].strip() for r in rows] == ["3. Cache + Prefetch (dymoe 4/0, r = 1)",
+                                                       "3. Cache + Prefetch (dymoe 4/2, r = 1)", "3. Cache + Prefetch (eap)"]
+
+
+def test_the_ablation_keeps_clocks_and_configurations_apart(tmp_path):
+    """Table 3 averaged a 16-bit lru's TPOT with DyMoE's INT4 one at r = 1 (both "2. Cache"), and the sim
+    clock's seconds with the wall clock's, into one cell."""
+    import dataclasses
+
+    from moetool.policies.dymoe_report import ablation
+
+    sim = synthetic_run("lru", {}, 0.2)
+    wall = dataclasses.replace(synthetic_run("lru", {}, 1.0), clock="wall", hw=None)
+    dy = synthetic_run("dymoe", {"r": 1.0, "high": 4, "low": 2, "prefetcher": "none"}, 0.04)
+    md = ablation(((tmp_path / "sim.json", sim), (tmp_path / "wall.json", wall), (tmp_path / "dy.json", dy)))
+    tables = md.split("### ")[1:]
+    assert [t.splitlines()[0] for t in tables] == [
+        "Ablation in the style of DyMoE Table 3 (clock: sim/rtx3090; a cell averages the runs of one configuration)",
+        "Ablation in the style of DyMoE Table 3 (clock: wall; a cell averages the runs of one configuration)"]
+    cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in tables[0].splitlines()
+             if line.startswith("| 2.")}
+    assert cells == {"2. Cache (dymoe 4/2, r = 1)": "0.04", "2. Cache (lru)": "0.2"}
+    assert "| 2. Cache | 0.5 | 1 | wall.json |" in tables[1]
 
 
 def test_report_refuses_an_empty_input(tmp_path):

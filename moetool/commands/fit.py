@@ -27,7 +27,7 @@ def fit(
     target_tpot: Annotated[str | None, typer.Option(help="TPOT budget R for SMoE eq. 5: seconds (0.05) or 50ms.")] = None,
     max_loss: Annotated[float, typer.Option(help="Fate p: relative loss allowed (0.01 = 1%).")] = 0.01,
     l_threshold: Annotated[float, typer.Option(help="Fate L: decode prefetch recall every deeper layer must keep.")] = 0.7,
-    r: Annotated[float | None, typer.Option(help="DyMoE target mean retention; without it, the largest r --budget "
+    r: Annotated[float | None, typer.Option(help="DyMoE target share of critical experts (Table 2 r); without it, the largest r --budget "
                                             "holds, or 0.75 (§6.2) without --budget.", show_default=False)] = None,
     budget: Annotated[str | None, typer.Option(help="Device budget (12GiB) or expert cache share (25%) for DynaExq "
                                                "n_hi, and DyMoE r without --r.")] = None,

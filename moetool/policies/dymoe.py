@@ -7,7 +7,7 @@
 - look-ahead prefetch: the next layer's router on this layer's hidden state (eq. 6), token-frequency
   top-t in prefill (eq. 7), direct top-t in decode (eq. 8);
 - a mixed-precision cache with three rules: no duplication, precision promotion, conservative reuse;
-- fit: lambda for a target mean retention r, or for the r a budget holds (eq. 4-5); report: the
+- fit: lambda for a target share r of critical experts (Table 2), or for the r a budget holds (eq. 4-5); report: the
   fitted schedule, Table 3's ablation, Fig. 5 (per-layer sensitivity) and Fig. 11 (quality vs r).
   Both, the knobs and the depth schedule (eq. 4-5) are in `dymoe_knobs.py` (read without torch);
   this file is the engine half.
@@ -33,7 +33,7 @@ from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerVi
 from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, even_quota, next_moe_layer,
                                      popularity, predicted_scores, routed_experts, valid_slots)
 from moetool.policies.device import DevicePlan, DeviceView, lookup, rank_in_token, valid
-from moetool.policies.dymoe_knobs import EPS, DyMoEKnobs, critical_count, retention, solve_lambda
+from moetool.policies.dymoe_knobs import EPS, DyMoEKnobs, critical_count, critical_share, retention, solve_lambda
 from moetool.policies.fate import CrossLayerPrefetch
 from moetool.policies.knobs import parse_tiers
 
@@ -172,9 +172,17 @@ class DyMoE(DyMoEKnobs, Policy):
         check_eviction(self.name, params.eviction)
         check_bits(self.name, ctx, self.high, *((self.low,) if self.low else ()))
         L = len(ctx.moe_layers)
-        self.lam = params.lam if params.lam >= 0 else solve_lambda(params.r, L)
+        floor = critical_share(0.0, L, ctx.top_k)
+        if params.lam < 0 and params.r < floor - EPS:  # eq. 4-5 keep more than r on this model whatever lam is
+            why = (f"knob 'r' of policy 'dymoe' is {params.r:g}, but the cosine schedule (eq. 4-5) keeps at least "
+                   f"{floor:.3f} of a token's top-{ctx.top_k} experts critical over {L} MoE layers.")
+            if params.r != type(params)().r:
+                raise MoetoolError(why)
+            self.clamped["r"] = why  # the paper's default on a model with few experts a token: lam = 0 runs
+        self.lam = params.lam if params.lam >= 0 else solve_lambda(params.r, L, ctx.top_k)
         self.schedule = [retention(l, L, self.lam) for l in range(L)]  # eq. 4 per MoE position
-        self.slots = self._split(sum(self.schedule) / L)
+        self.share = critical_share(self.lam, L, ctx.top_k)  # Table 2's r as it runs (decode, M = top-k)
+        self.slots = self._split(self.share)
         self.prefetcher = {
             "dymoe": lambda: LookAhead(ctx, self.high, self.schedule),
             "fate": lambda: CrossLayerPrefetch(ctx, self.high, self.high, 0.0, 0, 0.75),
@@ -264,10 +272,10 @@ class DyMoE(DyMoEKnobs, Policy):
         return plan
 
     def describe(self) -> dict[str, Any]:
-        out = {**super().describe(), "lam_used": self.lam,
+        out = {**super().describe(), "lam_used": self.lam, "critical_share": self.share,
                "retention": [round(x, 4) for x in self.schedule], "slots": self.slots}
-        if self.params.lam >= 0:
-            # An explicit lam overrides r (eq. 4), so the recorded r is the mean retention that lam
-            # gives: the report's Table 3 rows and Fig. 11 read r, and the default 0.75 was not what ran.
-            out["r"] = sum(self.schedule) / len(self.schedule)
+        if self.params.lam >= 0 or "r" in self.clamped:
+            # An explicit lam overrides r (eq. 4), and an r below the schedule's floor runs lam = 0, so the
+            # recorded r is the share that ran: the report's Table 3 rows and Fig. 11 read r.
+            out["r"] = self.share
         return out

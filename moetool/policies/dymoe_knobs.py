@@ -1,7 +1,7 @@
 """DyMoE's knobs, its depth schedule (eq. 4-5), how `moetool fit` sets lambda, and its part of the
 report (the fitted schedule, Table 3, Fig. 5, Fig. 11); its engine half is `dymoe.py`.
 
-    schedule_table(0.75, L=4, M=2)      # (0.5, [{"position": 0, "r": 1.0, "t": 2}, ...])
+    schedule_table(0.75, L=4, M=2)      # (0.0, [{"position": 0, "r": 1.0, "t": 2}, ...])
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moetool.errors import MoetoolError
 from moetool.policies.dymoe_report import ablation, retention_figure, sensitivity_figure
 from moetool.policies.knobs import Knobs, Params, parse_tiers, register
 from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, table
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
-RETENTION_FLOOR = 0.5  # the cosine schedule's mean at lam = 0 (eq. 4): no lower r is reachable
+RETENTION_FLOOR = 0.5  # the cosine schedule's mean at lam = 0 (eq. 4): no share below it is kept, whatever M
 
 
 # -- depth-aware precision scheduling (§4.3) -------------------------------------------------------
@@ -33,32 +32,43 @@ def critical_count(r_l: float, M: int) -> int:
     return min(M, math.ceil(r_l * M - EPS))
 
 
-def solve_lambda(r: float, L: int) -> float:
-    """lam whose schedule averages retention `r` over L layers: mean r(l) = (1 - lam) * C + lam.
+def critical_share(lam: float, L: int, M: int) -> float:
+    """Table 2's retention ratio r, "the average proportion of Critical experts preserved across layers",
+    at `lam`: the mean over the L MoE layers of t_l / M (eq. 5). M is the experts a decode token selects
+    (top-k): the step DyMoE's r is reported for. Because t_l rounds up, it exceeds the mean of r(l) where
+    M is small (top-2, r(l) = 0.6 keeps both experts), and it only moves in steps of 1 / (L M)."""
+    return sum(critical_count(retention(l, L, lam), M) for l in range(L)) / (L * M)
 
-    C is the mean of (cos + 1) / 2 over the layers, 1/2 for any L >= 2 (the cosine is symmetric), so
-    lam = 2r - 1 there: r = 0.75 -> lam = 0.5, r = 0.9 -> lam = 0.8. Targets below C are unreachable
-    with lam in [0, 1].
+
+def solve_lambda(r: float, L: int, M: int) -> float:
+    """The smallest lam in [0, 1] that preserves a share of at least `r` of the M selected experts,
+    averaged over L layers (`critical_share`; the paper names r so and gives lam no formula). 0 when even
+    lam = 0 keeps more than r (the schedule's floor: 0.73 on top-2 models of 32 layers, 1 for top-1);
+    the caller records the share that ran. Our choice: the least lam that reaches r, as the share is a
+    step function of lam (Mixtral's 32 top-2 layers at r = 0.75: lam = 1e-6, both experts critical in
+    the first half's layers and one in the rest, Table 2's 0.75 exactly; at lam = 0 the last layer, r = 0,
+    keeps none).
     """
-    C = sum(retention(l, L, 0.0) for l in range(L)) / L
-    if C >= 1.0 - EPS:
-        return 1.0  # one MoE layer: r(0) = 1 whatever lam is
-    lam = (r - C) / (1.0 - C)
-    if not -EPS <= lam <= 1.0 + EPS:
-        raise MoetoolError(f"DyMoE cannot average a retention of {r} over {L} layers: the cosine schedule "
-                           f"(eq. 4) needs {C:.2f} <= r <= 1.")
-    return min(1.0, max(0.0, lam))
+    if critical_share(0.0, L, M) >= r - EPS:
+        return 0.0
+    lo, hi = 0.0, 1.0  # share(lo) < r <= share(hi) = 1; the share is nondecreasing in lam
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if critical_share(mid, L, M) >= r - EPS else (mid, hi)
+    # a step begins where some r(l) M crosses a whole number and is reached just past it: lam is given to
+    # 1e-6, rounded up onto the step (so 1e-6 where any lam above 0 reaches r, not 5e-10)
+    return min(1.0, math.ceil(hi * 1e6) / 1e6)
 
 
 def schedule_table(r: float, L: int, M: int) -> tuple[float, list[dict[str, float]]]:
-    """(lam, rows of {position, r, t}) for mean retention r over L MoE layers of M experts (eq. 4-5)."""
-    lam = solve_lambda(r, L)
+    """(lam, rows of {position, r, t}) for a share r of critical experts over L MoE layers of M (eq. 4-5)."""
+    lam = solve_lambda(r, L, M)
     return lam, [{"position": l, "r": retention(l, L, lam), "t": critical_count(retention(l, L, lam), M)}
                  for l in range(L)]
 
 
 def budget_retention(cache: int, info: Any, high: int, low: int) -> float:
-    """The mean retention at which every expert fits on the device, a share r at `high` bits and the
+    """The share r at which every expert fits on the device, a share r at `high` bits and the
     rest at `low` (0: not stored): L E (r b_hi + (1 - r) b_lo) <= cache."""
     n = len(info.moe_layers) * info.num_experts
     hb, lb = info.expert_bytes[high], info.expert_bytes[low] if low else 0
@@ -94,7 +104,9 @@ class DyMoEKnobs(Knobs):
 
     @dataclass(frozen=True)
     class Params(Params):
-        r: float = 0.75  # target average retention (§6.2 default); solved into lam (eq. 4)
+        # Table 2's retention ratio: the average share of a decode token's selected experts kept critical
+        # (`critical_share`; §6.2's default); solved into lam (eq. 4). Not the mean of r(l): eq. 5 rounds up.
+        r: float = 0.75
         lam: float = -1.0  # eq. 4's lambda in [0, 1]; < 0 = solve it from r
         high_bits: int = 4  # critical experts (Tables 2-3: Int4)
         low_bits: int = 2  # sub-critical experts; 0 = skip them ("0-bit")
@@ -115,12 +127,12 @@ class DyMoEKnobs(Knobs):
     # -- fit and report --------------------------------------------------------------------------
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted:
-        """lam (eq. 4) for the target mean retention `--r`; without it, for the largest r at which every
+        """lam (eq. 4-5) for the target share of critical experts `--r` (Table 2 r); without it, for the largest r at which every
         expert fits `--budget`, r of them at high bits and the rest at low (the defaults' 4/2), or for
         §6.2's r = 0.75 without a budget. An `--r` given wins over the budget's."""
         info, cfg, out = inputs.profile.info, inputs.config, Fitted()
         high, low = cls.Params().high_bits, cls.Params().low_bits
-        r, how, cache, sized = cfg.r, "--r (target mean retention)", inputs.cache_bytes, {}
+        r, how, cache, sized = cfg.r, "--r (target share of critical experts)", inputs.cache_bytes, {}
         sizable = cache is not None and all(b in info.expert_bytes for b in (high, low))
         if r is None and not sizable:
             why = "no --budget" if cache is None else f"the profile gives no size of a {high}- or {low}-bit expert"
@@ -129,18 +141,25 @@ class DyMoEKnobs(Knobs):
             r = budget_retention(cache, info, high, low)
             how = (f"--budget {cfg.budget}: the largest r at which every expert fits, r of them at INT4 and the rest "
                    f"at INT2 ({cache} bytes for experts after profile.info's reserved memory)")
-            if r < RETENTION_FLOOR:
-                out.warnings.append(f"the budget allows a retention of only {r:.3f}; the cosine schedule needs >= 0.5, "
-                                    "so r = 0.5 (the budget will not hold every expert).")
-                r = RETENTION_FLOOR
+            floor = critical_share(0.0, len(info.moe_layers), info.top_k)
+            if r < floor:
+                out.warnings.append(f"the budget allows a retention of only {r:.3f}; the cosine schedule keeps at least "
+                                    f"{floor:.3f} of a token's top-{info.top_k} critical over {len(info.moe_layers)} "
+                                    f"layers, so r = {floor:.3f} (the budget will not hold every expert).")
+                r = floor
             # r holds for this budget and these tiers only: a run at another takes the paper's r (`stale_fitted`)
             sized = {"sized_for": {"budget": cfg.budget, "cache_bytes": cache, "knobs": {"high_bits": high, "low_bits": low}}}
+        floor = critical_share(0.0, len(info.moe_layers), info.top_k)
+        if r < floor - EPS:  # an --r below what eq. 4-5 keep on this model: lam = 0 keeps more
+            out.warnings.append(f"--r {r:g} is below the {floor:.3f} the cosine schedule keeps at least of a token's "
+                                f"top-{info.top_k} over {len(info.moe_layers)} layers; lam = 0 keeps {floor:.3f}.")
         lam, rows = schedule_table(r, len(info.moe_layers), info.top_k)
-        out.knobs = {"r": round(r, 4), "lam": round(lam, 4)}
+        out.knobs = {"r": round(r, 4), "lam": lam}  # lam: to 1e-6 and just past its step (`solve_lambda`)
         out.evidence = {"r": {"value": r, "from": how, **sized},
-                        "lam": {"value": lam, "r": r, "from": f"r = {r:.4f} via eq. 4", "M": info.top_k,
-                                "schedule": rows,
-                                "rule": "DyMoE eq. 4 mean over MoE layers = r; t_l = ceil(r(l) M) (eq. 5), M = top-k"}}
+                        "lam": {"value": lam, "r": r, "from": f"r = {r:.4f} via eq. 4-5", "M": info.top_k,
+                                "share": critical_share(lam, len(info.moe_layers), info.top_k), "schedule": rows,
+                                "rule": "DyMoE Table 2's r: the least lam whose mean over MoE layers of t_l / M is >= r; "
+                                        "t_l = ceil(r(l) M) (eq. 5), M = top-k"}}
         return out
 
     @classmethod

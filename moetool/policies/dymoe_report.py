@@ -40,32 +40,51 @@ def ablation_row(policy: str, p: dict[str, Any]) -> str | None:
     return ABLATION[4 if prefetch else 3]
 
 
+def configuration(policy: str, p: dict[str, Any]) -> str:
+    """What a Table 3 row's run ran, to tell apart runs that stand for one row: the policy, its
+    precisions and DyMoE's r (a 16-bit `lru` and DyMoE at r = 1 in INT4 are both "2. Cache"; DyMoE at
+    r = 0.75 and 0.9 both row 5)."""
+    high, low = recorded_precisions(p)
+    if policy == "dymoe":
+        return f"dymoe {high}/{low}, r = {float(p.get('critical_share', p.get('r', 0))):.3g}"
+    bits = p.get("bits")
+    return f"{policy} {bits}-bit" if isinstance(bits, int) else policy
+
+
 def ablation(runs: tuple) -> str:
-    """Table 3 from the runs present: TTFT and TPOT per row and budget, a cell averaging its runs."""
-    cells: dict[tuple[str, int], list] = defaultdict(list)
-    names: dict[str, list[str]] = defaultdict(list)
+    """Table 3 from the runs present: TTFT and TPOT per row and budget, one table per clock (seconds of
+    the sim clock and of the wall are not averaged together), and a row per configuration where runs of
+    more than one stand for it; a cell averages the runs of one configuration (repeats, prompts)."""
+    by_clock: dict[str, list] = defaultdict(list)
     for path, r in runs:
         row = ablation_row(r.policy, r.params)
         if row:
-            cells[row, r.budget_bytes].append(r)
-            names[row].append(path.name)
-    if not cells:
-        return ""
-    budgets = sorted({b for _, b in cells})
+            by_clock[f"{r.clock}{'/' + r.hw if r.hw else ''}"].append((row, configuration(r.policy, r.params), path, r))
+    return "\n".join(_ablation_table(clock, rows) for clock, rows in sorted(by_clock.items()))
+
+
+def _ablation_table(clock: str, rows: list) -> str:
+    cells: dict[tuple[str, str, int], list] = defaultdict(list)
+    names: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for row, cfg, path, r in rows:
+        cells[row, cfg, r.budget_bytes].append(r)
+        names[row, cfg].append(path.name)
+    budgets = sorted({b for _, _, b in cells})
     heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.0f} MiB", f"TPOT(s) {b / 2**20:.0f} MiB")]
     body = []
     for name in ABLATION:
-        if not any((name, b) in cells for b in budgets):
-            continue
-        vals = []
-        for b in budgets:
-            rs = cells.get((name, b), [])
-            vals.append(float(np.mean([r.ttft_s for r in rs if r.ttft_s is not None])) if rs else None)
-            vals.append(float(np.mean([r.tpot_s["mean"] for r in rs if r.tpot_s])) if rs else None)
-        body.append([name, *vals, ", ".join(names[name])])
-    clocks = sorted({f"{r.clock}{'/' + r.hw if r.hw else ''}" for rs in cells.values() for r in rs})
-    return (f"### Ablation in the style of DyMoE Table 3 (clock: {', '.join(clocks)}; a cell averages its runs)\n\n"
-            + table(["Configuration", *heads, "runs"], body))
+        configs = sorted({cfg for row, cfg in names if row == name})
+        for cfg in configs:
+            vals = []
+            for b in budgets:
+                rs = cells.get((name, cfg, b), [])
+                ttft = [r.ttft_s for r in rs if r.ttft_s is not None]
+                tpot = [r.tpot_s["mean"] for r in rs if r.tpot_s]
+                vals += [float(np.mean(ttft)) if ttft else None, float(np.mean(tpot)) if tpot else None]
+            label = name if len(configs) == 1 else f"{name} ({cfg})"
+            body.append([label, *vals, ", ".join(names[name, cfg])])
+    return (f"### Ablation in the style of DyMoE Table 3 (clock: {clock}; a cell averages the runs of one "
+            "configuration)\n\n" + table(["Configuration", *heads, "runs"], body))
 
 
 def sensitivity_figure(s: Any, path: Path) -> Path:
@@ -92,7 +111,9 @@ def retention_figure(rows: tuple, path: Path) -> Path | None:
         if x["policy"] == "dymoe" and "r" in x["params"]:
             high, low = recorded_precisions(x["params"])
             cfg = x["params"].get("config") or f"{high}/{low}"
-            dy[x["metric"]][cfg].append((float(x["params"]["r"]), x["value"]))
+            # the share of critical experts that ran (Table 2's r); older records carry only the r asked for
+            r = x["params"].get("critical_share", x["params"]["r"])
+            dy[x["metric"]][cfg].append((float(r), x["value"]))
     if not dy:
         return None
     from moetool.figures import metric_axes, save, ylabel

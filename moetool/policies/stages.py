@@ -144,7 +144,7 @@ class FitTargets:
     target_tpot: float | None = None  # R of SMoE eq. 5, seconds
     max_loss: float = 0.01  # Fate p: relative loss allowed (1% in §4.5)
     l_threshold: float = 0.7  # Fate L: decode prefetch recall every deeper layer keeps (Fate reports 77-79% mean)
-    r: float | None = None  # DyMoE target mean retention; None: what `budget` holds, else §6.2's 0.75
+    r: float | None = None  # DyMoE target share of critical experts (Table 2 r); None: what `budget` holds, else §6.2's 0.75
     budget: str | None = None  # device budget (12GiB) or expert cache share (25%), for DyMoE and DynaExq
 
 
