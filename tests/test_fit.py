@@ -59,6 +59,16 @@ def test_a_step_in_tpot_is_not_hidden_by_a_flat_polynomial(tmp_path):
     assert any("smallest measured alpha that meets R" in w for w in result.evidence["warnings"])
     # a smooth trace the polynomial fits is left alone
     assert measured_guard(0.25, [(0.0, 0.1, ""), (0.2, 0.08, ""), (0.3, 0.07, "")], 0.075) == 0.25
+    # and so is a convex one, where a line between measured alphas lies above the curve: the guard used to
+    # take alpha = 0.2 where every run is on T(alpha) = 10 - 20 a + 20 a^2 ms and eq. 5 gives 0.184
+    convex = [(a, 0.010 - 0.020 * a + 0.020 * a * a) for a in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)]
+    runs = tuple(synthetic_run("smoe", {"alpha": a}, t).save(tmp_path / f"c{a}.run.json") for a, t in convex)
+    result = fit(FitConfig(profile=prof, runs=runs, target_tpot=0.007))
+    ev = result.evidence["smoe"]["alpha"]
+    assert result.params["smoe"]["alpha"] == pytest.approx(0.1838, abs=0.006) and "guarded" not in ev
+    # a choice past the last measured alpha is checked against it
+    assert measured_guard(0.6, [(0.0, 0.1, ""), (0.5, 0.09, "")], 0.08) == 0.6  # nothing met R: it stands
+    assert measured_guard(0.3, [(0.0, 0.1, ""), (0.2, 0.07, ""), (0.4, 0.09, "")], 0.08) == 0.2
 
 
 def test_boundary_L_on_a_synthetic_accuracy_curve():
@@ -378,7 +388,7 @@ def test_an_r_given_wins_over_the_budgets_for_dymoe(tmp_path):
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     asked = fit(FitConfig(profile=prof, r=0.9, budget="50%"))
     assert asked.params["dymoe"]["r"] == 0.9 and asked.sizing("dymoe") == {} and "n_hi" in asked.params["dynaexq"]
-    assert asked.evidence["dymoe"]["r"]["from"] == "--r (target mean retention)"
+    assert asked.evidence["dymoe"]["r"]["from"] == "--r (target share of critical experts)"
     sized = fit(FitConfig(profile=prof, budget="50%"))
     assert sized.params["dymoe"]["r"] == pytest.approx(budget_retention(cache_bytes("50%", INFO), INFO, 4, 2), abs=1e-4)
     bare = fit(FitConfig(profile=prof))

@@ -71,17 +71,21 @@ def measured_guard(alpha: float, points: list[tuple[float, float, Any]], target:
     The paper fits a polynomial T(alpha) and takes the smallest alpha with T(alpha) <= R. When TPOT
     is a step in alpha (a near-uniform router: any alpha > 0 substitutes almost every miss), the
     best polynomial by leave-one-out is flat and can choose an alpha that was measured slower than
-    R. So the choice is checked against the runs themselves, interpolated linearly between measured
-    alphas (mean TPOT where one alpha was run more than once): if they put it above R, the smallest
-    measured alpha that met R is taken instead; otherwise the polynomial's choice stands.
+    R. So the choice is checked against the runs themselves: T falls as alpha grows (more
+    substitution, fewer loads), so if the first measured alpha at or above the choice (mean TPOT
+    where one alpha was run more than once) was slower than R, so is the choice, and the smallest
+    measured alpha that met R is taken instead. Otherwise the polynomial's choice stands: between
+    two measured alphas the runs say nothing against it (a line between them would, wherever T is
+    convex, and would replace the paper's choice by the next measured alpha where every run lies on
+    the fitted curve).
     """
     by_alpha: dict[float, list[float]] = {}
     for a, t, _ in points:
         by_alpha.setdefault(float(a), []).append(float(t))
     xs = sorted(by_alpha)
-    measured = float(np.interp(alpha, xs, [float(np.mean(by_alpha[a])) for a in xs]))
+    at_or_above = next((a for a in xs if a >= alpha - 1e-12), xs[-1])
     meets = [a for a in xs if np.mean(by_alpha[a]) <= target]
-    if measured > target * (1 + 1e-9) and meets:
+    if float(np.mean(by_alpha[at_or_above])) > target * (1 + 1e-9) and meets:
         return meets[0]
     return alpha
 
