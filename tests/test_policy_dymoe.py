@@ -243,3 +243,21 @@ def test_lookahead_prefill_ties_go_to_the_larger_mean_score_at_any_prompt_length
         view = make_view([[0]] * (2 * n), FakeCache(pol.pools()), pos=2, phase=Phase.PREFILL,
                          predict=lambda later: logits)
         assert pol.prefetch(view) == [Fetch(3, 5, 4)], f"{n} tokens per expert"
+
+
+def test_the_cache_is_standard_lru_a_prefetched_copys_first_use_is_a_reference():
+    """§4.4.2 extends "the standard LRU cache". The engine's default counts a prefetched copy's admission,
+    not its first use (what ARC's lists need), so DyMoE evicted the expert it had used last when that one
+    had arrived by look-ahead."""
+    from policy_fakes import load, residency_for
+
+    ctx = make_ctx(layers=(0, 1), E=8, k=1, cache_bytes=4 * 400)  # 4 INT4 slots: 2 a layer
+    pol = make_policy("dymoe", {"config": "4/0", "r": "0.75"}, ctx)
+    res = residency_for(pol)
+    load(pol, res, Fetch(1, 2, 4), demand=True)
+    res.used(1, [(2, 4, False)])  # step 0: layer 1 runs e2 (a miss)
+    load(pol, res, Fetch(1, 1, 4), demand=False)  # the look-ahead brings e1
+    res.used(1, [(2, 4, True)])  # step 1: e2 again
+    res.used(1, [(1, 4, True)])  # step 2: e1's first use, the most recent
+    victims = load(pol, res, Fetch(1, 3, 4), demand=True)
+    assert [(v.layer, v.expert) for v in victims] == [(1, 2)]  # the least recently used

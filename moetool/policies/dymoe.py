@@ -206,8 +206,10 @@ class DyMoE(DyMoEKnobs, Policy):
         return self.high, self.low  # `config` overrides the knobs
 
     def pools(self) -> list[Pool]:
-        return [Pool(b, n, quota=even_quota(self.ctx.moe_layers, n), eviction=self.params.eviction)
-                for b, n in self.slots.items() if n > 0]
+        # §4.4.2 extends "the standard LRU cache": a look-ahead copy's first use is a reference like any
+        # other (plain recency; the engine's default counts only its admission, what ARC's lists need)
+        return [Pool(b, n, quota=even_quota(self.ctx.moe_layers, n), eviction=self.params.eviction,
+                     prefetch_is_reference=False) for b, n in self.slots.items() if n > 0]
 
     def admit(self, want: Fetch, residency: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """§4.4.2 rule 1 (no duplication): never a low copy next to a high one, resident or in flight;
