@@ -177,13 +177,21 @@ def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_
     (dict(params={"alpha": 0.4, "bits": 2}), "bits=None / bits=2"),  # a knob (the others did not set it)
     (dict(params={"alpha": 0.4}, budget=32 << 20), "budget 67108864 B / budget 33554432 B"),
     (dict(params={"alpha": 0.4}, batch_size=4), "batch 1 / batch 4"),  # the Run did not record its batch
+    # the workload and, on the wall clock, the device: routing follows the prompts and their length
+    (dict(params={"alpha": 0.4}, replace=dict(prompts=["y"])), "1 prompt(s) 2d711642b726 / 1 prompt(s) a1fce4363854"),
+    (dict(params={"alpha": 0.4}, replace=dict(tokens=[[1, 2]])), "1 tokens a prompt / 2 tokens a prompt"),
+    (dict(params={"alpha": 0.4}, replace=dict(dtype="bfloat16")), "dtype float32 / dtype bfloat16"),
 ])
 def test_smoe_runs_that_differ_in_more_than_alpha_fit_no_alpha_and_say_how(tmp_path, other, said):
-    """T(alpha) was fitted through runs of different bits, cpu_assist, hardware or budget, without a word
-    for the knobs (and with a warning but an alpha anyway for the rest): a curve of no one setting."""
+    """T(alpha) was fitted through runs of different bits, cpu_assist, hardware, budget, prompts, lengths or
+    dtype, without a word for the knobs (and with a warning but an alpha anyway for the rest): a curve of
+    no one setting."""
     prof = synthetic_profile().save(tmp_path / "s.profile.json")
     runs = [synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a).save(tmp_path / f"a{a}.run.json") for a in (0.0, 0.2)]
-    runs.append(synthetic_run("smoe", tpot=0.06, **other).save(tmp_path / "odd.run.json"))
+    other = dict(other)
+    changes = other.pop("replace", {})
+    odd = dataclasses.replace(synthetic_run("smoe", tpot=0.06, **other), **changes)
+    runs.append(odd.save(tmp_path / "odd.run.json"))
     result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075))
     assert "smoe" not in result.params
     why = result.evidence["skipped"]["smoe.alpha"]

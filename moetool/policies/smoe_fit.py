@@ -100,7 +100,10 @@ def alpha_figure(a: dict[str, Any], path: Path) -> Path:
     ax.plot(a["grid"], np.array(a["predicted"]) * 1e3, "-", label=f"degree-{a['degree']} fit (LOO)")
     if a.get("target_tpot") is not None:
         ax.axhline(a["target_tpot"] * 1e3, color="gray", ls=":", label=f"R = {a['target_tpot'] * 1e3:.3g} ms")
-    if a.get("alpha") is not None:
+    if a.get("guarded") is not None:  # the fitted knob: the runs overruled the polynomial's choice
+        ax.axvline(a["alpha"], color="gray", ls="--", label=f"T(alpha)'s choice = {a['alpha']:.3f} (measured above R)")
+        ax.axvline(a["guarded"], color="red", ls="--", label=f"chosen alpha = {a['guarded']:.3f}")
+    elif a.get("alpha") is not None:
         ax.axvline(a["alpha"], color="red", ls="--", label=f"chosen alpha = {a['alpha']:.3f}")
     ax.set(xlabel="alpha (SMoE substitution threshold)", ylabel="mean TPOT (ms)", title="T(alpha) (SMoE eq. 5)")
     ax.legend(fontsize=8)

@@ -184,10 +184,19 @@ def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any] 
 
 
 def _setting(run: Any) -> dict[str, str]:
-    """What a smoe run's TPOT depends on besides alpha: its clock, hardware, budget and other knobs."""
+    """What a smoe run's TPOT depends on besides alpha: its clock, hardware (and on the wall clock the
+    device), budget, batch, dtype, workload (the prompts, the tokens generated a prompt: routing, so hits
+    and substitutions, follows them) and other knobs."""
+    import hashlib
+
     knobs = {f.name: f"{f.name}={run.params.get(f.name)!r}" for f in fields(SMoEKnobs.Params) if f.name != "alpha"}
+    prompts = hashlib.sha256("\x00".join(run.prompts).encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    lengths = sorted({len(t) for t in run.tokens})
     return {"clock": f"{run.clock} clock", "hw": f"hw {run.hw}", "budget": f"budget {run.budget_bytes} B",
-            "batch": f"batch {run.batch_size}", **knobs}
+            "batch": f"batch {run.batch_size}", "dtype": f"dtype {run.dtype}",
+            "device": f"device {run.device.split(':')[0] if run.clock == 'sim' else run.device}",
+            "prompts": f"{len(run.prompts)} prompt(s) {prompts}", "tokens": f"{'/'.join(map(str, lengths))} tokens a prompt",
+            **knobs}
 
 
 def _gate_scores_figure(r: Any, path: Path) -> Path:
