@@ -25,7 +25,7 @@ from moetool.eval_artifact import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label
 from moetool.files import text_bytes
 from moetool.policies import hooked
-from moetool.policies.stages import ReportInputs, primary_metric
+from moetool.policies.stages import ReportInputs, ppl_measurement, primary_metric
 from moetool.policies.stages import table as _table
 from moetool.profile_artifact import Profile
 from moetool.run_artifact import Run
@@ -249,10 +249,9 @@ def _measures(evals: list[dict]) -> dict[int, str]:
     or one file's two contents, windows, limits; a task at two few-shot counts or limits) what it was
     measured on, so that one row's cell never shows one of several numbers (the last one read)."""
     def measure(e: dict) -> tuple:
-        o, inputs = e.get("options") or {}, e.get("inputs") or {}
         if e.get("task") == "ppl":
-            data = str(o.get("data", ""))
-            return (Path(data).name, inputs.get(data, ""), o.get("context"), o.get("limit"), bool(o.get("stepwise")))
+            return ppl_measurement(e)
+        o = e.get("options") or {}
         return (o.get("num_fewshot"), o.get("limit"))
 
     kinds: dict[str, set] = defaultdict(set)

@@ -157,8 +157,8 @@ def test_trends_table_checks_each_claim_on_the_matching_settings(tmp_path):
     evals = {"resident": _ppl_eval("resident", {"bits": 16}, 10.0),
              "int4": _ppl_eval("static", {"bits": 4}, 10.2),
              "int2": _ppl_eval("static", {"bits": 2}, 13.0),
-             "smoe-fitted": _ppl_eval("smoe", {"alpha": 0.1}, 12.0),  # another alpha: not the claim's setting
-             "smoe": _ppl_eval("smoe", {"alpha": 0.3}, 10.05),
+             "smoe-fitted": _ppl_eval("smoe", {"alpha": 0.1, "bits": 16}, 12.0),  # another alpha: not the claim's
+             "smoe": _ppl_eval("smoe", {"alpha": 0.3, "bits": 16}, 10.05),
              "dymoe-r75": _ppl_eval("dymoe", {"r": 0.75, "precisions": {"high": 4, "low": 0}}, 11.0),
              "dymoe": _ppl_eval("dymoe", {"r": 0.9, "precisions": {"high": 4, "low": 0}}, 10.5),
              "dynaexq": _ppl_eval("dynaexq", {"precisions": {"high": 4, "low": 2}}, 12.0)}
@@ -170,6 +170,33 @@ def test_trends_table_checks_each_claim_on_the_matching_settings(tmp_path):
     assert "| SMoE alpha = 0.3 within 1% of resident | 10.050 vs 10.000 | +0.50% | met |" in md
     assert "| DyMoE 4/0 r = 0.9 within 2% of static INT4 | 10.500 vs 10.200 | +2.94% | not met |" in md
     assert "DynaExq 4/2 better than static INT2 (DynaExq's expert cache 8.0 MiB) | 12.000 vs 13.000 | -7.69% | met |" in md
+
+
+def test_a_claim_compares_evals_of_the_same_text_window_and_limit(tmp_path):
+    """A claim took the first eval of each side whatever it had scored: a `--limit` smoke eval of SMoE
+    against a full resident one (or an INT2 `resident` against SMoE on bf16 experts) gave a verdict that was
+    the difference between the texts, not between the policies."""
+    d = tmp_path / "evals"
+    d.mkdir()
+
+    def on(e: dict, limit: int | None) -> dict:
+        return {**e, "options": {"data": "t.txt", "context": 64, "limit": limit}, "inputs": {"t.txt": "a" * 64}}
+
+    evals = {"a-resident-int2": on(_ppl_eval("resident", {"bits": 2}, 9.0), None),  # first read, not bf16
+             "b-smoe-smoke": on(_ppl_eval("smoe", {"alpha": 0.3, "bits": 16}, 14.0), 4),
+             "c-resident": on(_ppl_eval("resident", {"bits": 16}, 10.0), None),
+             "d-smoe": on(_ppl_eval("smoe", {"alpha": 0.3, "bits": 16}, 10.05), None),
+             "e-int2-smoke": on(_ppl_eval("static", {"bits": 2}, 20.0), 4),
+             "f-dynaexq": on(_ppl_eval("dynaexq", {"precisions": {"high": 4, "low": 2}}, 12.0), None)}
+    for name, e in evals.items():
+        (d / f"{name}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| SMoE alpha = 0.3 within 1% of resident | 10.050 vs 10.000 | +0.50% | met |" in md, md
+    assert "DynaExq 4/2 better than static INT2" not in md  # no INT2 eval of the same text and limit
+    from moetool.policies.stages import ppl_measurement
+
+    assert ppl_measurement(evals["c-resident"]) != ppl_measurement(evals["b-smoe-smoke"])
 
 
 def test_trends_table_is_left_out_without_both_sides(tmp_path):

@@ -190,9 +190,8 @@ class DyMoEKnobs(Knobs):
                                     "met" if shallow > deep else "not met"])
         if (fig := retention_figure(inputs.rows, inputs.out_dir / "dymoe_retention.png")) is not None:
             part.figures.append(fig)
-        dymoe = inputs.ppl(cls.name, r=0.9, precisions={"high": 4, "low": 0})
-        int4 = inputs.ppl("static", bits=4)
-        if dymoe and int4:
+        if pair := inputs.ppl_pair((cls.name, {"r": 0.9, "precisions": {"high": 4, "low": 0}}), ("static", {"bits": 4})):
+            dymoe, int4 = pair
             a, b = dymoe["metrics"]["ppl"], int4["metrics"]["ppl"]
             part.claims.insert(0, ["DyMoE 4/0 r = 0.9 within 2% of static INT4", f"{a:.3f} vs {b:.3f}",
                                    f"{100 * (a / b - 1):+.2f}%", "met" if a / b - 1 <= 0.02 else "not met"])

@@ -89,8 +89,8 @@ class DynaExqKnobs(Knobs):
                               for ph, d in r.activation_ratio.items()]), "\n"]
         if md:
             part.markdown = "## DynaExq (Chu et al., 2026)\n\n" + "".join(md)
-        mixed, int2 = inputs.ppl(cls.name, precisions={"high": 4, "low": 2}), inputs.ppl("static", bits=2)
-        if mixed and int2:
+        if pair := inputs.ppl_pair((cls.name, {"precisions": {"high": 4, "low": 2}}), ("static", {"bits": 2})):
+            mixed, int2 = pair
             a, b = mixed["metrics"]["ppl"], int2["metrics"]["ppl"]
             budget = (mixed.get("budget") or {}).get("cache_bytes")
             at = f" (DynaExq's expert cache {budget / 2**20:.1f} MiB)" if budget else ""

@@ -143,8 +143,9 @@ class SMoEKnobs(Knobs):
             if f.evidence.get(cls.name, {}).get("alpha"):
                 part.figures.append(alpha_figure(f.evidence[cls.name]["alpha"],
                                                  inputs.out_dir / f"alpha_tpot{inputs.tag(path)}.png"))
-        smoe, resident = inputs.ppl(cls.name, alpha=0.3), inputs.ppl("resident")
-        if smoe and resident:
+        # both on the bf16 experts: a resident eval of INT2 experts is no baseline for substitution's cost
+        if pair := inputs.ppl_pair((cls.name, {"alpha": 0.3, "bits": 16}), ("resident", {"bits": 16})):
+            smoe, resident = pair
             a, b = smoe["metrics"]["ppl"], resident["metrics"]["ppl"]
             d = a / b - 1
             part.claims.append(["SMoE alpha = 0.3 within 1% of resident", f"{a:.3f} vs {b:.3f}", f"{100 * d:+.2f}%",

@@ -242,21 +242,42 @@ class ReportInputs:
         """The fits made for `prof`'s model (what a profile figure may mark its fitted knob on)."""
         return [f for _, f in self.fits if f.model.same_model(prof.model)]
 
-    def ppl(self, policy: str, **knobs: Any) -> dict | None:
-        """The first perplexity eval of `policy` whose recorded params include `knobs` (floats to 1e-9)."""
-        import math
+    def ppl_pair(self, a: tuple[str, dict[str, Any]], b: tuple[str, dict[str, Any]]) -> tuple[dict, dict] | None:
+        """Two perplexity evals to compare in a claim: one of policy a[0] and one of b[0], each with its
+        recorded params including the knobs given (floats to 1e-9), that measured the same thing
+        (`ppl_measurement`: one text's content, window, limit, stepwise). A claim divided one by the
+        other whatever each had scored, so a `--limit` smoke eval beside a full one reversed verdicts.
+        Of several such pairs, the one that scored the most text (no limit first), in file order."""
+        def matches(policy: str, knobs: dict[str, Any]) -> list[dict]:
+            return [e for _, e in self.evals if e.get("task") == "ppl" and e.get("policy") == policy
+                    and _includes(e.get("params") or {}, knobs)]
 
-        def same(a: Any, b: Any) -> bool:
-            if isinstance(b, dict):
-                return isinstance(a, dict) and all(same(a.get(k), v) for k, v in b.items())
-            if isinstance(b, float) and isinstance(a, (int, float)):
-                return math.isclose(a, b, rel_tol=1e-9)
-            return a == b
+        pairs = [(x, y) for x in matches(*a) for y in matches(*b) if ppl_measurement(x) == ppl_measurement(y)]
+        if not pairs:
+            return None
+        return max(pairs, key=lambda p: (p[0].get("options", {}).get("limit") is None,
+                                         p[0].get("options", {}).get("limit") or 0))
 
-        for _, e in self.evals:
-            if e.get("task") == "ppl" and e.get("policy") == policy and same(e.get("params") or {}, knobs):
-                return e
-        return None
+
+def ppl_measurement(e: dict) -> tuple:
+    """What a perplexity eval measured: its text (name and content digest), window, token limit, and
+    whether it was scored a token at a time (`report` gives each its own column)."""
+    o, inputs = e.get("options") or {}, e.get("inputs") or {}
+    data = str(o.get("data", ""))
+    return (Path(data).name, inputs.get(data, ""), o.get("context"), o.get("limit"), bool(o.get("stepwise")))
+
+
+def _includes(params: dict[str, Any], knobs: dict[str, Any]) -> bool:
+    import math
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(y, dict):
+            return isinstance(x, dict) and all(same(x.get(k), v) for k, v in y.items())
+        if isinstance(y, float) and isinstance(x, (int, float)):
+            return math.isclose(x, y, rel_tol=1e-9)
+        return x == y
+
+    return same(params, knobs)
 
 
 @dataclass
