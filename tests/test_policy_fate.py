@@ -280,3 +280,43 @@ def test_prefill_int2_share_holds_without_an_int2_pool():
     assert plan.bits.tolist() == [[4, 4], [4, 4], [4, 4], [4, 2]]
     same = make_policy("fate", {"p": "0.25", "low_bits": "4"}, make_ctx(k=2, cache_bytes=399))
     assert (same.plan(make_view(idx, FakeCache(same.pools()), phase=Phase.PREFILL)).bits == 4).all()
+
+
+def test_prefill_takes_a_copy_in_flight_at_the_bits_the_prefetch_chose():
+    """§4.1's prefetch list carries each expert's bit width, from the predicted popularity (§4.5). The plan
+    looked only at resident copies: an expert whose INT4 copy was still on the link but which the layer's
+    actual routing put in the INT2 tail was copied a second time, at INT2 (and the other way round)."""
+    ctx = make_ctx(layers=(0, 1), E=8, k=1, cache_bytes=20_000)
+    pol = make_policy("fate", {"L": "0", "p": "0.25"}, ctx)
+    res = residency_for(pol)
+    load(pol, res, Fetch(1, 3, 4), demand=False, publish=False)  # predicted popular: INT4, still loading
+    load(pol, res, Fetch(1, 5, 2), demand=False, publish=False)  # predicted unpopular: INT2, still loading
+    idx = [[5]] * 5 + [[0]] * 3 + [[1]] * 2 + [[3]]  # actually: 5 the most popular, 3 the least
+    plan = pol.plan(make_view(idx, res, layer=1, pos=1, phase=Phase.PREFILL))
+    bits = {int(e): int(b) for e, b in zip(plan.expert.flatten(), plan.bits.flatten())}
+    assert bits == {5: 2, 0: 4, 1: 4, 3: 4}  # 3 and 5 at the bits in flight; 0 and 1 as the routing says
+
+
+def test_experts_in_flight_compute_in_the_order_their_copies_were_issued():
+    """Fate Fig. 6: "Have prefetched: 2, 4. Loading: 3, 1, 5 ... Our order: 2, 4, 3, 1, 5". The engine
+    computed the loading experts by id (1, 3, 5), waiting on 1's copy while 3's had landed."""
+    from types import SimpleNamespace
+
+    from moetool.engine.groups import group_plan
+    from moetool.engine.runtime import Engine
+    from moetool.engine.stats import LayerStats
+
+    ctx = make_ctx(layers=(0, 1), E=8, k=1, cache_bytes=40_000)
+    pol = make_policy("fate", {"L": "0", "p": "0"}, ctx)
+    res = residency_for(pol)
+    for e in (2, 4):
+        load(pol, res, Fetch(1, e, 4), demand=False)
+    for i, e in enumerate((3, 1, 5)):  # the prefetcher's transfer order: most popular first
+        load(pol, res, Fetch(1, e, 4), demand=False, publish=False)
+        res.table[1, e, 4].seq = 100 + i  # what `_copy` numbers them as it issues them
+    idx = [[3]] * 5 + [[1]] * 4 + [[5]] * 3 + [[2]] * 2 + [[4]]
+    view = make_view(idx, res, layer=1, pos=1, phase=Phase.PREFILL)
+    groups = group_plan(pol.plan(view), view.top_k_index, 8, LayerStats(), grouped=True, max_bits=16,
+                        device=torch.device("cpu"))
+    ordered, _ = Engine._schedule(SimpleNamespace(residency=res), 1, groups)
+    assert [g.expert for g in ordered] == [2, 4, 3, 1, 5]

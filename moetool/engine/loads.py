@@ -9,6 +9,7 @@ the host mirror's rows.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -18,6 +19,8 @@ from moetool.engine.groups import Group
 from moetool.engine.residency import Handle
 from moetool.policies.base import Fetch
 from moetool.quant.kernels import MODULES as KERNELS
+
+_ISSUED = itertools.count(1)  # copies in the order they were issued (`Handle.seq`), across engines
 
 
 class Loads:
@@ -76,6 +79,7 @@ class Loads:
         if demand and self.device.type == "cpu" and self.clock.kind == "wall":
             st.stall_s += time.perf_counter() - t0  # a synchronous copy blocks compute: it is a stall
         handle.ready_at = self.clock.copy(nbytes)
+        handle.seq = next(_ISSUED)
         st.bytes_h2d += nbytes
 
     def _publish_ready(self) -> None:

@@ -45,6 +45,7 @@ class Handle:
     event: Any = None  # torch.cuda.Event or None
     ready_at: float = 0.0  # simulated completion time
     prefetched: bool = False  # brought in ahead of use; counted as used on its first hit
+    seq: int = 0  # the order its copy was issued in (copies run in order on one stream): compute order
     data: torch.Tensor | None = field(default=None, repr=False)  # a staged copy's bytes, once its copy started
 
     @property

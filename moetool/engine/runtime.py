@@ -301,8 +301,11 @@ class Engine(Loads):
 
         Demand loads start before any compute so their copies overlap with the hits'. Loads the
         policy did not admit stream through the two staging buffers, the first issued now and each
-        next one while the previous computes. Returns the groups in compute order (hits, in flight,
-        cached misses, staged misses) and the staged ones whose copies are still to be issued.
+        next one while the previous computes. Returns the groups in compute order (hits, in flight
+        in the order their copies were issued, cached misses, staged misses) and the staged ones whose
+        copies are still to be issued. Copies land in issue order (one stream), so an expert in flight
+        is computed as soon as its copy can have landed, not after a later one (Fate Fig. 6: "prefetched
+        2, 4; loading 3, 1, 5" runs 2, 4, 3, 1, 5, not 1, 3, 5 by expert id).
         """
         get, misses, all_hit = self.residency.table.get, [], True  # the table itself: one dict lookup a group
         for x in groups:
@@ -320,7 +323,7 @@ class Engine(Loads):
         shield = {(layer, x.expert) for x in groups}
         for x in misses:
             x.handle = self._start_load(Fetch(layer, x.expert, x.bits), shield, demand=True)
-        groups = sorted(groups, key=lambda x: (x.status, x.handle.staged))
+        groups = sorted(groups, key=lambda x: (x.status, x.handle.staged, x.handle.seq))
         staged = [x for x in groups if x.handle.staged]
         if staged:
             self._copy_staged(layer, staged.pop(0))

@@ -220,8 +220,10 @@ class Fate(FateKnobs, Policy):
         """Run every routed expert (no substitution, no skipping); only its precision is chosen.
 
         Decode: `cache_bits` (§4.5, INT4 only). Prefill: a resident copy if there is one (the
-        prefetcher moved unpopular experts at INT2 on purpose), else INT2 for the least popular p of
-        this layer's actual routing and `cache_bits` for the rest.
+        prefetcher moved unpopular experts at INT2 on purpose), else one in flight (the prefetch list
+        carries "the quantization bit width for each expert", §4.1, from the predicted popularity:
+        asking the other precision would copy the expert a second time), else INT2 for the least
+        popular p of this layer's actual routing and `cache_bits` for the rest.
         """
         E, cfg = view.num_experts, self.params
         plan = LayerPlan.routed(view, cfg.cache_bits)
@@ -234,9 +236,10 @@ class Fate(FateKnobs, Policy):
         bits_of = {}
         for e in routed_experts(plan.expert, valid):
             have = view.residency.resident_bits(view.layer, e)
-            if cfg.cache_bits in have:
+            coming = view.residency.loading_bits(view.layer, e) if not have else ()
+            if cfg.cache_bits in have or (not have and cfg.cache_bits in coming):
                 bits_of[e] = cfg.cache_bits
-            elif cfg.low_bits in have or e in low:
+            elif cfg.low_bits in have or cfg.low_bits in coming or e in low:
                 bits_of[e] = cfg.low_bits
         assign_by_expert(plan.bits, plan.expert, valid, bits_of)
         return plan
