@@ -337,3 +337,23 @@ def test_cpu_assisted_experts_give_the_models_logits_and_start_after_the_device_
         both += bool(device)
         assert all(i < first_host for i in device), ops
     assert both > 0
+
+
+@pytest.mark.parametrize("measured", [None, 2e-4])
+def test_algorithm_2_weighs_a_cpu_expert_as_the_clock_charges_it(measured):
+    """§V-A treats C_CPU as "a constant due to stable CPU times across low-batch sizes" (Fig. 8), and the
+    engine's cost model charges a CPU expert its weights' read until the tokens' arithmetic outweighs it.
+    Algorithm 2 multiplied the one-token C_CPU by the tokens an expert serves: at batch 3 it sent a third
+    as many experts to the CPU as the costs the run is charged with would (a measured C_CPU is per token
+    in both)."""
+    from moetool.engine.clock import CostModel, HwProfile
+
+    hw = HwProfile(name="t", h2d_gbps=10.0, gpu_tflops=100.0, gpu_mem_gbps=1000.0, cpu_tflops=1.0, cpu_mem_gbps=10.0,
+                   c_cpu_s=measured)
+    cost = CostModel(hw=hw, expert_bytes={16: 10**6}, expert_flops_per_token=2e7, reference_bytes=10**6,
+                     dense_bytes_per_layer=0.0, dense_flops_per_token_per_layer=0.0)
+    pol = make_policy("smoe", {}, make_ctx(E=8, k=2, hw=cost.policy_view()))
+    for n in (1, 2, 3, 16, 64, 4096):
+        assert pol.c_cpu_of(n) == pytest.approx(cost.c_cpu(n))
+    if measured is None:
+        assert pol.c_cpu_of(3) == pol.c_cpu_of(1)  # the read bounds it at low batch

@@ -150,8 +150,16 @@ class CostModel:
         layer is that much shorter."""
         return {"t_load": {b: self.t_copy(n) for b, n in self.expert_bytes.items()},
                 "t_expert": {b: self.t_expert(b, 1) for b in self.expert_bytes},
-                "c_cpu": self.c_cpu(1), "t_attn": self.t_dense(1, captured=captured), "t_gate": self.hw.kernel_s,
-                "name": self.hw.name}
+                "c_cpu": self.c_cpu(1), "c_cpu_model": self.c_cpu_model(),
+                "t_attn": self.t_dense(1, captured=captured), "t_gate": self.hw.kernel_s, "name": self.hw.name}
+
+    def c_cpu_model(self) -> dict[str, float]:
+        """`c_cpu(n) = max(floor, per_token * n)` as numbers a policy can evaluate for any n (SMoE's
+        Algorithm 2 weighs a CPU expert serving n tokens with what the clock will charge for it)."""
+        if self.hw.c_cpu_s is not None:
+            return {"floor": 0.0, "per_token": self.hw.c_cpu_s}
+        return {"floor": self.reference_bytes / (self.hw.cpu_mem_gbps * 1e9),
+                "per_token": self.expert_flops_per_token / (self.hw.cpu_tflops * 1e12)}
 
 
 class SimClock:

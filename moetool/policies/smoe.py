@@ -233,6 +233,9 @@ class SMoE(SMoEKnobs, Policy):
         self.quota = even_quota(ctx.moe_layers, slots)
         self.c_load = hw_seconds(ctx, "t_load", params.bits)
         self.c_cpu = hw_seconds(ctx, "c_cpu")
+        # C_CPU of an expert serving n tokens, as the engine's cost model charges it (`CostModel.c_cpu`)
+        model = ctx.hw.get("c_cpu_model") or {"floor": 0.0, "per_token": self.c_cpu}
+        self.c_cpu_of = lambda n: max(model["floor"], model["per_token"] * n)
         self.prefetcher = {
             "smoe": lambda: TopScorePrefetch(ctx, params.bits, params.alpha),
             "fate": lambda: CrossLayerPrefetch(ctx, params.bits, params.bits, 0.0, 0, 0.75),
@@ -264,9 +267,15 @@ class SMoE(SMoEKnobs, Policy):
     def _assist(self, view: LayerView, plan: LayerPlan, scores: torch.Tensor, resident: torch.Tensor) -> None:
         """Algorithm 2 over the experts that are neither resident nor in flight, highest score first.
 
-        C_CPU is per expert per token (`ctx.hw["c_cpu"]`), times the tokens the expert serves: the
-        paper's constant C_CPU for one decode token, and no big prefill expert sent to the CPU. An
-        in-flight copy (a prefetch) stays on the device: the engine waits for its own event only.
+        C_CPU of an expert is what the engine's cost model charges for the tokens it serves
+        (`ctx.hw["c_cpu_model"]`): reading its weights bounds it, so it is constant across low batch
+        sizes, as §V-A treats it ("stable CPU times across low-batch sizes", Fig. 8), until the tokens'
+        arithmetic outweighs the read (a big prefill expert stays off the CPU). A profile's measured
+        c_cpu_s is per token, and the clock multiplies it by the tokens; so does this. The paper also
+        keeps C_load and C_CPU from "the past p instances" of measured times; ours are the cost model's
+        constants (on the sim clock, exactly what the run is charged; on the wall clock, the --hw
+        profile's). An in-flight copy (a prefetch) stays on the device: the engine waits for its own
+        event only.
         """
         run = plan.running()  # [T, k]
         misses = [e for e in plan.expert[run].unique().tolist() if not resident[e]
@@ -277,7 +286,7 @@ class SMoE(SMoEKnobs, Policy):
         best = torch.where(run, scores.gather(1, plan.expert.clamp(0, E - 1)), torch.zeros(()))  # [T, k]
         score = {e: float(best[(plan.expert == e) & run].max()) for e in misses}
         misses.sort(key=lambda e: -score[e])
-        costs = [self.c_cpu * int(((plan.expert == e) & run).any(1).sum()) for e in misses]
+        costs = [self.c_cpu_of(int(((plan.expert == e) & run).any(1).sum())) for e in misses]
         n_load = cpu_split(costs, self.c_load, self.params.cpu_rule)
         for e in misses[n_load:]:
             plan.where[(plan.expert == e) & run] = Where.CPU
