@@ -225,10 +225,19 @@ class Engine(Loads):
         out = Combine(hidden, weight, grouped=self.grouped)
         routed = self._routed_rows(plan, view.top_k_index, g.num_experts)
         on_device = self._run_resident(module, hidden, routed, st, out) if routed is not None else None
+        fetched = False
         if on_device is None:  # anything but the steady state: group, schedule, load, compute
             groups = self._group(plan, view.top_k_index, g.num_experts, st, routed)
             on_host = [x for x in groups if x.where == Where.CPU]
             on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU] if on_host else groups)
+            if not staged:
+                # Later layers' copies start while this layer computes, behind its own demand copies on
+                # the one copy stream: Fate's n = T / t_expert counts this layer's t_moe in the window T
+                # (§4.3, "at the beginning of gate in the i-th block"), DyMoE identifies them "before the
+                # computation of the current layer is complete" (§4.4.1). Staged demand copies are
+                # issued during the compute, so with any left the prefetch waits for the layer's end.
+                self._prefetch(view, {(g.index, x.expert) for x in on_device})
+                fetched = True
             # SMoE's CPU-assisted experts start with the layer; rows to the host before device work is queued
             cpu_ready = max((self.clock.cpu(self.cost.c_cpu(len(x))) for x in on_host), default=0.0)
             host_rows = rows_to_host(hidden) if on_host else None
@@ -240,14 +249,16 @@ class Engine(Loads):
                 self.residency.used(g.index, [(x.expert, x.bits, x.status != Status.MISS) for x in on_device])
             on_device = [x.expert for x in on_device]
         self.device_layers.learn(g.index, g.num_experts)
-        # Asked after the layer ran, so the policy sees the residency this layer's loads left.
-        fetches = self.policy.prefetch(view)
-        if fetches:
-            shield = {(g.index, e) for e in on_device}
-            for f in fetches:
-                if self._start_load(f, shield, prefetched=True) is not None:
-                    self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
+        if not fetched:  # the steady state (every expert resident, nothing to copy) or staged demand copies
+            self._prefetch(view, {(g.index, e) for e in on_device})
         return out.result()
+
+    def _prefetch(self, view: LayerView, shield: set) -> None:
+        """The policy's fetches for later layers, asked once this layer's own loads have started, so it
+        sees the residency they leave; `shield`: the experts this layer runs on the device."""
+        for f in self.policy.prefetch(view):
+            if self._start_load(f, shield, prefetched=True) is not None:
+                self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
 
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> LayerView:
         """Routing and router logits on the host for the policy (one device-to-host sync)."""
