@@ -240,3 +240,28 @@ def test_decoded_experts_stay_within_the_workspace_the_budget_plans(tiny_ckpt, b
 def test_an_unknown_experts_impl_is_refused_in_one_sentence():
     with pytest.raises(MoetoolError, match="--experts-impl must be grouped_mm or eager"):
         EngineSpec(experts_impl="fast").check()
+
+
+def test_a_layers_prefetch_starts_before_its_experts_compute(tiny_ckpt, bundle):
+    """Fate's n = T / t_expert counts the layer's own t_moe in the window its copies overlap (§4.3, "at the
+    beginning of gate in the i-th block"), and DyMoE fetches "before the computation of the current layer
+    is complete" (§4.4.1). The engine asked for prefetches only after the layer's experts had run, so on
+    the sim clock every copy started after them and n copies stalled the next layer."""
+    ready = prepare(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=bundle, policy="dymoe", clock="sim",
+                              settings={"config": "4/2"}, budget="100%"))
+    engine, events = ready.engine, []
+    compute, prefetch = engine._compute_on_device, engine.policy.prefetch
+    engine._compute_on_device = lambda module, *a: events.append(("compute", module.layer.index)) or compute(module, *a)
+
+    def spied(view):
+        fetches = prefetch(view)
+        events.append(("prefetch", view.layer, len(fetches)))
+        return fetches
+
+    engine.policy.prefetch = spied
+    with torch.no_grad():
+        ready.lm.model(IDS[:1])
+    first = ready.lm.geometry.layers[0].index
+    order = [e[0] for e in events if e[1] == first]
+    assert order == ["prefetch", "compute"], events
+    assert any(e[0] == "prefetch" and e[2] for e in events)  # the look-ahead did fetch something
