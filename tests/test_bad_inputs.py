@@ -965,3 +965,11 @@ def test_a_setting_given_twice_is_refused_not_taken_as_its_last():
     with pytest.raises(MoetoolError, match=re.escape("--set gives bits twice (4 and 2); give it once.")):
         parse_settings(["bits=4", "bits=2"])
     assert parse_settings(["bits=4", "window=2"]) == {"bits": "4", "window": "2"}
+
+
+def test_a_precision_no_bundle_stores_is_refused_as_such_not_sent_to_quantize(tiny_bundle):
+    """`--set bits=3` said to make a bundle with `moetool quantize --bits 3`, which quantize refuses."""
+    result = runner.invoke(app, run_args(tiny_bundle, "--policy", "lru", "--set", "bits=3", "--prompt", "Hi"))
+    assert result.exit_code == 1
+    assert _one_error_line(result) == "error: policy 'lru' wants 3-bit experts, and moetool stores experts at 16, 8, " \
+                                     "4, 2 bits only."

@@ -79,7 +79,7 @@ def fit(
     for pol, knobs in result.params.items():
         for k, v in knobs.items():
             src = result.evidence.get(pol, {}).get(k, {}).get("from", "")
-            table.add_row(pol, k, f"{v:.4g}" if isinstance(v, float) else str(v), str(src)[:70])
+            table.add_row(pol, k, f"{v:.4g}" if isinstance(v, float) else str(v), str(src))  # the table folds it: a cut dropped the hw preset n was sized with
     out.print(table)
     for k, why in result.evidence.get("skipped", {}).items():
         err.print(f"not fitted: {k} ({why})", highlight=False)

@@ -337,8 +337,13 @@ class Policy(Knobs):
 
 
 def check_bits(policy: str, ctx: EngineContext, *bits: int) -> None:
-    """One sentence when a policy wants a precision the bundle lacks."""
+    """One sentence when a policy wants a precision the bundle lacks, or one no bundle stores."""
+    from moetool.bits import Bits
+
     for b in bits:
+        if b not in {int(x) for x in Bits}:  # no `quantize --bits` makes it: say so, not where to get it
+            raise MoetoolError(f"policy '{policy}' wants {b}-bit experts, and moetool stores experts at "
+                               f"{', '.join(str(int(x)) for x in Bits)} bits only.")
         if b not in ctx.available_bits:
             raise MoetoolError(f"policy '{policy}' wants {b}-bit experts, but the experts it runs from are stored "
                                f"at {list(ctx.available_bits)} bits only (a checkpoint without --bundle holds its "
