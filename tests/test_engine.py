@@ -428,3 +428,16 @@ def test_a_router_with_a_skip_class_that_reads_batched_states_serves_every_look_
         assert s["peak_device_bytes"] <= plan.total_bytes
         later = engine._predict(g.index, torch.randn(3, lm.model.config.hidden_size))  # the look-ahead
         assert later is not None and later.shape == (3, g.num_experts)
+
+
+def test_an_expert_computed_on_the_host_is_a_device_cache_miss_in_the_hit_rate():
+    """SMoE's CPU-assisted experts were neither hits nor misses, so the hit rate rose as Algorithm 2 sent
+    more misses to the CPU (0.500 -> 0.667 on one trace) where SMoE's "GPU expert cache hit ratio" falls."""
+    from moetool.engine.stats import Stats
+
+    stats = Stats(moe_layers=(0,))
+    st = stats.layer(0)
+    st.hits[16] += 2
+    st.misses[16] += 1
+    st.cpu_experts += 1
+    assert st.to_json()["hit_rate"] == 0.5 and stats.summary()["hit_rate"] == 0.5
