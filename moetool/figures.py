@@ -39,8 +39,20 @@ if TYPE_CHECKING:  # the papers' report hooks draw with this module: it sits bel
 LABEL_KEYS = ("config", "bits", "alpha", "r", "L", "p", "n", "n_hi", "prefetcher")
 
 
+# A knob whose recorded value is a "derive it" sentinel, and where the policy records what it derived:
+# the label shows what ran (two DynaExq runs at other budgets were both "n_hi=-1").
+RESOLVED = {"n_hi": ("n_hi_used", lambda v: isinstance(v, (int, float)) and v < 0),
+            "n": ("transfer_cap", lambda v: v == 0)}
+
+
 def setting_label(policy: str, params: dict[str, Any]) -> str:
-    knobs = [f"{k}={params[k]}" for k in LABEL_KEYS if k in params and params[k] not in ("", None)]
+    def shown(k: str) -> Any:
+        used, sentinel = RESOLVED.get(k, (None, None))
+        if used is not None and sentinel(params[k]) and params.get(used) is not None:
+            return params[used]
+        return params[k]
+
+    knobs = [f"{k}={shown(k)}" for k in LABEL_KEYS if k in params and params[k] not in ("", None)]
     return f"{policy} " + " ".join(knobs) if knobs else policy
 
 

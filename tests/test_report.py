@@ -246,3 +246,14 @@ def test_an_eval_takes_its_tpot_from_the_run_of_its_own_budget(tmp_path):
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| lru bits=16 | ppl | 11 | 200 | lru.eval.json | lru8.run.json |" in md
     assert "| static bits=4 | ppl | 10 | 50 | int4.eval.json | int4.run.json |" in md
+
+
+def test_a_setting_is_labelled_with_what_ran_not_a_derive_sentinel():
+    """Two DynaExq runs at other budgets were both labelled "n_hi=-1", and Fate's "n=0" (derive n from the
+    costs) hid the transfer cap it ran with."""
+    from moetool.figures import setting_label
+
+    assert setting_label("dynaexq", {"n_hi": -1, "n_hi_used": 4}) == "dynaexq n_hi=4"
+    assert setting_label("dynaexq", {"n_hi": 2, "n_hi_used": 2}) == "dynaexq n_hi=2"
+    assert setting_label("fate", {"L": 3, "n": 0, "transfer_cap": 3, "p": 0.25}) == "fate L=3 p=0.25 n=3"
+    assert setting_label("dynaexq", {"n_hi": -1}) == "dynaexq n_hi=-1"  # an older record: what it has
