@@ -160,13 +160,21 @@ class _Sweep:
         from moetool.source import load_config, resolve_source
         from moetool.run import run
 
+        sweep = self.cfg.sweep
+        if self.source is None and sweep.bundle is not None and sweep.model is None:
+            # The bundle holds the whole model, as `run --bundle B` reads it: its non-expert weights
+            # (bf16), not the profile's checkpoint's (the sweep's T(alpha) was another model's by 0.3-0.5%)
+            from moetool.quant.bundle import MANIFEST, Bundle
+
+            Bundle.load(Path(sweep.bundle) / MANIFEST, model=self.prof.model)  # another model's: one sentence
+            self.source = ""
         if self.source is None:
-            source = resolve_source(self.cfg.sweep.model or self.prof.model.source)
+            source = resolve_source(sweep.model or self.prof.model.source)
             if not model_fingerprint(load_config(source), source).same_model(self.prof.model):
                 raise MoetoolError(f"--model {source} is not the model {self.cfg.profile} was made for "
                                    f"({self.prof.model.source}).")
             self.source = source
-        return run(self.cfg.sweep_run(self.source, policy, settings))
+        return run(self.cfg.sweep_run(self.source or None, policy, settings))
 
 
 def _schema(path: Path) -> str | None:

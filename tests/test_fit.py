@@ -445,3 +445,17 @@ def test_fates_n_holds_for_the_link_it_was_divided_by(tmp_path):
     assert stale_fitted(POLICIES["fate"], {"prefetcher": "none"}, fitted, {"n": sized}, same, "25%",
                         {"t_load.4": t_io}) == {"n": "read only with prefetcher=fate (§4.3's cap on its transfers), "
                                                      "and this run has prefetcher=none"}
+
+
+def test_a_sweep_over_a_bundle_runs_the_bundles_model_as_run_does(tiny_ckpt, bundle, tmp_path, monkeypatch):
+    """`fit --sweep --bundle B` ran each point with the profile's checkpoint as --model, so its non-expert
+    weights were the checkpoint's, not the bundle's: T(alpha) was 0.3-0.5% off `run --bundle B`'s."""
+    import moetool.run
+    from moetool.profile import ProfileConfig, profile
+
+    prof = profile(ProfileConfig(model=str(tiny_ckpt("qwen2_moe")), data=("heldout",), seqs_per_data=1, seq_len=8,
+                                 decode_tokens=1, what=("prefetch",))).save(tmp_path / "t.profile.json")
+    seen, real = [], moetool.run.run
+    monkeypatch.setattr(moetool.run, "run", lambda cfg, *a, **k: seen.append(cfg) or real(cfg, *a, **k))
+    fit(FitConfig(profile=prof, sweep=RunConfig(bundle=bundle, max_new_tokens=2), alphas=(0.0, 0.2), target_tpot=1.0))
+    assert [(c.model, c.bundle) for c in seen] == [(None, bundle)] * 2
