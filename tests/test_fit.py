@@ -459,3 +459,22 @@ def test_a_sweep_over_a_bundle_runs_the_bundles_model_as_run_does(tiny_ckpt, bun
     monkeypatch.setattr(moetool.run, "run", lambda cfg, *a, **k: seen.append(cfg) or real(cfg, *a, **k))
     fit(FitConfig(profile=prof, sweep=RunConfig(bundle=bundle, max_new_tokens=2), alphas=(0.0, 0.2), target_tpot=1.0))
     assert [(c.model, c.bundle) for c in seen] == [(None, bundle)] * 2
+
+
+def test_a_knob_fitted_for_a_size_budget_holds_for_the_cache_it_left():
+    """`--budget 12GiB` leaves the fit (its profile's 4,096-token KV margin) another expert cache than a run
+    (its own margin): DynaExq's n_hi fitted 1 where the run's cache held 16, kept because the text matched."""
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import stale_fitted
+
+    sized = {"n_hi": Sizing("1GiB", 1000, {"b_hi": 16, "b_lo": 4})}
+    fitted = {"n_hi": 1}
+
+    def drops(cache):
+        return stale_fitted(POLICIES["dynaexq"], {}, fitted, sized, lambda b: True, "1GiB", cache_bytes=cache)
+
+    assert drops(1000) == {}
+    assert drops(5000) == {"n_hi": "sized for the expert cache --budget 1GiB left the fit (1000 B), and this run's is "
+                                   "4.9 KiB"}
+    shares = {"n_hi": Sizing("25%", 1000, {"b_hi": 16, "b_lo": 4})}  # a share: the same share of the experts
+    assert stale_fitted(POLICIES["dynaexq"], {}, fitted, shares, lambda b: True, "25%", cache_bytes=5000) == {}

@@ -198,6 +198,12 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
         if size.budget is not None and not same_budget(size.budget):
             drops[knob] = f"sized for --budget {size.budget}, and this run has --budget {budget}"
             continue
+        if size.budget is not None and not size.budget.strip().endswith("%") and size.cache_bytes is not None \
+                and cache_bytes is not None and size.cache_bytes != cache_bytes:
+            # one size, another split: the fit planned the profile's KV margin (4,096 tokens), a run its own
+            drops[knob] = (f"sized for the expert cache --budget {size.budget} left the fit "
+                           f"({size_text(size.cache_bytes)}), and this run's is {size_text(cache_bytes)}")
+            continue
         if size.budget is None and size.cache_bytes is not None and cache_bytes is not None \
                 and size.cache_bytes != cache_bytes:
             drops[knob] = (f"sized for the expert cache of the runs it was fitted from, {size_text(size.cache_bytes)}, "

@@ -166,7 +166,9 @@ def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any] 
     info, sweep = inputs.profile.info, inputs.sweep_sized
     if sweep is not None:  # the sweep ran at its own budget and --hw, and given runs must match it
         knobs = {f.name: getattr(cls.Params(), f.name) for f in fields(cls.Params) if f.name != "alpha"}
-        sized, link = {"budget": sweep["budget"], "cache_bytes": sweep["cache_bytes"]}, sweep["link"]
+        # the cache its runs had (a size budget leaves a run another than the profile's estimate)
+        cache = run.budget.get("cache_bytes", sweep["cache_bytes"])
+        sized, link = {"budget": sweep["budget"], "cache_bytes": cache}, sweep["link"]
     else:
         knobs = {f.name: run.params[f.name] for f in fields(cls.Params) if f.name != "alpha" and f.name in run.params}
         sized = {"cache_bytes": run.budget.get("cache_bytes")}
