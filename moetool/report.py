@@ -215,6 +215,9 @@ def _same_budget(r: Run, e: dict) -> bool:
 def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> list[dict[str, Any]]:
     """One row per eval, with the TPOT of the run made with the same policy, knobs and budget."""
     rows = []
+    # a task measured more than one way (ppl at two windows) gets a metric per way: one axis and one
+    # column mixed perplexities of different windows as if they were one measure
+    columns = _measures([e for _, e in evals if primary_metric(e.get("metrics", {}))])
     for epath, e in evals:
         m = primary_metric(e.get("metrics", {}))
         if m is None:
@@ -229,9 +232,10 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
             tpot = ((e.get("summary") or {}).get("tpot_s") or {}).get("mean")
             source = "eval counters" if tpot is not None else None
-        task = e.get("task", "?")
+        task, column = e.get("task", "?"), columns[id(e)]
+        metric = m[0] if task == "?" else column if task == m[0] else f"{column} {m[0]}"  # acc of which task
         rows.append({"label": setting_label(pol, params), "policy": pol, "params": params, "value": m[1],
-                     "metric": m[0] if task in (m[0], "?") else f"{task} {m[0]}",  # acc of which task
+                     "metric": metric,
                      "higher": m[2], "tpot": tpot, "eval": epath.name, "run": source})
     return rows
 

@@ -257,3 +257,18 @@ def test_a_setting_is_labelled_with_what_ran_not_a_derive_sentinel():
     assert setting_label("dynaexq", {"n_hi": 2, "n_hi_used": 2}) == "dynaexq n_hi=2"
     assert setting_label("fate", {"L": 3, "n": 0, "transfer_cap": 3, "p": 0.25}) == "fate L=3 p=0.25 n=3"
     assert setting_label("dynaexq", {"n_hi": -1}) == "dynaexq n_hi=-1"  # an older record: what it has
+
+
+def test_the_policy_comparison_keeps_perplexities_of_other_windows_apart(tmp_path):
+    """The comparison table and policies.png put a perplexity at context 256 and one at context 64 of the
+    same setting under one "ppl", on one axis, while the quality table kept them apart."""
+    from moetool.report import _joined
+
+    def ev(context: int, ppl: float) -> dict:
+        return {**_ppl_eval("resident", {"bits": 16}, ppl), "options": {"data": "t.txt", "context": context},
+                "inputs": {"t.txt": "a" * 64}}
+
+    rows = _joined([], [(tmp_path / "a.json", ev(256, 49.26)), (tmp_path / "b.json", ev(64, 73.46))])
+    assert [x["metric"] for x in rows] == ["ppl (t.txt, context 256)", "ppl (t.txt, context 64)"]
+    one = _joined([], [(tmp_path / "a.json", ev(256, 49.26))])
+    assert [x["metric"] for x in one] == ["ppl"]  # measured one way: the task's name as before
