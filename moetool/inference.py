@@ -132,6 +132,17 @@ def past_tokens(kwargs: dict) -> int:
     return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers))
 
 
+def real_rows(attention_mask: Any, ids: Any) -> torch.Tensor | None:
+    """[B*T] bool on the host: which rows of a prefill's B x T tokens are real (a batch's prompts are
+    left-padded to one length, the pads masked out), in the order an MoE layer sees its hidden rows;
+    None when every row is real or no 2-D mask says otherwise (one small read, in prefill only)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or not isinstance(ids, torch.Tensor) \
+            or ids.dim() != 2 or attention_mask.shape[0] != ids.shape[0] or attention_mask.shape[1] < ids.shape[1]:
+        return None
+    real = attention_mask[:, -ids.shape[1]:].reshape(-1).bool().cpu()
+    return None if bool(real.all()) else real
+
+
 def not_finite(logits: torch.Tensor) -> torch.Tensor:
     """Whether `logits` hold a NaN or a +inf, as a 0-dim bool on their device (no host read). -inf is a
     logit a model or a logits processor may mean (a masked token); NaN and +inf leave the argmax

@@ -441,3 +441,35 @@ def test_an_expert_computed_on_the_host_is_a_device_cache_miss_in_the_hit_rate()
     st.misses[16] += 1
     st.cpu_experts += 1
     assert st.to_json()["hit_rate"] == 0.5 and stats.summary()["hit_rate"] == 0.5
+
+
+def test_a_batchs_left_padding_is_no_request_in_what_policies_count(tiny_ckpt, bundle, monkeypatch):
+    """A batch's prompts are left-padded to one length; the pad rows routed like tokens, so DynaExq's
+    hotness counted them as selections and toward T_u, SMoE's score window averaged them, Fate and DyMoE
+    ranked experts by them (26 pads of 60 rows changed every layer's high-precision set)."""
+    from moetool.inference import real_rows
+    from moetool.policies.dynaexq import DynaExq
+    from moetool.run import RunConfig, run
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert real_rows(mask, torch.zeros(2, 4)).tolist() == [False, False, True, True, True, True, True, True]
+    assert real_rows(torch.ones(2, 4), torch.zeros(2, 4)) is None and real_rows(None, torch.zeros(2, 4)) is None
+    seen, counts = [], []
+    plan = DynaExq.plan
+
+    def spy(self, view):
+        seen.append((view.step.phase.name, view.step.num_tokens, None if view.real_rows is None else
+                     view.real_rows.tolist(), view.top_k_index.shape[0]))
+        before = self.hotness.count[view.moe_pos].sum().item()
+        out = plan(self, view)
+        counts.append(self.hotness.count[view.moe_pos].sum().item() - before)
+        return out
+
+    monkeypatch.setattr(DynaExq, "plan", spy)
+    run(RunConfig(model=str(tiny_ckpt("qwen2_moe")), bundle=bundle, policy="dynaexq", budget="100%", clock="sim",
+                  prompts=("abcdef", "ab"), max_new_tokens=2, batch_size=2))
+    phase, tokens, real, rows = seen[0]
+    assert phase == "PREFILL" and rows == 12 and tokens == 8 and real == [True] * 6 + [False] * 4 + [True] * 2
+    k = 2  # the tiny qwen2_moe's top-k: only the 8 real tokens' selections are counted
+    assert counts[0] == 8 * k
+    assert all(r is None and t == 2 for p, t, r, _ in seen[1:] if p == "DECODE")

@@ -34,7 +34,7 @@ from moetool.engine.store import HostStore
 from moetool.engine.transfer import Copier, HostRows, routing_to_host, rows_to_host, upload
 from moetool.engine.weights import PoolWeights
 from moetool.errors import MoetoolError
-from moetool.inference import call_router, past_tokens, router_logits
+from moetool.inference import call_router, past_tokens, real_rows, router_logits
 from moetool.model import LoadedModel, MoeLayer, ProviderExperts
 from moetool.policies.base import Fetch, LayerPlan, LayerView, Phase, Policy, Step, Where
 from moetool.quant.kernels import MODULES as KERNELS
@@ -80,6 +80,7 @@ class Engine(Loads):
         # [T] heavy-hitter scores (DyMoE eq. 1) of this prefill's latest softmax-attention layer: a MoE
         # layer after another mixer (Mamba, linear attention) reads the nearest one before it (dymoe.py).
         self._importance: torch.Tensor | None = None
+        self._real_rows: torch.Tensor | None = None  # [B*T] bool: this prefill's real tokens (left padding not)
         self._predicting = False
         # The captured decode step's layers (`engine/captured.py`), and whether a forward now is one of
         # its steps: then the hooks below stand aside (a step is the program's, not the host's).
@@ -181,7 +182,10 @@ class Engine(Loads):
         past = past_tokens(kwargs)
         if ids is not None and self.plan_tokens:
             check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1, self.plan_tokens, self.plan_batch)
-        self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE, int(ids.numel()) if ids is not None else 1)
+        self._real_rows = real_rows(kwargs.get("attention_mask"), ids) if past == 0 else None
+        tokens = int(ids.numel()) if ids is not None else 1
+        self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE,
+                        tokens if self._real_rows is None else int(self._real_rows.sum()))
 
     def _after_forward(self, module, args, output):
         if not self.capturing:
@@ -264,12 +268,13 @@ class Engine(Loads):
         """Routing and router logits on the host for the policy (one device-to-host sync)."""
         index, weights, logits = routing_to_host(top_k_index, top_k_weights, self._logits.pop(g.index, None))
         logits = logits if logits is not None else torch.empty(0)  # [T, E]
-        if logits.numel() and self.residency.wants_scores():
-            self.residency.observe(g.index, mean_scores(logits))  # a score window's iteration (SMoE eq. 3)
+        real = self._real_rows if self._real_rows is not None and self._real_rows.numel() == index.shape[0] else None
+        if logits.numel() and self.residency.wants_scores():  # a score window's iteration (SMoE eq. 3)
+            self.residency.observe(g.index, mean_scores(logits if real is None else logits[real]))
         return LayerView(
             layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
             top_k_index=index, top_k_weights=weights, router_logits=logits, residency=self.residency,
-            predict=lambda later: self._predict(later, hidden), token_importance=self._importance)
+            predict=lambda later: self._predict(later, hidden), token_importance=self._importance, real_rows=real)
 
     def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats,
                routed: Routed | None = None) -> list[Group]:

@@ -112,6 +112,10 @@ class LayerView:
     # input (Fate position 2, DyMoE eq. 6, SMoE's top-score prefetch). None at the last MoE layer.
     predict: Callable[[int], torch.Tensor | None]
     token_importance: torch.Tensor | None = None  # [T] heavy-hitter scores s_i (DyMoE eq. 1), prefill only
+    # [T] bool: the rows of real tokens, None when every row is one. A batch's prompts are left-padded to
+    # one length; the pad rows are computed (as transformers computes them) but are no request's
+    # tokens, so no statistic a paper keeps of its requests counts them (`common.counted`).
+    real_rows: torch.Tensor | None = None
 
 
 def valid_slots(idx: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, check_at_most, register
 from moetool.policies.baselines_knobs import (ActivationPathPrefetchKnobs, LoadOnDemandKnobs, LRUCacheKnobs,
                                               ResidentKnobs, StaticKnobs)
-from moetool.policies.common import all_experts, check_eviction, even_quota
+from moetool.policies.common import all_experts, check_eviction, counted, even_quota
 
 
 @register("resident")
@@ -96,8 +96,9 @@ class ActivationPathPrefetch(ActivationPathPrefetchKnobs, LRUCache):
         if i == 0:
             self.prev = None  # a new forward: the first MoE layer has no predecessor
         E = self.ctx.num_experts
-        now = torch.zeros(view.top_k_index.shape[0], E)  # [T, E] one-hot of this layer's experts
-        now.scatter_(1, view.top_k_index.clamp(0, E - 1), 1.0)
+        idx = counted(view, view.top_k_index)  # the requests' tokens: a batch's left padding co-activates nothing
+        now = torch.zeros(idx.shape[0], E)  # [T, E] one-hot of this layer's experts
+        now.scatter_(1, idx.clamp(0, E - 1), 1.0)
         if self.prev is not None and i > 0:
             self.counts[i - 1] += self.prev.t() @ now  # co-activation of layer i-1 -> layer i
         self.prev = now

@@ -39,14 +39,15 @@ def hw_seconds(ctx: EngineContext, key: str, bits: int | None = None) -> float |
 
 
 def predicted_scores(view: LayerView, ctx: EngineContext) -> tuple[int, torch.Tensor] | None:
-    """(next MoE layer, its router's softmax scores [T, E] on this layer's gate input), or None."""
+    """(next MoE layer, its router's softmax scores [T, E] on this layer's gate input), or None; the real
+    tokens' rows only (`counted`): a pad row predicts no request's experts."""
     nxt = next_moe_layer(ctx, view.moe_pos)
     if nxt is None:
         return None
     logits = view.predict(nxt)  # [T, E]
     if logits is None or logits.numel() == 0:
         return None
-    return nxt, torch.softmax(logits.float(), dim=-1)
+    return nxt, torch.softmax(counted(view, logits).float(), dim=-1)
 
 
 def routed_experts(plan_expert: torch.Tensor, running: torch.Tensor) -> list[int]:
@@ -72,6 +73,14 @@ def assign_by_expert(target: torch.Tensor, expert: torch.Tensor, running: torch.
     e = np.clip(e, 0, size - 1)  # dropped slots (E or -1) are not running: any index does
     sel = running.numpy() & has[e]
     target.numpy()[sel] = table[e[sel]]
+
+
+def counted(view: Any, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` ([T, ...], one per token of the view) of the real tokens only (`LayerView.real_rows`):
+    what a policy counts, scores or ranks its requests by (DynaExq's hotness, Fate's popularity, DyMoE's
+    token load, SMoE's score window) leaves a batch's left padding out."""
+    real = getattr(view, "real_rows", None)
+    return rows if real is None else rows[real]
 
 
 def popularity(idx: torch.Tensor, num_experts: int) -> torch.Tensor:

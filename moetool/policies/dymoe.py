@@ -30,7 +30,7 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, Where, register)
-from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, even_quota, next_moe_layer,
+from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, counted, even_quota, next_moe_layer,
                                      popularity, predicted_scores, routed_experts, valid_slots)
 from moetool.policies.device import DevicePlan, DeviceView, lookup, rank_in_token, valid
 from moetool.policies.dymoe_knobs import EPS, DyMoEKnobs, critical_count, critical_share, retention, solve_lambda
@@ -75,11 +75,12 @@ def critical_experts(view: LayerView, r_l: float, hh_ratio: float) -> set[int]:
     critical, which is how Table 2's r = 1.0 column equals uniform Int4. Ties (often in prefill,
     where many experts get no heavy hitter) go to the larger token load, then to the larger weight.
     """
-    E, idx = view.num_experts, view.top_k_index
+    E, idx = view.num_experts, counted(view, view.top_k_index)  # a batch's left padding is no request's
     load = popularity(idx, E).float()  # [E]
-    weight = decode_importance(idx, view.top_k_weights, E)  # [E]
+    weight = decode_importance(idx, counted(view, view.top_k_weights), E)  # [E]
     if view.step.phase == Phase.PREFILL:
-        primary = prefill_importance(idx, view.token_importance, E, hh_ratio)
+        importance = view.token_importance
+        primary = prefill_importance(idx, counted(view, importance) if importance is not None else None, E, hh_ratio)
     else:
         primary = weight
     selected = (load > 0).nonzero().squeeze(1).tolist()

@@ -36,7 +36,7 @@ import torch
 from moetool.errors import MoetoolError, size_text
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Policy, Pool,
                                    ResidencyView, Step, register)
-from moetool.policies.common import assign_by_expert, check_bits, popularity, routed_experts
+from moetool.policies.common import assign_by_expert, check_bits, counted, popularity, routed_experts
 from moetool.policies.device import DevicePlan, DeviceView, lookup
 from moetool.policies.dynaexq_knobs import DynaExqKnobs, budget_n_hi
 from moetool.policies.knobs import parse_tiers
@@ -158,7 +158,7 @@ class DynaExq(DynaExqKnobs, Policy):
     def plan(self, view: LayerView) -> LayerPlan:
         """Run every routed expert at the best precision resident now; a promotion in flight is not
         waited for (the low copy runs until the engine publishes the high one)."""
-        self.hotness.observe(view.moe_pos, view.top_k_index)
+        self.hotness.observe(view.moe_pos, counted(view, view.top_k_index))  # §3.5: the requests' selections
         plan = LayerPlan.routed(view, self.lo)
         valid = plan.running()  # [T, k]
         assign_by_expert(plan.bits, plan.expert, valid, {e: self.hi for e in routed_experts(plan.expert, valid)

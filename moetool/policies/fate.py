@@ -26,7 +26,7 @@ import torch
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, check_at_most, register)
 from moetool.policies import device
-from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, hw_seconds, next_moe_layer,
+from moetool.policies.common import (assign_by_expert, check_bits, check_eviction, counted, hw_seconds, next_moe_layer,
                                      popularity, predicted_scores, routed_experts)
 from moetool.policies.device import DevicePlan, DeviceView
 from moetool.policies.fate_knobs import FateKnobs, transfer_n
@@ -232,7 +232,7 @@ class Fate(FateKnobs, Policy):
         # §4.5 moves the unpopular experts at INT2 whether or not the budget holds an INT2 pool
         # (low_slots = 0 at a budget under two INT2 experts: they then stream through staging).
         valid = plan.running()  # [T, k]
-        low = int2_experts(popularity(view.top_k_index, E), cfg.p)
+        low = int2_experts(popularity(counted(view, view.top_k_index), E), cfg.p)  # the requests' popularity
         bits_of = {}
         for e in routed_experts(plan.expert, valid):
             have = view.residency.resident_bits(view.layer, e)
