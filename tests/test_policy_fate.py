@@ -307,7 +307,7 @@ def test_experts_in_flight_compute_in_the_order_their_copies_were_issued():
     from moetool.engine.stats import LayerStats
 
     ctx = make_ctx(layers=(0, 1), E=8, k=1, cache_bytes=40_000)
-    pol = make_policy("fate", {"L": "0", "p": "0"}, ctx)
+    pol = make_policy("fate", {"L": "0", "p": "0", "quantize_cache": "always"}, ctx)
     res = residency_for(pol)
     for e in (2, 4):
         load(pol, res, Fetch(1, e, 4), demand=False)
@@ -320,3 +320,21 @@ def test_experts_in_flight_compute_in_the_order_their_copies_were_issued():
                         device=torch.device("cpu"))
     ordered, _ = Engine._schedule(SimpleNamespace(residency=res), 1, groups)
     assert [g.expert for g in ordered] == [2, 4, 3, 1, 5]
+
+
+def test_the_cache_is_quantized_only_when_memory_is_insufficient():
+    """§4.5: "Fate employs int4 quantization when memory resources are insufficient". The cache was INT4
+    at any budget, ten times every expert at 16 bits included, losing quality the paper's system keeps."""
+    from policy_fakes import BYTES
+
+    every = 2 * 8 * BYTES[16]
+    ample = make_policy("fate", {}, make_ctx(layers=(0, 1), E=8, cache_bytes=every))
+    assert ample.params.cache_bits == 16 and ample.precisions() == (16, 16) and ample.low_slots == 0
+    assert ample.quota == {0: 8, 1: 8} and len(ample.warm()) == 16  # every expert cached, from the start
+    short = make_policy("fate", {}, make_ctx(layers=(0, 1), E=8, cache_bytes=every - 1))
+    assert short.params.cache_bits == 4 and short.precisions() == (4, 2)
+    always = make_policy("fate", {"quantize_cache": "always"}, make_ctx(layers=(0, 1), E=8, cache_bytes=every))
+    assert always.params.cache_bits == 4
+    no16 = make_ctx(layers=(0, 1), E=8, cache_bytes=every)
+    no16 = type(no16)(**{**no16.__dict__, "available_bits": (4, 2)})  # a bundle made with --no-reference
+    assert make_policy("fate", {}, no16).params.cache_bits == 4

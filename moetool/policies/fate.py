@@ -18,11 +18,13 @@ imported from here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
+from moetool.bits import Bits
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, check_at_most, register)
 from moetool.policies import device
@@ -85,6 +87,13 @@ def shallow_favoring(layers: tuple[int, ...], num_experts: int, L: int, total: i
         for i, layer in enumerate(deep):
             quota[layer] = min(num_experts, cache_deep + (1 if i < extra else 0))
     return quota
+
+
+def ample(ctx: EngineContext) -> bool:
+    """Whether the expert cache holds every expert at 16 bits (stored in the bundle): memory that is not
+    "insufficient", where §4.5 does not quantize the cache."""
+    every = len(ctx.moe_layers) * ctx.num_experts
+    return Bits.BF16 in ctx.available_bits and ctx.cache_bytes >= every * ctx.expert_bytes[Bits.BF16]
 
 
 def pool_split(ctx: EngineContext, L: int, p: float, cache_bits: int, low_bits: int) -> tuple[int, dict[int, int]]:
@@ -182,16 +191,23 @@ class Fate(FateKnobs, Policy):
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)
         check_eviction(self.name, params.eviction)
-        check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if params.p > 0 else ()))
         check_at_most(self, "L", len(ctx.moe_layers), "MoE layers")
         check_at_most(self, "n", ctx.num_experts, "experts per layer")
-        params = self.params  # as clamped
-        self.low_slots, self.quota = pool_split(ctx, params.L, params.p, params.cache_bits, params.low_bits)
+        # §4.5 quantizes the cache "when memory resources are insufficient": where every expert fits at
+        # 16 bits, they are cached so, all of them warmed, and nothing moves at INT2 (nothing moves)
+        self.unquantized = params.quantize_cache == "auto" and ample(ctx)
+        if self.unquantized:
+            self.params = dataclasses.replace(self.params, cache_bits=int(Bits.BF16))
+        params = self.params  # as clamped, and at the bits it caches
+        self.int2 = params.p > 0 and params.low_bits != params.cache_bits and not self.unquantized
+        check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if self.int2 else ()))
+        self.low_slots, self.quota = pool_split(ctx, params.L, params.p if self.int2 else 0.0, params.cache_bits,
+                                                params.low_bits)
         self.prefetcher = CrossLayerPrefetch(ctx, params.cache_bits, params.low_bits, params.p, params.n,
                                              params.percentile) if params.prefetcher == "fate" else None
 
     def precisions(self) -> tuple[int, int]:
-        return self.params.cache_bits, self.params.low_bits if self.params.p > 0 else self.params.cache_bits
+        return self.params.cache_bits, self.params.low_bits if self.int2 else self.params.cache_bits
 
     def pools(self) -> list[Pool]:
         pools = [Pool(self.params.cache_bits, sum(self.quota.values()), quota=self.quota,

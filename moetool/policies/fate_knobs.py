@@ -74,6 +74,10 @@ class FateKnobs(Knobs):
         n: int = 0  # decode transfers per layer; 0 = T / t_expert from the hardware profile (§4.3)
         percentile: float = 0.75  # decode prefetch: predicted score above this quantile (§4.2)
         cache_bits: int = 4  # precision of cached experts (HQQ INT4, §4.5)
+        # §4.5 "employs int4 quantization when memory resources are insufficient": "auto" caches at 16
+        # bits where the expert cache holds every expert at 16 bits (and the bundle stores them), else at
+        # cache_bits; "always" caches at cache_bits whatever the budget
+        quantize_cache: str = "auto"
         low_bits: int = 2  # precision of the unpopular prefill experts (INT2, §4.5)
         position: int = 2  # Table 1 input position for prediction; the engine provides position 2 only
         eviction: str = "arc"  # per-layer eviction (§4.4)
@@ -91,6 +95,8 @@ class FateKnobs(Knobs):
                 raise ValueError(f"low_bits must not exceed cache_bits, not {self.low_bits}/{self.cache_bits}")
             if self.prefetcher not in ("fate", "none"):
                 raise ValueError(f"prefetcher must be 'fate' or 'none', not '{self.prefetcher}'")
+            if self.quantize_cache not in ("auto", "always"):
+                raise ValueError(f"quantize_cache must be 'auto' or 'always', not '{self.quantize_cache}'")
 
     # -- fit and report --------------------------------------------------------------------------
     @classmethod
