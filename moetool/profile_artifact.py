@@ -152,7 +152,7 @@ class TimingProfile:
     experts: tuple[ExpertTiming, ...]
     c_cpu_s: float  # one reference-precision expert, one token, on the host CPU (SMoE's C_CPU)
     h2d_gbps: float | None  # measured pinned host-to-device bandwidth; None without CUDA
-    t_dense_s: float  # mean over MoE layers of t_attn + t_gate + (t_moe - t_experts)
+    t_dense_s: float  # mean over MoE layers of t_attn + (t_moe - t_experts): the router is inside t_moe
     # The same inside the captured decode step (one graph replay on CUDA: no launches from the host,
     # so far below t_dense_s there): a captured step with every expert resident, less its experts'
     # time, per MoE layer. None where it was not measured (`captured_note` says why).

@@ -116,7 +116,9 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
             for a in (0.0, 0.1, 0.2, 0.3, 0.4)]
     result = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.075, budget="50%"))
     assert result.params["smoe"]["alpha"] == pytest.approx(0.25, abs=0.006)
-    assert result.params["fate"] == {"L": 2, "n": 2, "p": 0.25}  # n = 310 us // 128 us
+    assert result.params["fate"] == {"L": 2, "n": 2, "p": 0.25}  # n = 300 us // 128 us
+    # T = t_moe + t_attn: the timed MoE block holds its router, so t_gate is not added again (310 us)
+    assert result.evidence["fate"]["n"]["T_s"] == pytest.approx(2e-4 + 1e-4)
     r, lam = result.params["dymoe"]["r"], result.params["dymoe"]["lam"]
     assert lam == pytest.approx(solve_lambda(r, 4, 2), abs=1e-4) and critical_share(lam, 4, 2) >= r
     assert result.params["dynaexq"]["n_hi"] == budget_n_hi(cache_bytes("50%", INFO), 4, 8, INFO.expert_bytes[4],

@@ -121,7 +121,9 @@ class FateKnobs(Knobs):
         hw = prof.hw or {}
         if prof.timing is not None and (prof.timing.h2d_gbps or hw.get("h2d_gbps")):
             t, bits = prof.timing, cls.Params().cache_bits  # n for the INT4 cache's transfers
-            window = sum(x.t_moe + x.t_attn + x.t_gate for x in t.layers) / max(1, len(t.layers))
+            # §4.3's T = t_moe + t_attn + t_gate: the profile's t_moe is the whole MoE block, its router
+            # (t_gate, timed inside it) included, so T is t_moe + t_attn (adding t_gate counted it twice)
+            window = sum(x.t_moe + x.t_attn for x in t.layers) / max(1, len(t.layers))
             h2d = t.h2d_gbps or hw.get("h2d_gbps")
             nbytes = info.expert_bytes[bits]
             t_io = nbytes / (h2d * 1e9) + hw.get("copy_latency_s", 0.0)
@@ -131,7 +133,8 @@ class FateKnobs(Knobs):
                          # §4.3's n is the machine's whose link it divides by: a run whose costs give
                          # another copy time takes n from its own (the default n = 0), `knobs.stale_fitted`
                          "sized_for": {"knobs": {"cache_bits": bits}, "costs": {f"t_load.{bits}": t_io}},
-                         "from": f"profile.timing.layers (T = t_moe + t_attn + t_gate, decode, measured on {t.device}); "
+                         "from": f"profile.timing.layers (T = t_moe + t_attn, the MoE block holding the gate, decode, "
+                                 f"measured on {t.device}); "
                                  f"t_expert = INT4 blob / h2d ({h2d_from})"}
         else:
             out.skipped["n"] = "the profile has no timing part with a host-to-device bandwidth (--what timing)"

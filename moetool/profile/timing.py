@@ -272,7 +272,9 @@ def measure_timing(lm: LoadedModel, blobs: dict[int, tuple[torch.Tensor, Any]], 
     step's dense time (`captured_dense`), last: it installs an engine in `lm`."""
     p = next(lm.model.parameters())
     layers = layer_timings(lm, ids, steps)
-    t_dense = sum(t.t_attn + t.t_gate + max(0.0, t.t_moe - t.t_experts) for t in layers) / max(1, len(layers))
+    # t_moe is the whole MoE block, router included: its time beyond the routed experts is the router and
+    # the shared experts (adding t_gate as well charged every layer's router twice)
+    t_dense = sum(t.t_attn + max(0.0, t.t_moe - t.t_experts) for t in layers) / max(1, len(layers))
     experts = expert_timings(lm, blobs)
     t = TimingProfile(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""), steps=steps,
                       layers=layers, experts=experts, c_cpu_s=c_cpu(lm, blobs),
@@ -335,7 +337,8 @@ def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
         sources["t_dense_captured_s"] = f"{where}: {t.captured_note}"
     elif t.captured_note:
         sources["t_dense_captured_s"] = f"{where}: {t.captured_note} (the captured step is charged t_dense_s)"
-    sources.update(t_dense_s=f"{where}: mean over MoE layers of t_attn + t_gate + shared/other MoE-block time, "
+    sources.update(t_dense_s=f"{where}: mean over MoE layers of t_attn + the MoE block's time beyond its routed "
+                             "experts (router, shared experts), "
                              "one decode token",
                    t_expert_s=f"{where}: one token through one expert (its share of the top-k), per precision, "
                               "on the engine's path there: " + ", ".join(f"{e.bits}-bit {e.path}" for e in t.experts),
