@@ -146,6 +146,7 @@ class DyMoEKnobs(Knobs):
                 out.warnings.append(f"the budget allows a retention of only {r:.3f}; the cosine schedule keeps at least "
                                     f"{floor:.3f} of a token's top-{info.top_k} critical over {len(info.moe_layers)} "
                                     f"layers, so r = {floor:.3f} (the budget will not hold every expert).")
+                how += f"; raised to {floor:.3f}, the least the schedule keeps, which the budget does not hold"
                 r = floor
             # r holds for this budget and these tiers only: a run at another takes the paper's r (`stale_fitted`)
             sized = {"sized_for": {"budget": cfg.budget, "cache_bytes": cache, "knobs": {"high_bits": high, "low_bits": low}}}
