@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetool.artifacts import read_json, sha256_file
 from moetool.fit_artifact import Fit
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.policies import POLICIES, hooked
 from moetool.policies.dymoe_knobs import RETENTION_FLOOR
 from moetool.policies.smoe_fit import ALPHAS
@@ -113,6 +113,13 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
     sweep = _Sweep(cfg, prof) if cfg.sweep is not None else None
     params: dict[str, dict[str, Any]] = {}
     ev: dict[str, Any] = {"warnings": [], "skipped": {}}
+    if cfg.budget and not cfg.budget.strip().endswith("%") and shared.cache_bytes is not None:
+        from moetool.engine.budget import PLAN_TOKENS
+
+        ev["warnings"].append(
+            f"--budget {cfg.budget} is a size: the fit plans the profile's KV margin ({PLAN_TOKENS:,} tokens), so the "
+            f"expert cache it sizes knobs for ({size_text(shared.cache_bytes)}) is not every run's; a run whose "
+            "cache differs by more than 10% takes the policies' defaults instead (a share, 25%, holds for any run).")
     fitting = [cls for _, cls in hooked("fit")]
     for kind, given in (("a run", runs), ("an eval", evals)):  # inputs no fit reads, recorded without a word
         for path, art in given:

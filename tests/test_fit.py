@@ -475,8 +475,16 @@ def test_a_knob_fitted_for_a_size_budget_holds_for_the_cache_it_left():
     def drops(cache):
         return stale_fitted(POLICIES["dynaexq"], {}, fitted, sized, lambda b: True, "1GiB", cache_bytes=cache)
 
-    assert drops(1000) == {}
+    assert drops(1000) == {} and drops(1050) == {}  # within 10%: a GB budget's margins differ by MB
     assert drops(5000) == {"n_hi": "sized for the expert cache --budget 1GiB left the fit (1000 B), and this run's is "
                                    "4.9 KiB"}
+    # and the fit says so when it sizes for a size
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        prof = synthetic_profile().save(Path(d) / "s.profile.json")
+        warned = fit(FitConfig(profile=prof, budget="1GiB")).evidence["warnings"]
+    assert any(w.startswith("--budget 1GiB is a size: the fit plans the profile's KV margin (4,096 tokens)") for w in warned)
     shares = {"n_hi": Sizing("25%", 1000, {"b_hi": 16, "b_lo": 4})}  # a share: the same share of the experts
     assert stale_fitted(POLICIES["dynaexq"], {}, fitted, shares, lambda b: True, "25%", cache_bytes=5000) == {}

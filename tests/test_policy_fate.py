@@ -334,7 +334,10 @@ def test_the_cache_is_quantized_only_when_memory_is_insufficient():
     short = make_policy("fate", {}, make_ctx(layers=(0, 1), E=8, cache_bytes=every - 1))
     assert short.params.cache_bits == 4 and short.precisions() == (4, 2)
     always = make_policy("fate", {"quantize_cache": "always"}, make_ctx(layers=(0, 1), E=8, cache_bytes=every))
-    assert always.params.cache_bits == 4
+    assert always.params.cache_bits == 4 and always.describe()["cache_quantized"]
+    assert not ample.describe()["cache_quantized"] and not ample.describe()["int2_prefill"]
+    asked = make_policy("fate", {"cache_bits": "8", "low_bits": "2"}, make_ctx(layers=(0, 1), E=8, cache_bytes=every))
+    assert asked.params.cache_bits == 8  # a cache_bits given is what was asked for
     no16 = make_ctx(layers=(0, 1), E=8, cache_bytes=every)
     no16 = type(no16)(**{**no16.__dict__, "available_bits": (4, 2)})  # a bundle made with --no-reference
     assert make_policy("fate", {}, no16).params.cache_bits == 4

@@ -43,7 +43,8 @@ def critical_share(lam: float, L: int, M: int) -> float:
 def solve_lambda(r: float, L: int, M: int) -> float:
     """The smallest lam in [0, 1] that preserves a share of at least `r` of the M selected experts,
     averaged over L layers (`critical_share`; the paper names r so and gives lam no formula). 0 when even
-    lam = 0 keeps more than r (the schedule's floor: 0.73 on top-2 models of 32 layers, 1 for top-1);
+    lam = 0 keeps more than r (the schedule's floor: 0.73 on top-2 models of 32 layers, 0.97 on top-1
+    ones, whose last layer, r = 0, keeps none);
     the caller records the share that ran. Our choice: the least lam that reaches r, as the share is a
     step function of lam (Mixtral's 32 top-2 layers at r = 0.75: lam = 1e-6, both experts critical in
     the first half's layers and one in the rest, Table 2's 0.75 exactly; at lam = 0 the last layer, r = 0,

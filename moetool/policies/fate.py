@@ -195,7 +195,9 @@ class Fate(FateKnobs, Policy):
         check_at_most(self, "n", ctx.num_experts, "experts per layer")
         # §4.5 quantizes the cache "when memory resources are insufficient": where every expert fits at
         # 16 bits, they are cached so, all of them warmed, and nothing moves at INT2 (nothing moves)
-        self.unquantized = params.quantize_cache == "auto" and ample(ctx)
+        # (auto upgrades the default cache_bits only: another one given, INT2 say, is what was asked for)
+        self.unquantized = params.quantize_cache == "auto" and params.cache_bits == type(params)().cache_bits \
+            and ample(ctx)
         if self.unquantized:
             self.params = dataclasses.replace(self.params, cache_bits=int(Bits.BF16))
         params = self.params  # as clamped, and at the bits it caches
@@ -275,5 +277,7 @@ class Fate(FateKnobs, Policy):
         return plan
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "quota": self.quota,
+        # whether the cache ran unquantized (§4.5, memory sufficient) and whether any expert moved at INT2
+        return {**super().describe(), "quota": self.quota, "cache_quantized": not self.unquantized,
+                "int2_prefill": self.int2,
                 "transfer_cap": self.prefetcher.n if self.prefetcher is not None else None}

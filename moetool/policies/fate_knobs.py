@@ -76,7 +76,8 @@ class FateKnobs(Knobs):
         cache_bits: int = 4  # precision of cached experts (HQQ INT4, §4.5)
         # §4.5 "employs int4 quantization when memory resources are insufficient": "auto" caches at 16
         # bits where the expert cache holds every expert at 16 bits (and the bundle stores them), else at
-        # cache_bits; "always" caches at cache_bits whatever the budget
+        # cache_bits; "always" caches at cache_bits whatever the budget. Only the default cache_bits is
+        # upgraded: another given (INT2, INT8) is kept; give quantize_cache=always to keep INT4 itself
         quantize_cache: str = "auto"
         low_bits: int = 2  # precision of the unpopular prefill experts (INT2, §4.5)
         position: int = 2  # Table 1 input position for prediction; the engine provides position 2 only

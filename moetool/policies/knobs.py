@@ -177,7 +177,8 @@ def resolved(cls: type[Knobs], params: Params) -> dict[str, Any]:
     return values
 
 
-def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any], sizing: dict[str, Sizing],
+def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any],
+                 sizing: dict[str, Sizing],
                  same_budget: Callable[[str], bool], budget: str, costs: dict[str, float] | None = None,
                  machine: str = "", cache_bytes: int | None = None) -> dict[str, str]:
     """The fitted knobs a run does not take, each with why: sized (`Sizing`) for another --budget than
@@ -199,8 +200,10 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
             drops[knob] = f"sized for --budget {size.budget}, and this run has --budget {budget}"
             continue
         if size.budget is not None and not size.budget.strip().endswith("%") and size.cache_bytes is not None \
-                and cache_bytes is not None and size.cache_bytes != cache_bytes:
-            # one size, another split: the fit planned the profile's KV margin (4,096 tokens), a run its own
+                and cache_bytes is not None and abs(size.cache_bytes - cache_bytes) > COST_TOLERANCE * max(
+                    size.cache_bytes, cache_bytes):
+            # one size, another split: the fit planned the profile's KV margin (4,096 tokens), a run its own;
+            # within COST_TOLERANCE the knob holds (a GB budget's margins differ by MB), beyond it not
             drops[knob] = (f"sized for the expert cache --budget {size.budget} left the fit "
                            f"({size_text(size.cache_bytes)}), and this run's is {size_text(cache_bytes)}")
             continue
