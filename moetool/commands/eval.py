@@ -73,7 +73,7 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     subject). Other hub tasks stop offline with one sentence; bigbench-mc and bigbench-mc-cloze are
     packaged and need no network. ppl scores non-overlapping --context windows of the text.
 
-    Example: `moetool eval mmlu --policy dymoe --limit 3 --num-fewshot 5 --out dymoe.mmlu.eval.json`
+    Example: `moetool eval mmlu --bundle out/bundle --policy dymoe --limit 3 --num-fewshot 5 --out dymoe.mmlu.eval.json`
     """
     from moetool.eval_tasks import PPL
     from moetool.evaluate import EvalConfig, evaluate

@@ -53,8 +53,9 @@ def sweep(
     artifact or its one-sentence refusal. Cells with a valid artifact are not run again, so the same
     command resumes an interrupted sweep. `moetool report OUT --out R` reads the directory.
 
-    Example: `moetool sweep grid.yaml --out out/sweep`, with grid.yaml holding `model: ckpt`,
-    `prompts: ["Hello"]`, `max_new_tokens: 16` and `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
+    Example: `moetool sweep grid.yaml --out out/sweep`, with grid.yaml holding `bundle: out/bundle` (fate
+    reads INT4 and INT2 experts), `prompts: ["Hello"]`, `max_new_tokens: 16` and
+    `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
     from moetool.sweep import SweepConfig, Terminated, fit_dropped_cells
     from moetool.sweep import sweep as sweep_stage
