@@ -86,6 +86,10 @@ def load_config(source: str) -> Any:
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else e.__class__.__name__
         if not isinstance(cause, (OSError, ValueError, TypeError)):
             reason = f"{cause.__class__.__name__}: {reason}"
+        if not Path(source).exists() and isinstance(cause, OSError):
+            # 'ckpt/nosuch' reads as a hub id (org/name): a typo of a local path got only the hub's words
+            raise MoetoolError(f"there is no local directory '{source}', and as a hub id it could not be read: "
+                               f"{reason}") from None
         raise MoetoolError(f"cannot read the config of '{source}' (locally or from the hub): {reason}") from None
     config = _language_model_config(config, source)
     _check_config(config, source)

@@ -581,3 +581,11 @@ def test_choices_the_vocabulary_cannot_spell_are_counted_and_said(char_ckpt, tmp
     assert Eval.load(out).options["tied_choices"] == 2  # 大阪 and 京都 read as 東京 does
     assert "note: 2 choice(s) tokenize to the same ids as another choice of their document" in \
         " ".join(done.stderr.split()), done.stderr
+
+
+def test_a_mistyped_local_path_that_reads_as_a_hub_id_says_it_is_no_local_directory(offline, tmp_path):
+    """`ckpt/nosuch` reads as org/name: the typo of a local path got only the hub's connection message."""
+    result = _cli("check", "ckpt/nosuch")
+    assert result.exit_code == 1
+    line = one_error_line(result)
+    assert line.startswith("error: there is no local directory 'ckpt/nosuch', and as a hub id it could not be read: "), line
