@@ -138,6 +138,7 @@ def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary:
     said = [wall_hw_note(hw)] if wall_hw else []
     said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
              for why in (summary.get("clamped") or {}).values()]
+    said += list(summary.get("policy_notes") or [])
     return said + [n for n in (fit_note(fit, policy), fit_dropped_note(fit, policy, summary)) if n is not None]
 
 

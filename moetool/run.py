@@ -164,7 +164,8 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
                 budget_bytes=split.total_bytes, budget=dataclasses.asdict(split), peak_device_bytes=s["peak_device_bytes"],
                 summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info,
                          **({"fit_dropped": engine.fit_dropped} if engine.fit_dropped else {}),
-                         **({"clamped": engine.policy.clamped} if engine.policy.clamped else {})},
+                         **({"clamped": engine.policy.clamped} if engine.policy.clamped else {}),
+                         **({"policy_notes": engine.policy.notes} if engine.policy.notes else {})},
                 layers={str(k): v.to_json() for k, v in engine.stats.layers.items()})
 
 

@@ -973,3 +973,18 @@ def test_a_precision_no_bundle_stores_is_refused_as_such_not_sent_to_quantize(ti
     assert result.exit_code == 1
     assert _one_error_line(result) == "error: policy 'lru' wants 3-bit experts, and moetool stores experts at 16, 8, " \
                                      "4, 2 bits only."
+
+
+def test_a_dymoe_r_reached_in_a_step_above_it_is_recorded_and_said(tiny_bundle, tmp_path):
+    """On two top-2 layers DyMoE's share of critical experts moves in steps of 1/4: r = 0.6 ran a share of
+    0.75 while the run recorded only r = 0.6."""
+    out = tmp_path / "d.run.json"
+    result = runner.invoke(app, run_args(tiny_bundle, "--policy", "dymoe", "--set", "config=4/0", "--set", "r=0.6",
+                                         "--prompt", "Hi", "--out", str(out)))
+    assert result.exit_code == 0, result.output
+    art = json.loads(out.read_text())
+    layers, k = len(art["layers"]), 2
+    assert art["params"]["r"] == 0.6 and art["params"]["critical_share"] > 0.62
+    said = f"DyMoE's r = 0.6 keeps a share of {art['params']['critical_share']:.3f}"
+    assert art["summary"]["policy_notes"][0].startswith(said) and f"1/{layers * k}" in art["summary"]["policy_notes"][0]
+    assert f"note: {said}" in result.stderr

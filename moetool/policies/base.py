@@ -260,6 +260,9 @@ class Policy(Knobs):
         self.params = params
         self.ctx = ctx
         self.clamped: dict[str, str] = {}  # knob -> why its default was clamped (`check_at_most`)
+        # what the run should say of how a knob ran (DyMoE's r reached in a step above it): recorded
+        # under summary.policy_notes and printed after the work
+        self.notes: list[str] = []
         if isinstance(getattr(params, "bits", None), int):
             check_bits(self.name, ctx, params.bits)
 

@@ -183,6 +183,10 @@ class DyMoE(DyMoEKnobs, Policy):
         self.lam = params.lam if params.lam >= 0 else solve_lambda(params.r, L, ctx.top_k)
         self.schedule = [retention(l, L, self.lam) for l in range(L)]  # eq. 4 per MoE position
         self.share = critical_share(self.lam, L, ctx.top_k)  # Table 2's r as it runs (decode, M = top-k)
+        if params.lam < 0 and "r" not in self.clamped and self.share - params.r > 0.02:
+            self.notes.append(f"DyMoE's r = {params.r:g} keeps a share of {self.share:.3f} of a token's experts critical "
+                              f"on this model: eq. 5's counts move it in steps of 1/(L k) = 1/{L * ctx.top_k} "
+                              "(recorded as critical_share).")
         self.slots = self._split(self.share)
         self.prefetcher = {
             "dymoe": lambda: LookAhead(ctx, self.high, self.schedule),
