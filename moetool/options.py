@@ -157,7 +157,7 @@ def fit_dropped_note(fit: Path | None, policy: str, summary: dict[str, Any]) -> 
         return None
     why = "; ".join(f"{k} ({v})" for k, v in dropped.items())
     hint = " (`moetool fit --budget` fits for this run's budget)" if "--budget" in why else ""
-    return (f"{fit} fitted policy '{policy}''s {why}: this run takes the policy's default for "
+    return (f"{fit} fitted for policy '{policy}': {why}; this run takes the policy's default for "
             f"{'it' if len(dropped) == 1 else 'them'}{hint}.")
 
 __all__ = ["BatchOpt", "BudgetOpt", "BundleOpt", "Clock", "ClockOpt", "Decode", "DecodeOpt", "DeviceOpt", "Dtype", "DtypeOpt", "FitOpt",

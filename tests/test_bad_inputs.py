@@ -453,8 +453,8 @@ def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_ru
     art, notes = ran()  # run_args' --budget 100%
     assert art["params"]["n_hi"] == -1 and art["summary"]["fit_dropped"] == {
         "n_hi": "sized for --budget 75%, and this run has --budget 100%"}
-    assert notes == [f"note: {fit} fitted policy 'dynaexq''s n_hi (sized for --budget 75%, and this run has --budget "
-                     "100%): this run takes the policy's default for it (`moetool fit --budget` fits for this "
+    assert notes == [f"note: {fit} fitted for policy 'dynaexq': n_hi (sized for --budget 75%, and this run has --budget "
+                     "100%); this run takes the policy's default for it (`moetool fit --budget` fits for this "
                      "run's budget)."], notes
     art, notes = ran("--budget", "75.0%")  # the fit's budget, spelled otherwise: taken
     assert art["params"]["n_hi"] == 0 and "fit_dropped" not in art["summary"] and notes == []

@@ -119,7 +119,7 @@ def eval(  # noqa: A001 - the command is `moetool eval`
         out.print_json(json.dumps(result.to_json()))
         return
     out.print(styled((result.task, "bold"), f" on {result.model.source}: policy {policy}, budget {budget}, "
-                     f"{result.n} {result.unit}"), highlight=False)
+                     f"{result.n} {result.unit.removesuffix('s') if result.n == 1 else result.unit}"), highlight=False)
     table = Table()
     names = list(result.metrics) or sorted({k for m in result.subtasks.values() for k in m if not k.endswith("_stderr")})
     table.add_column("task")
