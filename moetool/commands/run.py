@@ -12,7 +12,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from moetool.app import command, err, given, not_an_input, out, styled, writable
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.options import (BatchOpt, BudgetOpt, BundleOpt, Clock, ClockOpt, Decode, DecodeOpt, DeviceOpt, Dtype, DtypeOpt, FitOpt,
                              ExpertsImpl, ExpertsImplOpt, HostBudgetOpt, HwOpt, JsonOpt, ModelOpt, PolicyOpt, SetOpt,
                              engine_notes, spec_fields)
@@ -89,6 +89,6 @@ def run(
                   f"{result.budget_bytes / 2**20:.1f} MiB")
     out.print(table)
     b = result.budget
-    err.print(f"budget: non-expert {b['non_expert_bytes'] / 2**20:.1f} MiB, KV/activation margin "
-              f"{b['margin_bytes'] / 2**20:.1f} MiB, staging {b['staging_bytes'] / 2**20:.1f} MiB, expert cache "
-              f"{b['cache_bytes'] / 2**20:.1f} MiB", highlight=False)
+    err.print(f"budget: non-expert {size_text(b['non_expert_bytes'])}, KV/activation margin "
+              f"{size_text(b['margin_bytes'])}, staging {size_text(b['staging_bytes'])}, expert cache "
+              f"{size_text(b['cache_bytes'])}", highlight=False)

@@ -70,7 +70,8 @@ def _ablation_table(clock: str, rows: list) -> str:
         cells[row, cfg, r.budget_bytes].append(r)
         names[row, cfg].append(path.name)
     budgets = sorted({b for _, _, b in cells})
-    heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.0f} MiB", f"TPOT(s) {b / 2**20:.0f} MiB")]
+    # three significant digits: two budgets within a MiB of each other were both headed "16 MiB"
+    heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.3g} MiB", f"TPOT(s) {b / 2**20:.3g} MiB")]
     body = []
     for name in ABLATION:
         configs = sorted({cfg for row, cfg in names if row == name})
