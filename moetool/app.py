@@ -198,9 +198,9 @@ def visible(obj: Any) -> Any:
         obj.plain = shown  # the same length: the spans keep their places
         return obj
     if isinstance(obj, Table):
-        obj.title = visible(obj.title)
+        obj.title, obj.caption = visible(obj.title), visible(obj.caption)
         for column in obj.columns:
-            column.header = visible(column.header)
+            column.header, column.footer = visible(column.header), visible(column.footer)
             column._cells = [visible(c) for c in column._cells]
     return obj
 

@@ -162,7 +162,7 @@ def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_
         return stale_fitted(POLICIES["smoe"], settings or {}, fitted, {"alpha": sized}, same, "25%", {"t_load.16": t},
                             "h200", cache)
 
-    assert drops() == {}
+    assert drops() == {} and drops(cache=(1 << 20) - 4096) == {}  # a run of a few more tokens: the same cache
     assert drops(cache=2 << 20) == {"alpha": "sized for the expert cache of the runs it was fitted from, 1.0 MiB, and this "
                                              "run's is 2.0 MiB"}
     assert drops({"window": "5"}) == {"alpha": "sized for window=3, and this run has window=5"}
@@ -173,6 +173,12 @@ def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_
     result = fit(FitConfig(profile=prof, runs=tuple(gone), target_tpot=0.075))
     assert "alpha" in result.params["smoe"] and result.sizing("smoe") == {}
     assert any("hardware profile could not be read" in w for w in result.evidence["warnings"])
+    # the copy time the runs' policy decided with is theirs (a checkpoint's fp32 slots copy twice the profile's
+    # bf16 bytes): a rerun of their own setting dropped the alpha fitted from them
+    fp32 = [dataclasses.replace(synthetic_run("smoe", {"alpha": a, **knobs, "c_load": 2 * t_load}, 0.1 - 0.1 * a),
+                                budget={"cache_bytes": 1 << 20}).save(tmp_path / f"f{a}.run.json") for a in (0.0, 0.2)]
+    got = fit(FitConfig(profile=prof, runs=tuple(fp32), target_tpot=0.075)).sizing("smoe")["alpha"]
+    assert got.costs == {"t_load.16": pytest.approx(2 * t_load)}
 
 
 @pytest.mark.parametrize("other,said", [
@@ -312,7 +318,8 @@ def test_sweep_runs_smoe_on_the_sim_clock(tiny_ckpt, tmp_path):
     hw = load_hw(RunConfig().hw)[0]
     from moetool.profile_artifact import Profile
 
-    t_load = Profile.load(prof).info.expert_bytes[16] / (hw.h2d_gbps * 1e9) + hw.copy_latency_s
+    # the sweep's runs read the checkpoint: their 16-bit slots are fp32 on a CPU, twice the profile's bf16
+    t_load = 2 * Profile.load(prof).info.expert_bytes[16] / (hw.h2d_gbps * 1e9) + hw.copy_latency_s
     assert sized.costs == {"t_load.16": pytest.approx(t_load)}
     costs = {"t_load.16": t_load * 1.05}  # within COST_TOLERANCE: the same machine's
     assert stale_fitted(POLICIES["smoe"], {}, fitted, {"alpha": sized}, same, here, costs) == {}

@@ -261,3 +261,5 @@ def test_the_cache_is_standard_lru_a_prefetched_copys_first_use_is_a_reference()
     res.used(1, [(1, 4, True)])  # step 2: e1's first use, the most recent
     victims = load(pol, res, Fetch(1, 3, 4), demand=True)
     assert [(v.layer, v.expert) for v in victims] == [(1, 2)]  # the least recently used
+    # ARC (`--set eviction=arc`) counts a prefetch's admission only: its first use would put it in T2 at once
+    assert all(p.prefetch_is_reference for p in make_policy("dymoe", {"eviction": "arc"}, ctx).pools())

@@ -183,9 +183,10 @@ def test_a_claim_compares_evals_of_the_same_text_window_and_limit(tmp_path):
         return {**e, "options": {"data": "t.txt", "context": 64, "limit": limit}, "inputs": {"t.txt": "a" * 64}}
 
     evals = {"a-resident-int2": on(_ppl_eval("resident", {"bits": 2}, 9.0), None),  # first read, not bf16
+             "a-resident-bf16-compute": {**on(_ppl_eval("resident", {"bits": 16}, 9.5), None), "dtype": "bfloat16"},
              "b-smoe-smoke": on(_ppl_eval("smoe", {"alpha": 0.3, "bits": 16}, 14.0), 4),
-             "c-resident": on(_ppl_eval("resident", {"bits": 16}, 10.0), None),
-             "d-smoe": on(_ppl_eval("smoe", {"alpha": 0.3, "bits": 16}, 10.05), None),
+             "c-resident": {**on(_ppl_eval("resident", {"bits": 16}, 10.0), None), "dtype": "float32"},
+             "d-smoe": {**on(_ppl_eval("smoe", {"alpha": 0.3, "bits": 16}, 10.05), None), "dtype": "float32"},
              "e-int2-smoke": on(_ppl_eval("static", {"bits": 2}, 20.0), 4),
              "f-dynaexq": on(_ppl_eval("dynaexq", {"precisions": {"high": 4, "low": 2}}, 12.0), None)}
     for name, e in evals.items():

@@ -52,7 +52,7 @@ class Step:
 
     index: int
     phase: Phase
-    num_tokens: int  # tokens in this forward (batch x new positions)
+    num_tokens: int  # real tokens in this forward (batch x new positions, less a batch's left padding)
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,10 @@ class LRUCache(LRUCacheKnobs, Policy):
         self.quota = even_quota(ctx.moe_layers, slots)
 
     def pools(self) -> list[Pool]:
-        # Plain recency: a prefetched copy's first use is a reference like any other (mixtral-offloading).
+        # Plain recency: a prefetched copy's first use is a reference like any other (mixtral-offloading);
+        # another order (arc, lfu) counts its admission only, the engine's default (ARC's lists need it)
         return [Pool(self.params.bits, sum(self.quota.values()), quota=self.quota, eviction=self.params.eviction,
-                     prefetch_is_reference=False)]
+                     prefetch_is_reference=self.params.eviction != "lru")]
 
 
 @register("eap")

@@ -212,9 +212,10 @@ class DyMoE(DyMoEKnobs, Policy):
 
     def pools(self) -> list[Pool]:
         # §4.4.2 extends "the standard LRU cache": a look-ahead copy's first use is a reference like any
-        # other (plain recency; the engine's default counts only its admission, what ARC's lists need)
+        # other (plain recency). Another order (`eviction=arc`, lfu) counts its admission only, as the
+        # engine's default does: ARC would put every prefetched expert in its frequency list on first use
         return [Pool(b, n, quota=even_quota(self.ctx.moe_layers, n), eviction=self.params.eviction,
-                     prefetch_is_reference=False) for b, n in self.slots.items() if n > 0]
+                     prefetch_is_reference=self.params.eviction != "lru") for b, n in self.slots.items() if n > 0]
 
     def admit(self, want: Fetch, residency: ResidencyView, shield: set[Key], demand: bool) -> list[Fetch] | None:
         """§4.4.2 rule 1 (no duplication): never a low copy next to a high one, resident or in flight;

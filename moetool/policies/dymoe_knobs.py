@@ -1,7 +1,7 @@
 """DyMoE's knobs, its depth schedule (eq. 4-5), how `moetool fit` sets lambda, and its part of the
 report (the fitted schedule, Table 3, Fig. 5, Fig. 11); its engine half is `dymoe.py`.
 
-    schedule_table(0.75, L=4, M=2)      # (0.0, [{"position": 0, "r": 1.0, "t": 2}, ...])
+    schedule_table(0.75, L=4, M=2)      # (1e-06, [{"position": 0, "r": 1.0, "t": 2}, ...]): t = 2, 2, 1, 1
 """
 
 from __future__ import annotations

@@ -70,8 +70,10 @@ def _ablation_table(clock: str, rows: list) -> str:
         cells[row, cfg, r.budget_bytes].append(r)
         names[row, cfg].append(path.name)
     budgets = sorted({b for _, _, b in cells})
-    # three significant digits: two budgets within a MiB of each other were both headed "16 MiB"
-    heads = [h for b in budgets for h in (f"TTFT(s) {b / 2**20:.3g} MiB", f"TPOT(s) {b / 2**20:.3g} MiB")]
+    # three significant digits, or the bytes where that heads two budgets alike ("16 MiB" twice)
+    shown = [f"{b / 2**20:.3g} MiB" for b in budgets]
+    shown = shown if len(set(shown)) == len(shown) else [f"{b:,} B" for b in budgets]
+    heads = [h for s in shown for h in (f"TTFT(s) {s}", f"TPOT(s) {s}")]
     body = []
     for name in ABLATION:
         configs = sorted({cfg for row, cfg in names if row == name})

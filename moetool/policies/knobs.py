@@ -208,7 +208,8 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
                            f"({size_text(size.cache_bytes)}), and this run's is {size_text(cache_bytes)}")
             continue
         if size.budget is None and size.cache_bytes is not None and cache_bytes is not None \
-                and size.cache_bytes != cache_bytes:
+                and abs(size.cache_bytes - cache_bytes) > COST_TOLERANCE * max(size.cache_bytes, cache_bytes):
+            # within COST_TOLERANCE the knob holds: a run of a few more tokens plans a little more KV margin
             drops[knob] = (f"sized for the expert cache of the runs it was fitted from, {size_text(size.cache_bytes)}, "
                            f"and this run's is {size_text(cache_bytes)}")
             continue

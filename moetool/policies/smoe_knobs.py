@@ -181,7 +181,11 @@ def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any] 
             link = {"h2d_gbps": hw.h2d_gbps, "copy_latency_s": hw.copy_latency_s}
     sized["knobs"] = knobs
     bits = knobs.get("bits", cls.Params().bits)
-    if link is not None and bits in info.expert_bytes:
+    recorded = run.params.get("c_load")  # the copy time the runs' policy decided with: their slots' bytes
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0 and \
+            (link is not None or sweep is not None):
+        sized["costs"] = {f"t_load.{bits}": float(recorded)}  # a checkpoint's fp32 slot is twice the profile's bf16
+    elif link is not None and bits in info.expert_bytes:
         sized["costs"] = {f"t_load.{bits}": info.expert_bytes[bits] / (link["h2d_gbps"] * 1e9) + link["copy_latency_s"]}
     return sized
 

@@ -252,7 +252,8 @@ class ReportInputs:
             return [e for _, e in self.evals if e.get("task") == "ppl" and e.get("policy") == policy
                     and _includes(e.get("params") or {}, knobs)]
 
-        pairs = [(x, y) for x in matches(*a) for y in matches(*b) if ppl_measurement(x) == ppl_measurement(y)]
+        pairs = [(x, y) for x in matches(*a) for y in matches(*b) if ppl_measurement(x) == ppl_measurement(y)
+                 and _weights(x) == _weights(y)]
         if not pairs:
             return None
         return max(pairs, key=lambda p: (p[0].get("options", {}).get("limit") is None,
@@ -265,6 +266,14 @@ def ppl_measurement(e: dict) -> tuple:
     o, inputs = e.get("options") or {}, e.get("inputs") or {}
     data = str(o.get("data", ""))
     return (Path(data).name, inputs.get(data, ""), o.get("context"), o.get("limit"), bool(o.get("stepwise")))
+
+
+def _weights(e: dict) -> tuple:
+    """What a claim's two evals must share besides the text: the compute dtype and the weights read (the
+    bundle's digest, or none for a checkpoint's own): bf16 against fp32 moves a perplexity by tenths of a
+    percent, the size of the claims' margins."""
+    bundles = tuple(sorted(v for k, v in (e.get("inputs") or {}).items() if str(k).endswith("bundle.json")))
+    return e.get("dtype"), bundles
 
 
 def _includes(params: dict[str, Any], knobs: dict[str, Any]) -> bool:
