@@ -988,3 +988,19 @@ def test_a_dymoe_r_reached_in_a_step_above_it_is_recorded_and_said(tiny_bundle, 
     said = f"DyMoE's r = 0.6 keeps a share of {art['params']['critical_share']:.3f}"
     assert art["summary"]["policy_notes"][0].startswith(said) and f"1/{layers * k}" in art["summary"]["policy_notes"][0]
     assert f"note: {said}" in result.stderr
+
+
+def test_a_fitted_knob_the_run_cannot_take_runs_the_default_and_says_why(tiny_bundle, tmp_path):
+    """A fitted DynaExq n_hi kept within the sizing's tolerance (or fitted without one) can exceed what this
+    run's cache holds: the run stopped ("n_hi=... does not fit the budget") where it should run the policy's
+    default and say why."""
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
+    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"dynaexq": {"n_hi": 64}}})
+    out = tmp_path / "r.run.json"
+    result = runner.invoke(app, ["run", "--bundle", str(tiny_bundle), "--budget", "60%", "--clock", "sim",
+                                 "--max-new-tokens", "2", "--policy", "dynaexq", "--fit", str(fit), "--prompt", "Hi",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    art = json.loads(out.read_text())
+    assert art["params"]["n_hi"] == -1 and art["summary"]["fit_dropped"]["n_hi"].startswith("refused here: ")
+    assert "note:" in result.stderr

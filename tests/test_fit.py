@@ -171,7 +171,7 @@ def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_
     gone = [dataclasses.replace(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a), hw=str(tmp_path / "moved.json"))
             .save(tmp_path / f"g{a}.run.json") for a in (0.0, 0.2)]
     result = fit(FitConfig(profile=prof, runs=tuple(gone), target_tpot=0.075))
-    assert "alpha" in result.params["smoe"] and result.sizing("smoe") == {}
+    assert "alpha" in result.params["smoe"] and result.sizing("smoe")["alpha"].costs is None  # cache, knobs still held
     assert any("hardware profile could not be read" in w for w in result.evidence["warnings"])
     # the copy time the runs' policy decided with is theirs (a checkpoint's fp32 slots copy twice the profile's
     # bf16 bytes): a rerun of their own setting dropped the alpha fitted from them
@@ -242,6 +242,13 @@ def test_fate_p_from_eval_artifacts(tmp_path):
         evals.append(synthetic_eval("fate", {"p": p}, {"acc": acc}).save(path))
     result = fit(FitConfig(profile=prof, runs=tuple(evals)))
     assert result.params["fate"]["p"] == 0.25 and result.evidence["fate"]["p"]["metric"] == "acc"
+    # evals at a budget that holds every expert at 16 bits moved nothing at INT2 (§4.5): every "loss" was 0,
+    # and the fit took the largest p, a loss nobody measured
+    idle = [synthetic_eval("fate", {"p": p, "int2_prefill": p == 0.0}, {"acc": 0.5}).save(tmp_path / f"i{p}.eval.json")
+            for p in (0.0, 0.25, 0.5)]
+    result = fit(FitConfig(profile=prof, runs=tuple(idle)))
+    assert "evals" not in str(result.evidence["fate"].get("p", {}).get("from", ""))
+    assert any("moved nothing at INT2" in w for w in result.evidence["warnings"])
 
 
 @pytest.mark.parametrize("odd,said", [
@@ -495,3 +502,4 @@ def test_a_knob_fitted_for_a_size_budget_holds_for_the_cache_it_left():
     assert any(w.startswith("--budget 1GiB is a size: the fit plans the profile's KV margin (4,096 tokens)") for w in warned)
     shares = {"n_hi": Sizing("25%", 1000, {"b_hi": 16, "b_lo": 4})}  # a share: the same share of the experts
     assert stale_fitted(POLICIES["dynaexq"], {}, fitted, shares, lambda b: True, "25%", cache_bytes=5000) == {}
+

@@ -282,6 +282,21 @@ def test_prefill_int2_share_holds_without_an_int2_pool():
     assert (same.plan(make_view(idx, FakeCache(same.pools()), phase=Phase.PREFILL)).bits == 4).all()
 
 
+def test_an_expert_routed_by_padding_alone_moves_at_int2():
+    """With a batch's pad rows left out of the popularity, an expert only they route ranked nowhere and
+    moved at INT4, the costliest transfer, for no request."""
+    import dataclasses
+
+    ctx = make_ctx(layers=(0, 1), E=8, k=1, cache_bytes=20_000)
+    pol = make_policy("fate", {"L": "0", "p": "0.25"}, ctx)
+    idx = [[7]] * 3 + [[1]] * 4 + [[2]] * 2 + [[3]]  # the first three rows are a shorter prompt's padding
+    view = dataclasses.replace(make_view(idx, residency_for(pol), layer=1, pos=1, phase=Phase.PREFILL),
+                               real_rows=torch.tensor([False] * 3 + [True] * 7))
+    plan = pol.plan(view)
+    bits = {int(e): int(b) for e, b in zip(plan.expert.flatten(), plan.bits.flatten())}
+    assert bits == {7: 2, 1: 4, 2: 4, 3: 4}  # floor(0.25 * 3) = 0 of the real experts at INT2; 7 no request's
+
+
 def test_prefill_takes_a_copy_in_flight_at_the_bits_the_prefetch_chose():
     """§4.1's prefetch list carries each expert's bit width, from the predicted popularity (§4.5). The plan
     looked only at resident copies: an expert whose INT4 copy was still on the link but which the layer's

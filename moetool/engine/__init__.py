@@ -131,7 +131,15 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
                         available_bits=store.bits, hw=policy_cost.policy_view(captured))
     fitted, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, ctx)
-    pol = make_policy(policy, settings or {}, ctx, fitted)
+    try:
+        pol = make_policy(policy, settings or {}, ctx, fitted)
+    except MoetoolError as e:
+        # a fitted knob this run cannot take (DynaExq's n_hi past what a cache within the sizing's
+        # tolerance holds): the policy's defaults run and the run says why; a refusal without the fit stands
+        if not fitted:
+            raise
+        pol = make_policy(policy, settings or {}, ctx, None)
+        dropped = {**dropped, **{k: f"refused here: {str(e).rstrip('.')}" for k in fitted}}
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
                              else host_budget, ring_slots=ctx.top_k, page_lock=device.type == "cuda")

@@ -250,7 +250,8 @@ class Fate(FateKnobs, Policy):
         # §4.5 moves the unpopular experts at INT2 whether or not the budget holds an INT2 pool
         # (low_slots = 0 at a budget under two INT2 experts: they then stream through staging).
         valid = plan.running()  # [T, k]
-        low = int2_experts(popularity(counted(view, view.top_k_index), E), cfg.p)  # the requests' popularity
+        counts = popularity(counted(view, view.top_k_index), E)  # the requests' popularity
+        low = int2_experts(counts, cfg.p) | {e for e in range(E) if counts[e] == 0}  # routed by padding alone: no request's
         bits_of = {}
         for e in routed_experts(plan.expert, valid):
             have = view.residency.resident_bits(view.layer, e)

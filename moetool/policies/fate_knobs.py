@@ -139,9 +139,13 @@ class FateKnobs(Knobs):
                                  f"t_expert = INT4 blob / h2d ({h2d_from})"}
         else:
             out.skipped["n"] = "the profile has no timing part with a host-to-device bandwidth (--what timing)"
-        by_p, settings, twice = {}, [], None
+        by_p, settings, twice, idle = {}, [], None, []
         for path, e in inputs.evals:
             m = primary_metric(e.metrics)
+            if e.policy == cls.name and m and "p" in e.params and e.params.get("int2_prefill") is False \
+                    and float(e.params["p"]) > 0:
+                idle.append(path)  # every expert cached at 16 bits (a budget that holds them): p moved nothing
+                continue
             if e.policy == cls.name and m and "p" in e.params:
                 if float(e.params["p"]) in by_p:
                     twice = twice or f"p={float(e.params['p']):g} in {by_p[float(e.params['p'])][1]} and {path}"
@@ -149,6 +153,10 @@ class FateKnobs(Knobs):
                 settings.append(_eval_setting(e, m[0]))
         # Losses are one task's metric as p varies: evals of another task, metric, text or knob (or two at
         # one p, the second read over the first) are not points of one curve.
+        if idle:
+            out.warnings.append(f"{len(idle)} fate eval(s) moved nothing at INT2 whatever their p (their budget holds "
+                                f"every expert at 16 bits, §4.5), e.g. {idle[0]}; p is fitted from evals at a budget "
+                                "that does not (25%).")
         differ = differences(settings) or (twice and f"two evals at {twice}")
         if differ:
             out.skipped["p"] = (f"the fate evals differ in more than p ({differ}); p is fitted from evals of one "

@@ -122,12 +122,10 @@ class SMoEKnobs(Knobs):
         out.knobs["alpha"] = round(alpha, 4)
         # T(alpha) is one budget's and one machine's, at the knobs its runs ran (they differ in alpha
         # alone, above): a run elsewhere takes the paper's alpha (`knobs.stale_fitted`).
-        sized = _sized_for(cls, inputs, mine[0][1])
-        if sized is None:
+        ev["sized_for"] = sized = _sized_for(cls, inputs, mine[0][1])
+        if "costs" not in sized and mine[0][1].clock == "sim":
             out.warnings.append("the smoe runs' hardware profile could not be read, so a run on another machine's "
                                 "costs would take the fitted alpha; give the runs' --hw where fit can read it.")
-        else:
-            ev["sized_for"] = sized
         return out
 
     @classmethod
@@ -153,11 +151,12 @@ class SMoEKnobs(Knobs):
         return part
 
 
-def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any] | None:
+def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any]:
     """What the fitted alpha holds for (`knobs.Sizing`): the sweep's --budget, default knobs and --hw,
     or, for T(alpha) through given runs alone (one `_setting`, `run` one of them), their expert cache
-    (a Run records bytes, not the --budget option) and knobs, and on the sim clock the copy time of their
-    --hw (None when that profile cannot be read). Runs on the wall clock name no machine to compare:
+    (a Run records bytes, not the --budget option) and knobs, and on the sim clock the copy time their
+    policy decided with (`c_load`, their slots' bytes on their --hw's link; else from the profile's bytes
+    and the --hw, none when that cannot be read). Runs on the wall clock name no machine to compare:
     their alpha is kept wherever the cache and knobs are the same (as a sweep's is on any machine whose
     link is the sweep's --hw's)."""
     from moetool.engine.clock import load_hw
@@ -176,14 +175,13 @@ def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any] 
         if run.clock == "sim":
             try:
                 hw = load_hw(run.hw)[0]
-            except MoetoolError:
-                return None
-            link = {"h2d_gbps": hw.h2d_gbps, "copy_latency_s": hw.copy_latency_s}
+                link = {"h2d_gbps": hw.h2d_gbps, "copy_latency_s": hw.copy_latency_s}
+            except MoetoolError:  # the runs' recorded copy time (below) still says the machine, if they have it
+                pass
     sized["knobs"] = knobs
     bits = knobs.get("bits", cls.Params().bits)
     recorded = run.params.get("c_load")  # the copy time the runs' policy decided with: their slots' bytes
-    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0 and \
-            (link is not None or sweep is not None):
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0 and run.clock == "sim":
         sized["costs"] = {f"t_load.{bits}": float(recorded)}  # a checkpoint's fp32 slot is twice the profile's bf16
     elif link is not None and bits in info.expert_bytes:
         sized["costs"] = {f"t_load.{bits}": info.expert_bytes[bits] / (link["h2d_gbps"] * 1e9) + link["copy_latency_s"]}

@@ -273,7 +273,7 @@ def _weights(e: dict) -> tuple:
     bundle's digest, or none for a checkpoint's own): bf16 against fp32 moves a perplexity by tenths of a
     percent, the size of the claims' margins."""
     bundles = tuple(sorted(v for k, v in (e.get("inputs") or {}).items() if str(k).endswith("bundle.json")))
-    return e.get("dtype"), bundles
+    return e.get("dtype", "float32"), bundles  # an eval from before dtype was recorded ran in fp32
 
 
 def _includes(params: dict[str, Any], knobs: dict[str, Any]) -> bool:
