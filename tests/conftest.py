@@ -1,5 +1,11 @@
-import pytest
-import torch
+import os
+
+# torch.compile's inductor compiles in the test's own process, not in a pool of workers: a fork of a
+# process holding threads and locks (xdist, OpenMP, the engine's) can hang in its child, and one did.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tiny import save_tiny
 

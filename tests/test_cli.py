@@ -302,8 +302,8 @@ def test_a_hub_id_offline_is_one_sentence_without_retries(tmp_path, monkeypatch)
 def test_a_precision_the_experts_lack_is_one_sentence(tiny_ckpt, tmp_path):
     for policy in ("lru", "lod", "eap", "static", "smoe"):
         line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--policy", policy,
-                                                   "--set", "bits=3", "--out", str(tmp_path / "r.json")]))
-        assert f"policy '{policy}' wants 3-bit experts, but the experts it runs from are stored at [16] bits only " \
+                                                   "--set", "bits=4", "--out", str(tmp_path / "r.json")]))
+        assert f"policy '{policy}' wants 4-bit experts, but the experts it runs from are stored at [16] bits only " \
                "(a checkpoint without --bundle holds its own precision)" in line, line
     assert not (tmp_path / "r.json").exists()
 
