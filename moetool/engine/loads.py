@@ -54,6 +54,14 @@ class Loads:
         self._copy(handle, dst, want, demand and source is None, source)
         return handle
 
+    def _prefetch(self, view: Any, shield: set) -> None:
+        """The policy's fetches for later layers (`view`: the layer's LayerView), asked once this layer's
+        own loads have started, so it sees the residency they leave; `shield`: the experts this layer runs
+        on the device."""
+        for f in self.policy.prefetch(view):
+            if self._start_load(f, shield, prefetched=True) is not None:
+                self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
+
     def _copy_staged(self, layer: int, x: Group) -> None:
         x.handle.data = self.residency.staging_slot(x.bits)
         self._copy(x.handle, x.handle.data, Fetch(layer, x.expert, x.bits), demand=True)

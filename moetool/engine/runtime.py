@@ -257,13 +257,6 @@ class Engine(Loads):
             self._prefetch(view, {(g.index, e) for e in on_device})
         return out.result()
 
-    def _prefetch(self, view: LayerView, shield: set) -> None:
-        """The policy's fetches for later layers, asked once this layer's own loads have started, so it
-        sees the residency they leave; `shield`: the experts this layer runs on the device."""
-        for f in self.policy.prefetch(view):
-            if self._start_load(f, shield, prefetched=True) is not None:
-                self.stats.layer(f.layer).prefetch_issued += 1  # counted where the copy will be used
-
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> LayerView:
         """Routing and router logits on the host for the policy (one device-to-host sync)."""
         index, weights, logits = routing_to_host(top_k_index, top_k_weights, self._logits.pop(g.index, None))
