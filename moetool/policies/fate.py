@@ -251,7 +251,8 @@ class Fate(FateKnobs, Policy):
         # (low_slots = 0 at a budget under two INT2 experts: they then stream through staging).
         valid = plan.running()  # [T, k]
         counts = popularity(counted(view, view.top_k_index), E)  # the requests' popularity
-        low = int2_experts(counts, cfg.p) | {e for e in range(E) if counts[e] == 0}  # routed by padding alone: no request's
+        # an expert routed by padding alone serves no request: the tail too
+        low = int2_experts(counts, cfg.p) | set((counts == 0).nonzero().squeeze(1).tolist())
         bits_of = {}
         for e in routed_experts(plan.expert, valid):
             have = view.residency.resident_bits(view.layer, e)
