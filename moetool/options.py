@@ -139,6 +139,11 @@ def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary:
     said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
              for why in (summary.get("clamped") or {}).values()]
     said += list(summary.get("policy_notes") or [])
+    unmatched = summary.get("router_scores_unmatched")
+    if unmatched:
+        said.append(f"the routers of MoE layers {', '.join(map(str, unmatched))} choose by a rule moetool does not "
+                    f"reproduce (e.g. by token id), so '{policy}' reads their scores as softmax(logits) there "
+                    "(recorded under summary.router_scores_unmatched).")
     return said + [n for n in (fit_note(fit, policy), fit_dropped_note(fit, policy, summary)) if n is not None]
 
 

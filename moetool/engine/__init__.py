@@ -22,6 +22,7 @@ from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
 from moetool.model import LoadedModel, available_memory
 from moetool.policies import POLICIES, make_policy
+from moetool.router_scores import score_rules
 from moetool.policies.knobs import Sizing, stale_fitted
 from moetool.policies.base import EngineContext
 
@@ -129,7 +130,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
-                        available_bits=store.bits, hw=policy_cost.policy_view(captured))
+                        available_bits=store.bits, hw=policy_cost.policy_view(captured), routers=score_rules(lm).place(device))
     fitted, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, ctx)
     try:
         pol = make_policy(policy, settings or {}, ctx, fitted)
@@ -163,6 +164,11 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     dtype = str(store.compute_dtype).removeprefix("torch.")
     kernel_layers = {str(bits): len(layers) for bits, layers in engine.kernel_layers.items()}
     policy_hw = policy_cost.hw.name  # recorded: which machine's costs the policy's decisions assumed
-    engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, "policy_hw": policy_hw,
+    # How the routers score their experts where it is not the papers' softmax (`router_scores`): what
+    # SMoE's thresholds, Fate's percentile and DyMoE's look-ahead read on this model.
+    scoring = {"router_scores": ctx.routers.kinds()} if ctx.routers.kinds() else {}
+    if ctx.routers.unmatched and (pol.reads_scores or residency.wants_scores()):  # said where it matters
+        scoring["router_scores_unmatched"] = list(ctx.routers.unmatched)
+    engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, "policy_hw": policy_hw, **scoring,
                                     **store.host_stats()}
     return engine, split

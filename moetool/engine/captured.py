@@ -288,4 +288,4 @@ class CapturedLayers:
             log.prefetch[pos, n:].fill_(-1)
             self.prefetch_bits[layer] = plan.prefetch_bits
         if log.scores.shape[1] and logits is not None:
-            log.scores[pos].copy_(mean_scores(logits))
+            log.scores[pos].copy_(mean_scores(self.policy.ctx.routers.scores(layer, logits)))

@@ -263,7 +263,8 @@ class Engine(Loads):
         logits = logits if logits is not None else torch.empty(0)  # [T, E]
         real = self._real_rows if self._real_rows is not None and self._real_rows.numel() == index.shape[0] else None
         if logits.numel() and self.residency.wants_scores():  # a score window's iteration (SMoE eq. 3)
-            self.residency.observe(g.index, mean_scores(logits if real is None else logits[real]))
+            scores = self.policy.ctx.routers.scores(g.index, logits if real is None else logits[real])
+            self.residency.observe(g.index, mean_scores(scores))
         return LayerView(
             layer=g.index, moe_pos=self.moe_index[g.index], num_experts=g.num_experts, step=self.step,
             top_k_index=index, top_k_weights=weights, router_logits=logits, residency=self.residency,

@@ -21,7 +21,7 @@ def token_importance(attn_weights: torch.Tensor) -> torch.Tensor:
     return attn_weights.float().mean(1).sum(1).reshape(-1)
 
 
-def mean_scores(router_logits: torch.Tensor) -> torch.Tensor:
-    """A layer's router scores as probabilities, averaged over its tokens [E] (one iteration of a
-    score window, e.g. SMoE eq. 3's eviction order)."""
-    return torch.softmax(router_logits.float(), -1).mean(0)
+def mean_scores(scores: torch.Tensor) -> torch.Tensor:
+    """A layer's router scores [T, E] (`router_scores`: the router's own), averaged over its tokens [E]:
+    one iteration of a score window, e.g. SMoE eq. 3's eviction order."""
+    return scores.float().mean(0)

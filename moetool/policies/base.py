@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from moetool.errors import MoetoolError
+from moetool.router_scores import ScoreRules
 from moetool.policies.knobs import POLICIES, Knobs, Params, parse_params, register, resolved  # noqa: F401 (the contract's other half)
 
 if TYPE_CHECKING:
@@ -235,6 +236,9 @@ class EngineContext:
     cache_bytes: int  # device bytes for expert slots (the budget minus non-expert weights and margin)
     available_bits: tuple[int, ...]  # precisions present in the bundle
     hw: dict[str, Any] = field(default_factory=dict)  # hardware profile (timings) for cost-aware policies
+    # How each MoE layer's router scores its experts (`router_scores`): what a rule that reads scores
+    # (SMoE's thresholds and window, Fate's percentile, DyMoE's eq. 6) takes in place of softmax(logits).
+    routers: ScoreRules = field(default_factory=ScoreRules)
 
 
 class Policy(Knobs):
@@ -255,6 +259,9 @@ class Policy(Knobs):
     # router's own and whose experts are all resident (resident, static) sets it False: the engine
     # then runs its layers on the device as transformers does, without waiting for the routing.
     host_routing: ClassVar[bool] = True
+    # Whether a rule reads the routers' per-expert scores (`ctx.routers`), not only their choice: SMoE's
+    # thresholds, Fate's percentile, DyMoE's look-ahead. The run then says where they are approximated.
+    reads_scores: ClassVar[bool] = False
 
     def __init__(self, params: Params, ctx: EngineContext):
         self.params = params

@@ -39,15 +39,16 @@ def hw_seconds(ctx: EngineContext, key: str, bits: int | None = None) -> float |
 
 
 def predicted_scores(view: LayerView, ctx: EngineContext) -> tuple[int, torch.Tensor] | None:
-    """(next MoE layer, its router's softmax scores [T, E] on this layer's gate input), or None; the real
-    tokens' rows only (`counted`): a pad row predicts no request's experts."""
+    """(next MoE layer, its router's scores [T, E] on this layer's gate input), or None; the real tokens'
+    rows only (`counted`): a pad row predicts no request's experts. The scores are the router's own
+    (`router_scores`): softmax for the papers' models, a sigmoid over chosen groups for DeepSeek-V3's."""
     nxt = next_moe_layer(ctx, view.moe_pos)
     if nxt is None:
         return None
     logits = view.predict(nxt)  # [T, E]
     if logits is None or logits.numel() == 0:
         return None
-    return nxt, torch.softmax(counted(view, logits).float(), dim=-1)
+    return nxt, ctx.routers.scores(nxt, counted(view, logits))
 
 
 def routed_experts(plan_expert: torch.Tensor, running: torch.Tensor) -> list[int]:

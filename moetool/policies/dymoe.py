@@ -132,7 +132,7 @@ class LookAhead:
         logits = view.predict(nxt) if nxt is not None else None
         if logits is None:
             return None, self.bits
-        g_hat = torch.softmax(logits.float(), dim=-1)  # [T, E] eq. 6
+        g_hat = self.ctx.routers.scores(nxt, logits)  # [T, E] eq. 6 (the router's own scores)
         t = critical_count(self.schedule[view.moe_pos + 1], min(self.ctx.top_k, g_hat.shape[1]))
         top = torch.sort(g_hat.sum(0), descending=True, stable=True).indices[:t]  # [t] eq. 8
         return torch.where(lookup(view.resident(nxt, self.bits), top), -1, top), self.bits
@@ -162,6 +162,8 @@ def run_bits(residency: ResidencyView, layer: int, expert: int, critical: bool, 
 class DyMoE(DyMoEKnobs, Policy):
     """Critical experts (eq. 2/3, 4, 5) at `high_bits`, the others at `low_bits` or skipped; look-ahead
     prefetch (eq. 6-8); a mixed-precision per-layer cache (§4.4.2)."""
+
+    reads_scores = True  # `ctx.routers`: the router's own scores
 
     signals = frozenset({"token_importance"})  # eq. 1's s_i in prefill (the engine's "token_importance")
 

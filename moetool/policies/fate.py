@@ -176,7 +176,7 @@ class CrossLayerPrefetch:
         logits = view.predict(nxt) if nxt is not None else None
         if logits is None:
             return None, self.bits
-        chosen, best = device.above_percentile(torch.softmax(logits.float(), dim=-1), self.percentile)  # [E]
+        chosen, best = device.above_percentile(self.ctx.routers.scores(nxt, logits), self.percentile)  # [E]
         chosen = chosen & ~view.resident(nxt, self.bits)
         return device.best_first(best, chosen, min(self.n, chosen.shape[0])), self.bits
 
@@ -187,6 +187,8 @@ class Fate(FateKnobs, Policy):
 
     With cache_bits=16 and low_bits=16 every routed expert runs exactly, at 16 bits (lossless).
     """
+
+    reads_scores = True  # `ctx.routers`: the router's own scores
 
     def __init__(self, params: Params, ctx: EngineContext):
         super().__init__(params, ctx)

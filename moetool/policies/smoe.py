@@ -36,11 +36,6 @@ from moetool.policies.fate import CrossLayerPrefetch
 from moetool.policies.smoe_knobs import SMoEKnobs
 
 
-def gate_scores(router_logits: torch.Tensor) -> torch.Tensor:
-    """Router scores as probabilities [T, E] (the paper's models all route with a softmax)."""
-    return torch.softmax(router_logits.float(), dim=-1)
-
-
 def thresholds(scores: torch.Tensor, k: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Algorithm 1: T = (1+alpha) S_{k+1}, L = S_{k+1}, R = (1-alpha) S_{k+1}, each [T]."""
     s_k1 = torch.sort(scores, dim=-1, descending=True).values[:, k]  # [T] (k+1)-th highest, 0-based k
@@ -93,7 +88,8 @@ def cache_router(scores: torch.Tensor, idx: torch.Tensor, resident: torch.Tensor
     active = torch.zeros(T, E, dtype=torch.long, device=idx.device).scatter_add_(1, safe, valid.long()) > 0  # [T, E]
     inactive = ~active  # a dropped slot (E or -1) activates nothing
     # A_t: inactive and usable experts with R <= score <= L; best-scored first.
-    a = inactive & usable & (scores >= low_bound[:, None]) & (scores <= lo[:, None])  # [T, E]
+    # An expert scoring 0 is one the router could not choose (outside the token's groups, `router_scores`).
+    a = inactive & usable & (scores > 0) & (scores >= low_bound[:, None]) & (scores <= lo[:, None])  # [T, E]
     b_rank = torch.argsort(torch.where(b, -sel, float("inf")), dim=1, stable=True)  # [T, k] B's slots first, best first
     a_rank = torch.argsort(torch.where(a, -scores, float("inf")), dim=1, stable=True)  # [T, E] A's experts first
     n_b, n_a = b.sum(1, keepdim=True), a.sum(1, keepdim=True)  # [T, 1]
@@ -214,7 +210,7 @@ class TopScorePrefetch:
         logits = view.predict(nxt) if nxt is not None else None
         if logits is None:
             return None, self.bits
-        best = self._best(gate_scores(logits))
+        best = self._best(self.ctx.routers.scores(nxt, logits))
         chosen = (best >= 0) & ~view.resident(nxt, self.bits)
         return best_first(best, chosen, chosen.shape[0]), self.bits
 
@@ -222,6 +218,8 @@ class TopScorePrefetch:
 @register("smoe")
 class SMoE(SMoEKnobs, Policy):
     """Expert-cache router + score eviction + top-score prefetch + CPU-assisted compute, at `bits`."""
+
+    reads_scores = True  # `ctx.routers`: the router's own scores
 
     signals = frozenset({"router_logits"})  # Algorithm 1 reads every expert's score, in the captured step too
 
@@ -257,7 +255,7 @@ class SMoE(SMoEKnobs, Policy):
         plan = LayerPlan.routed(view, bits)
         if view.router_logits.numel() == 0:
             return plan  # no scores: run as routed
-        scores = gate_scores(view.router_logits)  # [T, E]
+        scores = self.ctx.routers.scores(view.layer, view.router_logits)  # [T, E] (softmax for the paper's models)
         resident = torch.tensor([bits in view.residency.resident_bits(view.layer, e) for e in range(E)])  # [E]
         plan.expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
         if self.params.cpu_assist and self.c_load and self.c_cpu:
@@ -301,7 +299,8 @@ class SMoE(SMoEKnobs, Policy):
         plan = DevicePlan.of_router(view, bits)
         if view.router_logits is not None:
             resident = view.resident(view.layer, bits)  # [E]
-            expert = cache_router(gate_scores(view.router_logits), view.top_k_index, resident, self.params.alpha)
+            scores = self.ctx.routers.scores(view.layer, view.router_logits)
+            expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
             plan = DevicePlan(expert=expert, bits=plan.bits, weight=view.top_k_weights)
         if self.prefetcher is not None:
             plan.prefetch, plan.prefetch_bits = self.prefetcher.on_device(view)

@@ -34,6 +34,7 @@ from moetool.profile.similarity import SimilarityAccumulator
 from moetool.profile.timing import measure_timing
 from moetool.profile.trace import Tracer, route
 from moetool.profile_artifact import WHAT, ModelInfo, Profile
+from moetool.router_scores import ScoreRules, score_rules
 from moetool.spec import check_device, resolve_dtype
 
 Progress = Callable[[str, int, int], None]  # (part, done, total)
@@ -202,12 +203,14 @@ def _trace_parts(lm: LoadedModel, cfg: ProfileConfig, what: tuple[str, ...], dat
     g = lm.geometry.layers[0]
     layers = tuple(x.index for x in lm.geometry.layers)
     accs: dict[str, Any] = {}
+    routers = score_rules(lm) if {"routing", "prefetch"} & set(what) else ScoreRules()
     if "routing" in what:
-        accs["routing"] = RoutingAccumulator(g.num_experts, g.top_k, layers, cfg.hh_ratio, cfg.seed)
+        accs["routing"] = RoutingAccumulator(g.num_experts, g.top_k, layers, cfg.hh_ratio, cfg.seed, routers)
     if "similarity" in what:
         accs["similarity"] = SimilarityAccumulator(layers)
     if "prefetch" in what:
-        accs["prefetch"] = PrefetchAccumulator(lambda layer, h: route(lm, layer, h), g.num_experts, g.top_k)
+        accs["prefetch"] = PrefetchAccumulator(lambda layer, h: route(lm, layer, h), g.num_experts, g.top_k,
+                                                routers=routers)
     tracer = Tracer(lm, attention_weights="routing" in what)
     total, done = sum(len(v) for v in data.values()), 0
     try:

@@ -26,6 +26,7 @@ from moetool.policies.smoe import thresholds
 from moetool.profile.similarity import POSITIONS
 from moetool.profile.trace import Trace
 from moetool.profile_artifact import LayerPrefetch, PrefetchProfile
+from moetool.router_scores import ScoreRules
 
 Router = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (layer, [T, H]) -> logits, top-k
 PERCENTILE = 0.75  # Fate §4.2
@@ -48,8 +49,8 @@ def top_score_set(scores: torch.Tensor, k: int, alpha: float) -> list[set[int]]:
 
 class PrefetchAccumulator:
     def __init__(self, route: Router, num_experts: int, top_k: int, percentile: float = PERCENTILE,
-                 smoe_alpha: float = SMOE_ALPHA):
-        self.route, self.E, self.k = route, num_experts, top_k
+                 smoe_alpha: float = SMOE_ALPHA, routers: ScoreRules = ScoreRules()):
+        self.route, self.E, self.k, self.routers = route, num_experts, top_k, routers
         self.percentile, self.alpha = percentile, smoe_alpha
         self.sums: dict[tuple, float] = defaultdict(float)  # (layer position, metric, phase) -> sum
         self.counts: dict[tuple, int] = defaultdict(int)
@@ -75,7 +76,7 @@ class PrefetchAccumulator:
                 if pos != "2":
                     continue
                 self._recalls(j, "topk", phase, pred, true)
-                scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
+                scores = self.routers.scores(cur.layer, logits)  # [T, E], the router's own (`router_scores`)
                 if phase == "prefill":
                     p75 = [set(above_percentile(scores, self.percentile))]
                 else:
@@ -84,7 +85,7 @@ class PrefetchAccumulator:
                 for s in p75:
                     self._put((j, "fetched", phase), float(len(s)))
                 if phase == "decode":
-                    true_ts = top_score_set(torch.softmax(cur.logits.float(), dim=-1), self.k, self.alpha)
+                    true_ts = top_score_set(self.routers.scores(cur.layer, cur.logits), self.k, self.alpha)
                     pred_ts = top_score_set(scores, self.k, self.alpha)
                     for p, t in zip(pred_ts, true_ts):
                         self._put((j, "smoe_recall", phase), recall(p, t))

@@ -22,6 +22,7 @@ import torch
 from moetool.policies.common import popularity
 from moetool.profile.trace import Trace
 from moetool.profile_artifact import LayerRouting, RoutingProfile
+from moetool.router_scores import ScoreRules
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # DynaExq Tables 1-2
 SCORE_BINS = tuple(float(x) for x in np.concatenate([[0.0], np.logspace(-4, 0, 25)]))  # gate scores, log-spaced
@@ -79,8 +80,9 @@ def activation_ratio(active: np.ndarray, sizes: tuple[int, ...], rng: np.random.
 
 class RoutingAccumulator:
     def __init__(self, num_experts: int, top_k: int, layers: tuple[int, ...], hh_ratio: float = 0.2,
-                 seed: int = 0):
+                 seed: int = 0, routers: ScoreRules = ScoreRules()):
         self.E, self.k, self.layers, self.hh_ratio, self.seed = num_experts, top_k, layers, hh_ratio, seed
+        self.routers = routers  # each layer's own scores (`router_scores`), for SMoE Fig. 4's statistics
         L = len(layers)
         self.counts = {p: np.zeros((L, num_experts), np.int64) for p in ("prefill", "decode")}
         self.heavy = np.zeros((L, num_experts), np.int64)
@@ -120,7 +122,7 @@ class RoutingAccumulator:
             self.active["prefill"].append(seq_active)
 
     def _scores(self, i: int, logits: torch.Tensor, top_k: torch.Tensor) -> None:
-        scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        scores = self.routers.scores(self.layers[i], logits)  # [T, E]
         self.sorted_sum[i] += torch.sort(scores, dim=-1, descending=True).values.sum(0).numpy()
         selected = torch.zeros_like(scores, dtype=torch.bool)
         ok = (top_k >= 0) & (top_k < self.E)
