@@ -493,3 +493,23 @@ def test_a_caching_policys_gather_reads_hits_from_slots_and_misses_from_host_row
             assert torch.equal(part, want[name]) and torch.equal(part[used], old[name][used])
         checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "cohere2_moe", "gemma4_text"])
+def test_a_sliding_window_model_decodes_past_its_window_through_one_program(tmp_path, arch):
+    """transformers' static sliding-window layer keeps its fill as a Python int, which a compiled step
+    freezes: a captured program would attend every token as at the position it was captured at. The
+    step keeps such layers whole (`whole_windows`), compiles once, and decodes past the window (16
+    here) transformers' own greedy tokens; a step that would compile again is refused at build."""
+    ckpt = save_tiny(arch, tmp_path / arch)
+    new = 24  # 8 prompt tokens + 24 > the window of 16
+    ref = load_reference(ckpt, experts_impl="batched_mm")
+    want = ref.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False)[0, IDS.shape[1]:].tolist()
+    lm = load_model(ckpt)
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "resident", budget="100%",
+                             captured=True, max_tokens=40)
+    program = DecodeProgram(engine, max_tokens=40, backend="eager")
+    assert not any(getattr(layer, "is_sliding", False) for layer in program.cache.layers)
+    with torch.compiler.set_stance("fail_on_recompile"):  # one program for every position
+        assert program.generate(IDS, new) == want

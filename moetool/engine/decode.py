@@ -28,7 +28,7 @@ from moetool.defaults import DECODE_PATHS as PATHS
 from moetool.engine.captured import CapturedLayers
 from moetool.engine.mirror import host_mirrors
 from moetool.engine.stats import StepRecord
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, first_line
 from moetool.inference import not_finite, with_cache
 from moetool.policies.base import Fetch, LayerView, Phase, Step
 
@@ -101,6 +101,29 @@ def architecture_refusal(model_type: str, unverified_ok: bool) -> str | None:
 # which covers any min_length too. Any other processor (a checkpoint's repetition_penalty,
 # suppress_tokens, ...) is the host path's alone.
 _EOS_PROCESSORS = ("MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor")
+
+
+def whole_windows(cache: Any, max_tokens: int) -> None:
+    """Replace `cache`'s sliding-window layers by full static layers of `max_tokens`, in place.
+
+    transformers' static sliding-window layer (5.24) keeps how far it has filled as a Python int: its
+    attention mask's offset and length, and whether it rolls, are read from it. A compiled step takes
+    that int as a constant, so one captured program would attend every later token as at the position
+    it was captured at (on a CPU, it compiles again at every token). A full static layer holds every
+    position in tensors; the model's sliding-window mask, built from the token's position, hides the
+    keys past the window as the sliding layer would. The budget already plans the KV cache of every
+    layer at the run's length (`budget.kv_margin`). A sliding layer of another kind stays, and the
+    recompile check in `_build` sends it to the host path."""
+    from transformers.cache_utils import (LinearAttentionAndStaticFullAttentionLayer,
+                                          LinearAttentionAndStaticSlidingWindowAttentionLayer, StaticLayer,
+                                          StaticSlidingWindowLayer)
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is StaticSlidingWindowLayer:
+            cache.layers[i] = StaticLayer(max_cache_len=max_tokens)
+        elif type(layer) is LinearAttentionAndStaticSlidingWindowAttentionLayer:
+            cache.layers[i] = LinearAttentionAndStaticFullAttentionLayer(
+                max_cache_len=max_tokens, number_of_states=getattr(layer, "number_of_states", 1))
 
 
 def greedy_rule(model: Any) -> list[int] | str:
@@ -207,6 +230,7 @@ class DecodeProgram:
         self.suppressed = torch.tensor(suppressed, dtype=torch.long, device=self.device) if suppressed else None
         self._stage = "building transformers' StaticCache for the model"
         self.cache = StaticCache(config=lm.model.config, max_cache_len=max_tokens)
+        whole_windows(self.cache, max_tokens)
         self._cache_keyword = next(iter(with_cache(lm.model, None)))  # read here, not inside the traced step
         self.max_tokens = max_tokens
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the step's input token
@@ -259,6 +283,15 @@ class DecodeProgram:
                 self.compiled = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False,
                                               backend=backend or "inductor")
                 self.compiled()
+                self._stage = "checking that the step reads no host state that moves with the position"
+                try:
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        self.compiled()  # the next position: one program must serve it as it is
+                except torch._dynamo.exc.RecompileError as e:
+                    raise MoetoolError(f"the compiled decode step would compile again at the next position: it reads "
+                                       f"host state that changes every token, which one captured program would "
+                                       f"freeze ({first_line(e)[:160]})") from None
+                self._stage = "capturing the decode step"
                 if self.graph:
                     stream = torch.cuda.Stream(self.device)
                     stream.wait_stream(torch.cuda.current_stream(self.device))
