@@ -112,6 +112,10 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     if clock not in ("wall", "sim"):
         raise MoetoolError(f"--clock must be 'wall' or 'sim', not '{clock}'.")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches on the current device, not its tensors', and a bare torch.cuda.Event() records
+        # on the current device's stream: `--device cuda:1` must be the current device for both.
+        torch.cuda.set_device(device)
     if captured:
         kernels, host_tiers = False, False
     split = split_budget_for(budget, lm, store, max_tokens, batch, device, captured)

@@ -38,9 +38,11 @@ def kernel(interpret: bool = False):
 
     def rows(src, index, pool, slot, dst, words, src_stride, pool_stride, POOL: tl.constexpr,
              BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        # Blocks of words on grid axis 0 (up to 2^31 - 1 programs), rows on axis 1 (CUDA caps it at 65535):
+        # a 16-bit expert of Mixtral-8x22B is over 512 MiB, more blocks of 8 KiB than axis 1 holds.
+        row = tl.program_id(1)
         e = tl.load(index + row)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < words
         # A row marked -1 loads nothing (the mask is false): a hit costs no bus traffic.
         marked = (offs * 0 + e) >= 0  # the row's mark, as a block (a scalar mask is not one)
@@ -68,7 +70,7 @@ def rows_with_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, 
     s, d = _words(src), out.view(torch.int64)
     p = _words(pool) if pool is not None else s  # without a pool, never read (POOL is off)
     words = s.shape[1]
-    grid = (index.shape[0], (words + block - 1) // block)
+    grid = ((words + block - 1) // block, index.shape[0])
     kernel(interpret)[grid](s, index, p, slot if slot is not None else index, d, words, s.stride(0), p.stride(0),
                             POOL=pool is not None, BLOCK=block)
     return out
