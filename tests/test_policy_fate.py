@@ -1,5 +1,6 @@
 """Fate's mechanisms against the paper's rules, and ARC on a hand-computed textbook trace."""
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from moetool.policies.common import popularity
 from moetool.policies.eviction import ARC
 from moetool.policies.fate import above_percentile, int2_experts, shallow_favoring, transfer_cap
 
+import policy_fakes
 from policy_fakes import FakeCache, load, make_ctx, make_view, residency_for
 
 
@@ -356,3 +358,14 @@ def test_the_cache_is_quantized_only_when_memory_is_insufficient():
     no16 = make_ctx(layers=(0, 1), E=8, cache_bytes=every)
     no16 = type(no16)(**{**no16.__dict__, "available_bits": (4, 2)})  # a bundle made with --no-reference
     assert make_policy("fate", {}, no16).params.cache_bits == 4
+
+
+def test_a_cache_that_stops_inside_the_first_L_layers_says_which_layers_cache_nothing():
+    # Four MoE layers of 8 experts, L = 3, room for 10 INT4 experts and no INT2 pool: §4.4's limited-memory
+    # case fills layer 0 (8) and layer 1 (2), so layers 2 and 3 cache none; the run says so.
+    ctx = policy_fakes.make_ctx(layers=(0, 1, 2, 3), E=8, k=2, cache_bytes=10 * policy_fakes.BYTES[4])
+    pol = make_policy("fate", {"L": "3", "p": "0"}, ctx)
+    assert pol.quota == {0: 8, 1: 2, 2: 0, 3: 0}
+    assert len(pol.notes) == 1 and "MoE layers 2, 3 cache none" in pol.notes[0]
+    roomy = make_policy("fate", {"L": "3", "p": "0"}, dataclasses.replace(ctx, cache_bytes=40 * policy_fakes.BYTES[4]))
+    assert not roomy.notes and min(roomy.quota.values()) > 0
