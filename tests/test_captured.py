@@ -513,3 +513,31 @@ def test_a_sliding_window_model_decodes_past_its_window_through_one_program(tmp_
     assert not any(getattr(layer, "is_sliding", False) for layer in program.cache.layers)
     with torch.compiler.set_stance("fail_on_recompile"):  # one program for every position
         assert program.generate(IDS, new) == want
+
+
+def test_dymoe_heavy_hitters_read_the_prompts_own_keys_over_the_static_cache(tiny_ckpt, quantized, monkeypatch):
+    """The captured path prefills over transformers' StaticCache, whose attention probabilities run
+    over every slot of the cache: eq. 1's s_i must still be one per prompt token, or DyMoE's eq. 2
+    falls back to the plain token load. Both paths rank the prompt's critical experts alike."""
+    from moetool.policies import dymoe
+
+    seen = []
+    original = dymoe.prefill_importance
+
+    def spy(idx, s, num_experts, hh_ratio):
+        seen.append((idx.shape[0], None if s is None else s.numel()))
+        return original(idx, s, num_experts, hh_ratio)
+
+    monkeypatch.setattr(dymoe, "prefill_importance", spy)
+    lm = load_bundle_model(quantized("qwen2_moe"))
+    store = HostStore.from_bundle(lm.bundle, torch.float32)
+    engine, _, program = _program(lm, store, "dymoe", {"config": "4/0"}, "100%")
+    program.generate(IDS, 1)
+    assert seen and all(s == T for T, s in seen), seen  # [T] scores: eq. 2 ran, not its fallback
+    captured = engine.stats.summary()
+    host, _ = build_engine(load_bundle_model(quantized("qwen2_moe")), store, "dymoe", settings={"config": "4/0"},
+                           budget="100%", max_tokens=32)
+    seen.clear()
+    host.lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=1, do_sample=False)
+    assert seen and all(s == T for T, s in seen)
+    assert host.stats.summary()["skips"] == captured["skips"] and host.stats.summary()["precision_mix"] == captured["precision_mix"]

@@ -169,7 +169,10 @@ class Engine(Loads):
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Tq, Tk]
             if isinstance(weights, torch.Tensor) and weights.dim() == 4 and self.step is not None \
                     and self.step.phase == Phase.PREFILL:
-                self._importance = token_importance(weights).cpu()  # [B*Tk] DyMoE eq. 1
+                # A prefill starts an empty cache, so its keys are its own queries: over a static cache
+                # (the captured path's prefill) the keys past them are empty slots, not prompt tokens.
+                weights = weights[..., :weights.shape[-2]]
+                self._importance = token_importance(weights).cpu()  # [B*T] DyMoE eq. 1
         return hook
 
     def _before_forward(self, module, args, kwargs):
