@@ -25,7 +25,7 @@ from moetool.eval_artifact import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label
 from moetool.files import text_bytes
 from moetool.policies import hooked
-from moetool.policies.stages import ReportInputs, ppl_measurement, primary_metric
+from moetool.policies.stages import ReportInputs, cache_bytes, ppl_measurement, primary_metric
 from moetool.policies.stages import table as _table
 from moetool.profile_artifact import Profile
 from moetool.run_artifact import Run
@@ -317,8 +317,10 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
 
 
 def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
-    md = ["## Runs\n\n", _table(["run", "setting", "clock", "budget MiB", "TTFT ms", "TPOT mean ms", "hit rate"],
+    md = ["## Runs\n\n", _table(["run", "setting", "clock", "path", "expert cache MiB", "budget MiB", "TTFT ms",
+                                 "TPOT mean ms", "hit rate"],
                                 [[p.name, setting_label(r.policy, r.params), f"{r.clock}{'/' + r.hw if r.hw else ''}",
+                                  (r.summary or {}).get("path", "-"), cache_bytes(r) / 2**20,
                                   r.budget_bytes / 2**20, r.ttft_s * 1e3 if r.ttft_s is not None else None,
                                   r.tpot_s["mean"] * 1e3 if r.tpot_s else None, r.hit_rate] for p, r in runs])]
     if rows:

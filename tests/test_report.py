@@ -81,8 +81,10 @@ def test_the_ablation_keeps_clocks_and_configurations_apart(tmp_path):
     md = ablation(((tmp_path / "sim.json", sim), (tmp_path / "wall.json", wall), (tmp_path / "dy.json", dy)))
     tables = md.split("### ")[1:]
     assert [t.splitlines()[0] for t in tables] == [
-        "Ablation in the style of DyMoE Table 3 (clock: sim/rtx3090; a cell averages the runs of one configuration)",
-        "Ablation in the style of DyMoE Table 3 (clock: wall; a cell averages the runs of one configuration)"]
+        "Ablation in the style of DyMoE Table 3 (clock: sim/rtx3090; a cell averages the runs of one configuration; "
+        "a column is an expert cache)",
+        "Ablation in the style of DyMoE Table 3 (clock: wall; a cell averages the runs of one configuration; "
+        "a column is an expert cache)"]
     cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in tables[0].splitlines()
              if line.startswith("| 2.")}
     assert cells == {"2. Cache (dymoe 4/2, r = 1)": "0.04", "2. Cache (lru)": "0.2"}
@@ -273,3 +275,30 @@ def test_the_policy_comparison_keeps_perplexities_of_other_windows_apart(tmp_pat
     assert [x["metric"] for x in rows] == ["ppl (t.txt, context 256)", "ppl (t.txt, context 64)"]
     one = _joined([], [(tmp_path / "a.json", ev(256, 49.26))])
     assert [x["metric"] for x in one] == ["ppl"]  # measured one way: the task's name as before
+
+
+def test_table3_and_the_runs_table_keep_decode_paths_apart_and_head_columns_by_expert_cache(tmp_path):
+    """A host and a captured run of one setting were averaged into one Table 3 cell whenever their
+    budgets matched, and the runs table showed neither the path nor the expert cache a budget left."""
+    import dataclasses
+
+    from moetool.policies.dymoe_report import ablation
+
+    lru = synthetic_run("lru", {}, 0.2, budget=40 << 20)
+    host = dataclasses.replace(lru, budget={"cache_bytes": 2 << 20}, summary={"path": "host"})
+    captured = dataclasses.replace(lru, budget={"cache_bytes": 2 << 20}, summary={"path": "captured"}, tpot_s={
+        "mean": 0.1, "p50": 0.1, "p99": 0.1, "n": 8})
+    md = ablation(((tmp_path / "h.json", host), (tmp_path / "c.json", captured)))
+    tables = md.split("### ")[1:]
+    assert [t.splitlines()[0].split("(clock: ")[1].split(";")[0] for t in tables] == [
+        "sim/rtx3090, captured path", "sim/rtx3090, host path"]
+    assert all("TPOT(s) 2 MiB" in t for t in tables)  # the expert cache, not the 40 MiB budget
+    d = tmp_path / "runs"
+    d.mkdir()
+    host.save(d / "h.run.json")
+    captured.save(d / "c.run.json")
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in md.splitlines() if line.startswith("| h.run.json") or line.startswith("| c.run.json")}
+    assert rows["h.run.json"][2:5] == ["host", "2", "40"] and rows["c.run.json"][2:5] == ["captured", "2", "40"]

@@ -301,6 +301,13 @@ class Section:
     claims: list[list[str]] = field(default_factory=list)
 
 
+def cache_bytes(r: Any) -> int:
+    """The device bytes a run left its experts (what `--budget` chose for them), else its whole budget: the
+    KV and activation margin beside them can be most of a small model's budget."""
+    cache = (r.budget or {}).get("cache_bytes")
+    return int(cache) if isinstance(cache, int) else r.budget_bytes
+
+
 def table(headers: list[str], rows: list[list[Any]]) -> str:
     """A markdown table; floats to 5 significant digits, None as "-"."""
     def cell(v: Any) -> str:
@@ -311,5 +318,5 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
 
 
-__all__ = ["EvalRecord", "FitInputs", "FitTargets", "Fitted", "ModelInfoRecord", "ProfileRecord", "ReportInputs", "RunRecord",
+__all__ = ["cache_bytes", "EvalRecord", "FitInputs", "FitTargets", "Fitted", "ModelInfoRecord", "ProfileRecord", "ReportInputs", "RunRecord",
            "Section", "primary_metric", "table"]
