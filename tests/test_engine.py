@@ -473,3 +473,23 @@ def test_a_batchs_left_padding_is_no_request_in_what_policies_count(tiny_ckpt, b
     k = 2  # the tiny qwen2_moe's top-k: only the 8 real tokens' selections are counted
     assert counts[0] == 8 * k
     assert all(r is None and t == 2 for p, t, r, _ in seen[1:] if p == "DECODE")
+
+
+
+def test_the_sim_clock_charges_a_cpu_expert_its_rows_round_trip(tiny_ckpt):
+    """SMoE's CPU-assisted expert used to cost only its compute on the sim clock, so on a model of small
+    experts a run at 25% beat every expert resident on TTFT. The rows cross to the host once a layer
+    and each expert's result comes back: both are copies, latency included."""
+    from moetool.engine.clock import SimClock
+
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "smoe", budget="50%", clock="sim")
+    cost = engine.cost
+    engine.clock = SimClock(cost)
+    hidden = torch.zeros(3, lm.geometry.layers[0].hidden_size)
+    row = hidden.shape[1] * hidden.element_size()
+    experts = [torch.zeros(2), torch.zeros(1)]  # two CPU experts serving 2 and 1 rows (what `len` reads)
+    ready = engine._cpu_assisted(hidden, experts)
+    want = cost.t_copy(3 * row) + cost.c_cpu(2) + cost.t_copy(2 * row) + cost.c_cpu(1) + cost.t_copy(row)
+    assert ready == pytest.approx(want)
+    assert ready > cost.c_cpu(2) + cost.c_cpu(1) + 3 * cost.hw.copy_latency_s

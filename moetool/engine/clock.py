@@ -154,12 +154,15 @@ class CostModel:
                 "t_attn": self.t_dense(1, captured=captured), "t_gate": self.hw.kernel_s, "name": self.hw.name}
 
     def c_cpu_model(self) -> dict[str, float]:
-        """`c_cpu(n) = max(floor, per_token * n)` as numbers a policy can evaluate for any n (SMoE's
-        Algorithm 2 weighs a CPU expert serving n tokens with what the clock will charge for it)."""
+        """`c_cpu(n) = max(floor, per_token * n)`, plus `trip`, as numbers a policy can evaluate for any n
+        (SMoE's Algorithm 2 weighs a CPU expert serving n tokens with what the clock will charge for it:
+        the engine's sim clock adds each expert's rows' copy back to the device, of which the latency is
+        what counts at a few tokens)."""
+        trip = self.hw.copy_latency_s
         if self.hw.c_cpu_s is not None:
-            return {"floor": 0.0, "per_token": self.hw.c_cpu_s}
+            return {"floor": 0.0, "per_token": self.hw.c_cpu_s, "trip": trip}
         return {"floor": self.reference_bytes / (self.hw.cpu_mem_gbps * 1e9),
-                "per_token": self.expert_flops_per_token / (self.hw.cpu_tflops * 1e12)}
+                "per_token": self.expert_flops_per_token / (self.hw.cpu_tflops * 1e12), "trip": trip}
 
 
 class SimClock:

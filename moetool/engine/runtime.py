@@ -246,7 +246,7 @@ class Engine(Loads):
                 self._prefetch(view, {(g.index, x.expert) for x in on_device})
                 fetched = True
             # SMoE's CPU-assisted experts start with the layer; rows to the host before device work is queued
-            cpu_ready = max((self.clock.cpu(self.cost.c_cpu(len(x))) for x in on_host), default=0.0)
+            cpu_ready = self._cpu_assisted(hidden, on_host)
             host_rows = rows_to_host(hidden) if on_host else None
             self._compute_on_device(module, hidden, on_device, staged, st, out)
             self._compute_on_host(module, host_rows, on_host, st, out)
@@ -341,6 +341,17 @@ class Engine(Loads):
         if staged:
             self._copy_staged(layer, staged.pop(0))
         return groups, staged
+
+    def _cpu_assisted(self, hidden: torch.Tensor, groups: list[Group]) -> float:
+        """When the CPU-assisted experts' results are back on the device (the sim clock; 0 on the wall's).
+        The CPU starts once the layer's rows have crossed to the host (`rows_to_host`), then runs each
+        expert and sends its rows back (`upload`): each crossing costs a copy, latency included, so an
+        expert computed on the host is never cheaper than the two transfers around it."""
+        if not groups:
+            return 0.0
+        row = hidden.shape[1] * hidden.element_size()
+        self.clock.cpu(self.cost.t_copy(hidden.shape[0] * row))  # the rows down, before the first expert
+        return max(self.clock.cpu(self.cost.c_cpu(len(x)) + self.cost.t_copy(len(x) * row)) for x in groups)
 
     def _compute_on_host(self, module: EngineExperts, rows: HostRows | None, groups: list[Group],
                          st: LayerStats, out: Combine) -> None:

@@ -231,9 +231,10 @@ class SMoE(SMoEKnobs, Policy):
         self.quota = even_quota(ctx.moe_layers, slots)
         self.c_load = hw_seconds(ctx, "t_load", params.bits)
         self.c_cpu = hw_seconds(ctx, "c_cpu")
-        # C_CPU of an expert serving n tokens, as the engine's cost model charges it (`CostModel.c_cpu`)
+        # C_CPU of an expert serving n tokens, as the engine's cost model charges it (`CostModel.c_cpu_model`):
+        # its compute and its rows' copy back to the device
         model = ctx.hw.get("c_cpu_model") or {"floor": 0.0, "per_token": self.c_cpu}
-        self.c_cpu_of = lambda n: max(model["floor"], model["per_token"] * n)
+        self.c_cpu_of = lambda n: max(model["floor"], model["per_token"] * n) + model.get("trip", 0.0)
         self.prefetcher = {
             "smoe": lambda: TopScorePrefetch(ctx, params.bits, params.alpha),
             "fate": lambda: CrossLayerPrefetch(ctx, params.bits, params.bits, 0.0, 0, 0.75),
