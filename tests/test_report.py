@@ -215,8 +215,9 @@ def test_report_reads_peakedness_and_the_int2_depth_trend_from_the_profile(artif
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "top-1 / top-3 score |" in md  # top-2 routing: the best score over the best unselected one
     assert "| 0 | 0.3 | 0.9 | 0.2 | 0.4 | 0.9 | 3 |" in md  # mean sorted scores 0.5, 0.25, 0.1667
-    # sensitivity deltas 3.0, 1.0, 0.4, 0.1 over 4 layers: first third (1 layer) vs last third
-    assert "mean Δppl first 1 layers +3.000, last 1 +0.100 | 30.00x | met |" in md
+    # sensitivity deltas 3.0, 1.0, 0.4, 0.1 over 4 layers: first third (1 layer) vs last third, no spread
+    assert ("mean Δppl first 1 layers +3.000, last 1 +0.100 (fewer than 6 MoE layers: no spread to judge by) | "
+            "30.00x | inconclusive |") in md
 
 
 def test_an_eval_takes_no_tpot_from_a_run_at_other_knobs(tmp_path):
@@ -302,3 +303,20 @@ def test_table3_and_the_runs_table_keep_decode_paths_apart_and_head_columns_by_e
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in md.splitlines() if line.startswith("| h.run.json") or line.startswith("| c.run.json")}
     assert rows["h.run.json"][2:5] == ["host", "2", "40"] and rows["c.run.json"][2:5] == ["captured", "2", "40"]
+
+
+@pytest.mark.parametrize("deltas, verdict", [
+    ([0.9, 1.1, 1.0, 0.5, 0.5, 0.5, 0.1, 0.2, 0.1], "met"),  # shallow far above deep, layers agree
+    ([0.2, 0.35, 0.25, 0.3, 0.3, 0.3, 0.3, 0.25, 0.35], "inconclusive"),  # within the layers' own spread
+    ([0.1, 0.1, 0.2, 0.5, 0.5, 0.5, 0.9, 1.1, 1.0], "not met"),
+    ([0.9, 0.5, 0.1], "inconclusive"),  # one layer a third: no spread to judge by
+])
+def test_dymoe_depth_claim_gives_a_verdict_only_beyond_the_layers_noise(deltas, verdict):
+    """Fig. 5's trend was the sign of a difference of means, 'met' on perplexity deltas within noise."""
+    from moetool.policies.dymoe_report import depth_claim
+    from moetool.profile_artifact import LayerSensitivity, SensitivityProfile
+
+    layers = tuple(LayerSensitivity(layer=i, ppl={2: 10 + d}, delta={2: d}) for i, d in enumerate(deltas))
+    s = SensitivityProfile(base_ppl=10.0, tokens=512, data="x", source="hqq", bits=(2,), layers=layers, int2_share={})
+    row = depth_claim(s, "p.json")
+    assert row[-1] == verdict, row

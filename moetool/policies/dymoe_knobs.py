@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moetool.policies.dymoe_report import ablation, retention_figure, sensitivity_figure
+from moetool.policies.dymoe_report import ablation, depth_claim, retention_figure, sensitivity_figure
 from moetool.policies.knobs import Knobs, Params, parse_tiers, register
 from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, table
 
@@ -183,13 +183,7 @@ class DyMoEKnobs(Knobs):
             if s and s.layers:
                 part.figures.append(sensitivity_figure(s, inputs.out_dir / f"sensitivity{inputs.tag(path)}.png"))
             if s and 2 in s.bits and len(s.layers) >= 3:
-                third = max(1, len(s.layers) // 3)
-                shallow = sum(ls.delta[2] for ls in s.layers[:third]) / third
-                deep = sum(ls.delta[2] for ls in s.layers[-third:]) / third
-                part.claims.append([f"INT2 in one layer hurts shallow layers more than deep ones (`{path.name}`)",
-                                    f"mean Δppl first {third} layers {shallow:+.3f}, last {third} {deep:+.3f}",
-                                    f"{shallow / deep:.2f}x" if deep > 0 else "-",
-                                    "met" if shallow > deep else "not met"])
+                part.claims.append(depth_claim(s, path.name))
         if (fig := retention_figure(inputs.rows, inputs.out_dir / "dymoe_retention.png")) is not None:
             part.figures.append(fig)
         if pair := inputs.ppl_pair((cls.name, {"r": 0.9, "precisions": {"high": 4, "low": 0}}), ("static", {"bits": 4})):

@@ -3,6 +3,8 @@ quantization sensitivity) and Fig. 11 (quality against the retention ratio r).""
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,26 @@ def _ablation_table(clock: str, rows: list) -> str:
     return (f"### Ablation in the style of DyMoE Table 3 (clock: {clock}; a cell averages the runs of one "
             "configuration; a column is an expert cache)\n\n" + table(["Configuration", *heads, "runs"], body))
 
+
+
+def depth_claim(s: Any, name: str) -> list[str]:
+    """Fig. 5's trend as a claim row: the mean Δppl of INT2 in one of the first third of MoE layers
+    against one of the last third. A verdict only where the two means differ by more than two standard
+    errors of their difference, taken over the layers (each layer is one sample of a noisy perplexity
+    difference); fewer than two layers a third give no spread to judge by, so no verdict."""
+    third = len(s.layers) // 3
+    shallow = [ls.delta[2] for ls in s.layers[:max(1, third)]]
+    deep = [ls.delta[2] for ls in s.layers[-max(1, third):]]
+    a, b = sum(shallow) / len(shallow), sum(deep) / len(deep)
+    measured = f"mean Δppl first {len(shallow)} layers {a:+.3f}, last {len(deep)} {b:+.3f}"
+    if third < 2:
+        verdict, measured = "inconclusive", measured + " (fewer than 6 MoE layers: no spread to judge by)"
+    else:
+        se = math.sqrt(statistics.variance(shallow) / len(shallow) + statistics.variance(deep) / len(deep))
+        verdict = "met" if a - b > 2 * se else "not met" if b - a > 2 * se else "inconclusive"
+        measured += f" (difference {a - b:+.3f} ± {2 * se:.3f}, two standard errors over the layers)"
+    return [f"INT2 in one layer hurts shallow layers more than deep ones (`{name}`)", measured,
+            f"{a / b:.2f}x" if b > 0 else "-", verdict]
 
 
 def sensitivity_figure(s: Any, path: Path) -> Path:

@@ -294,7 +294,7 @@ class Section:
     """A paper's part of the report. `markdown` goes under its own `## ` heading (the paper's tables:
     an ablation, a fitted schedule, a table of its profile parts); `figures` are the PNGs it wrote
     into `ReportInputs.out_dir`; `claims` are rows of the report's "papers' trends" table, each
-    [claim, measured, difference, "met" or "not met"]."""
+    [claim, measured, difference, "met", "not met" or "inconclusive"]."""
 
     markdown: str = ""
     figures: list[Path] = field(default_factory=list)
