@@ -126,7 +126,7 @@ class PrefetchProfile:
 @dataclass(frozen=True)
 class LayerTiming:
     layer: int
-    t_attn: float  # s, self-attention of one decode token
+    t_attn: float  # s, one decode token through the decoder layer outside its MoE block (attention or another mixer, norms)
     t_gate: float  # s, the router
     t_moe: float  # s, the whole MoE block (router, routed and shared experts)
     t_experts: float  # s, the routed experts alone (k experts from host memory in this measurement)

@@ -164,3 +164,16 @@ def test_the_captured_steps_dense_time_is_measured_and_the_sim_clock_charges_it_
     for low, high in zip(step["low", True], step["high", True]):
         assert high - low == pytest.approx(layers * 5e-4)
     assert step["low", False] == step["high", False]
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "qwen3_next"])
+def test_a_layers_time_outside_its_moe_block_is_its_mixers_whatever_it_is(tmp_path, arch):
+    """Only `self_attn` was timed: a hybrid's Mamba layers hold `self_attn = None` (a traceback), and
+    linear-attention layers timed 0, so the dense time and Fate's window left their mixers out."""
+    from moetool.profile.timing import layer_timings
+
+    lm = load_model(save_tiny(arch, tmp_path / arch))
+    ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    timings = layer_timings(lm, ids, steps=2)
+    assert [t.layer for t in timings] == [g.index for g in lm.geometry.layers]
+    assert all(t.t_attn > 0 and t.t_moe > 0 for t in timings)

@@ -77,9 +77,9 @@ def layer_timings(lm: LoadedModel, ids: torch.Tensor, steps: int) -> tuple[Layer
 
     for g in lm.geometry.layers:
         block = lm.model.get_submodule(g.path)
-        parent = lm.model.get_submodule(g.path.rsplit(".", 1)[0])
-        if hasattr(parent, "self_attn"):
-            around(parent.self_attn, "attn", g.index)
+        # The decoder layer whole: its time outside the MoE block is its mixer's, whatever it is (self-attention,
+        # Mamba, linear attention; a `self_attn` of None on a hybrid's Mamba layers), with its norms.
+        around(lm.model.get_submodule(g.path.rsplit(".", 1)[0]), "layer", g.index)
         around(block.get_submodule(g.router), "gate", g.index)
         around(block, "moe", g.index)
         around(block.experts, "experts", g.index)
@@ -99,7 +99,8 @@ def layer_timings(lm: LoadedModel, ids: torch.Tensor, steps: int) -> tuple[Layer
     def med(kind: str, layer: int) -> float:
         return statistics.median(samples.get((kind, layer), [0.0]))
 
-    return tuple(LayerTiming(layer=g.index, t_attn=med("attn", g.index), t_gate=med("gate", g.index),
+    return tuple(LayerTiming(layer=g.index, t_attn=max(0.0, med("layer", g.index) - med("moe", g.index)),
+                             t_gate=med("gate", g.index),
                              t_moe=med("moe", g.index), t_experts=med("experts", g.index))
                  for g in lm.geometry.layers)
 
