@@ -366,6 +366,8 @@ def test_a_cache_that_stops_inside_the_first_L_layers_says_which_layers_cache_no
     ctx = policy_fakes.make_ctx(layers=(0, 1, 2, 3), E=8, k=2, cache_bytes=10 * policy_fakes.BYTES[4])
     pol = make_policy("fate", {"L": "3", "p": "0"}, ctx)
     assert pol.quota == {0: 8, 1: 2, 2: 0, 3: 0}
-    assert len(pol.notes) == 1 and "MoE layers 2, 3 cache none" in pol.notes[0]
+    assert len(pol.notes) == 1 and "MoE layers 2, 3 cache none and load every expert they run" in pol.notes[0]
+    one = make_policy("fate", {"L": "3", "p": "0"}, dataclasses.replace(ctx, cache_bytes=17 * policy_fakes.BYTES[4]))
+    assert one.quota[3] == 0 and "MoE layer 3 caches none and loads every expert it runs" in one.notes[0]
     roomy = make_policy("fate", {"L": "3", "p": "0"}, dataclasses.replace(ctx, cache_bytes=40 * policy_fakes.BYTES[4]))
     assert not roomy.notes and min(roomy.quota.values()) > 0

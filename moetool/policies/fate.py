@@ -209,10 +209,12 @@ class Fate(FateKnobs, Policy):
                                                 params.low_bits)
         bare = [layer for layer in ctx.moe_layers if self.quota[layer] == 0]
         if bare:  # §4.4: "if memory resources are limited, Fate allocates expert cache space sequentially to the first L layers"
+            many = len(bare) > 1
             self.notes.append(f"fate's cache of {sum(self.quota.values())} experts at {params.cache_bits} bits fills its first "
-                              f"L={params.L} MoE layers in order (§4.4, memory limited), so MoE layer"
-                              f"{'s' if len(bare) > 1 else ''} {', '.join(map(str, bare))} cache{'' if len(bare) > 1 else 's'} "
-                              "none and load every expert they run (a smaller L spreads the cache)")
+                              f"L={params.L} MoE layers in order (§4.4, memory limited), so MoE layer{'s' if many else ''} "
+                              f"{', '.join(map(str, bare))} {'cache' if many else 'caches'} none and "
+                              f"{'load every expert they run' if many else 'loads every expert it runs'} "
+                              "(a smaller L spreads the cache)")
         self.prefetcher = CrossLayerPrefetch(ctx, params.cache_bits, params.low_bits, params.p, params.n,
                                              params.percentile) if params.prefetcher == "fate" else None
 
