@@ -117,7 +117,7 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
         from moetool.engine.budget import PLAN_TOKENS
 
         ev["warnings"].append(
-            f"--budget {cfg.budget} is a size: the fit plans the profile's KV margin ({PLAN_TOKENS:,} tokens), so the "
+            f"--budget {cfg.budget} is a size: the fit plans the profile's KV margin (up to {PLAN_TOKENS:,} tokens), so the "
             f"expert cache it sizes knobs for ({size_text(shared.cache_bytes)}) is not every run's; a run whose "
             "cache differs by more than 10% takes the policies' defaults instead (a share, 25%, holds for any run).")
     fitting = [cls for _, cls in hooked("fit")]

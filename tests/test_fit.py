@@ -499,7 +499,7 @@ def test_a_knob_fitted_for_a_size_budget_holds_for_the_cache_it_left():
     with tempfile.TemporaryDirectory() as d:
         prof = synthetic_profile().save(Path(d) / "s.profile.json")
         warned = fit(FitConfig(profile=prof, budget="1GiB")).evidence["warnings"]
-    assert any(w.startswith("--budget 1GiB is a size: the fit plans the profile's KV margin (4,096 tokens)") for w in warned)
+    assert any(w.startswith("--budget 1GiB is a size: the fit plans the profile's KV margin (up to 4,096 tokens)") for w in warned)
     shares = {"n_hi": Sizing("25%", 1000, {"b_hi": 16, "b_lo": 4})}  # a share: the same share of the experts
     assert stale_fitted(POLICIES["dynaexq"], {}, fitted, shares, lambda b: True, "25%", cache_bytes=5000) == {}
 

@@ -259,3 +259,17 @@ def test_a_jsonl_file_is_read_as_prompts_whatever_the_case_of_its_suffix(char_ck
         prof = profile(ProfileConfig(model=str(char_ckpt), data=(str(path),), what=("routing",), seqs_per_data=4,
                                      seq_len=16, decode_tokens=1))
         assert prof.data == {str(path): 2}, prof.data  # two prompts, not windows of the file's text
+
+
+def test_the_profiles_kv_margin_plans_no_more_tokens_than_the_model_has_positions(tmp_path):
+    """A 1,024-position model's margin planned for 4,096 tokens made `fit --budget 20MiB` refuse what
+    `run --budget 20MiB` ran."""
+    from moetool.engine.budget import PLAN_TOKENS, plan_margin
+    from moetool.profile import _info
+    from tiny import save_tiny
+
+    short = load_model(save_tiny("qwen2_moe", tmp_path / "short", max_position_embeddings=256))
+    info = _info(short, None, torch.float32, "float32")
+    layers = short.geometry.layers
+    assert info.kv_margin_bytes == plan_margin(short.model.config, layers, 256, 1, torch.float32, decoded=True)
+    assert info.kv_margin_bytes < plan_margin(short.model.config, layers, PLAN_TOKENS, 1, torch.float32, decoded=True)

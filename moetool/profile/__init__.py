@@ -93,7 +93,10 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
     return ModelInfo(moe_layers=tuple(x.index for x in lm.geometry.layers),
                      num_hidden_layers=lm.geometry.num_hidden_layers, num_experts=g.num_experts, top_k=g.top_k,
                      expert_bytes=sizes, expert_bytes_source=how, non_expert_bytes=lm.non_expert_bytes(),
-                     kv_margin_bytes=plan_margin(lm.model.config, lm.geometry.layers, PLAN_TOKENS, 1, dtype,
+                     # a run plans no more tokens than the model has positions (a 1,024-position model's
+                     # margin for 4,096 made `fit --budget 20MiB` refuse what `run --budget 20MiB` ran)
+                     kv_margin_bytes=plan_margin(lm.model.config, lm.geometry.layers,
+                                                 min(PLAN_TOKENS, context_length(lm.model) or PLAN_TOKENS), 1, dtype,
                                                  decoded=any(b != 16 for b in sizes) or dtype != torch.bfloat16),
                      staging_bytes=staging_bytes(sizes), dtype=dtype_name)
 
