@@ -320,3 +320,17 @@ def test_dymoe_depth_claim_gives_a_verdict_only_beyond_the_layers_noise(deltas, 
     s = SensitivityProfile(base_ppl=10.0, tokens=512, data="x", source="hqq", bits=(2,), layers=layers, int2_share={})
     row = depth_claim(s, "p.json")
     assert row[-1] == verdict, row
+
+
+def test_dynaexq_with_no_expert_at_4_bits_is_no_evidence_against_static_int2(tmp_path):
+    """At a budget where DynaExq's hot set is empty (n_hi = 0) it runs as static INT2: the claim was
+    scored 'not met' from two runs of one thing."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    for name, e in {"int2": _ppl_eval("static", {"bits": 2}, 13.0),
+                    "dynaexq": _ppl_eval("dynaexq", {"precisions": {"high": 4, "low": 2}, "n_hi_used": 0}, 13.0)}.items():
+        (d / f"{name}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    row = next(line for line in (tmp_path / "rep" / "summary.md").read_text().splitlines()
+               if line.startswith("| DynaExq 4/2 better than static INT2"))
+    assert "held no expert at 4 bits (n_hi = 0)" in row and row.endswith("| inconclusive |")

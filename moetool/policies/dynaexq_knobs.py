@@ -94,6 +94,9 @@ class DynaExqKnobs(Knobs):
             a, b = mixed["metrics"]["ppl"], int2["metrics"]["ppl"]
             budget = (mixed.get("budget") or {}).get("cache_bytes")
             at = f" (DynaExq's expert cache {budget / 2**20:.1f} MiB)" if budget else ""
+            verdict = "met" if a < b else "not met"
+            if (mixed.get("params") or {}).get("n_hi_used") == 0:  # no expert at 4 bits: it ran as static INT2
+                verdict, at = "inconclusive", at + ", its budget held no expert at 4 bits (n_hi = 0)"
             part.claims.append([f"DynaExq 4/2 better than static INT2{at}", f"{a:.3f} vs {b:.3f}",
-                                f"{100 * (a / b - 1):+.2f}%", "met" if a < b else "not met"])
+                                f"{100 * (a / b - 1):+.2f}%", verdict])
         return part
