@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +218,11 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
     # a task measured more than one way (ppl at two windows) gets a metric per way: one axis and one
     # column mixed perplexities of different windows as if they were one measure
     columns = _measures([e for _, e in evals if primary_metric(e.get("metrics", {}))])
+    # Where several runs match an eval, every row takes one from the same clock, machine and decode path
+    # (the one most runs have): the first by file name gave one policy the captured path's TPOT and
+    # another the host path's, side by side in one table and one figure.
+    timing = Counter(_timing(r) for _, r in runs)
+    preferred = max(timing, key=lambda t: (timing[t], t)) if timing else None
     for epath, e in evals:
         m = primary_metric(e.get("metrics", {}))
         if m is None:
@@ -227,8 +232,9 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
             r.params[k] == v for k, v in params.items() if k in r.params and isinstance(v, (str, int, float, bool)))]
         # No fallback to "the one run of this policy": a run at other knobs (static INT4 for an INT2
         # eval, SMoE's fitted alpha for alpha = 0.3) would lend the eval a TPOT it did not have.
+        same.sort(key=lambda pr: (_timing(pr[1]) != preferred, pr[0].name))
         tpot = same[0][1].tpot_s["mean"] if same and same[0][1].tpot_s else None
-        source = same[0][0].name if tpot is not None else None
+        source = f"{same[0][0].name} ({', '.join(_timing(same[0][1]))})" if tpot is not None else None
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
             tpot = ((e.get("summary") or {}).get("tpot_s") or {}).get("mean")
             source = "eval counters" if tpot is not None else None
@@ -238,6 +244,11 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
                      "metric": metric,
                      "higher": m[2], "tpot": tpot, "eval": epath.name, "run": source})
     return rows
+
+
+def _timing(r: Run) -> tuple[str, str]:
+    """What a run's TPOT was measured on: its clock (with the simulated machine) and its decode path."""
+    return f"{r.clock}{'/' + r.hw if r.hw else ''}", f"{(r.summary or {}).get('path', 'host')} path"
 
 
 def _choices(e: dict) -> dict[tuple[str, Any], int]:

@@ -229,7 +229,7 @@ def test_an_eval_takes_no_tpot_from_a_run_at_other_knobs(tmp_path):
     report([d], tmp_path / "rep")
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| static bits=2 | ppl | 12 | - | int2.eval.json | - |" in md
-    assert "| static bits=4 | ppl | 10 | 100 | int4.eval.json | int4.run.json |" in md
+    assert "| static bits=4 | ppl | 10 | 100 | int4.eval.json | int4.run.json (sim/rtx3090, host path) |" in md
 
 
 def test_an_eval_takes_its_tpot_from_the_run_of_its_own_budget(tmp_path):
@@ -248,8 +248,8 @@ def test_an_eval_takes_its_tpot_from_the_run_of_its_own_budget(tmp_path):
     synthetic_run("static", {"bits": 4}, 0.05).save(d / "int4.run.json")
     report([d], tmp_path / "rep")
     md = (tmp_path / "rep" / "summary.md").read_text()
-    assert "| lru bits=16 | ppl | 11 | 200 | lru.eval.json | lru8.run.json |" in md
-    assert "| static bits=4 | ppl | 10 | 50 | int4.eval.json | int4.run.json |" in md
+    assert "| lru bits=16 | ppl | 11 | 200 | lru.eval.json | lru8.run.json (sim/rtx3090, host path) |" in md
+    assert "| static bits=4 | ppl | 10 | 50 | int4.eval.json | int4.run.json (sim/rtx3090, host path) |" in md
 
 
 def test_a_setting_is_labelled_with_what_ran_not_a_derive_sentinel():
@@ -334,3 +334,25 @@ def test_dynaexq_with_no_expert_at_4_bits_is_no_evidence_against_static_int2(tmp
     row = next(line for line in (tmp_path / "rep" / "summary.md").read_text().splitlines()
                if line.startswith("| DynaExq 4/2 better than static INT2"))
     assert "held no expert at 4 bits (n_hi = 0)" in row and row.endswith("| inconclusive |")
+
+
+def test_evals_take_their_tpot_from_runs_of_one_clock_and_path(tmp_path):
+    """Two runs match each eval (host and captured path): every row takes the timing most runs have,
+    not the first file name, and says which it took."""
+    import dataclasses
+
+    d = tmp_path / "art"
+    d.mkdir()
+    for pol, params in (("lru", {"bits": 16}), ("eap", {"bits": 16})):
+        run = synthetic_run(pol, params, 0.1, budget=8 << 20)
+        dataclasses.replace(run, summary={"path": "host"}, tpot_s={"mean": 0.3, "p50": 0.3, "p99": 0.3, "n": 8}).save(
+            d / f"a-{pol}-host.run.json")
+        dataclasses.replace(run, summary={"path": "captured"}).save(d / f"b-{pol}-captured.run.json")
+        dataclasses.replace(run, summary={"path": "captured"}).save(d / f"c-{pol}-captured.run.json")
+        e = _ppl_eval(pol, params, 11.0)
+        e["budget_bytes"] = 8 << 20
+        (d / f"{pol}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    for pol in ("lru", "eap"):
+        assert f"| {pol}.eval.json | b-{pol}-captured.run.json (sim/rtx3090, captured path) |" in md, md
