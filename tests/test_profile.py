@@ -273,3 +273,21 @@ def test_the_profiles_kv_margin_plans_no_more_tokens_than_the_model_has_position
     layers = short.geometry.layers
     assert info.kv_margin_bytes == plan_margin(short.model.config, layers, 256, 1, torch.float32, decoded=True)
     assert info.kv_margin_bytes < plan_margin(short.model.config, layers, PLAN_TOKENS, 1, torch.float32, decoded=True)
+
+
+def test_the_sensitivity_is_scored_on_the_text_ppl_data_names(tiny_ckpt, tmp_path):
+    """`--data` never reached the sensitivity: it always scored the shipped English held-out text, so a
+    code model's INT2 sensitivity (and Fate's p from it) came from English prose."""
+    code = tmp_path / "code.txt"
+    code.write_text("def f(x):\n    return [i * x for i in range(10) if i % 2]\n" * 60)
+    out = tmp_path / "p.json"
+    args = ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--what", "sensitivity", "--ppl-tokens", "64", "--out", str(out)]
+    result = runner.invoke(app, [*args, "--ppl-data", str(code)])
+    assert result.exit_code == 0, result.output
+    prof = json.loads(out.read_text())
+    assert prof["sensitivity"]["data"] == str(code) and f"data:{code}" in prof["inputs"]
+    bad = runner.invoke(app, [*args, "--ppl-data", "general_knowledge"])  # prompts, not running text
+    assert bad.exit_code == 1 and "--ppl-data general_knowledge is neither a text file nor a text data set" in bad.output
+    unused = runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--what", "routing", "--ppl-data", str(code),
+                                 "--out", str(tmp_path / "q.json")])
+    assert unused.exit_code == 1 and "--ppl-data" in unused.output

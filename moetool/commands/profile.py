@@ -55,6 +55,7 @@ def profile(
     decode_tokens: Annotated[int, typer.Option(help="Greedy decode steps traced after each prompt.")] = 16,
     bits: Annotated[str, typer.Option(help="Sensitivity precisions, comma-separated (DyMoE Fig. 5 uses 2).")] = "2",
     ppl_tokens: Annotated[int, typer.Option(help="Held-out tokens scored per perplexity.")] = 512,
+    ppl_data: Annotated[str, typer.Option(help="Text the sensitivity's perplexities are scored on: a data set name (heldout, train) or a text file; pick one of the model's own domain (a code model's code).")] = "heldout",
     hw_base: Annotated[str | None, typer.Option(help=f"Preset whose throughputs the written hardware profile keeps (default: the shipped preset made for this CUDA device, else {DEFAULT_HW}).")] = None,
     hw_out: Annotated[Path | None, typer.Option(help="Hardware profile JSON to write from the timings (default: NAME.hw.json beside --out).")] = None,
     device: DeviceOpt = "cpu",
@@ -77,7 +78,7 @@ def profile(
     writable(save)
     writable(hw_out, option="--hw-out")
     files = [Path(d) for d in _split(data)]
-    not_an_input(save, *files, inside=bundle or model)
+    not_an_input(save, *files, *([Path(ppl_data)] if Path(ppl_data).is_file() else []), inside=bundle or model)
     not_an_input(hw_out, *files, inside=bundle or model, option="--hw-out")
     if hw_out is not None and Path(hw_out).resolve() == Path(save).resolve():
         raise MoetoolError(f"--hw-out {hw_out} is the same file as --out; give the hardware profile another path.")
@@ -87,6 +88,11 @@ def profile(
         hw_base = _device_preset(device, _split(what) or ("all",))
     load_hw(hw_base)  # an unknown preset is refused before the measuring, not after it
     sens_bits = parse_numbers(bits, "--bits", int)
+    from moetool.profile.data import TEXTS
+
+    if ppl_data not in TEXTS and not (Path(ppl_data).is_file() and Path(ppl_data).suffix.lower() != ".jsonl"):
+        raise MoetoolError(f"--ppl-data {ppl_data} is neither a text file nor a text data set ({', '.join(TEXTS)}): the "
+                           "sensitivity scores perplexity over running text.")
     parts = _split(what) or ("all",)
     if hw_out is not None and "timing" not in parts and "all" not in parts:  # it would not be written, unsaid
         raise MoetoolError(f"--hw-out {hw_out} is written from the timing part, which --what {','.join(parts)} leaves out; add "
@@ -99,12 +105,12 @@ def profile(
         only_with(traced, given(ctx, "seqs", "decode_tokens", *(() if "timing" in on else ("data", "seq_len"))),
                   "add one of them to --what")
     if "sensitivity" not in on:  # scored on the held-out text, whatever --data is
-        only_with("--what sensitivity", given(ctx, "bits", "ppl_tokens"), "add sensitivity to --what")
+        only_with("--what sensitivity", given(ctx, "bits", "ppl_tokens", "ppl_data"), "add sensitivity to --what")
     if "timing" not in on:
         only_with("--what timing", given(ctx, "hw_base"), "add timing to --what")
     cfg = ProfileConfig(model=model, bundle=bundle, data=_split(data) or ProfileConfig.data,
                         what=_split(what) or ("all",), seqs_per_data=seqs, seq_len=seq_len,
-                        decode_tokens=decode_tokens, sensitivity_bits=sens_bits, ppl_tokens=ppl_tokens,
+                        decode_tokens=decode_tokens, sensitivity_bits=sens_bits, ppl_tokens=ppl_tokens, ppl_data=ppl_data,
                         hw_base=hw_base, device=device, dtype=Dtype(dtype).value)
     bar = Progress(console=err, transient=True, disable=not err.is_terminal)
     tasks: dict[str, int] = {}
