@@ -211,6 +211,13 @@ class DecodeProgram:
         from transformers import StaticCache
 
         engine = self.engine
+        # The cheap refusals first: pinning and checksumming every expert's mirror only to refuse after
+        # it would waste the pass, and leave the pinned blocks cached away from the host path's tiers.
+        self._check_plan()
+        self._stage = "reading the greedy rule of the model's generation config"
+        suppressed = greedy_rule(lm.model)
+        if isinstance(suppressed, str):
+            raise MoetoolError(suppressed)
         self._stage = "setting up the host mirrors"
         if host_budget is None and self.device.type == "cuda":
             from moetool.engine import default_host_budget
@@ -222,11 +229,6 @@ class DecodeProgram:
         self.mirrors = mirrors
         self.layers = CapturedLayers(engine, mirrors, kernels)
         self.layers.prepare()
-        self._check_plan()
-        self._stage = "reading the greedy rule of the model's generation config"
-        suppressed = greedy_rule(lm.model)
-        if isinstance(suppressed, str):
-            raise MoetoolError(suppressed)
         self.suppressed = torch.tensor(suppressed, dtype=torch.long, device=self.device) if suppressed else None
         self._stage = "building transformers' StaticCache for the model"
         self.cache = StaticCache(config=lm.model.config, max_cache_len=max_tokens)
