@@ -384,6 +384,12 @@ def test_zero_copy_rows_kernel_reads_only_the_marked_rows(monkeypatch):
     assert torch.equal(out[1], torch.zeros(128, dtype=torch.uint8))
     cpu = zero_copy.host_rows(src, index)  # the op's CPU path: the same rows
     assert torch.equal(cpu, out)
+    # For a fused kernel's pool (`missed_rows`), a row marked -1 is not written at all: no zeros over a blob
+    # the kernel never reads.
+    kept = zero_copy.rows_with_triton(src, index, torch.full((4, 128), 7, dtype=torch.uint8), block=8,
+                                      interpret=True, blank=False)
+    assert torch.equal(kept[[0, 2, 3]], out[[0, 2, 3]]) and bool((kept[1] == 7).all())
+    assert torch.equal(zero_copy.missed_rows(src, index), cpu)  # on a CPU: host_rows's rows
 
 
 @pytest.fixture(scope="module")

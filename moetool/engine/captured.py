@@ -30,7 +30,7 @@ from transformers.integrations.moe import _batched_linear  # what transformers' 
 
 from moetool.engine.mirror import Mirrors
 from moetool.engine.signals import mean_scores
-from moetool.engine.zero_copy import blob_rows, host_rows
+from moetool.engine.zero_copy import blob_rows, host_rows, missed_rows
 from moetool.inference import _router_extra_args, router_logits
 from moetool.policies.device import DevicePlan, DeviceView
 from moetool.quant.format import dequantize_parts, stack_views
@@ -256,7 +256,7 @@ class CapturedLayers:
                                       torch.where(here, slot, -1).view(T, k).to(torch.int32)))
             if (layer, b) in self.host_rows:
                 missed = use & ~here
-                read = host_rows(self.host_rows[layer, b], torch.where(missed, expert, -1))  # [S, nbytes]
+                read = missed_rows(self.host_rows[layer, b], torch.where(missed, expert, -1))  # [S, nbytes]
                 pools.append(SlotPool(read, layout, torch.where(missed, rows, -1).view(T, k).to(torch.int32)))
         w = torch.where(plan.bits > 0, plan.weight, torch.zeros_like(plan.weight))
         return experts_forward(hidden, w, pools, self.kernel_acts[layer]), hit

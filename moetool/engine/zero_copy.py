@@ -37,7 +37,7 @@ def kernel(interpret: bool = False):
     from triton.runtime.interpreter import InterpretedFunction
 
     def rows(src, index, pool, slot, dst, words, src_stride, pool_stride, POOL: tl.constexpr,
-             BLOCK: tl.constexpr):
+             BLANK: tl.constexpr, BLOCK: tl.constexpr):
         # Blocks of words on grid axis 0 (up to 2^31 - 1 programs), rows on axis 1 (CUDA caps it at 65535):
         # a 16-bit expert of Mixtral-8x22B is over 512 MiB, more blocks of 8 KiB than axis 1 holds.
         row = tl.program_id(1)
@@ -52,7 +52,11 @@ def kernel(interpret: bool = False):
             here = ((offs * 0 + s) >= 0) & ~marked
             held = tl.load(pool + s.to(tl.int64) * pool_stride + offs, mask=inside & here, other=0)
             value = tl.where(here, held, value)
-        tl.store(dst + row.to(tl.int64) * words + offs, value, mask=inside)
+            marked = marked | here
+        # BLANK writes a row with no source as zeros; without it such a row is left as it was (a fused
+        # kernel given -1 for it never reads it, and a step then writes no zeros over k blobs a layer).
+        keep = inside if BLANK else inside & marked
+        tl.store(dst + row.to(tl.int64) * words + offs, value, mask=keep)
 
     return InterpretedFunction(rows) if interpret else triton.jit(rows)
 
@@ -64,15 +68,16 @@ def _words(src: torch.Tensor) -> torch.Tensor:
 
 def rows_with_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, block: int = 1024,
                      interpret: bool = False, pool: torch.Tensor | None = None,
-                     slot: torch.Tensor | None = None) -> torch.Tensor:
+                     slot: torch.Tensor | None = None, blank: bool = True) -> torch.Tensor:
     """The Triton kernel on (src [E, n] uint8, index [S] int64, out [S, n] uint8) and, where given, a
-    pool beside it (pool [P, >= n] uint8, slot [S] int64); `interpret` runs it on CPU tensors (tests)."""
+    pool beside it (pool [P, >= n] uint8, slot [S] int64); `interpret` runs it on CPU tensors (tests).
+    `blank`: a row with no source is written as zeros; off, it is not written."""
     s, d = _words(src), out.view(torch.int64)
     p = _words(pool) if pool is not None else s  # without a pool, never read (POOL is off)
     words = s.shape[1]
     grid = ((words + block - 1) // block, index.shape[0])
     kernel(interpret)[grid](s, index, p, slot if slot is not None else index, d, words, s.stride(0), p.stride(0),
-                            POOL=pool is not None, BLOCK=block)
+                            POOL=pool is not None, BLANK=blank, BLOCK=block)
     return out
 
 
@@ -85,6 +90,22 @@ def host_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @host_rows.register_fake
+def _(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return index.new_empty((index.shape[0], src.shape[1]), dtype=torch.uint8)
+
+
+@torch.library.custom_op("moetool::missed_rows", mutates_args=())
+def missed_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`host_rows` for a fused kernel's `SlotPool`: the marked rows only. A row marked -1 is left as
+    allocated, never read (the kernel is given -1 for it): on CUDA a step writes no zeros over the k
+    blobs of a layer that hit. On a CPU, `host_rows`'s rows."""
+    out = torch.empty((index.shape[0], src.shape[1]), dtype=torch.uint8, device=index.device)
+    if index.device.type == "cuda":
+        return rows_with_triton(src, index, out, blank=False)
+    return _rows_on_cpu(src, index, out)
+
+
+@missed_rows.register_fake
 def _(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return index.new_empty((index.shape[0], src.shape[1]), dtype=torch.uint8)
 
