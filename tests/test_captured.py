@@ -547,3 +547,20 @@ def test_dymoe_heavy_hitters_read_the_prompts_own_keys_over_the_static_cache(tin
     host.lm.model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=1, do_sample=False)
     assert seen and all(s == T for T, s in seen)
     assert host.stats.summary()["skips"] == captured["skips"] and host.stats.summary()["precision_mix"] == captured["precision_mix"]
+
+
+def test_a_precision_held_whole_for_the_engines_life_is_never_pinned(tiny_ckpt):
+    """`resident` pinned every expert in host memory for the captured step, which never reads them:
+    on a host with less memory than the experts the fastest captured policy fell back. A lifelong
+    precision's mirror is a view (nothing pinned, nothing to fit in --host-budget)."""
+    from moetool.engine.mirror import host_mirrors
+
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    store = HostStore.from_experts(lm.experts, torch.float32)
+    cuda = torch.device("cuda")  # planned for, not touched: nothing is pinned
+    refused = host_mirrors(lm, store, (16,), cuda, host_budget=1)
+    assert isinstance(refused, str) and "exceeds --host-budget" in refused
+    mirrors = host_mirrors(lm, store, (16,), cuda, host_budget=1, lifelong=(16,))
+    assert not isinstance(mirrors, str) and not mirrors.pinned and mirrors.nbytes == 0
+    g = lm.geometry.layers[0]
+    assert torch.equal(mirrors.rows(g.index, 16)[1], store.host(g.index, 1, 16)[:store.layout(g.index, 16).nbytes])

@@ -100,6 +100,13 @@ class StepLog:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
 
+def held_for_life(residency: Any, bits: int, experts: int) -> bool:
+    """Whether the pool at `bits` holds all `experts` for the engine's life (no eviction, a slot each):
+    nothing at `bits` is ever missed or copied in after the engine is warmed."""
+    pool = residency.pools.get(bits)
+    return pool is not None and pool.spec.slots >= experts and pool.spec.eviction is None
+
+
 class CapturedLayers:
     """The engine's MoE layers inside the captured step (see the module docstring)."""
 
@@ -138,9 +145,7 @@ class CapturedLayers:
     def _misses(self, bits: int) -> bool:
         """Whether a row at `bits` can lack a device copy: no pool, or a pool that cannot hold every
         expert, unless the policy picks `bits` only for resident copies."""
-        pool = self.residency.pools.get(bits)
-        total = len(self.layers) * self.num_experts
-        if pool is not None and pool.spec.slots >= total and pool.spec.eviction is None:
+        if held_for_life(self.residency, bits, len(self.layers) * self.num_experts):
             return False  # every expert resident for the engine's life (resident, static, DynaExq's b_lo)
         return self.policy.device_misses(bits)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from moetool.defaults import DECODE_PATHS as PATHS
-from moetool.engine.captured import CapturedLayers
+from moetool.engine.captured import CapturedLayers, held_for_life
 from moetool.engine.mirror import host_mirrors
 from moetool.engine.stats import StepRecord
 from moetool.errors import MoetoolError, first_line
@@ -223,7 +223,10 @@ class DecodeProgram:
             from moetool.engine import default_host_budget
 
             host_budget = default_host_budget()  # what the host tiers would have had (build_engine)
-        mirrors = host_mirrors(lm, engine.store, engine.policy.bits_in_use(), self.device, host_budget)
+        bits = engine.policy.bits_in_use()
+        experts = sum(g.num_experts for g in lm.geometry.layers)
+        mirrors = host_mirrors(lm, engine.store, bits, self.device, host_budget,
+                               lifelong=tuple(b for b in bits if held_for_life(engine.residency, b, experts)))
         if isinstance(mirrors, str):
             raise MoetoolError(mirrors)
         self.mirrors = mirrors

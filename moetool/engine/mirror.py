@@ -58,19 +58,24 @@ def _strided(blobs: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch.device,
-                 host_budget: int | None) -> Mirrors | str:
-    """The mirrors of every MoE layer at each of `bits`, or the reason they cannot be made."""
+                 host_budget: int | None, lifelong: tuple[int, ...] = ()) -> Mirrors | str:
+    """The mirrors of every MoE layer at each of `bits`, or the reason they cannot be made. `lifelong`:
+    precisions whose every expert stays on the device for the engine's life (`resident`, `static`,
+    DynaExq's low tier): the step never reads their mirrors and nothing is copied from them, so they
+    are views of the bundle or the store, never pinned (pinning a whole model's experts only to keep
+    them made the fastest captured policies fall back on a host with less memory than the experts)."""
     layers = lm.geometry.layers
     bundle = getattr(lm, "bundle", None)
     pin = device.type == "cuda"
-    need = sum(g.num_experts * store.layout(g.index, b).nbytes for g in layers for b in bits)
-    too_much = (f"pinning every expert the policy runs ({size_text(need)} at {'/'.join(map(str, bits))} bits) "
+    need = sum(g.num_experts * store.layout(g.index, b).nbytes for g in layers for b in bits if b not in lifelong)
+    pinned_bits = [b for b in bits if b not in lifelong]
+    too_much = (f"pinning every expert the policy runs ({size_text(need)} at {'/'.join(map(str, pinned_bits))} bits) "
                 f"exceeds --host-budget {size_text(host_budget or 0)}")
     if pin and host_budget is not None and need > host_budget:
         return too_much
     # Page-locked memory in the store's arena: a few power-of-two allocations, so what is held (torch
     # rounds each pinned allocation up to a power of two) is what the host budget counts.
-    arena = HostArena(host_budget if host_budget is not None else need * 2, page_lock=True) if pin else None
+    arena = HostArena(host_budget if host_budget is not None else need * 2, page_lock=True) if pin and need else None
     rows: dict[tuple[int, int], torch.Tensor] = {}
     packed, left = 0, need  # bytes copied because the blobs did not lie at a fixed stride; bytes still to pin
     for g in layers:
@@ -82,7 +87,7 @@ def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch
             else:
                 blobs = [store.host(g.index, e, b)[:n] for e in range(g.num_experts)]
             view = _strided(blobs)
-            if pin:
+            if arena is not None and b not in lifelong:
                 buf = arena.take(g.num_experts * n, left)
                 if buf is None:
                     return too_much
@@ -96,7 +101,9 @@ def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch
             else:
                 rows[g.index, b] = torch.stack(blobs)
                 packed += rows[g.index, b].numel()
-    check = None
-    if bundle is not None and not pin:
+    check, checked = None, set()
+    if bundle is not None and (arena is None or lifelong):
         check = lambda layer, e, b: bundle.blob(layer, e, b)  # noqa: E731 - the bundle's CRC-32, on first read
-    return Mirrors(rows, pin, arena.held if pin else packed, check)
+        if arena is not None:  # the pinned ones were checked as they were copied in
+            checked = {(g.index, e, b) for g in layers for b in bits if b not in lifelong for e in range(g.num_experts)}
+    return Mirrors(rows, arena is not None, (arena.held if arena is not None else 0) + packed, check, checked)
