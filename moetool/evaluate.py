@@ -214,6 +214,8 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                          "cut_from_the_left": hflm.cut_from_the_left, "max_length": hflm.max_length,
                          "merged_with_context": hflm.merged_with_context,
                          "tied_choices": hflm.tied_choices,
+                         # characters the vocabulary lacks in the choices, scored as its placeholder
+                         "unknown_tokens": hflm.unknown_tokens,
                          "lm_eval": lm_eval_version})
 
 
@@ -295,6 +297,8 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
                 self.cut_from_the_left += 1
             if self.tok_encode(context + continuation)[:len(ctx)] != ctx:  # the string lm-eval splits
                 self.merged_with_context += 1
+            # characters the vocabulary lacks, scored as its placeholder (as ppl counts them): in the choice
+            self.unknown_tokens += unknown_tokens(torch.tensor(cont, dtype=torch.long), self.tokenizer, continuation)[0]
             # Two choices of one context that tokenize alike (東京 and 大阪 as `<unk><unk>` under a vocabulary
             # that lacks them) score alike, and lm-eval counts the tie as the first: counted and said.
             seen = self.continuations.setdefault(hash(tuple(ctx)), {})
@@ -319,7 +323,7 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
     lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                   softmax_dtype=torch.float32)
     lm.set_cache_hook(Ticker())
-    lm.cut_from_the_left = lm.merged_with_context = lm.tied_choices = 0
+    lm.cut_from_the_left = lm.merged_with_context = lm.tied_choices = lm.unknown_tokens = 0
     lm.continuations = {}  # hash of a context's ids -> hash of a continuation's ids -> its text
     return lm
 

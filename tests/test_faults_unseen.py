@@ -581,6 +581,9 @@ def test_choices_the_vocabulary_cannot_spell_are_counted_and_said(char_ckpt, tmp
     assert Eval.load(out).options["tied_choices"] == 2  # 大阪 and 京都 read as 東京 does
     assert "note: 2 choice(s) tokenize to the same ids as another choice of their document" in \
         " ".join(done.stderr.split()), done.stderr
+    # and the placeholders themselves are counted, as ppl counts them: two characters each of three choices
+    assert Eval.load(out).options["unknown_tokens"] == 6
+    assert "note: 6 token(s) of the choices are the tokenizer's unknown token" in " ".join(done.stderr.split())
 
 
 def test_a_mistyped_local_path_that_reads_as_a_hub_id_says_it_is_no_local_directory(offline, tmp_path):

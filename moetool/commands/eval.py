@@ -98,9 +98,11 @@ def eval(  # noqa: A001 - the command is `moetool eval`
     for said in engine_notes(Clock(clock) == Clock.wall and bool(given(ctx, "hw")), hw, fit, policy, result.summary):
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     if unknown := result.options.get("unknown_tokens"):
-        err.print(styled(("note:", "yellow"), f" {unknown} token(s) of {result.options['data']} are the tokenizer's "
-                         "unknown token (characters its vocabulary lacks): the perplexity scores the model on that "
-                         "placeholder there, not on the text."), highlight=False)
+        where = f"of {result.options['data']}" if result.task == "ppl" else "of the choices"
+        scored = "the perplexity scores" if result.task == "ppl" else "their log-likelihoods score"
+        err.print(styled(("note:", "yellow"), f" {unknown} token(s) {where} are the tokenizer's unknown token "
+                         f"(characters its vocabulary lacks): {scored} the model on that placeholder there, not on "
+                         "the text."), highlight=False)
     if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "
