@@ -564,3 +564,16 @@ def test_a_precision_held_whole_for_the_engines_life_is_never_pinned(tiny_ckpt):
     assert not isinstance(mirrors, str) and not mirrors.pinned and mirrors.nbytes == 0
     g = lm.geometry.layers[0]
     assert torch.equal(mirrors.rows(g.index, 16)[1], store.host(g.index, 1, 16)[:store.layout(g.index, 16).nbytes])
+
+
+def test_without_host_tiers_a_copy_reads_a_pinned_copy_made_elsewhere(tiny_ckpt):
+    """A captured engine has no host tiers: its prefill and fills copied from the mapped bundle
+    (pageable: a blocking copy on CUDA) while the step's mirrors held the same bytes page-locked."""
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    store = HostStore.from_experts(lm.experts, torch.float32)
+    g = lm.geometry.layers[0]
+    plain, _ = store.source(g.index, 1, 16)
+    copy = plain.clone()
+    store.pinned_elsewhere = lambda layer, e, b: copy if (layer, e, b) == (g.index, 1, 16) else None
+    assert store.source(g.index, 1, 16)[0] is copy
+    assert torch.equal(store.source(g.index, 2, 16)[0], store.host(g.index, 2, 16))  # none made: the blob itself

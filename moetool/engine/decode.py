@@ -200,6 +200,7 @@ class DecodeProgram:
         except Exception as e:  # noqa: BLE001 - whatever the model, the compiler or the capture refuses is a fallback
             engine.captured = None
             engine.capturing = False
+            engine.store.pinned_elsewhere = None  # the mirrors go with the step (their pinned memory freed)
             if isinstance(e, MoetoolError):
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -230,6 +231,9 @@ class DecodeProgram:
         if isinstance(mirrors, str):
             raise MoetoolError(mirrors)
         self.mirrors = mirrors
+        # The host path's copies (each prompt's prefill, the fills) read the pinned mirrors where there are:
+        # a captured engine has no host tiers of its own, and the mapped bundle is pageable (a blocking copy).
+        engine.store.pinned_elsewhere = mirrors.pinned_row if mirrors.pinned_bits else None
         self.layers = CapturedLayers(engine, mirrors, kernels)
         self.layers.prepare()
         self.suppressed = torch.tensor(suppressed, dtype=torch.long, device=self.device) if suppressed else None

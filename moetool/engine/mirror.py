@@ -34,6 +34,11 @@ class Mirrors:
     nbytes: int  # host memory the mirrors hold of their own (0 for views of a mapping or of the store)
     check: Any = None  # (layer, expert, bits) -> None, raising MoetoolError on a corrupt blob; None: checked
     checked: set[tuple[int, int, int]] = field(default_factory=set)
+    pinned_bits: tuple[int, ...] = ()  # the precisions whose rows are page-locked copies
+
+    def pinned_row(self, layer: int, expert: int, bits: int) -> torch.Tensor | None:
+        """The blob's page-locked copy, or None (a view of the bundle or the store is no better a source)."""
+        return self.rows_by_key[layer, bits][expert] if bits in self.pinned_bits else None
 
     def rows(self, layer: int, bits: int) -> torch.Tensor:
         return self.rows_by_key[layer, bits]
@@ -106,4 +111,5 @@ def host_mirrors(lm: Any, store: HostStore, bits: tuple[int, ...], device: torch
         check = lambda layer, e, b: bundle.blob(layer, e, b)  # noqa: E731 - the bundle's CRC-32, on first read
         if arena is not None:  # the pinned ones were checked as they were copied in
             checked = {(g.index, e, b) for g in layers for b in bits if b not in lifelong for e in range(g.num_experts)}
-    return Mirrors(rows, arena is not None, (arena.held if arena is not None else 0) + packed, check, checked)
+    return Mirrors(rows, arena is not None, (arena.held if arena is not None else 0) + packed, check, checked,
+                   tuple(pinned_bits) if arena is not None else ())

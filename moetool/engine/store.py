@@ -179,6 +179,9 @@ class HostStore:
         self._arena: HostArena | None = None
         self._to_pin: dict[int, list[tuple[Key3, int]]] = {}
         self.tiers = False
+        # (layer, expert, bits) -> a pinned copy made elsewhere (the captured step's host mirrors), or None:
+        # without tiers, a copy then reads it rather than the mapped file (a pageable, blocking copy)
+        self.pinned_elsewhere: Any = None
         self.pin_bits: tuple[int, ...] = ()
         self.pin_capacity = 0
         self.page_lock = False
@@ -283,7 +286,8 @@ class HostStore:
         """What a host-to-device copy of the blob reads: the blob, its pinned copy, or a staging-ring
         slot it was just copied into (with the slot's index, to `release` after the copy starts)."""
         if not self.tiers:
-            return self._fetch(layer, expert, bits), None
+            row = self.pinned_elsewhere(layer, expert, bits) if self.pinned_elsewhere is not None else None
+            return (row if row is not None else self._fetch(layer, expert, bits)), None
         if layer not in self._pinned_layers:
             self._pin_layer(layer)
         pinned = self._pinned.get((layer, expert, bits))
