@@ -306,6 +306,42 @@ def test_a_missed_expert_is_read_from_pinned_host_memory_in_place():
     assert torch.equal(got.cpu(), torch.stack([src[5], torch.zeros(256, dtype=torch.uint8), src[2]]))
 
 
+def test_missed_rows_writes_only_the_marked_rows_on_the_gpu():
+    """`missed_rows` (a fused kernel's pool of missed experts): marked rows from pinned host memory,
+    a row marked -1 left unwritten (the kernel never reads it)."""
+    from moetool.engine.zero_copy import missed_rows
+
+    src = torch.randint(0, 255, (8, 256), dtype=torch.uint8).pin_memory()
+    got = missed_rows(src, torch.tensor([5, -1, 2], device=CUDA)).cpu()
+    assert torch.equal(got[0], src[5]) and torch.equal(got[2], src[2])
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "cohere2_moe"])
+def test_a_sliding_window_model_replays_one_graph_past_its_window(tmp_path, arch):
+    """One CUDA graph serves every position of a sliding-window model (its cache layers kept whole):
+    past the window (16) its tokens are the host path's on the same device."""
+    from moetool.engine.decode import DecodeProgram
+    from tiny import save_tiny
+
+    ckpt = save_tiny(arch, tmp_path / arch)
+    ids = IDS[:1]
+    got = {}
+    for captured in (False, True):
+        lm = load_model(ckpt, device=CUDA)
+        engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "resident", budget="100%",
+                                 device=CUDA, captured=captured, max_tokens=40)
+        if not captured:
+            with torch.no_grad():
+                got[captured] = lm.model.generate(ids.to(CUDA), max_new_tokens=24, min_new_tokens=24,
+                                                  do_sample=False)[0, ids.shape[1]:].tolist()
+            engine.close()
+            continue
+        program = DecodeProgram(engine, max_tokens=40)
+        assert program.summary()["cuda_graph"]
+        got[captured] = program.generate(ids, 24)
+    assert got[True] == got[False]
+
+
 def test_a_gather_reads_hits_from_the_device_pool_and_misses_from_pinned_host_memory():
     """`blob_rows` on CUDA: a hit's blob from its device slot (slots wider than the blob), a miss's
     over the bus from the pinned mirror (strided rows, as a shard's), a row marked in neither zeros."""
