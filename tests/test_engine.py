@@ -480,16 +480,14 @@ def test_the_sim_clock_charges_a_cpu_expert_its_rows_round_trip(tiny_ckpt):
     """SMoE's CPU-assisted expert used to cost only its compute on the sim clock, so on a model of small
     experts a run at 25% beat every expert resident on TTFT. The rows cross to the host once a layer
     and each expert's result comes back: both are copies, latency included."""
-    from moetool.engine.clock import SimClock
+    from moetool.engine.clock import SimClock, cpu_experts_ready
 
     lm = load_model(tiny_ckpt("qwen2_moe"))
     engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "smoe", budget="50%", clock="sim")
     cost = engine.cost
-    engine.clock = SimClock(cost)
     hidden = torch.zeros(3, lm.geometry.layers[0].hidden_size)
     row = hidden.shape[1] * hidden.element_size()
-    experts = [torch.zeros(2), torch.zeros(1)]  # two CPU experts serving 2 and 1 rows (what `len` reads)
-    ready = engine._cpu_assisted(hidden, experts)
+    ready = cpu_experts_ready(SimClock(cost), cost, hidden, [2, 1])  # two CPU experts serving 2 and 1 rows
     want = cost.t_copy(3 * row) + cost.c_cpu(2) + cost.t_copy(2 * row) + cost.c_cpu(1) + cost.t_copy(row)
     assert ready == pytest.approx(want)
     assert ready > cost.c_cpu(2) + cost.c_cpu(1) + 3 * cost.hw.copy_latency_s

@@ -165,6 +165,19 @@ class CostModel:
                 "per_token": self.expert_flops_per_token / (self.hw.cpu_tflops * 1e12), "trip": trip}
 
 
+def cpu_experts_ready(clock: Any, cost: CostModel, hidden: torch.Tensor, rows: list[int]) -> float:
+    """When a layer's CPU-assisted experts (serving `rows` rows each) are back on the device: the sim
+    clock's time, 0 on the wall's. The CPU starts once the layer's rows have crossed to the host
+    (`transfer.rows_to_host`), then runs each expert and sends its rows back (`transfer.upload`): each
+    crossing costs a copy, latency included, so an expert computed on the host is never cheaper than
+    the two transfers around it."""
+    if not rows:
+        return 0.0
+    row = hidden.shape[1] * hidden.element_size()
+    clock.cpu(cost.t_copy(hidden.shape[0] * row))  # the rows down, before the first expert
+    return max(clock.cpu(cost.c_cpu(n) + cost.t_copy(n * row)) for n in rows)
+
+
 class SimClock:
     """Simulated time on three timelines (compute, copy, cpu)."""
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from moetool.defaults import EXPERTS_IMPLS
 from moetool.engine.budget import check_plan
-from moetool.engine.clock import CostModel, SimClock, WallClock
+from moetool.engine.clock import CostModel, SimClock, WallClock, cpu_experts_ready
 from moetool.engine.device_layers import DeviceLayers
 from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows
 from moetool.engine.loads import Loads
@@ -169,10 +169,8 @@ class Engine(Loads):
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Tq, Tk]
             if isinstance(weights, torch.Tensor) and weights.dim() == 4 and self.step is not None \
                     and self.step.phase == Phase.PREFILL:
-                # A prefill starts an empty cache, so its keys are its own queries: over a static cache
-                # (the captured path's prefill) the keys past them are empty slots, not prompt tokens.
-                weights = weights[..., :weights.shape[-2]]
-                self._importance = token_importance(weights).cpu()  # [B*T] DyMoE eq. 1
+                # A prefill's keys are its own queries; a static cache's further slots are empty (eq. 1 per token)
+                self._importance = token_importance(weights[..., :weights.shape[-2]]).cpu()  # [B*T] DyMoE eq. 1
         return hook
 
     def _before_forward(self, module, args, kwargs):
@@ -246,7 +244,7 @@ class Engine(Loads):
                 self._prefetch(view, {(g.index, x.expert) for x in on_device})
                 fetched = True
             # SMoE's CPU-assisted experts start with the layer; rows to the host before device work is queued
-            cpu_ready = self._cpu_assisted(hidden, on_host)
+            cpu_ready = cpu_experts_ready(self.clock, self.cost, hidden, [len(x) for x in on_host])
             host_rows = rows_to_host(hidden) if on_host else None
             self._compute_on_device(module, hidden, on_device, staged, st, out)
             self._compute_on_host(module, host_rows, on_host, st, out)
@@ -341,17 +339,6 @@ class Engine(Loads):
         if staged:
             self._copy_staged(layer, staged.pop(0))
         return groups, staged
-
-    def _cpu_assisted(self, hidden: torch.Tensor, groups: list[Group]) -> float:
-        """When the CPU-assisted experts' results are back on the device (the sim clock; 0 on the wall's).
-        The CPU starts once the layer's rows have crossed to the host (`rows_to_host`), then runs each
-        expert and sends its rows back (`upload`): each crossing costs a copy, latency included, so an
-        expert computed on the host is never cheaper than the two transfers around it."""
-        if not groups:
-            return 0.0
-        row = hidden.shape[1] * hidden.element_size()
-        self.clock.cpu(self.cost.t_copy(hidden.shape[0] * row))  # the rows down, before the first expert
-        return max(self.clock.cpu(self.cost.c_cpu(len(x)) + self.cost.t_copy(len(x) * row)) for x in groups)
 
     def _compute_on_host(self, module: EngineExperts, rows: HostRows | None, groups: list[Group],
                          st: LayerStats, out: Combine) -> None:
