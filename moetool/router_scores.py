@@ -56,7 +56,13 @@ class ScoreRule:
     def weights(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, E] f(logits): what weights each expert where it is chosen."""
         z = logits.float()
-        return torch.softmax(z, dim=-1) if self.func == "softmax" else _activation(self.func)(z)
+        if self.func == "softmax":
+            return torch.softmax(z, dim=-1)
+        if self.func == "sigmoid":
+            return torch.sigmoid(z)
+        if "act" not in self._on:  # another of the config's scoring functions: its module made once, not per call
+            self._on["act"] = _activation(self.func)
+        return self._on["act"](z)
 
     def allowed(self, s: torch.Tensor) -> torch.Tensor | None:
         """[T, E] bool: the experts in the groups each token may choose from; None without groups."""
@@ -80,7 +86,7 @@ class ScoreRule:
     def _bias(self, device: torch.device) -> torch.Tensor:
         # One copy per device, made once: the host path scores CPU logits, the captured step device ones,
         # and a copy made inside the step would be a transfer in it.
-        key = str(device)
+        key = f"bias {device}"
         if key not in self._on:
             self._on[key] = self.bias.to(device)
         return self._on[key]
