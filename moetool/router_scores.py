@@ -86,6 +86,9 @@ class ScoreRule:
     def _bias(self, device: torch.device) -> torch.Tensor:
         # One copy per device, made once: the host path scores CPU logits, the captured step device ones,
         # and a copy made inside the step would be a transfer in it.
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # `--device cuda`: the tensors' device has its index
+            device = torch.device("cuda", torch.cuda.current_device())
         key = f"bias {device}"
         if key not in self._on:
             self._on[key] = self.bias.to(device)
