@@ -119,3 +119,16 @@ def test_a_run_records_its_routers_scores(tmp_path):
     assert engine.stats.context()["router_scores"] == {
         "sigmoid, a selection bias, the best 2 of 4 groups (top2)": ", ".join(str(g.index) for g in lm.geometry.layers)}
     assert SOFTMAX not in engine.policy.ctx.routers.by_layer.values()
+
+
+def test_a_grouped_rule_runs_inside_the_captured_step(tmp_path):
+    """SMoE on the grouped, biased router: its in-step plan (Algorithm 1 on the router's own scores) and
+    its score window compile whole with the rule inside, and decode."""
+    from moetool.engine.decode import DecodeProgram
+
+    lm = _grouped_deepseek(tmp_path / "ds")
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "smoe", budget="50%",
+                             settings={"cpu_assist": "false"}, captured=True, max_tokens=32)
+    program = DecodeProgram(engine, max_tokens=32, backend="eager", unverified_ok=True)
+    tokens = program.generate(torch.tensor([[5, 17, 33, 2]]), 6)
+    assert len(tokens) == 6 and program.steps == 5
