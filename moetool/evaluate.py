@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 raise MoetoolError(f"{lm.path} has no tokenizer; lm-eval tasks need one (ppl does not).")
             hflm = _engine_lm(lm.model, lm.tokenizer, cfg.batch_size, progress, lm.fingerprint.source)
             check_generation(loaded["tasks"], hflm, lm.path)
+            # lm-eval bootstraps a metric's stderr in a multiprocessing Pool forked from this process; a fork
+            # of a process running torch's threads can deadlock in the child on a lock held at the fork (a
+            # test run hung 30 minutes there). In process, BOOTSTRAP_ITERS resamples take well under a second.
+            multiproc = os.environ.get("DISABLE_MULTIPROC")
+            os.environ["DISABLE_MULTIPROC"] = "1"
             try:
                 results = evaluator.evaluate(lm=hflm, task_dict=loaded, limit=cfg.limit, log_samples=True,
                                              bootstrap_iters=BOOTSTRAP_ITERS)
@@ -193,6 +199,11 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 if online or not hub_failure(e):
                     raise MoetoolError(f"lm-eval could not read the data of '{cfg.task}': {_first_line(e)}.") from None
                 raise MoetoolError(offline_sentence(cfg.task)) from None
+            finally:
+                if multiproc is None:
+                    os.environ.pop("DISABLE_MULTIPROC", None)
+                else:
+                    os.environ["DISABLE_MULTIPROC"] = multiproc
         finally:
             ready.engine.close()
     res = results["results"]

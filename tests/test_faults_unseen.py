@@ -433,6 +433,23 @@ def test_lm_evals_own_progress_bars_stay_off_stderr(char_ckpt, tmp_path, offline
         assert "it/s" not in result.stderr and "%|" not in result.stderr, result.stderr
 
 
+def test_lm_evals_bootstrap_never_forks_this_process(char_ckpt, tmp_path, offline, monkeypatch):
+    """lm-eval bootstraps a perplexity's stderr in a multiprocessing Pool forked from the process; a
+    fork of a process running torch's threads deadlocked in the child (a test run hung 30 minutes)."""
+    import multiprocessing
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("lm-eval forked a Pool")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_fork)
+    ll = _task(tmp_path / "tasks", "l", "loglikelihood",
+               "doc_to_text: '{{q}}'\ndoc_to_target: ' {{target}}'\nmetric_list:\n  - metric: perplexity\n")
+    out = tmp_path / "e.eval.json"
+    result = _cli("eval", ll, "--model", char_ckpt, "--limit", "2", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert Eval.load(out).stderr  # the stderr was bootstrapped, in this process
+
+
 # ---- 4. what the consoles print ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt", ["x [/foo] y", "a [red]b[/red] c", "[bold]"])
