@@ -260,7 +260,7 @@ def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any
     ignores on load (`_keys_to_ignore_on_load_unexpected`: DeepSeek-V3's multi-token-prediction
     layer, old rotary buffers) are ignored here too, by its own rule."""
     model._adjust_missing_and_unexpected_keys(info)
-    unused = sorted(info.unexpected_keys)
+    unused = sorted(k for k in info.unexpected_keys if not _other_part(model, k))
     text = text_config(model.config)
     count = next((getattr(text, n) for n in _EXPERT_COUNT if isinstance(getattr(text, n, None), int)), None)
     if count is not None:
@@ -271,6 +271,22 @@ def _refuse_unused(model: nn.Module, info: Any, experts: dict[str, dict[str, Any
         raise MoetoolError(f"the checkpoint in {directory} holds {len(unused)} weights its config.json does not use "
                            f"(e.g. {unused[0]}; the config gives num_hidden_layers={layers} and {count} experts a "
                            "layer): the config is of another model, or cut short.")
+
+
+def _other_part(model: nn.Module, key: str) -> bool:
+    """Whether `key` (a name after the loader's renaming) belongs to a part the causal LM does not have:
+    a release's vision or audio tower, a reward head. Its path leaves the model's module tree at a
+    named child, where a config cut short leaves it at an index past a list's end (`model.layers.7`,
+    `experts.9`). transformers' causal LM reads neither; only the second is refused, since it means
+    the config runs fewer layers or experts than the checkpoint holds. dots.3's release keeps its
+    towers at the top (`vision_encoder.*`) and its causal LM class does not list them as ignored."""
+    module: nn.Module = model
+    for part in key.split(".")[:-1]:
+        child = module._modules.get(part)
+        if child is None:
+            return not (part.isdigit() or isinstance(module, (nn.ModuleList, nn.ModuleDict)))
+        module = child
+    return False
 
 
 def _tie(model: nn.Module, missing: set[str], directory: Path) -> None:

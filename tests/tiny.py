@@ -107,6 +107,16 @@ RELEASES: dict[str, tuple[str, dict]] = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(vision_config=_QWEN_VISION)),
     "qwen4_exp": ("qwen4_exp_text", dict(vision_config=_QWEN_VISION)),
     "gemma4": ("gemma4_text", dict(vision_config=None, audio_config=None)),
+    # dots.3's towers sit at the top of the release (`vision_encoder`, `audio_encoder`), beside the
+    # text model its causal-LM class loads, which does not list them as ignored.
+    "dots3_note": ("dots3_note_text", dict(
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           patch_size=4, moe_intermediate_size=8, spatial_merge_size=1,
+                           mlp_layer_types=["dense", "sparse"], num_local_experts=4, num_experts_per_tok=2,
+                           adapter_in_dim=16, adapter_out_dim=32, adapter_merge_size=1),
+        audio_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=8, downsample_hidden_size=8, adapter_input_size=16,
+                          adapter_out_dim=32, conv_output_size=64))),
 }
 
 
