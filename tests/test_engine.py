@@ -476,6 +476,23 @@ def test_a_batchs_left_padding_is_no_request_in_what_policies_count(tiny_ckpt, b
 
 
 
+@pytest.mark.parametrize("policy,budget,clock", [("lru", "25%", "sim"), ("resident", "100%", "sim"),
+                                                 ("resident", "100%", "wall")])
+def test_a_batchs_left_padding_is_no_use_in_the_precision_mix(tiny_ckpt, policy, budget, clock):
+    """The precision mix counts (token, slot) uses of requests' tokens, as bytes per token counts
+    their tokens; a batch's pad rows were counted too (18 of 216 uses on a helper's run), on every
+    path: the general one (lru), the all-resident shortcut (sim) and the device-side layers (wall)."""
+    from moetool.run import RunConfig, run
+
+    ckpt = tiny_ckpt("qwen2_moe")
+    got = run(RunConfig(model=str(ckpt), policy=policy, budget=budget, clock=clock, prompts=("abcdef", "ab"),
+                        max_new_tokens=3, batch_size=2, decode="host"))
+    lm = load_model(ckpt)
+    layers, k = len(lm.geometry.layers), lm.geometry.layers[0].top_k
+    uses = (6 + 2 + 2 * 2) * layers * k  # the real prompt tokens, then two decode steps of both prompts
+    assert sum(got.summary["precision_mix"].values()) == uses
+
+
 def test_the_sim_clock_charges_a_cpu_expert_its_rows_round_trip(tiny_ckpt):
     """SMoE's CPU-assisted expert used to cost only its compute on the sim clock, so on a model of small
     experts a run at 25% beat every expert resident on TTFT. The rows cross to the host once a layer

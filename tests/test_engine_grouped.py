@@ -21,24 +21,28 @@ from moetool.spec import EngineSpec
 IDS = torch.tensor([[5, 17, 33, 2, 9, 100, 45, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
-def _python_groups(plan: LayerPlan, idx: torch.Tensor, slot_major: bool):
+def _python_groups(plan: LayerPlan, idx: torch.Tensor, slot_major: bool, real=None, E: int = 4):
     """The grouping written out as loops: {(where, bits, expert): [(token, slot), ...]} in kernel order:
     slot-major for the eager loop; for grouped_mm, the order its own `torch.sort` of the flattened
-    experts gives (transformers' `grouped_mm_experts_forward`), which is not always token-major."""
+    experts gives (transformers' `grouped_mm_experts_forward`), which is not always token-major. Skips,
+    substitutions and the GPU rows (the precision mix) are counted over a request's token (`real`) and
+    a slot the router routed: a dropped one (id E) is no policy's skip."""
     T, k = plan.expert.shape
     if slot_major:
         pairs = [(t, s) for s in range(k) for t in range(T)]
     else:
         pairs = [divmod(int(p), k) for p in torch.sort(plan.expert.reshape(-1)).indices]
-    groups, skips, subs = {}, 0, 0
+    groups, skips, subs, mix = {}, 0, 0, 0
     for t, s in pairs:
         w, b, e = int(plan.where[t, s]), int(plan.bits[t, s]), int(plan.expert[t, s])
+        counted = (real is None or bool(real[t])) and 0 <= int(idx[t, s]) < E
         if w == Where.SKIP:
-            skips += 1
+            skips += counted
             continue
-        subs += e != int(idx[t, s])
+        subs += counted and e != int(idx[t, s])
+        mix += counted and w == Where.GPU
         groups.setdefault((w, b, e), []).append((t, s))
-    return groups, skips, subs
+    return groups, skips, subs, mix
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
@@ -53,15 +57,17 @@ def test_vectorised_grouping_equals_the_loop_in_the_kernels_row_order(tiny_ckpt,
     expert = torch.where(torch.rand(T, k, generator=g) < 0.2, torch.randint(0, E, (T, k), generator=g), idx)
     plan = LayerPlan(expert=expert, bits=torch.tensor([16, 4, 2])[torch.randint(0, 3, (T, k), generator=g)],
                      where=torch.randint(0, 3, (T, k), generator=g), weight=torch.rand(T, k, generator=g))
+    if seed % 2:  # a batch's left padding, and slots the router dropped
+        idx[torch.rand(T, k, generator=g) < 0.2] = E
+    real = torch.rand(T, generator=g) < 0.6 if seed % 2 else None
     st = LayerStats()
-    groups = engine._group(plan, idx, E, st)
-    want, skips, subs = _python_groups(plan, idx, slot_major=impl == "eager")
+    groups = engine._group(plan, idx, E, st, real=real)
+    want, skips, subs, mix = _python_groups(plan, idx, slot_major=impl == "eager", real=real, E=E)
     got = {(int(x.where), x.bits, x.expert): list(zip(x.tok_host.tolist(), x.slot_host.tolist())) for x in groups}
     assert got == want
     assert [x.pos.tolist() for x in groups] == [[t * k + s for t, s in want[int(x.where), x.bits, x.expert]]
                                                 for x in groups]
-    assert (st.skips, st.substitutions) == (skips, subs)
-    assert sum(st.precision_mix.values()) == sum(len(v) for key, v in want.items() if key[0] == Where.GPU)
+    assert (st.skips, st.substitutions, sum(st.precision_mix.values())) == (skips, subs, mix)
 
 
 def _routed_view(idx: torch.Tensor, E: int, weight: torch.Tensor) -> LayerView:
@@ -94,7 +100,7 @@ def test_an_untouched_routed_plan_groups_as_its_arrays_do(tiny_ckpt, dropped, se
     assert rows(a) == rows(b)
     assert (got.skips, got.substitutions, dict(got.precision_mix)) == \
         (want.skips, want.substitutions, dict(want.precision_mix))
-    assert got.skips == int((idx == E).sum())
+    assert got.skips == 0 and sum(got.precision_mix.values()) == int((idx < E).sum())  # a dropped slot: no skip
 
 
 def test_a_policy_that_touches_a_routed_plan_gets_its_own_arrays():

@@ -371,3 +371,23 @@ def test_a_cache_that_stops_inside_the_first_L_layers_says_which_layers_cache_no
     assert one.quota[3] == 0 and "MoE layer 3 caches none and loads every expert it runs" in one.notes[0]
     roomy = make_policy("fate", {"L": "3", "p": "0"}, dataclasses.replace(ctx, cache_bytes=40 * policy_fakes.BYTES[4]))
     assert not roomy.notes and min(roomy.quota.values()) > 0
+
+
+def test_a_share_p_that_moves_no_expert_takes_no_int2_pool():
+    """§4.5 moves floor(p * M) of a layer's M <= E active experts at INT2. The INT2 pool was sized
+    2 * ceil(p * E): p = 0.1 on 8 experts carved two INT2 slots no expert could enter (the INT4 cache
+    one slot smaller, a lower hit rate), and the default p = 0.25 on a model of 2 experts gave half a
+    small cache to them. Such a p is refused when asked for; the default runs as p = 0, recorded."""
+    big = make_ctx(k=2, E=8, cache_bytes=4000)
+    with pytest.raises(MoetoolError, match=r"knob 'p' of policy 'fate' is 0.1, but floor\(p \* M\)"):
+        make_policy("fate", {"p": "0.1"}, big)
+    moves = make_policy("fate", {"p": "0.25"}, big)
+    assert moves.low_slots == 2 * 2 and moves.precisions() == (4, 2)  # floor(0.25 * 8) = 2, two layers' worth
+    small = make_ctx(k=1, E=2, cache_bytes=1000)
+    default = make_policy("fate", {}, small)
+    assert default.params.p == 0 and "p" in default.clamped and default.low_slots == 0
+    assert default.precisions() == (4, 4) and sum(default.quota.values()) == 1000 // 400
+    idx = [[0], [0], [1]]  # M = 2: floor(0.25 * 2) = 0 at INT2, as before; the cache now holds both
+    assert (default.plan(make_view(idx, FakeCache(default.pools()), phase=Phase.PREFILL)).bits == 4).all()
+    with pytest.raises(MoetoolError, match="knob 'p' of policy 'fate' is 0.25"):
+        make_policy("fate", {"p": "0.25"}, small)

@@ -342,7 +342,7 @@ class DecodeProgram:
                 clock.compute(cost.t_dense(1, captured=True))
             routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
             run = bits > 0
-            st.skips += int((~run).sum())
+            st.skips += int((~run & (routed >= 0) & (routed < self.layers.num_experts)).sum())  # a dropped slot: no skip
             st.substitutions += int((run & (expert != routed)).sum())
             used, hit_s, miss_s, read = [], 0.0, 0.0, 0
             for e, b, h in zip(expert[run].tolist(), bits[run].tolist(), hit[run].tolist()):

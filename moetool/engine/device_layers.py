@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetool.engine.groups import grouped_mm  # transformers' dispatcher, with a fallback for unaligned rows
+from moetool.engine.groups import counted_uses, grouped_mm  # transformers' dispatcher, with a fallback for unaligned rows
 from moetool.engine.stats import LayerStats
 from moetool.engine.weights import PoolWeights
 from moetool.quant.format import ExpertStack
@@ -26,14 +26,15 @@ class DeviceLayers:
         self.routed: list[tuple[LayerStats, torch.Tensor]] = []  # this step's layers: experts routed (device)
 
     def run(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            st: LayerStats) -> torch.Tensor | None:
-        """The layer's output [T, H], or None where the general path must run it."""
+            st: LayerStats, real: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The layer's output [T, H], or None where the general path must run it. `real`: the rows of
+        requests' tokens (a batch's left padding not), for the precision mix."""
         stack = self.stacks.get(module.layer.index)
         if stack is None:
             return None
         out, routed = routed_on_device(module, hidden, top_k_index, top_k_weights, stack)
-        st.precision_mix[self.bits] += top_k_index.numel()
-        self.routed.append((st, routed))
+        uses = counted_uses(top_k_index, stack.gate_up.shape[0], real).sum()  # a device scalar, read at end_step
+        self.routed.append((st, torch.stack((routed, uses))))
         return out
 
     def learn(self, layer: int, num_experts: int) -> None:
@@ -45,9 +46,10 @@ class DeviceLayers:
     def end_step(self) -> None:
         """Count the experts the device-side layers ran (as hits): one read a step, not one a layer."""
         if self.routed:
-            for (st, _), n in zip(self.routed, torch.stack([r for _, r in self.routed]).tolist()):
+            for (st, _), (n, uses) in zip(self.routed, torch.stack([r for _, r in self.routed]).tolist()):
                 st.hits[self.bits] += n
                 st.needed += n
+                st.precision_mix[self.bits] += uses
             self.routed.clear()
 
 

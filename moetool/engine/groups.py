@@ -19,7 +19,7 @@ from transformers.integrations.moe import _grouped_mm  # the dispatcher transfor
 from moetool.engine.residency import Handle
 from moetool.engine.stats import LayerStats
 from moetool.engine.transfer import upload
-from moetool.policies.base import LayerPlan, Where
+from moetool.policies.base import LayerPlan, Where, valid_slots
 from moetool.quant.format import ExpertStack
 
 _WHERE = tuple(Where)  # Where(i) without the enum call (a few us each, per group and layer)
@@ -183,11 +183,21 @@ def grouped_mlp(module: nn.Module, x: torch.Tensor, stack: ExpertStack, offs: to
     return y
 
 
+def counted_uses(idx: torch.Tensor, num_experts: int, real: torch.Tensor | None) -> torch.Tensor:
+    """[T, k] bool: the (token, slot) pairs a run's precision mix, skips and substitutions count: a
+    slot the router routed (not one it dropped, -1 or E, which no policy skipped) of a request's
+    token (not a batch's left padding, `LayerView.real_rows`). On `idx`'s device."""
+    mask = valid_slots(idx, num_experts)
+    return mask if real is None else mask & real.to(mask.device)[:, None]
+
+
 def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats, *, grouped: bool,
-               max_bits: int, device: torch.device, routed: Routed | None = None) -> list[Group]:
+               max_bits: int, device: torch.device, routed: Routed | None = None,
+               real: torch.Tensor | None = None) -> list[Group]:
     """The plan's running (token, slot) pairs grouped by (where, bits, expert), counting skips,
-    substitutions and the precision mix. Vectorised (numpy on the host arrays, a constant number
-    of calls whatever T x k is); one index upload for the layer.
+    substitutions and the precision mix of the `counted_uses` (`real`: the rows of requests' tokens).
+    Vectorised (numpy on the host arrays, a constant number of calls whatever T x k is); one index
+    upload for the layer.
 
     Within a group, rows keep the order the matching transformers kernel gives them, so a
     lossless policy matches it bit for bit: `grouped_mm`'s own `torch.sort` of the flattened
@@ -197,10 +207,11 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
     torch sort runs only when some group has several.
     """
     T, k = idx.shape
+    counted = counted_uses(idx, num_experts, real).numpy()  # [T, k]
     if routed is None and grouped:
         routed = routed_rows(plan, idx, num_experts, device)
     if routed is not None:  # every slot as routed, on the device, at one precision
-        st.precision_mix[routed.bits] += routed.rows.pos.numel()
+        st.precision_mix[routed.bits] += int(np.count_nonzero(counted))
         groups, start, where = [], 0, _WHERE[int(Where.GPU)]
         for e, n in zip(routed.experts, routed.counts):
             groups.append(Group(e, routed.bits, where, routed.rows, start, start + n))
@@ -209,7 +220,7 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
     expert, bits, where = (t.numpy() for t in (plan.expert, plan.bits, plan.where))  # [T, k] each
     subst = expert != idx.numpy()
     if subst.any():
-        st.substitutions += int(np.count_nonzero(subst & (where != int(Where.SKIP))))
+        st.substitutions += int(np.count_nonzero(subst & (where != int(Where.SKIP)) & counted))
     pos = np.arange(T * k)  # flat position t * k + s of every (token, slot)
     if not grouped:
         expert, bits, where, pos = (a.T for a in (expert, bits, where, pos.reshape(T, k)))  # slot-major
@@ -224,9 +235,11 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
         first = torch.sort(torch.from_numpy(expert.astype(np.int64, copy=False))).indices.numpy()
         order = first[np.argsort(key[first], kind="stable")]  # the same sorted keys, ties as grouped_mm
     n = int(np.searchsorted(skey, int(Where.SKIP) * span * num_experts))  # rows that run
-    st.skips += int(skey.size - n)
+    tally = counted.reshape(-1)[pos[order]]  # [T*k] in `order`: whether the row is counted
+    st.skips += int(np.count_nonzero(tally[n:]))
     if not n:
         return []
+    upto = np.concatenate(([0], np.cumsum(tally[:n])))  # counted rows before each sorted position
     bounds = [0, *(np.flatnonzero(change[:n - 1]) + 1).tolist(), n]
     tok, slot = np.divmod(pos[order[:n]], k)
     rows = _rows(torch.from_numpy(tok), torch.from_numpy(slot), torch.from_numpy(pos[order[:n]]), device)
@@ -235,7 +248,7 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
     groups, on_device, mix = [], int(Where.GPU), st.precision_mix
     for e, b, w, start, end in zip(e.tolist(), b.tolist(), w.tolist(), bounds[:-1], bounds[1:]):
         if w == on_device:
-            mix[b] += end - start
+            mix[b] += int(upto[end] - upto[start])
         groups.append(Group(e, b, _WHERE[w], rows, start, end))
     return groups
 

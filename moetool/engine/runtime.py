@@ -217,7 +217,7 @@ class Engine(Loads):
         g = module.layer
         st = self.stats.layer(g.index)
         if self.device_layers.stacks:  # a layer whose routing never leaves the device (`device_layers`)
-            out = self.device_layers.run(module, hidden, top_k_index, top_k_weights, st)
+            out = self.device_layers.run(module, hidden, top_k_index, top_k_weights, st, self._real(hidden.shape[0]))
             if out is not None:
                 self._logits.pop(g.index, None)
                 return out
@@ -229,10 +229,10 @@ class Engine(Loads):
         weight = plan.routing_weight().to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
         out = Combine(hidden, weight, grouped=self.grouped)
         routed = self._routed_rows(plan, view.top_k_index, g.num_experts)
-        on_device = self._run_resident(module, hidden, routed, st, out) if routed is not None else None
+        on_device = self._run_resident(module, hidden, routed, st, out, view.real_rows) if routed is not None else None
         fetched = False
         if on_device is None:  # anything but the steady state: group, schedule, load, compute
-            groups = self._group(plan, view.top_k_index, g.num_experts, st, routed)
+            groups = self._group(plan, view.top_k_index, g.num_experts, st, routed, view.real_rows)
             on_host = [x for x in groups if x.where == Where.CPU]
             on_device, staged = self._schedule(g.index, [x for x in groups if x.where == Where.GPU] if on_host else groups)
             if not staged:
@@ -258,11 +258,15 @@ class Engine(Loads):
             self._prefetch(view, {(g.index, e) for e in on_device})
         return out.result()
 
+    def _real(self, rows: int) -> torch.Tensor | None:
+        """[rows] bool: this prefill's requests' tokens (a batch's left padding not); None where every row is one."""
+        return self._real_rows if self._real_rows is not None and self._real_rows.numel() == rows else None
+
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> LayerView:
         """Routing and router logits on the host for the policy (one device-to-host sync)."""
         index, weights, logits = routing_to_host(top_k_index, top_k_weights, self._logits.pop(g.index, None))
         logits = logits if logits is not None else torch.empty(0)  # [T, E]
-        real = self._real_rows if self._real_rows is not None and self._real_rows.numel() == index.shape[0] else None
+        real = self._real(index.shape[0])
         if logits.numel() and self.residency.wants_scores():  # a score window's iteration (SMoE eq. 3)
             scores = self.policy.ctx.routers.scores(g.index, logits if real is None else logits[real])
             self.residency.observe(g.index, mean_scores(scores))
@@ -272,15 +276,15 @@ class Engine(Loads):
             predict=lambda later: self._predict(later, hidden), token_importance=self._importance, real_rows=real)
 
     def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats,
-               routed: Routed | None = None) -> list[Group]:
+               routed: Routed | None = None, real: torch.Tensor | None = None) -> list[Group]:
         return group_plan(plan, idx, num_experts, st, grouped=self.grouped, max_bits=self._max_bits,
-                          device=self.device, routed=routed)
+                          device=self.device, routed=routed, real=real)
 
     def _routed_rows(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int) -> Routed | None:
         return routed_rows(plan, idx, num_experts, self.device) if self.grouped else None
 
     def _run_resident(self, module: EngineExperts, hidden: torch.Tensor, routed: Routed, st: LayerStats,
-                      out: Combine) -> list[int] | None:
+                      out: Combine, real: torch.Tensor | None = None) -> list[int] | None:
         """The steady state whole: every routed expert resident at the plan's one precision. One
         grouped GEMM over the pool, no per-expert objects, nothing to load or wait for. Returns the
         experts it ran, or None (nothing done) where that does not hold: the general path runs."""
@@ -300,7 +304,8 @@ class Engine(Loads):
         n = len(slots)
         st.hits[bits] += n
         st.needed += n
-        st.precision_mix[bits] += routed.rows.pos.numel()
+        k = routed.rows.pos.numel() // hidden.shape[0]  # `routed` holds every slot, each a routed expert
+        st.precision_mix[bits] += routed.rows.pos.numel() if real is None else int(real.sum()) * k  # requests' rows
         if self.residency.tracks_use():
             self.residency.used(layer, [(e, bits, True) for e in routed.experts])
         starts = list(accumulate(routed.counts, initial=0))

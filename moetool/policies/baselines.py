@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from moetool.errors import MoetoolError, size_text
-from moetool.policies.base import EngineContext, Fetch, LayerView, Params, Policy, Pool, check_at_most, register
+from moetool.policies.base import (EngineContext, Fetch, LayerView, Params, Policy, Pool, check_at_most, register,
+                                   valid_slots)
 from moetool.policies.baselines_knobs import (ActivationPathPrefetchKnobs, LoadOnDemandKnobs, LRUCacheKnobs,
                                               ResidentKnobs, StaticKnobs)
 from moetool.policies.common import all_experts, check_eviction, counted, even_quota
@@ -99,7 +100,8 @@ class ActivationPathPrefetch(ActivationPathPrefetchKnobs, LRUCache):
         E = self.ctx.num_experts
         idx = counted(view, view.top_k_index)  # the requests' tokens: a batch's left padding co-activates nothing
         now = torch.zeros(idx.shape[0], E)  # [T, E] one-hot of this layer's experts
-        now.scatter_(1, idx.clamp(0, E - 1), 1.0)
+        # a slot the router dropped (-1, or E) runs no expert: it co-activates nothing
+        now.scatter_add_(1, idx.clamp(0, E - 1), valid_slots(idx, E).float()).clamp_(max=1.0)
         if self.prev is not None and i > 0:
             self.counts[i - 1] += self.prev.t() @ now  # co-activation of layer i-1 -> layer i
         self.prev = now

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moetool.bits import Bits
+from moetool.errors import MoetoolError
 from moetool.policies.base import (EngineContext, Fetch, Key, LayerPlan, LayerView, Params, Phase, Policy, Pool,
                                    ResidencyView, check_at_most, register)
 from moetool.policies import device
@@ -99,13 +100,14 @@ def ample(ctx: EngineContext) -> bool:
 def pool_split(ctx: EngineContext, L: int, p: float, cache_bits: int, low_bits: int) -> tuple[int, dict[int, int]]:
     """(INT2 slots, `cache_bits` slots per MoE layer) from the expert budget.
 
-    INT2 copies get 2 * ceil(p * E) slots (one layer's unpopular experts while the next layer's
-    arrive), at most half the budget; the rest is §4.4's cache_total, split shallow-favoring.
+    INT2 copies get 2 * floor(p * E) slots (one layer's unpopular experts while the next layer's
+    arrive: at most floor(p * M) <= floor(p * E) of its M active experts, `int2_experts`), at most half
+    the budget; the rest is §4.4's cache_total, split shallow-favoring.
     """
     budget, low_slots = ctx.cache_bytes, 0
     if p > 0 and low_bits != cache_bits:
         lo_bytes = ctx.expert_bytes[low_bits]
-        low_slots = max(0, min(2 * math.ceil(p * ctx.num_experts), budget // 2 // lo_bytes))
+        low_slots = max(0, min(2 * low_count(p, ctx.num_experts), budget // 2 // lo_bytes))
         budget -= low_slots * lo_bytes
     cache_total = budget // ctx.expert_bytes[cache_bits]  # §4.4 cache_total
     return low_slots, shallow_favoring(ctx.moe_layers, ctx.num_experts, L, cache_total)
@@ -123,12 +125,17 @@ def by_popularity(counts: torch.Tensor, tie: torch.Tensor | None = None) -> list
     return active[torch.sort(counts[active], descending=True, stable=True).indices].tolist()
 
 
+def low_count(p: float, active: int) -> int:
+    """How many of `active` experts §4.5 moves at INT2: floor(p * M) (see `int2_experts`)."""
+    return math.floor(p * active + 1e-9)
+
+
 def int2_experts(counts: torch.Tensor, p: float, tie: torch.Tensor | None = None) -> set[int]:
     """Fate §4.5: the least popular floor(p * M) of the M active experts, the tail of `by_popularity`
     (ties: the smaller `tie`, then the higher index). §4.5 names a share p of experts without a
     rounding; floor (ours) keeps the INT2 share at most p, the share whose loss its search bounds."""
     order = by_popularity(counts, tie)
-    n_low = math.floor(p * len(order) + 1e-9)
+    n_low = low_count(p, len(order))
     return set(order[len(order) - n_low:]) if n_low > 0 else set()
 
 
@@ -204,6 +211,16 @@ class Fate(FateKnobs, Policy):
             self.params = dataclasses.replace(self.params, cache_bits=int(Bits.BF16))
         params = self.params  # as clamped, and at the bits it caches
         self.int2 = params.p > 0 and params.low_bits != params.cache_bits and not self.unquantized
+        if self.int2 and low_count(params.p, ctx.num_experts) == 0:
+            # floor(p * M) of M <= E active experts is 0 for any M: p moves nothing, while an INT2 pool
+            # for it would take cache from the INT4 experts (the default on a model of < 4 experts)
+            why = (f"knob 'p' of policy 'fate' is {params.p:g}, but floor(p * M) of a layer's M <= {ctx.num_experts} "
+                   f"active experts is 0, so no expert would move at INT2 (§4.5; p >= {1 / ctx.num_experts:.3g} moves one).")
+            if params.p != type(params)().p:
+                raise MoetoolError(why)
+            self.clamped["p"] = why
+            self.params = params = dataclasses.replace(params, p=0.0)
+            self.int2 = False
         check_bits(self.name, ctx, params.cache_bits, *((params.low_bits,) if self.int2 else ()))
         self.low_slots, self.quota = pool_split(ctx, params.L, params.p if self.int2 else 0.0, params.cache_bits,
                                                 params.low_bits)
@@ -255,7 +272,7 @@ class Fate(FateKnobs, Policy):
         """
         E, cfg = view.num_experts, self.params
         plan = LayerPlan.routed(view, cfg.cache_bits)
-        if view.step.phase == Phase.DECODE or cfg.p <= 0 or cfg.low_bits == cfg.cache_bits:
+        if view.step.phase == Phase.DECODE or not self.int2:
             return plan
         # §4.5 moves the unpopular experts at INT2 whether or not the budget holds an INT2 pool
         # (low_slots = 0 at a budget under two INT2 experts: they then stream through staging).
