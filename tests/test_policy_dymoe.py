@@ -263,3 +263,21 @@ def test_the_cache_is_standard_lru_a_prefetched_copys_first_use_is_a_reference()
     assert [(v.layer, v.expert) for v in victims] == [(1, 2)]  # the least recently used
     # ARC (`--set eviction=arc`) counts a prefetch's admission only: its first use would put it in T2 at once
     assert all(p.prefetch_is_reference for p in make_policy("dymoe", {"eviction": "arc"}, ctx).pools())
+
+
+def test_a_batched_decode_ranks_each_token_as_if_decoded_alone():
+    """Eq. 5's t_l was taken over the union of a step's tokens and ranked by their summed weights: in 4/0
+    one token could lose every expert to its batch-mate's (its MoE output zero) while decoded alone it
+    kept its best. Each token is ranked alone now, in 4/0 and 4/2, as the captured step ranks it."""
+    ctx = make_ctx(layers=(0, 1, 2, 3), E=8, k=2)
+    idx, w = [[0, 1], [2, 3]], torch.tensor([[0.6, 0.4], [0.55, 0.45]])
+    for config in ("4/0", "4/2"):
+        pol = make_policy("dymoe", {"config": config, "lam": "0"}, ctx)
+        cache = FakeCache(pol.pools())
+        for pos in (1, 2):  # r = 0.75 (t = 2 of k = 2) and 0.25 (t = 1)
+            batched = pol.plan(make_view(idx, cache, layer=pos, pos=pos, weights=w))
+            alone = [pol.plan(make_view([idx[t]], cache, layer=pos, pos=pos, weights=w[t:t + 1])) for t in range(2)]
+            assert batched.where.tolist() == [a.where.tolist()[0] for a in alone], (config, pos)
+            assert batched.bits.tolist() == [a.bits.tolist()[0] for a in alone], (config, pos)
+        if config == "4/0":
+            assert batched.where.tolist() == [[int(Where.GPU), int(Where.SKIP)]] * 2  # pos 2: each keeps its best

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moetool.policies import make_policy
-from moetool.policies.base import Fetch, Where
+from moetool.policies.base import Fetch, Phase, Where
 from moetool.policies.eviction import EVICTIONS
 from moetool.policies.smoe import ScoreEviction
 from moetool.policies.smoe import cache_router, cpu_split, thresholds
@@ -358,3 +358,24 @@ def test_algorithm_2_weighs_a_cpu_expert_as_the_clock_charges_it(measured):
         assert pol.c_cpu_of(n) == pytest.approx(cost.c_cpu(n) + hw.copy_latency_s)
     if measured is None:
         assert pol.c_cpu_of(3) == pol.c_cpu_of(1)  # the read bounds it at low batch
+
+
+def test_a_batchs_left_padding_neither_substitutes_nor_is_substituted():
+    """Algorithm 1's C (top-score experts) was gathered over every row, a batch's pad rows included: a
+    pad row's top-score expert replaced a real token's low-score one, so a prompt's text depended on
+    how much padding its batch gave it. C is the requests' now; a pad row runs as routed."""
+    import dataclasses
+
+    ctx = make_ctx(layers=(0, 1), E=8, k=2)
+    pol = make_policy("smoe", {"alpha": "0.3", "cpu_assist": "false"}, ctx)
+    cache = FakeCache(pol.pools())  # nothing resident
+    pad = torch.tensor([0.02, 0.02, 0.02, 0.02, 0.02, 0.60, 0.28, 0.02])  # routes 5 (top-score), 6
+    real = torch.tensor([0.30, 0.20, 0.06, 0.06, 0.06, 0.18, 0.07, 0.07])  # routes 0, 1 (low-score); S_3 = e5's
+    alone = pol.plan(make_view([[0, 1]], cache, logits=real[None].log(), phase=Phase.PREFILL))
+    view = dataclasses.replace(make_view([[5, 6], [0, 1]], cache, logits=torch.stack([pad, real]).log(),
+                                         phase=Phase.PREFILL), real_rows=torch.tensor([False, True]))
+    batched = pol.plan(view)
+    assert alone.expert.tolist() == [[0, 1]]
+    assert batched.expert.tolist() == [[5, 6], [0, 1]]  # was [[5, 6], [0, 5]]: e5 was in C through the pad row
+    both = pol.plan(dataclasses.replace(view, real_rows=None))  # the same rows, both real: §VI-B's shared C
+    assert both.expert.tolist() == [[5, 6], [0, 5]]

@@ -74,6 +74,7 @@ def critical_experts(view: LayerView, r_l: float, hh_ratio: float) -> set[int]:
     (Fig. 8 ranks the activated experts by heavy-hitter load). So r = 1 keeps every selected expert
     critical, which is how Table 2's r = 1.0 column equals uniform Int4. Ties (often in prefill,
     where many experts get no heavy hitter) go to the larger token load, then to the larger weight.
+    The plan ranks a decode step per token (`critical_slots`); for one token the two agree.
     """
     E, idx = view.num_experts, counted(view, view.top_k_index)  # a batch's left padding is no request's
     load = popularity(idx, E).float()  # [E]
@@ -87,6 +88,20 @@ def critical_experts(view: LayerView, r_l: float, hh_ratio: float) -> set[int]:
     t = critical_count(r_l, len(selected))
     ranked = sorted(selected, key=lambda e: (-float(primary[e]), -float(load[e]), -float(weight[e]), e))
     return set(ranked[:t])
+
+
+def critical_slots(idx: torch.Tensor, weights: torch.Tensor, num_experts: int, r_l: float) -> torch.Tensor:
+    """[T, k] bool: each decode token's t_l critical slots (eq. 3 and 5), the token ranked on its own.
+
+    The paper decodes one token at a time (§1, batch size one): M is that token's k selected experts
+    and t_l = ceil(r_l M). A step decoding several sequences ranks each sequence's token alone (ours),
+    so a request keeps the experts it would keep decoded alone: pooling the batch's weights let one
+    token lose every expert in 4/0 to its batch-mates'. The captured step ranks the same way
+    (`plan_step`)."""
+    run = valid(idx, num_experts)  # [T, k]
+    k = idx.shape[1]
+    t_of = torch.tensor([critical_count(r_l, m) for m in range(k + 1)])  # eq. 5, per M
+    return run & (rank_in_token(weights, idx, run) < t_of[run.sum(1, keepdim=True)])
 
 
 # -- look-ahead prefetch (§4.4.1) ------------------------------------------------------------------
@@ -236,9 +251,14 @@ class DyMoE(DyMoEKnobs, Policy):
     def plan(self, view: LayerView) -> LayerPlan:
         """Critical experts at high bits; sub-critical at low bits (a resident high copy if any), or
         skipped in 4/0 (their routing weight dropped, the others' weights kept as the model gave them)."""
-        critical = critical_experts(view, self.schedule[view.moe_pos], self.params.hh_ratio)
         plan = LayerPlan.routed(view, self.high)
         valid = plan.running()  # [T, k]
+        r_l, per_slot = self.schedule[view.moe_pos], None
+        if view.step.phase == Phase.DECODE:  # each sequence's token ranked alone (`critical_slots`)
+            per_slot = critical_slots(view.top_k_index, view.top_k_weights, view.num_experts, r_l)
+            critical = set(view.top_k_index[per_slot].tolist())
+        else:  # the prompt's selected experts, ranked by heavy-hitter load (Fig. 8)
+            critical = critical_experts(view, r_l, self.params.hh_ratio)
         bits_of, skipped = {}, {}
         for e in routed_experts(plan.expert, valid):
             if e not in critical and self.low == 0:
@@ -251,6 +271,11 @@ class DyMoE(DyMoEKnobs, Policy):
         assign_by_expert(plan.bits, plan.expert, valid, bits_of)
         assign_by_expert(plan.weight, plan.expert, valid, skipped)
         assign_by_expert(plan.where, plan.expert, valid, {e: int(Where.SKIP) for e in skipped})
+        if per_slot is not None and self.low == 0:
+            # 4/0: a slot sub-critical for its own token is skipped, even where another token of the
+            # step has the same expert critical (it runs, at high bits, for that token only)
+            drop = valid & ~per_slot
+            plan.weight[drop], plan.where[drop] = 0, int(Where.SKIP)
         return plan
 
     def prefetch(self, view: LayerView) -> list[Fetch]:

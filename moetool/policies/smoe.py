@@ -258,7 +258,12 @@ class SMoE(SMoEKnobs, Policy):
             return plan  # no scores: run as routed
         scores = self.ctx.routers.scores(view.layer, view.router_logits)  # [T, E] (softmax for the paper's models)
         resident = torch.tensor([bits in view.residency.resident_bits(view.layer, e) for e in range(E)])  # [E]
-        plan.expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
+        real = view.real_rows
+        if real is None:
+            plan.expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
+        else:  # a batch's left padding is no request: it adds no top-score expert to C, and keeps its routing
+            plan.expert = view.top_k_index.clone()
+            plan.expert[real] = cache_router(scores[real], view.top_k_index[real], resident, self.params.alpha)
         if self.params.cpu_assist and self.c_load and self.c_cpu:
             self._assist(view, plan, scores, resident)
         return plan
@@ -282,10 +287,12 @@ class SMoE(SMoEKnobs, Policy):
         if not misses:
             return
         E = scores.shape[1]
-        best = torch.where(run, scores.gather(1, plan.expert.clamp(0, E - 1)), torch.zeros(()))  # [T, k]
-        score = {e: float(best[(plan.expert == e) & run].max()) for e in misses}
+        # ranked by, and costed for, the requests' tokens (an expert only a batch's padding routes: score 0)
+        mine = run if view.real_rows is None else run & view.real_rows[:, None]  # [T, k]
+        best = torch.where(mine, scores.gather(1, plan.expert.clamp(0, E - 1)), torch.zeros(()))  # [T, k]
+        score = {e: float(best[plan.expert == e].max()) for e in misses}
         misses.sort(key=lambda e: -score[e])
-        costs = [self.c_cpu_of(int(((plan.expert == e) & run).any(1).sum())) for e in misses]
+        costs = [self.c_cpu_of(int(((plan.expert == e) & mine).any(1).sum())) for e in misses]
         n_load = cpu_split(costs, self.c_load, self.params.cpu_rule)
         for e in misses[n_load:]:
             plan.where[(plan.expert == e) & run] = Where.CPU
