@@ -228,10 +228,16 @@ def check_task(config: Any, source: str) -> None:
     names = getattr(config, "architectures", None)
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         return
+    # transformers maps a few model types' bare model to a generation class (llama4's is
+    # Llama4ForConditionalGeneration, which has a head): only a name without a task is the bare model
     bare = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None))
     tasks = [next((t for end, t in _OTHER_TASKS.items() if n.endswith(end)),
-                  "the bare model, without a language-model head" if n == bare else None) for n in names]
+                  "the bare model, without a language-model head" if n == bare and not _TASK_SUFFIX.search(n)
+                  else None) for n in names]
     if all(tasks):
-        raise MoetoolError(f"'{source}' holds {quote(names[0])} (config.json's architectures), {tasks[0]}: its "
-                           "weights have no language-model head, and moetool runs causal language models (...ForCausalLM); give "
-                           "the model's causal-LM checkpoint.")
+        raise MoetoolError(f"'{source}' holds {quote(names[0])} (config.json's architectures), {tasks[0]}, and "
+                           "moetool runs causal language models (...ForCausalLM): give the model's causal-LM "
+                           "checkpoint.")
+
+
+_TASK_SUFFIX = re.compile(r"For[A-Z]\w*$")  # ...ForCausalLM, ...ForConditionalGeneration: a model with a task head

@@ -146,6 +146,12 @@ def test_a_causal_lm_outside_transformers_auto_mapping_runs_and_one_without_a_cl
         AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
         with pytest.raises(MoetoolError, match=f"'{model_type}' architecture: {why}"):
             load_model(tmp_path / model_type)
+    # Llama 4 as released: transformers maps its bare model to the release's class, which has a head; it
+    # was refused as "the bare model, without a language-model head" for a causal-LM checkpoint that
+    # does not exist, where the reason is its experts
+    AutoConfig.for_model("llama4", architectures=["Llama4ForConditionalGeneration"]).save_pretrained(tmp_path / "l4")
+    with pytest.raises(MoetoolError, match="'llama4_text' architecture: its experts are not a fused"):
+        load_model(tmp_path / "l4")
 
 
 @pytest.mark.parametrize("arch", sorted(RELEASES))
