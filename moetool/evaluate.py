@@ -95,6 +95,11 @@ class EvalConfig(EngineSpec):
         if self.task == PPL:
             if self.data is not None and not Path(self.data).is_file():
                 raise not_a_file(self.data, "--data")
+            if self.data is not None:  # binary, NUL or only whitespace: one sentence before anything loads
+                if Path(self.data).suffix.lower() == ".jsonl":  # its braces and keys were scored as the text
+                    raise MoetoolError(f"--data {self.data} is a JSON Lines file, and ppl scores running text: give "
+                                       "a text file (the documents one after another).")
+                read_text_file(Path(self.data), "--data")
             if self.context is not None and self.context < 2:
                 raise MoetoolError(f"--context must be at least 2 tokens, not {self.context}.")
             if self.num_fewshot is not None or self.include_path is not None:

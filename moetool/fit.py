@@ -83,12 +83,13 @@ class FitConfig(FitTargets):
         return dataclasses.replace(self.sweep, model=model, policy=policy, settings=settings, clock="sim")
 
 
-def cache_bytes(budget: str, info: ModelInfo) -> int:
-    """Device bytes left for experts, split as the engine splits a budget (`engine.budget.split_budget`)."""
+def cache_bytes(budget: str, info: ModelInfo, staged: tuple[int, ...] | None = None) -> int:
+    """Device bytes left for experts, split as the engine splits a budget (`engine.budget.split_budget`):
+    with staging for the precisions `staged` (a policy's, as its run stages them), else for every one."""
     from moetool.engine.budget import split_budget
 
     split = split_budget(budget, n_experts=len(info.moe_layers) * info.num_experts,
-                         expert_bytes=info.expert_bytes,
+                         expert_bytes=info.expert_bytes, staged=staged,
                          non_expert_bytes=info.non_expert_bytes, margin_bytes=info.kv_margin_bytes)
     return split.cache_bytes
 
@@ -109,7 +110,8 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
             runs.append((str(path), Run.load(Path(path), model=prof.model)))
         inputs[str(path)] = sha256_file(Path(path))
     shared = FitInputs(policy="", profile=prof, runs=tuple(runs), evals=tuple(evals), config=cfg,
-                       cache_bytes=cache_bytes(cfg.budget, prof.info) if cfg.budget else None, progress=progress)
+                       cache_bytes=cache_bytes(cfg.budget, prof.info) if cfg.budget else None, progress=progress,
+                       staged_cache=(lambda bits: cache_bytes(cfg.budget, prof.info, bits)) if cfg.budget else None)
     sweep = _Sweep(cfg, prof) if cfg.sweep is not None else None
     params: dict[str, dict[str, Any]] = {}
     ev: dict[str, Any] = {"warnings": [], "skipped": {}}

@@ -164,6 +164,9 @@ def _dataclass(tp: type, value: Any, path: str) -> Any:
 def _range(name: str, value: Any, path: str) -> Any:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return value
+    if isinstance(value, numbers.Integral) and abs(value) >= INT_END:  # no float holds it: arithmetic overflowed
+        raise SchemaError(path, f"is an integer of {len(str(abs(value)))} digits; nothing an artifact records "
+                                "is beyond 64 bits")
     if SHARE.search(name) and not 0.0 <= value <= 1.0:  # NaN fails this too
         raise SchemaError(path, f"is {_short(value)}; a share must lie in [0, 1]")
     if NEVER_NEGATIVE.search(name):
@@ -174,6 +177,9 @@ def _range(name: str, value: Any, path: str) -> Any:
         if name == "crc32" and value >= CRC32_END:
             raise SchemaError(path, f"is {_short(value)}, not a CRC-32 (below 2**32)")
     return value
+
+
+INT_END = 2**64  # sizes, counts, seeds and digests: every integer an artifact records is below it
 
 
 def check_named_number(name: str, value: Any, path: str) -> Any:

@@ -719,6 +719,21 @@ def test_whitespace_only_text_is_refused_like_an_empty_file(tiny_bundle, tmp_pat
     assert "holds no text" in line
 
 
+def test_eval_ppl_reads_its_text_before_the_model(tiny_bundle, tmp_path, monkeypatch):
+    """A binary --data was refused after the model had loaded (13 s on the demo)."""
+    import moetool.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "prepare", lambda *a, **k: pytest.fail("the model loaded"))
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(bytes(range(128, 256)))
+    line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--bundle", str(tiny_bundle), "--data", str(binary)]))
+    assert line.startswith(f"error: --data {binary} is not UTF-8 text")
+    lines = tmp_path / "docs.jsonl"  # its braces and keys were scored as text, without a word
+    lines.write_text('{"text": "one document"}\n{"text": "another"}\n')
+    line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--bundle", str(tiny_bundle), "--data", str(lines)]))
+    assert "is a JSON Lines file, and ppl scores running text" in line
+
+
 def test_decoding_through_a_kv_cache_uses_the_keyword_transformers_does_not_warn_about(tiny_ckpt):
     import warnings
 

@@ -10,7 +10,7 @@ from moetool.engine import build_engine, split_budget_for
 from moetool.engine.clock import CostModel, HwProfile, SimClock
 from moetool.engine.residency import Residency, State
 from moetool.engine.store import HostStore
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.model import load_model, load_reference
 from moetool.policies.base import Fetch, Phase, Pool
 from policy_fakes import make_ctx, residency_for
@@ -491,6 +491,23 @@ def test_a_batchs_left_padding_is_no_use_in_the_precision_mix(tiny_ckpt, policy,
     layers, k = len(lm.geometry.layers), lm.geometry.layers[0].top_k
     uses = (6 + 2 + 2 * 2) * layers * k  # the real prompt tokens, then two decode steps of both prompts
     assert sum(got.summary["precision_mix"].values()) == uses
+
+
+def test_a_budget_that_leaves_moe_layers_without_a_slot_says_so(tiny_ckpt):
+    """Under one expert a layer, an even split leaves the deepest MoE layers no slot: they load every
+    expert anew, and only Fate said so (its §4.4 note). Every policy's run says it now, once."""
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    store = HostStore.from_experts(lm.experts, torch.float32)
+    layers = [g.index for g in lm.geometry.layers]
+    engine, split = build_engine(lm, store, "lru", budget="15%", clock="sim")  # one slot of eight experts
+    assert engine.residency.pools[16].spec.quota == {layers[0]: 1, layers[1]: 0}
+    assert [n for n in engine.policy.notes if "no slot" in n] == [
+        f"the expert cache of {size_text(split.cache_bytes)} gives MoE layer {layers[1]} no slot, so it loads "
+        "every expert it runs anew; raise --budget for a slot a layer."]
+    fate, _ = build_engine(lm, store, "fate", settings={"cache_bits": "16", "p": "0"}, budget="15%", clock="sim")
+    assert sum("caches none" in n for n in fate.policy.notes) == 1 and not any("no slot" in n for n in fate.policy.notes)
+    roomy, _ = build_engine(lm, store, "lru", budget="50%", clock="sim")
+    assert not roomy.policy.notes
 
 
 def test_the_sim_clock_charges_a_cpu_expert_its_rows_round_trip(tiny_ckpt):

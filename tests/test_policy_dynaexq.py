@@ -174,3 +174,17 @@ def test_in_step_plan_decides_as_the_host_plan_on_edge_traces(config):
         want = [[hi if e == 2 else 0 if e == 4 else lo for e in row] for row in idx]  # 4: a dropped slot
         assert dev.bits.tolist() == want
         assert torch.where(host.running(), host.bits, 0).tolist() == want
+
+
+def test_a_budget_holding_no_expert_at_b_hi_says_the_run_is_static():
+    """n_hi derived as 0 (every expert fits at b_lo, none at b_hi) ran static INT4 with no word; only
+    the record's n_hi_used betrayed it. n_hi = 0 asked for is what was asked: no note."""
+    from policy_fakes import make_ctx
+
+    ctx = make_ctx(layers=(0, 1), E=8, k=2, cache_bytes=2 * 8 * 400 + 1500)  # all at INT4, under 2 x 1600
+    derived = make_policy("dynaexq", {}, ctx)
+    assert derived.n_hi == 0 and any("static INT4" in n for n in derived.notes)
+    asked = make_policy("dynaexq", {"n_hi": "0"}, ctx)
+    assert asked.n_hi == 0 and asked.notes == []
+    room = make_policy("dynaexq", {}, make_ctx(layers=(0, 1), E=8, k=2, cache_bytes=2 * 8 * 400 + 3200))
+    assert room.n_hi == 1 and room.notes == []

@@ -17,6 +17,8 @@ from moetool.profile import Profile, ProfileConfig, parse_what, profile
 from moetool.profile.routing import RoutingAccumulator, entropy, gini, jaccard, top_share
 from moetool.profile.trace import LayerTrace, Trace
 
+from helpers import one_error_line
+
 runner = CliRunner()
 SMALL = dict(data=("heldout", "general_knowledge"), seqs_per_data=2, seq_len=16, decode_tokens=3, ppl_tokens=32,
              ppl_seq_len=16, int2_shares=(0.0, 0.5), timing_steps=2)
@@ -291,3 +293,26 @@ def test_the_sensitivity_is_scored_on_the_text_ppl_data_names(tiny_ckpt, tmp_pat
     unused = runner.invoke(app, ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--what", "routing", "--ppl-data", str(code),
                                  "--out", str(tmp_path / "q.json")])
     assert unused.exit_code == 1 and "--ppl-data" in unused.output
+
+
+def test_a_ppl_data_file_is_read_before_the_model_and_a_short_one_is_said(tiny_ckpt, tmp_path, monkeypatch):
+    """A binary, NUL or blank --ppl-data was refused only after the whole profile (72-93 s on the demo),
+    in a sentence naming --data; a text far shorter than --ppl-tokens was scored without a word."""
+    import moetool.profile as stage
+
+    def loads(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(stage, "load_model", loads)
+    args = ["profile", "--model", str(tiny_ckpt("qwen2_moe")), "--what", "sensitivity", "--out", str(tmp_path / "p.json")]
+    for name, data, said in (("bin", bytes(range(128, 256)), "is not UTF-8 text"), ("nul", b"a\x00b", "NUL"),
+                             ("blank", b"  \n\t\n", "holds no text")):
+        (tmp_path / name).write_bytes(data)
+        line = one_error_line(runner.invoke(app, [*args, "--ppl-data", str(tmp_path / name)]))
+        assert line.startswith(f"error: --ppl-data {tmp_path / name}") and said in line, line
+    assert not (tmp_path / "p.json").exists()
+    monkeypatch.undo()
+    (tmp_path / "short.txt").write_text("a short text of a few words")
+    result = runner.invoke(app, [*args, "--ppl-data", str(tmp_path / "short.txt"), "--ppl-tokens", "256"])
+    assert result.exit_code == 0, result.output
+    assert "note: the sensitivity scored" in result.output and "not the 256 --ppl-tokens asked for" in result.output

@@ -152,6 +152,22 @@ def test_quality_table_keeps_a_column_per_text_a_task_was_measured_on(tmp_path):
     assert "| resident bits=16 | 8 | 79.8 | 42 | 50.5 |" in md, md
 
 
+def test_an_eval_of_a_generation_or_rolling_task_has_its_column(tmp_path):
+    """An lm-eval generation task (exact_match) or a rolling-loglikelihood one (word_perplexity) was left
+    out of every table without a word: only accuracies and perplexity were headline metrics."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    for name, metrics in (("gen", {"exact_match": 0.125}),
+                          ("roll", {"word_perplexity": 232.5, "byte_perplexity": 3.1, "bits_per_byte": 1.6}),
+                          ("own", {"my_score": 0.75, "my_score_stderr": 0.01})):
+        e = {**_ppl_eval("resident", {"bits": 16}, 0.0), "task": name, "metrics": metrics}
+        (d / f"{name}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| setting | expert cache MiB | gen | own | roll |" in md and "| resident bits=16 | 8 | 0.125 | 0.75 | 232.5 |" in md
+    assert "| resident bits=16 | roll word_perplexity | 232.5 |" in md and "| resident bits=16 | own my_score | 0.75 |" in md
+
+
 def test_trends_table_checks_each_claim_on_the_matching_settings(tmp_path):
     """Each claim compares the settings it names (matched on recorded knobs), and says met or not met."""
     d = tmp_path / "evals"
@@ -356,3 +372,27 @@ def test_evals_take_their_tpot_from_runs_of_one_clock_and_path(tmp_path):
     md = (tmp_path / "rep" / "summary.md").read_text()
     for pol in ("lru", "eap"):
         assert f"| {pol}.eval.json | b-{pol}-captured.run.json (sim/rtx3090, captured path) |" in md, md
+
+
+def test_a_link_loop_and_an_integer_past_64_bits_are_one_sentence(tmp_path):
+    """`report DIR` over a tree holding two links to each other (pathlib raises RuntimeError there on
+    Python 3.11) and over a run whose budget_bytes has 400 digits (a float overflow in the runs table)
+    ended in a traceback and "this is a bug in moetool"."""
+    from helpers import one_error_line
+
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    synthetic_run("lru", {}, 0.001).save(loop / "lru.run.json")
+    (loop / "b.run.json").symlink_to("a.run.json")
+    (loop / "a.run.json").symlink_to("b.run.json")
+    line = one_error_line(runner.invoke(app, ["report", str(loop), "--out", str(tmp_path / "r1")]))
+    assert "is a symbolic link that leads back to itself" in line and "run.json" in line
+    big = tmp_path / "big"
+    big.mkdir()
+    synthetic_run("lru", {}, 0.001).save(big / "x.run.json")
+    data = json.loads((big / "x.run.json").read_text())
+    data["budget_bytes"] = 10**400
+    (big / "x.run.json").write_text(json.dumps(data))
+    line = one_error_line(runner.invoke(app, ["report", str(big), "--out", str(tmp_path / "r2")]))
+    assert "budget_bytes is an integer of 401 digits" in line, line
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()

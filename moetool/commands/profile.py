@@ -93,6 +93,12 @@ def profile(
     if ppl_data not in TEXTS and not (Path(ppl_data).is_file() and Path(ppl_data).suffix.lower() != ".jsonl"):
         raise MoetoolError(f"--ppl-data {ppl_data} is neither a text file nor a text data set ({', '.join(TEXTS)}): the "
                            "sensitivity scores perplexity over running text.")
+    from moetool.datasets import read_text_file
+
+    # a file's text before anything loads (binary, NUL, only whitespace: refused after the whole profile)
+    for path, option in [*((f, "--data") for f in files if f.is_file()),
+                         *([(Path(ppl_data), "--ppl-data")] if ppl_data not in TEXTS else [])]:
+        read_text_file(path, option)
     parts = _split(what) or ("all",)
     if hw_out is not None and "timing" not in parts and "all" not in parts:  # it would not be written, unsaid
         raise MoetoolError(f"--hw-out {hw_out} is written from the timing part, which --what {','.join(parts)} leaves out; add "
@@ -133,6 +139,10 @@ def profile(
         atomic_write_bytes(hw_path, (json.dumps(result.hw, indent=1) + "\n").encode())
         err.print(f"hardware profile for `run --clock sim --hw {hw_path}` written", highlight=False)
     result.save(save)
+    if result.sensitivity is not None and result.sensitivity.tokens < ppl_tokens // 2:
+        err.print(f"note: the sensitivity scored {result.sensitivity.tokens:,} tokens of {ppl_data}, not the "
+                  f"{ppl_tokens:,} --ppl-tokens asked for (the text is that short): its perplexity changes are "
+                  "that much noisier; give a longer text.", highlight=False)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -19,15 +20,16 @@ from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
 from moetool.engine.runtime import EXPERTS_IMPLS, Engine  # noqa: F401 (API)
 from moetool.engine.store import HostStore
 from moetool.defaults import DEFAULT_HW
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, size_text
 from moetool.model import LoadedModel, available_memory
 from moetool.policies import POLICIES, make_policy
 from moetool.router_scores import score_rules
 from moetool.policies.knobs import Sizing, stale_fitted
-from moetool.policies.base import EngineContext
+from moetool.policies.base import EngineContext, Policy, bare_layers
 
 def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: int = PLAN_TOKENS, batch: int = 1,
-                     device: str | torch.device = "cpu", captured: bool = False) -> BudgetSplit:
+                     device: str | torch.device = "cpu", captured: bool = False,
+                     staged: tuple[int, ...] | None = None) -> BudgetSplit:
     """`12GiB` is the whole device budget; `25%` is the expert cache as a share of the 16-bit experts
     (the store's: bf16 from a bundle, the compute dtype from a checkpoint). On a
     GPU the margin also holds the GEMM libraries' workspaces (`device_workspace`); for the captured
@@ -41,7 +43,7 @@ def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: i
         margin += captured_workspace(lm.geometry.layers, store) + capture_workspace(torch.device(device))
     return split_budget(spec, n_experts=n_experts, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
                         non_expert_bytes=lm.non_expert_bytes(),
-                        margin_bytes=margin + device_workspace(torch.device(device)))
+                        margin_bytes=margin + device_workspace(torch.device(device)), staged=staged)
 
 
 def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, dict]:
@@ -118,7 +120,6 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
         torch.cuda.set_device(device)
     if captured:
         kernels, host_tiers = False, False
-    split = split_budget_for(budget, lm, store, max_tokens, batch, device, captured)
     cost, _ = cost_model(lm, store, hw)
     # What cost-aware policies read (Fate's n, SMoE's load-or-compute): the sim clock's machine, and on
     # the wall clock the machine the run is on. `--hw` names the sim clock's; left at its default on a
@@ -133,24 +134,49 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
             policy_cost, _ = cost_model(lm, store, matched)
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
                         num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
-                        expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=split.cache_bytes,
+                        expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=0,
                         available_bits=store.bits, hw=policy_cost.policy_view(captured), routers=score_rules(lm).place(device))
-    fitted, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, ctx)
+
+    def made(split: BudgetSplit) -> tuple[Policy, EngineContext, dict[str, str]]:
+        here = dataclasses.replace(ctx, cache_bytes=split.cache_bytes)
+        mine, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, here)
+        try:
+            return make_policy(policy, settings or {}, here, mine), here, dropped
+        except MoetoolError as e:
+            # a fitted knob this run cannot take (DynaExq's n_hi past what a cache within the sizing's
+            # tolerance holds): the policy's defaults run and the run says why; a refusal without the fit stands
+            if not mine:
+                raise
+            return (make_policy(policy, settings or {}, here, None), here,
+                    {**dropped, **{k: f"refused here: {str(e).rstrip('.')}" for k in mine}})
+
+    # Staging buffers for the precisions the policy loads, not every one the bundle stores (a 16-bit LRU
+    # over a 16/8/4/2 bundle left a third of its staging unused). Which those are can depend on the cache
+    # (Fate's unquantized cache where every expert fits), so the policy is made at the cache left
+    # without staging, then at the cache left by its own precisions' staging; every stored precision is
+    # staged where the second asks for one the first did not.
     try:
-        pol = make_policy(policy, settings or {}, ctx, fitted)
-    except MoetoolError as e:
-        # a fitted knob this run cannot take (DynaExq's n_hi past what a cache within the sizing's
-        # tolerance holds): the policy's defaults run and the run says why; a refusal without the fit stands
-        if not fitted:
-            raise
-        pol = make_policy(policy, settings or {}, ctx, None)
-        dropped = {**dropped, **{k: f"refused here: {str(e).rstrip('.')}" for k in fitted}}
+        staged = made(split_budget_for(budget, lm, store, max_tokens, batch, device, captured, staged=()))[0].bits_in_use()
+    except MoetoolError:  # refused even so: refused below with this run's own figures
+        staged = store.bits
+    split = split_budget_for(budget, lm, store, max_tokens, batch, device, captured, staged=staged)
+    pol, ctx, dropped = made(split)
+    if not set(pol.bits_in_use()) <= set(staged):
+        staged = store.bits
+        split = split_budget_for(budget, lm, store, max_tokens, batch, device, captured, staged=staged)
+        pol, ctx, dropped = made(split)
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
                              else host_budget, ring_slots=ctx.top_k, page_lock=device.type == "cuda")
+    bare = bare_layers(pol.pools(), ctx.moe_layers)
+    if bare and not pol.says_bare_layers:  # a budget under one expert a layer: the tail layers cache nothing
+        many = len(bare) > 1
+        pol.notes.append(f"the expert cache of {size_text(split.cache_bytes)} gives MoE layer{'s' if many else ''} "
+                         f"{', '.join(map(str, bare))} no slot, so {'they load' if many else 'it loads'} every expert "
+                         f"{'they run' if many else 'it runs'} anew; raise --budget for a slot a layer.")
     budget_tracker = Budget(split.total_bytes)
     budget_tracker.reserve(split.non_expert_bytes + split.margin_bytes, "non-expert weights and the KV margin")
-    residency = Residency(store, pol.pools(), budget_tracker, device)
+    residency = Residency(store, pol.pools(), budget_tracker, device, staged)
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
     foreign = 0
     if device.type == "cuda":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -171,16 +172,17 @@ def parse_budget(spec: str, option: str = "--budget") -> tuple[str, float]:
 
 
 def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non_expert_bytes: int,
-                 margin_bytes: int) -> BudgetSplit:
+                 margin_bytes: int, staged: Iterable[int] | None = None) -> BudgetSplit:
     """Split `spec` over non-expert weights, the KV/activation margin, staging and the expert cache.
 
     `expert_bytes` maps each stored precision to one expert's slot. Without a 16-bit copy the
-    reference is the highest precision scaled to 16 bits.
+    reference is the highest precision scaled to 16 bits. `staged`: the precisions given staging
+    buffers, the policy's (`Policy.bits_in_use`); None: every stored one.
     """
     top = max(expert_bytes)
     ref = n_experts * (expert_bytes[REFERENCE_BITS] if REFERENCE_BITS in expert_bytes
                        else expert_bytes[top] * REFERENCE_BITS // top)
-    staging = staging_bytes(expert_bytes)
+    staging = staging_bytes(expert_bytes if staged is None else {b: expert_bytes[b] for b in staged})
     fixed = non_expert_bytes + margin_bytes + staging
     kind, value = parse_budget(spec)
     if kind == "share":

@@ -67,11 +67,13 @@ class _PoolState:
 class Residency:
     """Implements the policies' read-only `CacheView`, admission (`make_room`), and the slot table."""
 
-    def __init__(self, store: HostStore, pools: list[Pool], budget: Budget, device: torch.device):
+    def __init__(self, store: HostStore, pools: list[Pool], budget: Budget, device: torch.device,
+                 staged: tuple[int, ...] | None = None):
+        """`staged`: the precisions given staging buffers (the policy's `bits_in_use`; None: every stored one)."""
         self.store, self.budget, self.device = store, budget, torch.device(device)
         self.staging: dict[int, torch.Tensor] = {}
         self._staging_next: dict[int, int] = {}
-        for bits in store.bits:
+        for bits in store.bits if staged is None else staged:
             n = STAGING_SLOTS * store.slot_bytes(bits)
             if not budget.try_reserve(n):
                 raise MoetoolError(f"the expert budget cannot hold even the {STAGING_SLOTS} staging buffers of "
@@ -244,6 +246,9 @@ class Residency:
         return handle, pool.slots[handle.slot]
 
     def staging_slot(self, bits: int) -> torch.Tensor:
+        if bits not in self.staging:  # a policy asked for a precision outside its `bits_in_use`
+            raise RuntimeError(f"no staging buffer for {bits}-bit experts: the policy's bits_in_use() "
+                               f"{tuple(self.staging)} leaves them out")
         i = self._staging_next[bits]
         self._staging_next[bits] = (i + 1) % STAGING_SLOTS
         return self.staging[bits][i]

@@ -86,6 +86,13 @@ class Pool:
     prefetch_is_reference: bool = True
 
 
+def bare_layers(pools: list[Pool], layers: tuple[int, ...]) -> list[int]:
+    """MoE layers no pool gives a slot (each per-layer quota 0): every expert they run is loaded anew."""
+    if any(p.slots > 0 and p.quota is None for p in pools):
+        return []  # a global pool serves every layer
+    return [layer for layer in layers if not any(p.slots > 0 and (p.quota or {}).get(layer, 0) > 0 for p in pools)]
+
+
 class ResidencyView(Protocol):
     """Read-only residency, as the engine sees it now."""
 
@@ -270,6 +277,9 @@ class Policy(Knobs):
         # what the run should say of how a knob ran (DyMoE's r reached in a step above it): recorded
         # under summary.policy_notes and printed after the work
         self.notes: list[str] = []
+        # whether `notes` already says which MoE layers the pools leave without a slot (Fate's §4.4
+        # note); otherwise the engine says it (`bare_layers`)
+        self.says_bare_layers = False
         if isinstance(getattr(params, "bits", None), int):
             check_bits(self.name, ctx, params.bits)
 

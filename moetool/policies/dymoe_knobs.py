@@ -133,7 +133,7 @@ class DyMoEKnobs(Knobs):
         §6.2's r = 0.75 without a budget. An `--r` given wins over the budget's."""
         info, cfg, out = inputs.profile.info, inputs.config, Fitted()
         high, low = cls.Params().high_bits, cls.Params().low_bits
-        r, how, cache, sized = cfg.r, "--r (target share of critical experts)", inputs.cache_bytes, {}
+        r, how, cache, sized = cfg.r, "--r (target share of critical experts)", inputs.cache_for((high, low)), {}
         sizable = cache is not None and all(b in info.expert_bytes for b in (high, low))
         if r is None and not sizable:
             why = "no --budget" if cache is None else f"the profile gives no size of a {high}- or {low}-bit expert"

@@ -121,6 +121,10 @@ class DynaExq(DynaExqKnobs, Policy):
         if params.n_hi > most:
             raise MoetoolError(f"policy 'dynaexq': n_hi={params.n_hi} does not fit the budget (at most {most}).")
         self.n_hi = most if params.n_hi < 0 else params.n_hi
+        if self.n_hi == 0 and params.n_hi < 0:  # derived, not asked for: the run is static b_lo, said
+            self.notes.append(f"DynaExq's budget holds every expert at {self.lo} bits and none at {self.hi} (n_hi = 0, "
+                              f"§3.1), so this run is static INT{self.lo}; one hot expert a layer at {self.hi} bits "
+                              f"takes {size_text(L * ctx.expert_bytes[self.hi])} more.")
         self.pos = {layer: i for i, layer in enumerate(ctx.moe_layers)}
         self.hotness = Hotness(L, E, params.ema, params.interval_tokens)
         self.target: dict[int, set[int]] = {layer: set() for layer in ctx.moe_layers}  # H_l

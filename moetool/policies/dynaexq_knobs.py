@@ -48,11 +48,14 @@ class DynaExqKnobs(Knobs):
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted:
         """n_hi (§3.1) for `--budget`, at the default tiers (16/4), as the policy derives it at start."""
-        info, budget, cache, out = inputs.profile.info, inputs.config.budget, inputs.cache_bytes, Fitted()
+        from moetool.engine.budget import staging_bytes
+
+        info, budget, out = inputs.profile.info, inputs.config.budget, Fitted()
+        hi, lo = cls.Params().b_hi, cls.Params().b_lo
+        cache = inputs.cache_for((hi, lo))  # a run stages these two precisions only
         if cache is None:
             out.skipped["n_hi"] = "needs --budget"
             return out
-        hi, lo = cls.Params().b_hi, cls.Params().b_lo
         L, E = len(info.moe_layers), info.num_experts
         n_hi = budget_n_hi(cache, L, E, info.expert_bytes[lo], info.expert_bytes[hi])
         if cache < L * E * info.expert_bytes[lo]:
@@ -61,7 +64,7 @@ class DynaExqKnobs(Knobs):
         out.evidence["n_hi"] = {"value": n_hi, "cache_bytes": cache, "b_hi": hi, "b_lo": lo,
                                 "expert_bytes": {str(b): n for b, n in info.expert_bytes.items()}, "reserved": {
                                     "non_expert": info.non_expert_bytes, "kv_margin": info.kv_margin_bytes,
-                                    "staging": info.staging_bytes},
+                                    "staging": staging_bytes({b: info.expert_bytes[b] for b in (hi, lo)})},
                                 "from": f"--budget {budget}, profile.info ({info.expert_bytes_source})",
                                 "sized_for": {"budget": budget, "cache_bytes": cache, "knobs": {"b_hi": hi, "b_lo": lo}},
                                 "rule": "DynaExq §3.1: (cache - L E b_lo) // b_hi // L, at most E"}

@@ -225,6 +225,7 @@ class Fate(FateKnobs, Policy):
         self.low_slots, self.quota = pool_split(ctx, params.L, params.p if self.int2 else 0.0, params.cache_bits,
                                                 params.low_bits)
         bare = [layer for layer in ctx.moe_layers if self.quota[layer] == 0]
+        self.says_bare_layers = True
         if bare:  # §4.4: "if memory resources are limited, Fate allocates expert cache space sequentially to the first L layers"
             many = len(bare) > 1
             self.notes.append(f"fate's cache of {sum(self.quota.values())} experts at {params.cache_bits} bits fills its first "

@@ -169,6 +169,16 @@ class FitInputs:
     # ("h2d_gbps", "copy_latency_s"): a knob fitted from them holds there (`knobs.Sizing`)
     sweep_sized: dict[str, Any] | None = None
     progress: Callable[[str, int, int], None] | None = None  # (part, done, total)
+    # the cache `--budget` leaves where only these precisions are staged, as a run of a policy that
+    # loads only them stages (`Policy.bits_in_use`); None: no budget
+    staged_cache: Callable[[tuple[int, ...]], int] | None = None
+
+    def cache_for(self, bits: tuple[int, ...]) -> int | None:
+        """The expert cache a run of a policy loading `bits` (stored ones) gets from `--budget`."""
+        if self.staged_cache is None:
+            return self.cache_bytes
+        stored = tuple(b for b in bits if b in self.profile.info.expert_bytes)
+        return self.staged_cache(stored)
 
 
 @dataclass
@@ -186,19 +196,32 @@ class Fitted:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
+# An eval's headline metric, in this order: accuracy, perplexity, then lm-eval's other usual ones
+# (generation tasks' exact_match, loglikelihood_rolling's word_perplexity), then its first number.
+_HEADLINES = ("accuracy", "acc", "acc_norm", "mean_accuracy", "perplexity", "ppl", "exact_match", "f1", "bleu",
+              "mcc", "word_perplexity", "byte_perplexity", "bits_per_byte")
+_LOWER_IS_BETTER = ("perplexity", "ppl", "bits_per_byte", "loss", "nll", "error", "ter")  # parts of a name
+
+
 def primary_metric(metrics: dict[str, Any]) -> tuple[str, float, bool] | None:
-    """(name, value, higher is better) of an eval's headline number: accuracy first, else perplexity."""
+    """(name, value, higher is better) of an eval's headline number (`_HEADLINES`), else its first number
+    that is no standard error (a task's own metric: a report leaves no eval out for its name); a name
+    that reads as a loss, perplexity or error is lower-better."""
     flat: dict[str, float] = {}
     for k, v in metrics.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             flat[k] = float(v)
         elif isinstance(v, dict):
-            flat.update({f"{k}.{kk}": float(vv) for kk, vv in v.items() if isinstance(vv, (int, float))})
-    for key in ("accuracy", "acc", "acc_norm", "mean_accuracy", "perplexity", "ppl"):
-        for name, value in flat.items():
-            if name == key or name.endswith("." + key):
-                return name, value, key not in ("perplexity", "ppl")
-    return None
+            flat.update({f"{k}.{kk}": float(vv) for kk, vv in v.items()
+                         if isinstance(vv, (int, float)) and not isinstance(vv, bool)})
+    pick = next((name for key in _HEADLINES for name in flat if name == key or name.endswith("." + key)), None)
+    if pick is None:
+        pick = next((name for name in flat if "stderr" not in name), None)
+    if pick is None:
+        return None
+    last = pick.rsplit(".", 1)[-1]
+    lower = last in _LOWER_IS_BETTER or "perplexity" in last or any(w in _LOWER_IS_BETTER for w in last.split("_"))
+    return pick, flat[pick], not lower
 
 
 def differences(settings: list[dict[str, str]]) -> str:

@@ -169,7 +169,8 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
         parts.update(_trace_parts(lm, cfg, what, data, tick))
     if "sensitivity" in what:
         seq_len = min(cfg.ppl_seq_len, cfg.ppl_tokens, limit or cfg.ppl_seq_len)  # windows within the model's context
-        chunks, inputs[f"data:{cfg.ppl_data}"] = load_sequences(lm, cfg.ppl_data, cfg.ppl_tokens // seq_len, seq_len)
+        chunks, inputs[f"data:{cfg.ppl_data}"] = load_sequences(lm, cfg.ppl_data, cfg.ppl_tokens // seq_len, seq_len,
+                                                                "--ppl-data")
         source = bundle or MemoryQuantizer(lm)
         name = f"bundle {cfg.bundle}" if bundle is not None else "hqq in memory (calibration-free)"
         parts["sensitivity"] = measure_sensitivity(

@@ -58,8 +58,9 @@ def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--da
     return seqs
 
 
-def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[list[torch.Tensor], str]:
-    """(`n` sequences [1, T] of `name`, sha256 of the data they come from)."""
+def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int,
+                   option: str = "--data") -> tuple[list[torch.Tensor], str]:
+    """(`n` sequences [1, T] of `name`, sha256 of the data they come from); `option` names where it was given."""
     if name in TEXTS:
         text = TEXTS[name]()
         return spread_chunks(_ids(lm, text), n, seq_len), hashlib.sha256(text.encode()).hexdigest()
@@ -69,8 +70,8 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int) -> tuple[li
         return _prompts(lm, prompts, n), hashlib.sha256("\n".join(prompts).encode()).hexdigest()
     path = Path(name)
     if not path.is_file():
-        raise MoetoolError(f"--data {name} is neither a file nor a known data set ({', '.join(known_names())}).")
-    text = datasets.read_text_file(path, "--data")
+        raise MoetoolError(f"{option} {name} is neither a file nor a known data set ({', '.join(known_names())}).")
+    text = datasets.read_text_file(path, option)
     sha = sha256_file(path)  # the file's, as every artifact records its inputs (a BOM or UTF-16 is not the text's)
     if path.suffix.lower() == ".jsonl":
         prompts = datasets.parse_prompt_lines(text, path)
