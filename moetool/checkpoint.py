@@ -173,6 +173,21 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def looped_layers(config: Any) -> tuple[range, int]:
+    """(the decoder layers a token runs more than once, how many times each): a looped model's core
+    (Inkling2-Loop's `loop_layer_index_start` .. `_end`, `loop_num_passes` passes), else (range(0), 1).
+    Its forward appends a cache layer per extra pass of each looped layer, and calls their MoE blocks
+    once a pass."""
+    cfg = text_config(config)
+    passes, start, end = (getattr(cfg, n, None) for n in ("loop_num_passes", "loop_layer_index_start",
+                                                           "loop_layer_index_end"))
+    layers = getattr(cfg, "num_hidden_layers", 0) or 0
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (passes, start, end)) or passes < 2:
+        return range(0), 1
+    core = range(max(0, start), min(end, layers))
+    return (core, passes) if len(core) else (range(0), 1)
+
+
 def _expert_count(config: Any) -> int:
     text = text_config(config)
     return next(getattr(text, n) for n in _EXPERT_COUNT if isinstance(getattr(text, n, None), int))

@@ -407,6 +407,37 @@ def test_mixed_head_sizes_plan_their_kv_per_layer_and_decode_as_transformers(tmp
     assert engine.stats.summary()["peak_device_bytes"] <= plan.total_bytes
 
 
+@pytest.mark.parametrize("swa", [False, True])
+def test_the_kv_margin_counts_the_cache_layers_a_looped_model_builds(tmp_path, swa):
+    """Inkling2-Loop runs its core layers once a pass and appends a cache layer per extra pass; its
+    sliding layers may have KV heads and head sizes of their own (swa_*). The margin counted one
+    cache layer a decoder layer, at the global shape: half the default config's KV. Checked against
+    the cache transformers fills; the captured step, which logs one pass a MoE layer, is refused."""
+    from transformers import DynamicCache
+
+    from moetool.engine.budget import ACTIVATION_MARGIN, kv_margin
+    from moetool.engine.decode import unavailable
+    from moetool.profile import ProfileConfig, profile
+    from tiny import save_tiny
+
+    extra = dict(swa_num_key_value_heads=1, swa_head_dim=16) if swa else {}
+    path = save_tiny("inkling2_loop_text", tmp_path / "loop", num_hidden_layers=4, n_layers_per_attn_res_block=1,
+                     loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=3, **extra)
+    ref = load_reference(path)
+    cache = DynamicCache(config=ref.config)
+    ref(IDS[:1], past_key_values=cache, use_cache=True)
+    held = sum(layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]
+               for layer in cache.layers)  # K and V values per token
+    assert len(cache.layers) == 4 + 2 * 2
+    assert (kv_margin(ref.config, 10, 1, torch.float32) - ACTIVATION_MARGIN) // 10 == held * 4
+    lm = load_model(path)
+    engine, _ = build_engine(lm, HostStore.from_experts(lm.experts, torch.float32), "lru", budget="100%", captured=True)
+    assert "runs decoder layers 1-2 3 times a token (a looped model)" in unavailable(engine)
+    with pytest.raises(MoetoolError, match="runs MoE layer 1 more than once a token"):
+        profile(ProfileConfig(model=str(path), what=("routing",), data=("heldout",), seqs_per_data=1, seq_len=8,
+                              decode_tokens=1))
+
+
 def test_a_router_with_a_skip_class_that_reads_batched_states_serves_every_look_ahead_policy(tmp_path):
     """ZAYA's router scores E + 1 classes (a skip expert after the real ones), reads [B, T, H] and
     takes a state from the layer before: policies read E scores, and the look-ahead calls it batched."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moetool.checkpoint import text_config
+from moetool.checkpoint import looped_layers, text_config
 from moetool.engine.store import REFERENCE_BITS
 from moetool.errors import MoetoolError, size_text
 
@@ -59,7 +59,7 @@ def kv_margin(config: Any, max_tokens: int, batch: int, dtype: torch.dtype, top_
     """
     cfg = text_config(config)
     item = torch.empty((), dtype=dtype).element_size()
-    kv = sum(2 * _kv_heads(c) * _head_dim(c) for c in _layer_configs(cfg))  # K and V values per token
+    kv = sum(2 * heads * dim for heads, dim in _kv_shapes(cfg))  # K and V values per token
     per_token = kv * item + top_k * cfg.hidden_size * item
     return per_token * max_tokens * batch + ACTIVATION_MARGIN
 
@@ -73,6 +73,21 @@ def _layer_configs(cfg: Any) -> list[Any]:
     except (AttributeError, TypeError):
         views = []
     return views or [cfg] * cfg.num_hidden_layers
+
+
+def _kv_shapes(cfg: Any) -> list[tuple[int, int]]:
+    """(KV heads, head size) of each cache layer the model builds: a sliding layer's own where the
+    config gives them apart (Inkling2's `swa_num_key_value_heads`, `swa_head_dim`), and a looped
+    model's extra cache layers, one per extra pass of each looped layer (`looped_layers`)."""
+    types = getattr(cfg, "layer_types", None)
+    shapes = []
+    for i, c in enumerate(_layer_configs(cfg)):
+        sliding = isinstance(types, (list, tuple)) and i < len(types) and "sliding" in str(types[i])
+        heads = getattr(c, "swa_num_key_value_heads", None) if sliding else None
+        dim = getattr(c, "swa_head_dim", None) if sliding else None
+        shapes.append((heads if isinstance(heads, int) else _kv_heads(c), dim if isinstance(dim, int) else _head_dim(c)))
+    core, passes = looped_layers(cfg)
+    return shapes + [shapes[i] for i in core if i < len(shapes)] * (passes - 1)
 
 
 def _kv_heads(c: Any) -> int:

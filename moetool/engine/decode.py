@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from moetool.checkpoint import looped_layers
 from moetool.defaults import DECODE_PATHS as PATHS
 from moetool.engine.captured import CapturedLayers, held_for_life
 from moetool.engine.mirror import host_mirrors
@@ -69,6 +70,10 @@ def unavailable(engine: Any) -> str | None:
     reason = engine.policy.captured_unsupported()
     if reason:
         return reason
+    core, passes = looped_layers(engine.lm.model.config)
+    if len(core):  # the step's log holds one row a MoE layer: the other passes' counts and bookkeeping lost
+        return (f"the model runs decoder layers {core.start}-{core.stop - 1} {passes} times a token (a looped model), "
+                "and the captured step logs one pass a MoE layer")
     if engine.device.type == "cuda":
         from moetool.engine.zero_copy import unavailable as zero_copy_unavailable
 

@@ -115,7 +115,17 @@ class Tracer:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _put(self, kind: str, layer: int, t: torch.Tensor) -> None:
+        self._once(kind, layer)
         self._step.setdefault(kind, {})[layer] = t.detach().float().cpu()
+
+    def _once(self, kind: str, layer: int) -> None:
+        """A trace holds one routing per layer and forward: a model that runs a MoE layer twice in one
+        forward (Inkling2-Loop's looped layers) would keep the last pass alone, and its routing,
+        similarity and prefetch recall would describe a model that does not loop."""
+        if layer in self._step.get(kind, {}):
+            raise MoetoolError(f"the model runs MoE layer {layer} more than once a token (a looped model), and the "
+                               "profile's routing, similarity and prefetch parts trace one pass a layer: profile it "
+                               "with --what sensitivity,timing.")
 
     def _keep_input(self, kind: str, layer: int):
         def hook(module, args, kwargs):
@@ -143,6 +153,7 @@ class Tracer:
         def hook(module, args, kwargs):
             if self.recording:
                 idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                self._once("top_k", layer)
                 self._step.setdefault("top_k", {})[layer] = idx.detach().long().cpu()  # [T, k]
         return hook
 
