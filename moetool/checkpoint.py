@@ -64,6 +64,15 @@ def causal_lm_class(config: Any) -> type[nn.Module]:
     several = "text_config" in getattr(config, "sub_configs", {})  # Qwen3-VL-MoE, GLM-4.5V, ERNIE-4.5-VL
     what = ("a model of several parts (text_config among them) whose text transformers loads as no causal LM"
             if several else "transformers has no causal-LM class for it")
+    text = config.get_text_config() if several else None
+    if text is not None and text is not config:
+        try:
+            causal_lm_class(text)  # Aria's, MiniMax-M3-VL's: the text model alone is one moetool runs
+            what = (f"transformers loads this release of several parts as no causal LM, though its text model "
+                    f"('{getattr(text, 'model_type', '?')}') is one: save that alone (its text_config as config.json, "
+                    "its language-model weights) and give it")
+        except MoetoolError:
+            pass
     raise MoetoolError(f"moetool does not support the '{getattr(config, 'model_type', '?')}' architecture: {what} "
                        "(moetool runs causal language models; docs/models.md lists them).")
 

@@ -142,7 +142,9 @@ def test_a_causal_lm_outside_transformers_auto_mapping_runs_and_one_without_a_cl
     assert type(config) not in AutoModelForCausalLM._model_mapping
     assert causal_lm_class(config).__name__ == "Mistral4ForCausalLM"
     for model_type, why in (("qwen3_vl_moe", r"a model of several parts \(text_config among them\) whose text transformers loads as no causal LM"),
-                            ("openai_privacy_filter", "transformers has no causal-LM class for it")):
+                            ("openai_privacy_filter", "transformers has no causal-LM class for it"),
+                            ("aria", r"transformers loads this release of several parts as no causal LM, though its "
+                                     r"text model \('aria_text'\) is one: save that alone")):
         AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
         with pytest.raises(MoetoolError, match=f"'{model_type}' architecture: {why}"):
             load_model(tmp_path / model_type)
