@@ -343,9 +343,14 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
 
 
 def _sweep_table(sweeps: list[tuple[Path, Sweep]]) -> str:
-    """The cells of `moetool sweep` indexes that left no artifact, each with its one-sentence reason."""
+    """The cells of `moetool sweep` indexes that left no artifact, each with its one-sentence reason; a
+    cell the index calls done whose artifact is gone from the sweep's directory too (deleted, or the
+    directory copied in part), which would otherwise be missing from the tables without a word."""
     rows = [[str(path.parent), name, c.get("status"), str(c.get("reason") or "-").replace("|", "\\|")]
             for path, s in sweeps for name, c in s.cells.items() if c.get("status") != "done"]
+    rows += [[str(path.parent), name, "done, artifact missing", f"{c['artifact']} is not in {path.parent}"]
+             for path, s in sweeps for name, c in s.cells.items()
+             if c.get("status") == "done" and c.get("artifact") and not (path.parent / c["artifact"]).is_file()]
     if not rows:
         return ""
     return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows)

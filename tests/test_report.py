@@ -396,3 +396,36 @@ def test_a_link_loop_and_an_integer_past_64_bits_are_one_sentence(tmp_path):
     line = one_error_line(runner.invoke(app, ["report", str(big), "--out", str(tmp_path / "r2")]))
     assert "budget_bytes is an integer of 401 digits" in line, line
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_a_done_sweep_cell_whose_artifact_is_gone_is_named(tmp_path):
+    """A cell the sweep index calls done, its artifact deleted (or the directory copied in part), was
+    missing from every table without a word: the sweeps table listed only cells not done."""
+    from moetool.sweep import Sweep
+
+    d = tmp_path / "sw"
+    d.mkdir()
+    synthetic_run("lru", {}, 0.001).save(d / "lru_budget=25pct.run.json")
+    cells = {name: {"status": "done", "artifact": f"{name}.run.json"} for name in ("lru_budget=25pct", "lru_budget=50pct")}
+    Sweep(model=FP, inputs={}, stage="run", grid={"policy": ["lru"], "budget": ["25%", "50%"]},
+          cells=cells).save(d / "sweep.json")
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "## Sweep cells without an artifact" in md
+    assert f"| lru_budget=50pct | done, artifact missing | lru_budget=50pct.run.json is not in {d} |" in md, md
+    assert "lru_budget=25pct |" not in md.split("## Sweep cells without an artifact")[1]
+
+
+def test_a_ppl_limit_past_the_texts_end_is_the_same_measurement_as_none(tmp_path):
+    """`eval ppl --limit 99999999999999999999` read the whole text, as an eval with no limit does, and the
+    report gave each its own column ("..., 99999999999999999999 tokens") with one number twice."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    windows = [{"start": 0, "tokens": 127, "nll": 1.0}, {"start": 128, "tokens": 40, "nll": 1.0}]  # 169 tokens read
+    for i, (policy, limit) in enumerate((("resident", None), ("lru", 10**20), ("static", 100))):
+        e = {**_ppl_eval(policy, {"bits": 16}, 12.5 + i), "options": {"data": "t.txt", "context": 128, "limit": limit},
+             "samples": {"ppl": windows if limit != 100 else [{"start": 0, "tokens": 99, "nll": 1.0}]}}
+        (d / f"e{i}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| setting | expert cache MiB | ppl (t.txt, context 128) | ppl (t.txt, context 128, 100 tokens) |" in md, md

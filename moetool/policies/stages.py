@@ -288,7 +288,15 @@ def ppl_measurement(e: dict) -> tuple:
     whether it was scored a token at a time (`report` gives each its own column)."""
     o, inputs = e.get("options") or {}, e.get("inputs") or {}
     data = str(o.get("data", ""))
-    return (Path(data).name, inputs.get(data, ""), o.get("context"), o.get("limit"), bool(o.get("stepwise")))
+    limit = o.get("limit")
+    windows = [w for w in ((e.get("samples") or {}).get("ppl") or []) if isinstance(w, dict)]
+    try:  # a limit past the text's end read the whole text: one measurement with the eval given none
+        read = max(int(w["start"]) + int(w["tokens"]) + 1 for w in windows) if windows else None
+    except (KeyError, TypeError, ValueError):
+        read = None
+    if isinstance(limit, int) and read is not None and read < limit:
+        limit = None
+    return (Path(data).name, inputs.get(data, ""), o.get("context"), limit, bool(o.get("stepwise")))
 
 
 def _weights(e: dict) -> tuple:
