@@ -331,7 +331,8 @@ def read_json(path: Path, limit: int = ARTIFACT_BYTES, what: str = "") -> Any:
     raw = read_bytes(path, limit, what)
     name = f"{what} {path}".strip()
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_one_value_a_key)
+        # "utf-8-sig": an editor's byte-order mark before the JSON (RFC 8259 lets a reader ignore it)
+        return json.loads(raw.decode("utf-8-sig"), object_pairs_hook=_one_value_a_key)
     except _RepeatedKey as e:  # json keeps the last silently: a hand edit that turned a run's policy
         raise MoetoolError(f"{name} gives the key {_text(e.key)!r} twice in one object; it is not one moetool wrote "
                            "(keep one of them).") from None

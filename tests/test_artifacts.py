@@ -102,6 +102,14 @@ def test_invalid_json_and_missing_file(tmp_path):
         CheckReport.load(tmp_path / "none.json")
 
 
+def test_an_artifact_saved_by_an_editor_with_a_byte_order_mark_reads(tmp_path):
+    """Notepad's UTF-8 BOM before the JSON was "not valid JSON (JSONDecodeError at 0)"."""
+    from moetool.artifacts import read_json
+
+    (tmp_path / "a.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"schema": "run", "n": 1}).encode())
+    assert read_json(tmp_path / "a.json") == {"schema": "run", "n": 1}
+
+
 def test_atomic_write_leaves_old_file_and_no_temp_on_failure(tmp_path, monkeypatch):
     target = tmp_path / "a.json"
     target.write_text("old")
