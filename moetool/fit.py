@@ -102,19 +102,24 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
     cfg.check()
     prof = Profile.load(Path(cfg.profile))
     inputs = {str(cfg.profile): sha256_file(Path(cfg.profile))}
-    runs, evals = [], []
+    runs, evals, first, again = [], [], {}, []
     for path in cfg.runs:
+        sha = sha256_file(Path(path))
+        if sha in first:  # one artifact given twice (or a copy of it) is one measurement, not a second point
+            again.append(f"{path} is the same artifact as {first[sha]}; it is read once.")
+            continue
+        first[sha] = path
         if _schema(Path(path)) == "eval":
             evals.append((str(path), Eval.load(Path(path), model=prof.model)))
         else:
             runs.append((str(path), Run.load(Path(path), model=prof.model)))
-        inputs[str(path)] = sha256_file(Path(path))
+        inputs[str(path)] = sha
     shared = FitInputs(policy="", profile=prof, runs=tuple(runs), evals=tuple(evals), config=cfg,
                        cache_bytes=cache_bytes(cfg.budget, prof.info) if cfg.budget else None, progress=progress,
                        staged_cache=(lambda bits: cache_bytes(cfg.budget, prof.info, bits)) if cfg.budget else None)
     sweep = _Sweep(cfg, prof) if cfg.sweep is not None else None
     params: dict[str, dict[str, Any]] = {}
-    ev: dict[str, Any] = {"warnings": [], "skipped": {}}
+    ev: dict[str, Any] = {"warnings": list(again), "skipped": {}}
     if cfg.budget and not cfg.budget.strip().endswith("%") and shared.cache_bytes is not None:
         from moetool.engine.budget import PLAN_TOKENS
 

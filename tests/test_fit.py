@@ -503,3 +503,38 @@ def test_a_knob_fitted_for_a_size_budget_holds_for_the_cache_it_left():
     shares = {"n_hi": Sizing("25%", 1000, {"b_hi": 16, "b_lo": 4})}  # a share: the same share of the experts
     assert stale_fitted(POLICIES["dynaexq"], {}, fitted, shares, lambda b: True, "25%", cache_bytes=5000) == {}
 
+
+
+def test_fate_evals_at_two_expert_caches_fit_no_p(tmp_path):
+    """Fate's INT4 cache holds more experts at a larger budget, and a held expert runs at INT4, not INT2:
+    at one p the demo scored 33.609 at 25% and 33.545 at 50%. p = 0 at 25% beside p = 0.25 at 50% fitted
+    p from that difference, without a word."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    evals = []
+    for p, ppl, cache in ((0.0, 33.545, 8 << 20), (0.25, 33.545, 16 << 20)):
+        e = dataclasses.replace(synthetic_eval("fate", {"p": p}, {"ppl": ppl}), task="ppl",
+                                budget={"cache_bytes": cache})
+        evals.append(e.save(tmp_path / f"fate{p}.eval.json"))
+    result = fit(FitConfig(profile=prof, runs=tuple(evals), max_loss=0.001))
+    assert "p" not in result.params.get("fate", {})
+    assert f"expert cache {8 << 20} B / expert cache {16 << 20} B" in result.evidence["skipped"]["fate.p"]
+    same = [dataclasses.replace(synthetic_eval("fate", {"p": p}, {"ppl": v}), task="ppl",
+                                budget={"cache_bytes": 8 << 20}).save(tmp_path / f"same{p}.eval.json")
+            for p, v in ((0.0, 33.545), (0.25, 33.609))]
+    assert fit(FitConfig(profile=prof, runs=tuple(same), max_loss=0.001)).params["fate"]["p"] == 0.0
+
+
+def test_one_run_given_twice_is_one_point_of_t_alpha(tmp_path):
+    """SMoE's T(alpha) took a run given twice (or a copy of it) as two points: the curve weighted and its
+    degree's fit looking better than it is. It is read once, and said."""
+    import shutil
+
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    runs = [synthetic_run("smoe", {"alpha": a}, t).save(tmp_path / f"smoe{a}.run.json")
+            for a, t in ((0.0, 0.010), (0.2, 0.008), (0.4, 0.007))]
+    copy = shutil.copy(runs[1], tmp_path / "copy.run.json")
+    once = fit(FitConfig(profile=prof, runs=tuple(runs), target_tpot=0.009))
+    twice = fit(FitConfig(profile=prof, runs=(*runs, runs[1], copy), target_tpot=0.009))
+    assert twice.evidence["smoe"]["alpha"]["points"] == once.evidence["smoe"]["alpha"]["points"]
+    assert twice.params["smoe"] == once.params["smoe"]
+    assert f"{copy} is the same artifact as {runs[1]}; it is read once." in twice.evidence["warnings"]

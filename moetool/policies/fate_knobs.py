@@ -205,10 +205,15 @@ class FateKnobs(Knobs):
 
 
 def _eval_setting(e: Any, metric: str) -> dict[str, str]:
-    """What a fate eval's quality depends on besides p: its task, metric, text and scoring, and the
-    precisions of §4.5 (cache_bits, low_bits). L, n, the percentile, the eviction and the prefetcher
-    move experts sooner or later, not at another precision; the budget and the clock change its speed."""
+    """What a fate eval's quality depends on besides p: its task, metric, text and scoring, the
+    precisions of §4.5 (cache_bits, low_bits) and the expert cache: an expert the INT4 cache holds runs
+    at INT4, not INT2, so a larger cache moves fewer experts at INT2 (at one p, 25% and 50% of the demo
+    scored 33.609 and 33.545). L, n, the percentile, the eviction and the prefetcher move experts sooner
+    or later, not at another precision; the clock changes its speed."""
     knobs = {k: f"{k}={e.params.get(k)!r}" for k in ("cache_bits", "low_bits")}
+    cache = (getattr(e, "budget", None) or {}).get("cache_bytes")
+    if cache is not None:
+        knobs["cache"] = f"expert cache {cache} B"
     scoring = {k: f"{k}={e.options.get(k)!r}" for k in ("data", "limit", "num_fewshot", "context", "stepwise")}
     # the text's content, not only its path: a file rewritten between two evals is another text
     text = (e.inputs or {}).get(str(e.options.get("data")))
