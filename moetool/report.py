@@ -295,15 +295,25 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
     "agree" is the share of questions answered like `resident` (the exact model) on the same
     questions: a paired measure that still separates policies when accuracy sits near chance.
     """
+    paths = {id(e): p for p, e in evals}
     scored = [e for _, e in evals if primary_metric(e.get("metrics", {}))]
     columns = _measures(scored)
     tasks = sorted(set(columns.values()))
     if not tasks:
         return ""
+    # bf16 against fp32 moves a perplexity by tenths of a percent: where both were scored, each its own row
+    dtypes = len({e.get("dtype", "float32") for e in scored}) > 1
     rows: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
+    again: list[str] = []
     for e in scored:
         cache = int((e.get("budget") or {}).get("cache_bytes") or 0)  # total budgets differ by the KV margin
-        rows[setting_label(e.get("policy", "?"), e.get("params") or {}), cache][columns[id(e)]] = e
+        label = setting_label(e.get("policy", "?"), e.get("params") or {})
+        label += f" ({e.get('dtype', 'float32')})" if dtypes else ""
+        held = rows[label, cache].get(columns[id(e)])
+        if held is not None:  # one cell, two evals: the table shows one, and says which
+            again.append(f"`{paths[id(held)].name}` and `{paths[id(e)].name}` ({label}, {columns[id(e)]}: "
+                         f"the table shows the second)")
+        rows[label, cache][columns[id(e)]] = e
     ref = {t: _choices(e) for (label, _), by_task in rows.items() if label.startswith("resident")
            for t, e in by_task.items()}
     with_err = {columns[id(e)] for e in scored if e.get("stderr")}
@@ -323,8 +333,9 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
                 shared = [k for k in mine if k in ref[t]]
                 cells.append(sum(mine[k] == ref[t][k] for k in shared) / len(shared) if shared else None)
         body.append(cells)
+    note = ("\nEvals of one setting and measure: " + "; ".join(again) + ".\n") if again else ""
     return ("\n## Quality under each setting\n\nOne row per policy, knobs and budget; \"agree w/ resident\" is the "
-            "share of the same questions answered as the exact model answers them.\n\n" + _table(heads, body))
+            "share of the same questions answered as the exact model answers them.\n\n" + _table(heads, body) + note)
 
 
 def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:

@@ -429,3 +429,17 @@ def test_a_ppl_limit_past_the_texts_end_is_the_same_measurement_as_none(tmp_path
     report([d], tmp_path / "rep")
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| setting | expert cache MiB | ppl (t.txt, context 128) | ppl (t.txt, context 128, 100 tokens) |" in md, md
+
+
+def test_two_evals_of_one_cell_are_said_and_dtypes_kept_apart(tmp_path):
+    """Two evals of one setting and measure became one cell showing one of them, without a word; a bf16
+    and an fp32 eval of one setting shared a row."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    for name, ppl, dtype in (("a", 12.5, "float32"), ("b", 12.6, "float32"), ("c", 12.9, "bfloat16")):
+        (d / f"{name}.eval.json").write_text(json.dumps({**_ppl_eval("lru", {"bits": 16}, ppl), "dtype": dtype}))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| lru bits=16 (bfloat16) | 8 | 12.9 |" in md and "| lru bits=16 (float32) | 8 | 12.6 |" in md, md
+    assert "Evals of one setting and measure: `a.eval.json` and `b.eval.json` (lru bits=16 (float32), ppl: the " \
+           "table shows the second)." in md, md
