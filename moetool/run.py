@@ -86,9 +86,11 @@ def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Te
             ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
         return ids, mask
     tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    if tok.pad_token is None and len(prompts) > 1:
+        # a pad row is masked out, so any token pads it: end-of-sequence where the tokenizer has one (as
+        # generate pads), else the vocabulary's first (a tokenizer with neither was a traceback)
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
+    enc = tok(prompts, return_tensors="pt", padding=len(prompts) > 1)
     check_ids(enc.input_ids, tok, vocab_size(lm.model))  # the pad token's id too: it is embedded as well
     empty = (enc.attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
     if empty:  # text the tokenizer maps to no token at all (RunConfig.check refuses blank prompts)

@@ -524,6 +524,29 @@ def test_a_batchs_left_padding_is_no_use_in_the_precision_mix(tiny_ckpt, policy,
     assert sum(got.summary["precision_mix"].values()) == uses
 
 
+def test_a_tokenizer_with_neither_pad_nor_eos_token_runs_one_prompt_and_pads_a_batch(tmp_path):
+    """`run` padded even a single prompt, with the end-of-sequence token as pad: a tokenizer with neither
+    was transformers' "Asking to pad but the tokenizer does not have a padding token" traceback. A batch
+    pads with the vocabulary's first token (the mask hides it): each prompt decodes its tokens alone."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moetool.run import RunConfig, run
+    from tiny import save_tiny
+
+    path = save_tiny("qwen2_moe", tmp_path / "m")
+    vocab = {"<unk>": 0, **{chr(i): i - 31 for i in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    prompts = ("Hello", "A longer prompt here")
+    alone = [run(RunConfig(model=str(path), policy="resident", budget="100%", clock="sim", prompts=(p,),
+                           max_new_tokens=3)).tokens[0] for p in prompts]
+    batched = run(RunConfig(model=str(path), policy="resident", budget="100%", clock="sim", prompts=prompts,
+                            max_new_tokens=3, batch_size=2))
+    assert batched.tokens == alone
+
+
 def test_a_budget_that_leaves_moe_layers_without_a_slot_says_so(tiny_ckpt):
     """Under one expert a layer, an even split leaves the deepest MoE layers no slot: they load every
     expert anew, and only Fate said so (its §4.4 note). Every policy's run says it now, once."""
