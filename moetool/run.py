@@ -116,6 +116,7 @@ class Prepared:
     max_tokens: int = PLAN_TOKENS
     batch: int = 1
     host_budget: int | None = None
+    captured_refusal: str | None = None  # why an engine planned for the captured step could not be built
 
 
 def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = PLAN_TOKENS,
@@ -150,10 +151,22 @@ def build(ready: Prepared, captured: bool = False) -> Prepared:
     if ready.engine is not None:
         ready.engine.close()
     spec = ready.spec
-    ready.engine, ready.budget = build_engine(
-        ready.lm, ready.store, spec.policy, settings=spec.settings, fitted=ready.fitted, budget=spec.budget,
-        clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=ready.max_tokens, batch=ready.batch,
-        host_budget=ready.host_budget, experts_impl=spec.experts_impl, captured=captured, fit_sizing=ready.fit_sizing)
+
+    def engine(captured: bool) -> tuple[Any, BudgetSplit]:
+        return build_engine(
+            ready.lm, ready.store, spec.policy, settings=spec.settings, fitted=ready.fitted, budget=spec.budget,
+            clock=spec.clock, hw=spec.hw, device=spec.device, max_tokens=ready.max_tokens, batch=ready.batch,
+            host_budget=ready.host_budget, experts_impl=spec.experts_impl, captured=captured,
+            fit_sizing=ready.fit_sizing)
+
+    ready.captured_refusal = None
+    if captured:
+        try:
+            ready.engine, ready.budget = engine(True)
+            return ready
+        except MoetoolError as e:  # the step's workspace past a tight budget, say: the host path may still run
+            ready.captured_refusal = str(e).rstrip(".")
+    ready.engine, ready.budget = engine(False)  # its own refusal, where the host path cannot run either
     return ready
 
 
@@ -228,9 +241,14 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
     prompts = list(cfg.prompts)
     batch = min(cfg.batch_size, len(prompts))
     path, reason = choose_path(cfg.decode, torch.device(cfg.device), batch, cfg.experts_impl)
+    if path == "captured" and cfg.max_new_tokens < 2:  # compiled (minutes on a real model) and never run
+        path, reason = "host", "one new token is the prefill's: there is no decode step to capture"
     ready = prepare(cfg, max_tokens=lambda lm: _sequence_tokens(lm, prompts, cfg.max_new_tokens), batch=batch,
                     captured=path == "captured")
     ready.engine.decode_info = {"path": "host", "path_reason": reason}
+    if path == "captured" and ready.captured_refusal is not None:
+        ready.engine.decode_info["path_reason"] = f"the captured step fell back: {ready.captured_refusal}"
+        path = "host"
     program = _program(ready, reason, asked=cfg.decode == "captured") if path == "captured" else None
     lm = ready.lm
     tokens: list[list[int]] = []

@@ -245,6 +245,28 @@ def test_a_policy_without_an_in_step_plan_falls_back_in_the_open(tiny_ckpt):
         assert len(result.tokens) == 2 and all(len(t) == 3 for t in result.tokens)
 
 
+def test_a_budget_the_host_path_holds_and_the_captured_step_does_not_falls_back(tiny_ckpt):
+    """The captured step plans its gather workspace beside the KV margin: a size budget between the two
+    minimums ran on the host path and was refused with --decode captured (and would be with auto on a
+    GPU), where anything the step cannot take falls back in the open."""
+    from moetool.engine import split_budget_for
+    from moetool.run import RunConfig, _sequence_tokens, run
+
+    path = tiny_ckpt("qwen2_moe")
+    lm = load_model(path)
+    store = HostStore.from_experts(lm.experts, torch.float32)
+    tokens = _sequence_tokens(lm, ["ab"], 3)
+    host, captured = (split_budget_for("0%", lm, store, tokens, 1, "cpu", c).total_bytes for c in (False, True))
+    assert host < captured
+    got = run(RunConfig(model=str(path), policy="lru", budget=f"{(host + captured) // 2}b", decode="captured",
+                        prompts=("ab",), max_new_tokens=3, clock="sim"))
+    assert got.summary["path"] == "host" and got.summary["path_reason"].startswith("the captured step fell back: --budget")
+    assert got.budget_bytes == (host + captured) // 2 and len(got.tokens[0]) == 3
+    one = run(RunConfig(model=str(path), policy="lru", budget="50%", decode="captured", prompts=("ab",),
+                        max_new_tokens=1, clock="sim"))  # the step was compiled, and never ran
+    assert one.summary["path"] == "host" and "no decode step to capture" in one.summary["path_reason"]
+
+
 def test_run_records_the_captured_path_and_its_tokens_equal_the_host_paths(tiny_ckpt):
     from moetool.run import RunConfig, run
 

@@ -207,7 +207,7 @@ def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non
         total = int(value)
         cache = total - fixed
         if cache < 0:
-            raise MoetoolError(f"--budget {spec} is below the minimum of {size_text(fixed)} (non-expert weights "
+            raise MoetoolError(f"--budget {spec} is below the minimum of {size_text(fixed)} ({fixed:,} B: non-expert weights "
                                f"{size_text(non_expert_bytes)} + KV/activation margin {size_text(margin_bytes)} "
                                f"+ staging {size_text(staging)}).")
     return BudgetSplit(total_bytes=total, non_expert_bytes=non_expert_bytes, margin_bytes=margin_bytes,
