@@ -417,6 +417,7 @@ def test_the_kv_margin_counts_the_cache_layers_a_looped_model_builds(tmp_path, s
 
     from moetool.engine.budget import ACTIVATION_MARGIN, kv_margin
     from moetool.engine.decode import unavailable
+    from moetool.inference import with_cache
     from moetool.profile import ProfileConfig, profile
     from tiny import save_tiny
 
@@ -425,7 +426,7 @@ def test_the_kv_margin_counts_the_cache_layers_a_looped_model_builds(tmp_path, s
                      loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=3, **extra)
     ref = load_reference(path)
     cache = DynamicCache(config=ref.config)
-    ref(IDS[:1], past_key_values=cache, use_cache=True)
+    ref(IDS[:1], use_cache=True, **with_cache(ref, cache))
     held = sum(layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]
                for layer in cache.layers)  # K and V values per token
     assert len(cache.layers) == 4 + 2 * 2
