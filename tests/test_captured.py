@@ -267,6 +267,18 @@ def test_a_budget_the_host_path_holds_and_the_captured_step_does_not_falls_back(
     assert one.summary["path"] == "host" and "no decode step to capture" in one.summary["path_reason"]
 
 
+def test_a_model_that_refuses_a_static_cache_is_said_to_at_its_first_step(tiny_ckpt):
+    """MiniMax's model refuses transformers' StaticCache in the step's first, uncompiled run: the reason
+    said "compiling the decode step failed", sending a reader to the compiler."""
+    from moetool.run import RunConfig, run
+
+    got = run(RunConfig(model=str(tiny_ckpt("minimax")), policy="lru", budget="50%", decode="captured",
+                        prompts=("ab",), max_new_tokens=3, clock="sim"))
+    assert got.summary["path"] == "host"
+    assert got.summary["path_reason"].startswith("the captured step fell back: running the decode step once, "
+                                                 "uncompiled, over transformers' StaticCache failed (ValueError: MiniMax")
+
+
 def test_run_records_the_captured_path_and_its_tokens_equal_the_host_paths(tiny_ckpt):
     from moetool.run import RunConfig, run
 

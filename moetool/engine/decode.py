@@ -169,7 +169,7 @@ class DecodeProgram:
         self.steps = 0  # decode steps run, over every prompt
         self.zero_copy_bytes = 0
         engine.captured = self.layers
-        self._stage = "compiling the decode step"
+        self._stage = "running the decode step once, uncompiled, over transformers' StaticCache"
 
     def _check_plan(self) -> None:
         """The step gathers each routed expert's blob (and, where it may miss, its host row) and
@@ -204,6 +204,7 @@ class DecodeProgram:
         try:
             with torch.no_grad():
                 self._step()  # eager: initializes the cache, and any error here is the model's, not the compiler's
+                self._stage = "compiling the decode step"
                 self.compiled = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False,
                                               backend=backend or "inductor")
                 self.compiled()
