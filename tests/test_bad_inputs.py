@@ -210,6 +210,8 @@ def test_an_empty_precision_list_is_refused(tmp_path):
     ("fate", "n", "-5", "cannot be negative"),
     ("smoe", "alpha", "nan", "must be a finite number"),
     ("lru", "bits", "x", "takes an int"),
+    ("lru", "bits", "1_6", "takes an int, not '1_6'"),  # Python's digit grouping read it as 16
+    ("smoe", "alpha", "0_3", "takes a float"),
 ])
 def test_a_knob_out_of_range_is_refused_naming_it(policy, key, value, says):
     with pytest.raises(MoetoolError, match=says) as info:

@@ -277,6 +277,8 @@ def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
                 raise ValueError(raw)
             return raw.lower() in ("1", "true", "yes")
+        if "_" in raw and name in ("int", "float"):  # Python's digit grouping: `bits=1_6` is no 16 a user meant
+            raise ValueError(raw)
         if name == "int":
             return int(raw)
         if name == "float":
