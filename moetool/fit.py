@@ -104,15 +104,14 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
     inputs = {str(cfg.profile): sha256_file(Path(cfg.profile))}
     runs, evals, first, again = [], [], {}, []
     for path in cfg.runs:
+        # loaded first: a directory or an unreadable file is its one sentence
+        art = (Eval if _schema(Path(path)) == "eval" else Run).load(Path(path), model=prof.model)
         sha = sha256_file(Path(path))
         if sha in first:  # one artifact given twice (or a copy of it) is one measurement, not a second point
             again.append(f"{path} is the same artifact as {first[sha]}; it is read once.")
             continue
         first[sha] = path
-        if _schema(Path(path)) == "eval":
-            evals.append((str(path), Eval.load(Path(path), model=prof.model)))
-        else:
-            runs.append((str(path), Run.load(Path(path), model=prof.model)))
+        (evals if isinstance(art, Eval) else runs).append((str(path), art))
         inputs[str(path)] = sha
     shared = FitInputs(policy="", profile=prof, runs=tuple(runs), evals=tuple(evals), config=cfg,
                        cache_bytes=cache_bytes(cfg.budget, prof.info) if cfg.budget else None, progress=progress,

@@ -215,7 +215,7 @@ def test_staged_misses_beyond_two_buffers_stay_correct(tiny_ckpt):
 def test_budget_below_non_expert_weights_names_the_minimum(tiny_ckpt):
     lm = load_model(tiny_ckpt("qwen2_moe"))
     store = HostStore.from_experts(lm.experts, torch.float32)
-    with pytest.raises(MoetoolError, match=r"below the minimum of [0-9.]+ MiB \(non-expert weights"):
+    with pytest.raises(MoetoolError, match=r"below the minimum of [0-9.]+ MiB \([0-9,]+ B: non-expert weights"):
         split_budget_for("10KiB", lm, store)
     p = split_budget_for("25%", lm, store)
     assert p.cache_bytes == int(0.25 * p.expert_bytes_reference)
