@@ -391,8 +391,10 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
                     raise _stopped(stopped) from None
                 if (failed := out_of_memory(e)) is not None:  # the machine's limit, not a bug
                     raise _fail(memory_sentence(failed)) from None
-                if (loop := symlink_loop(e)) is not None:  # a path given, not a bug
-                    raise _fail(loop) from None
+                if type(e) is RuntimeError and (loop := re.fullmatch(r"Symlink loop from '(.*)'", str(e))):
+                    # pathlib's resolve() of a link loop on Python < 3.13 (3.13 raises ELOOP): a path given
+                    raise _fail(f"{loop.group(1)} is a symlink that leads back to itself (a loop); give another "
+                                "path.") from None
                 _show(held)
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
                 raise _fail(BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG) from None
@@ -413,16 +415,6 @@ def _show(held: list[warnings.WarningMessage]) -> None:
         if reader_gone():
             pipe_closed()
         raise
-
-
-def symlink_loop(e: BaseException) -> str | None:
-    """One sentence for pathlib's `resolve()` on a link that leads back to itself: Python 3.11 and
-    3.12 raise RuntimeError("Symlink loop from '<path>'") where 3.13 raises OSError (ELOOP, said by
-    `os_sentence`). Any path a command resolves can be one (`report DIR` over a copied tree)."""
-    found = re.fullmatch(r"Symlink loop from '(.*)'", str(e)) if type(e) is RuntimeError else None
-    if found is None:
-        return None
-    return f"{found.group(1)} is a symbolic link that leads back to itself; replace it with the file it stands for."
 
 
 def _raised_in_transformers(e: BaseException) -> bool:

@@ -4,9 +4,9 @@ then misses; one grouped GEMM per precision and batch, or one expert at a time w
 every expert resident at its one precision) skips the per-expert steps: `_run_resident`; a policy
 that never reads the routing (resident, static) skips the host entirely: `device_layers`.
 
-`Engine` owns the host store, the residency, the copier, the clock, the stats and the policy, and
-installs an `EngineExperts` module in every MoE block. Hooks on the model's forward delimit steps,
-so plain `model.generate` (or lm-eval) drives the engine unchanged.
+`Engine` owns the host store, the residency, the copier, the clock, the stats and the policy, and installs
+an `EngineExperts` module in every MoE block. Hooks on the model's forward delimit steps, so plain
+`model.generate` (or lm-eval) drives the engine unchanged.
 
     engine = Engine(lm, store, policy, residency, clock, cost, device=torch.device("cpu"))
     lm.model.generate(ids, max_new_tokens=8, do_sample=False); engine.stats.summary()
@@ -103,9 +103,8 @@ class Engine(Loads):
         self.device_layers = DeviceLayers(self.weights, policy.precisions()[0], not policy.host_routing and
                                           self.grouped and not self.simulated and not self.kernel_layers)
         self._install()
-        # (layer, bits) -> the block's activation, where low-bit experts run through the fused Triton
-        # kernels on CUDA at decode sizes (`moetool.kernels`, slots read as stored); the reference
-        # precision keeps grouped_mm, bit for bit transformers'.
+        # (layer, bits) -> the block's activation, where low-bit experts run through the fused Triton kernels on
+        # CUDA at decode sizes (`moetool.kernels`, slots as stored); the reference keeps grouped_mm, bit for bit.
         self.triton_layers: dict[tuple[int, int], Any] = {}
         if self.device.type == "cuda":  # the kernels' tuned configs (either decode path) refused now, not mid-run
             from moetool.kernels.config import check_tuned
@@ -228,7 +227,7 @@ class Engine(Loads):
         plan = self.policy.plan(view)
         weight = plan.routing_weight().to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
         out = Combine(hidden, weight, grouped=self.grouped)
-        routed = self._routed_rows(plan, view.top_k_index, g.num_experts)
+        routed = routed_rows(plan, view.top_k_index, g.num_experts, self.device) if self.grouped else None
         on_device = self._run_resident(module, hidden, routed, st, out, view.real_rows) if routed is not None else None
         fetched = False
         if on_device is None:  # anything but the steady state: group, schedule, load, compute
@@ -258,8 +257,7 @@ class Engine(Loads):
             self._prefetch(view, {(g.index, e) for e in on_device})
         return out.result()
 
-    def _real(self, rows: int) -> torch.Tensor | None:
-        """[rows] bool: this prefill's requests' tokens (a batch's left padding not); None where every row is one."""
+    def _real(self, rows: int) -> torch.Tensor | None:  # [rows] bool: this prefill's requests' tokens, not pads
         return self._real_rows if self._real_rows is not None and self._real_rows.numel() == rows else None
 
     def _view(self, g: MoeLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> LayerView:
@@ -279,9 +277,6 @@ class Engine(Loads):
                routed: Routed | None = None, real: torch.Tensor | None = None) -> list[Group]:
         return group_plan(plan, idx, num_experts, st, grouped=self.grouped, max_bits=self._max_bits,
                           device=self.device, routed=routed, real=real)
-
-    def _routed_rows(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int) -> Routed | None:
-        return routed_rows(plan, idx, num_experts, self.device) if self.grouped else None
 
     def _run_resident(self, module: EngineExperts, hidden: torch.Tensor, routed: Routed, st: LayerStats,
                       out: Combine, real: torch.Tensor | None = None) -> list[int] | None:
@@ -304,8 +299,8 @@ class Engine(Loads):
         n = len(slots)
         st.hits[bits] += n
         st.needed += n
-        k = routed.rows.pos.numel() // hidden.shape[0]  # `routed` holds every slot, each a routed expert
-        st.precision_mix[bits] += routed.rows.pos.numel() if real is None else int(real.sum()) * k  # requests' rows
+        k = routed.rows.pos.numel() // hidden.shape[0]  # every slot routed: k a row, of the requests' rows
+        st.precision_mix[bits] += k * (hidden.shape[0] if real is None else int(real.sum()))
         if self.residency.tracks_use():
             self.residency.used(layer, [(e, bits, True) for e in routed.experts])
         starts = list(accumulate(routed.counts, initial=0))
