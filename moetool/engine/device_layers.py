@@ -23,7 +23,8 @@ class DeviceLayers:
     def __init__(self, weights: PoolWeights, bits: int, enabled: bool):
         self.weights, self.bits, self.enabled = weights, bits, enabled
         self.stacks: dict[int, ExpertStack | None] = {}  # layer -> its experts in expert order, or None
-        self.routed: list[tuple[LayerStats, torch.Tensor]] = []  # this step's layers: experts routed (device)
+        # this step's layers: tokens per expert [E] (device), and the requests' uses where a batch has padding
+        self.routed: list[tuple[LayerStats, torch.Tensor, torch.Tensor | None]] = []
 
     def run(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             st: LayerStats, real: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -32,9 +33,10 @@ class DeviceLayers:
         stack = self.stacks.get(module.layer.index)
         if stack is None:
             return None
-        out, routed = routed_on_device(module, hidden, top_k_index, top_k_weights, stack)
-        uses = counted_uses(top_k_index, stack.gate_up.shape[0], real).sum()  # a device scalar, read at end_step
-        self.routed.append((st, torch.stack((routed, uses))))
+        out, counts = routed_on_device(module, hidden, top_k_index, top_k_weights, stack)
+        # no op of its own in a decode step: the counts sum to the routed slots (histc drops -1 and E)
+        padded = None if real is None else counted_uses(top_k_index, stack.gate_up.shape[0], real).sum()
+        self.routed.append((st, counts, padded))
         return out
 
     def learn(self, layer: int, num_experts: int) -> None:
@@ -46,10 +48,11 @@ class DeviceLayers:
     def end_step(self) -> None:
         """Count the experts the device-side layers ran (as hits): one read a step, not one a layer."""
         if self.routed:
-            for (st, _), (n, uses) in zip(self.routed, torch.stack([r for _, r in self.routed]).tolist()):
+            for (st, _, padded), counts in zip(self.routed, torch.stack([c for _, c, _ in self.routed]).tolist()):
+                n = sum(c > 0 for c in counts)
                 st.hits[self.bits] += n
                 st.needed += n
-                st.precision_mix[self.bits] += uses
+                st.precision_mix[self.bits] += int(sum(counts)) if padded is None else int(padded)
             self.routed.clear()
 
 
@@ -58,8 +61,8 @@ def routed_on_device(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     """A layer whose experts are all resident, as transformers' `grouped_mm` experts forward computes
     it (same sort, offsets, GEMMs, weighting and sum: bit for bit), over `stack` (the layer's experts
     in expert order, views of the pool). The routing never leaves the device, so the host queues
-    the next layer without waiting. Returns the output [T, H] and the number of experts routed (a
-    device scalar, read once per step for the stats)."""
+    the next layer without waiting. Returns the output [T, H] and the tokens routed to each expert
+    ([E] on the device, read once per step for the stats)."""
     k, E = top_k_index.shape[-1], stack.gate_up.shape[0]
     T, H = hidden.shape
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
@@ -78,4 +81,4 @@ def routed_on_device(module: nn.Module, hidden: torch.Tensor, top_k_index: torch
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    return y[inverse].view(T, k, H).sum(dim=1).to(hidden.dtype), (counts > 0).sum()
+    return y[inverse].view(T, k, H).sum(dim=1).to(hidden.dtype), counts
