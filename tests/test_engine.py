@@ -242,6 +242,23 @@ def test_sim_clock_overlap_arithmetic_on_a_hand_made_timeline():
     assert clock.end_step() == pytest.approx(2.0)
 
 
+def test_a_blob_staged_through_the_ring_pays_the_host_copy_before_its_transfer():
+    """A blob outside the pinned tier is first copied on the host into a staging-ring slot (read and
+    written at the host's memory bandwidth), so its transfer starts only after that, on the cpu
+    timeline; a pinned blob's transfer starts at once."""
+    hw = HwProfile(name="t", h2d_gbps=1.0, gpu_tflops=1.0, gpu_mem_gbps=1.0, cpu_tflops=1.0, cpu_mem_gbps=4.0,
+                   kernel_s=0.0, copy_latency_s=0.0)
+    cost = CostModel(hw=hw, expert_bytes={16: 10**9}, expert_flops_per_token=0.0, reference_bytes=0,
+                     dense_bytes_per_layer=0.0, dense_flops_per_token_per_layer=0.0)
+    clock = SimClock(cost)
+    clock.begin_step()
+    assert clock.copy(10**9, staged=True) == pytest.approx(0.5 + 1.0)  # 2 GB of memcpy at 4 GB/s, then the link
+    assert clock.cpu_free == pytest.approx(0.5)
+    assert clock.copy(10**9) == pytest.approx(2.5)  # pinned: queued behind the first on the link only
+    assert clock.copy(10**9, staged=True) == pytest.approx(3.5)  # its memcpy (0.5 to 1.0) hid behind the link
+    assert clock.cpu_free == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("policy,budget", [("resident", "100%"), ("lru", "25%"), ("lod", "10%")])
 def test_wide_top_k_batches_match_transformers_bit_for_bit(tmp_path, policy, budget, impl):

@@ -270,6 +270,27 @@ def test_host_tiers_pin_within_the_budget_stage_the_rest_and_stay_exact(bf16_bun
         assert torch.equal(got, plain.lm.model(IDS).logits)
 
 
+def test_the_sim_clock_charges_what_the_ring_stages_and_nothing_else(bf16_bundles):
+    """The same run on the simulated clock with every blob pinned and with most blobs staged through
+    the ring: the same bytes cross the link, and the staged run takes longer by at most every staged
+    blob's host copy (some of it hides behind the link), and by more than nothing."""
+    _, bundle = bf16_bundles("mixtral")
+    lm = load_bundle_model(bundle)
+    blob = HostStore.from_bundle(lm.bundle, torch.float32).slot_bytes(16)
+    seen = {}
+    for host_budget in (1 << 30, 2 * blob + 3 * blob):
+        store = HostStore.from_bundle(lm.bundle, torch.float32)
+        engine, _ = build_engine(lm, store, "lod", clock="sim", hw="rtx3090", host_tiers=True, host_budget=host_budget)
+        with torch.no_grad():
+            lm.model(IDS)
+        s = engine.stats.summary()
+        seen[host_budget] = (engine.clock.now, s["bytes_h2d"], store.host_stats()["host_staged_bytes"], engine.cost)
+        engine.close()
+    (t_pinned, moved, none, _), (t_staged, moved_staged, staged, cost) = seen.values()
+    assert none == 0 and staged > 0 and moved_staged == moved
+    assert 0 < t_staged - t_pinned <= cost.t_host_copy(staged) * (1 + 1e-9)
+
+
 def test_host_tiers_pin_only_the_precisions_the_policy_uses(tiny_ckpt, tmp_path):
     quantize(QuantizeConfig(model=str(tiny_ckpt("qwen2_moe")), out=tmp_path / "b", bits=(16, 4, 2)))
     lm = load_bundle_model(tmp_path / "b")

@@ -136,6 +136,10 @@ class CostModel:
     def t_copy(self, nbytes: int) -> float:
         return nbytes / (self.hw.h2d_gbps * 1e9) + self.hw.copy_latency_s
 
+    def t_host_copy(self, nbytes: int) -> float:
+        """A host memcpy of `nbytes` (a blob into the staging ring): read and written, so twice the bytes."""
+        return 2 * nbytes / (self.hw.cpu_mem_gbps * 1e9)
+
     def c_cpu(self, tokens: int) -> float:
         """One expert on the host CPU at the reference precision (SMoE's C_CPU)."""
         if self.hw.c_cpu_s is not None:
@@ -196,9 +200,13 @@ class SimClock:
     def compute(self, seconds: float) -> None:
         self.now += seconds
 
-    def copy(self, nbytes: int) -> float:
-        """Enqueue a copy requested now; return when it completes."""
-        start = max(self.copy_free, self.now)
+    def copy(self, nbytes: int, staged: bool = False) -> float:
+        """Enqueue a copy requested now; return when it completes. `staged`: the blob is outside the
+        pinned host tier, so the host first copies it from the mapped bundle into a staging-ring slot
+        (`store.StagingRing.stage`, on the host's timeline at its memory bandwidth, a floor: a page
+        not in the page cache costs a disk read on top) and the transfer starts after that."""
+        host = self.cpu(self.cost.t_host_copy(nbytes)) if staged else 0.0
+        start = max(self.copy_free, self.now, host)
         self.copy_free = start + self.cost.t_copy(nbytes)
         return self.copy_free
 
@@ -240,7 +248,7 @@ class WallClock:
     def compute(self, seconds: float) -> None:
         pass
 
-    def copy(self, nbytes: int) -> float:
+    def copy(self, nbytes: int, staged: bool = False) -> float:
         return 0.0
 
     def cpu(self, seconds: float) -> float:

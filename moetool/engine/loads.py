@@ -33,7 +33,7 @@ class Loads:
             if victims is None or self.residency.get(f.layer, f.expert, f.bits) is not None:
                 continue
             handle, dst = self.residency.begin_load(f, victims)
-            event, nbytes = self._copy_in(f, dst)
+            event, nbytes, _ = self._copy_in(f, dst)
             self.copier.wait(event)
             self.residency.publish(f.layer, f.expert, f.bits)
             moved += nbytes
@@ -66,8 +66,9 @@ class Loads:
         x.handle.data = self.residency.staging_slot(x.bits)
         self._copy(x.handle, x.handle.data, Fetch(layer, x.expert, x.bits), demand=True)
 
-    def _copy_in(self, want: Fetch, dst: torch.Tensor, source: torch.Tensor | None = None) -> tuple[Any, int]:
-        """Start copying `want`'s blob into `dst`: (the copy's event, its bytes)."""
+    def _copy_in(self, want: Fetch, dst: torch.Tensor, source: torch.Tensor | None = None) -> tuple[Any, int, bool]:
+        """Start copying `want`'s blob into `dst`: (the copy's event, its bytes, whether it went through
+        the host's staging ring)."""
         src, ring_slot = (source, None) if source is not None else self.store.source(want.layer, want.expert,
                                                                                      want.bits)
         event = self.copier.copy(dst[: src.numel()], src)
@@ -75,18 +76,18 @@ class Loads:
         if self.on_kernel(want.layer, want.bits):
             self.copier.wait(event)  # a CPU copy: already done
             KERNELS[want.bits].convert_(dst[: src.numel()], self.store.layout(want.layer, want.bits))
-        return event, src.numel()
+        return event, src.numel(), ring_slot is not None
 
     def _copy(self, handle: Handle, dst: torch.Tensor, want: Fetch, demand: bool,
               source: torch.Tensor | None = None) -> None:
         t0 = time.perf_counter()
-        handle.event, nbytes = self._copy_in(want, dst, source)
+        handle.event, nbytes, through_ring = self._copy_in(want, dst, source)
         if handle.staged:
             handle.data = dst[:nbytes]
         st = self.stats.layer(want.layer)
         if demand and self.device.type == "cpu" and self.clock.kind == "wall":
             st.stall_s += time.perf_counter() - t0  # a synchronous copy blocks compute: it is a stall
-        handle.ready_at = self.clock.copy(nbytes)
+        handle.ready_at = self.clock.copy(nbytes, staged=through_ring)
         handle.seq = next(_ISSUED)
         st.bytes_h2d += nbytes
 
