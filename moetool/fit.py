@@ -118,7 +118,7 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
                        staged_cache=(lambda bits: cache_bytes(cfg.budget, prof.info, bits)) if cfg.budget else None)
     sweep = _Sweep(cfg, prof) if cfg.sweep is not None else None
     params: dict[str, dict[str, Any]] = {}
-    ev: dict[str, Any] = {"warnings": list(again), "skipped": {}}
+    ev: dict[str, Any] = {"warnings": [*again, *(sweep.warnings if sweep else ())], "skipped": {}}
     if cfg.budget and not cfg.budget.strip().endswith("%") and shared.cache_bytes is not None:
         from moetool.engine.budget import PLAN_TOKENS
 
@@ -157,8 +157,23 @@ class _Sweep:
 
     def __init__(self, cfg: FitConfig, prof: Any):
         sw = cfg.sweep
+        self.warnings: list[str] = []
+        made = prof.settings.get("bundle") if isinstance(prof.settings, dict) else None
+        if sw.model is None and sw.bundle is None and isinstance(made, str):
+            # Neither given: the sweep runs what the profile measured, its bundle (and its --model, if it
+            # had one). The checkpoint alone sized T(alpha) for its fp32 experts, and every later run over
+            # the bundle dropped the alpha as fitted for another link time.
+            from moetool.quant.bundle import MANIFEST
+
+            if (Path(made) / MANIFEST).is_file():
+                sw = dataclasses.replace(sw, bundle=made, model=prof.settings.get("model"))
+                cfg = dataclasses.replace(cfg, sweep=sw)
+            else:
+                self.warnings.append(f"the profile was made on the bundle {made}, which is not there now: the sweep runs "
+                                     f"the profile's model {prof.model.source} (give --bundle to run a bundle).")
         self.cfg, self.prof, self.source = cfg, prof, None
-        self.note = f"sweep: sim clock on {sw.hw}, budget {sw.budget}, {sw.max_new_tokens} tokens"
+        on = f", bundle {sw.bundle}" if sw.bundle is not None else ""
+        self.note = f"sweep: sim clock on {sw.hw}, budget {sw.budget}, {sw.max_new_tokens} tokens{on}"
         from moetool.engine.clock import load_hw
 
         hw = load_hw(sw.hw)[0]

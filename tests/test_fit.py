@@ -477,6 +477,34 @@ def test_a_sweep_over_a_bundle_runs_the_bundles_model_as_run_does(tiny_ckpt, bun
     assert [(c.model, c.bundle) for c in seen] == [(None, bundle)] * 2
 
 
+def test_a_sweep_given_neither_model_nor_bundle_runs_the_bundle_the_profile_measured(tiny_ckpt, bundle, tmp_path,
+                                                                                   monkeypatch):
+    """README's pipeline profiles a bundle, then fits with `--sweep` alone: the sweep ran the checkpoint
+    (fp32 experts on a CPU), so T(alpha) was sized for another link time and every `run --bundle` over
+    the fit dropped the alpha. It runs the profile's bundle now; a bundle gone since is said."""
+    import shutil
+
+    import moetool.run
+    from moetool.profile import ProfileConfig, profile
+
+    mine = tmp_path / "b"
+    shutil.copytree(bundle, mine)
+    prof = profile(ProfileConfig(bundle=mine, data=("heldout",), seqs_per_data=1, seq_len=8, decode_tokens=1,
+                                 what=("prefetch",))).save(tmp_path / "t.profile.json")
+    seen, real = [], moetool.run.run
+    monkeypatch.setattr(moetool.run, "run", lambda cfg, *a, **k: seen.append(cfg) or real(cfg, *a, **k))
+    got = fit(FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 0.2), target_tpot=1.0))
+    assert [(c.model, c.bundle) for c in seen] == [(None, str(mine))] * 2
+    assert got.evidence["smoe"]["alpha"]["from"].endswith(f"bundle {mine}")
+    assert not got.evidence["warnings"]
+    seen.clear()
+    shutil.rmtree(mine)
+    got = fit(FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 0.2), target_tpot=1.0))
+    assert [(c.model, c.bundle) for c in seen] == [(str(tiny_ckpt("qwen2_moe")), None)] * 2  # the profile's model
+    assert any(w.startswith(f"the profile was made on the bundle {mine}, which is not there now")
+               for w in got.evidence["warnings"])
+
+
 def test_a_knob_fitted_for_a_size_budget_holds_for_the_cache_it_left():
     """`--budget 12GiB` leaves the fit (its profile's 4,096-token KV margin) another expert cache than a run
     (its own margin): DynaExq's n_hi fitted 1 where the run's cache held 16, kept because the text matched."""

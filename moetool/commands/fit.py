@@ -11,7 +11,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from moetool.app import command, err, given, not_an_input, only_with, out, styled, writable
-from moetool.options import BundleOpt, DeviceOpt, Dtype, DtypeOpt, HwOpt, JsonOpt, parse_numbers, parse_seconds
+from moetool.options import DeviceOpt, Dtype, DtypeOpt, HwOpt, JsonOpt, parse_numbers, parse_seconds
 from moetool.spec import DEFAULT_BUDGET, DEFAULT_HW
 
 
@@ -32,7 +32,8 @@ def fit(
     budget: Annotated[str | None, typer.Option(help="Device budget (12GiB) or expert cache share (25%) for DynaExq "
                                                "n_hi, and DyMoE r without --r.")] = None,
     model: Annotated[str | None, typer.Option(help="Model for --sweep (default: the profile's).")] = None,
-    bundle: BundleOpt = None,
+    bundle: Annotated[Path | None, typer.Option(help="Bundle for --sweep (default: the profile's, where it was made "
+                                                "from one, else the model's experts).")] = None,
     hw: HwOpt = DEFAULT_HW,
     sweep_budget: Annotated[str | None, typer.Option(help=f"Budget of the --sweep runs (default: --budget, else "
                                                           f"{DEFAULT_BUDGET}).", show_default=False)] = None,
