@@ -31,10 +31,13 @@ ModelOpt = Annotated[str | None, typer.Option(help="Model: a local directory, a 
                                               "--bundle's own model, else demo).")]
 BundleOpt = Annotated[Path | None, typer.Option(help="Quantized bundle directory; it holds the whole model, so "
                                                 "--model is optional (default: experts from the checkpoint).")]
-# The registry imports torch (seconds `--help` should not pay), so the names are not listed here:
-# `EngineSpec.check` refuses an unknown one with a sentence that lists them all.
-PolicyOpt = Annotated[str, typer.Option(metavar="POLICY", help="Policy: a name in moetool.policies.POLICIES; "
-                                        "an unknown one is refused with the list of them all.")]
+# The shipped policies' names, written out: the registry's import (numpy and every paper's knobs) is a
+# cost `--help` should not pay; `tests/test_cli.py` checks the two agree. `EngineSpec.check` refuses an
+# unknown name with a sentence that lists every registered one (a policy of your own included).
+SHIPPED_POLICIES = ("resident", "static", "lod", "lru", "eap", "fate", "dymoe", "dynaexq", "smoe")
+PolicyOpt = Annotated[str, typer.Option(metavar="POLICY", help=f"Policy: {', '.join(SHIPPED_POLICIES[:5])} (baselines), "
+                                        f"{', '.join(SHIPPED_POLICIES[5:])} (the papers), or one you registered; "
+                                        "README's policy table has their knobs.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Policy knob key=value (repeatable).")]
 FitOpt = Annotated[Path | None, typer.Option(help="Fit artifact whose knobs for this policy are used (--set wins).")]
 BudgetOpt = Annotated[str, typer.Option(help=f"Device budget: a size (12GiB) or the expert cache as a share of the "

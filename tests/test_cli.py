@@ -334,6 +334,15 @@ def test_a_usage_error_is_one_sentence_and_exit_code_1(args, says):
     assert script.returncode == 1 and says in script.stderr and len(script.stderr.strip().splitlines()) == 1
 
 
+def test_the_policy_names_in_the_help_are_the_registrys():
+    from moetool.options import SHIPPED_POLICIES
+    from moetool.policies import POLICIES
+
+    assert sorted(SHIPPED_POLICIES) == sorted(POLICIES)
+    shown = " ".join(runner.invoke(app, ["run", "--help"], terminal_width=400).output.split())
+    assert all(name in shown for name in SHIPPED_POLICIES)
+
+
 def test_help_and_no_command_still_show_the_help():
     assert runner.invoke(app, ["--help"]).exit_code == 0
     assert runner.invoke(app, ["run", "--help"]).exit_code == 0
