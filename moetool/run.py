@@ -51,7 +51,7 @@ class RunConfig(EngineSpec):
         for i, prompt in enumerate(self.prompts, 1):
             # An empty prompt has no token to start from: the model would fail deep inside a forward.
             if not isinstance(prompt, str) or not prompt.strip():
-                what = "empty" if isinstance(prompt, str) else "not text"
+                what = ("empty" if not prompt else "only whitespace") if isinstance(prompt, str) else "not text"
                 raise MoetoolError(f"prompt {i} of {len(self.prompts)} is {what}; give it some text to continue.")
             if (why := not_text(prompt)) is not None:  # --prompt with a byte that is not UTF-8, a grid's "\\ud800"
                 raise MoetoolError(f"prompt {i} of {len(self.prompts)} {why}.")

@@ -279,6 +279,28 @@ def test_a_model_that_refuses_a_static_cache_is_said_to_at_its_first_step(tiny_c
                                                  "uncompiled, over transformers' StaticCache failed (ValueError: MiniMax")
 
 
+def test_a_step_that_does_not_compile_names_the_line_of_the_models_code(tmp_path):
+    """Phi-3.5-MoE's release uses longrope, whose rotary embedding picks its factors with a Python
+    branch on the position: the fallback said "Data-dependent branching" and not where; it names the
+    line of transformers' code now, and the host path's tokens are plain transformers' greedy ones."""
+    from tiny import save_tiny
+
+    from moetool.run import RunConfig, run
+
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+            "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0, 8.0, 32.0], "short_mscale": 1.0, "long_mscale": 1.3}
+    path = save_tiny("phimoe", tmp_path / "phimoe", rope_parameters=rope)
+    got = run(RunConfig(model=str(path), policy="resident", budget="100%", decode="captured", prompts=("ab",),
+                        max_new_tokens=3))
+    reason = got.summary["path_reason"]
+    assert got.summary["path"] == "host" and "compiling the decode step failed" in reason, reason
+    assert " at transformers/models/phimoe/modeling_phimoe.py:" in reason and "rope_type" in reason, reason
+    ref = load_reference(path)
+    ids = torch.tensor([[b % ref.config.vocab_size for b in b"ab"]])
+    want = ref.generate(ids, do_sample=False, max_new_tokens=3, min_new_tokens=3)[0, 2:].tolist()
+    assert got.tokens[0] == want
+
+
 def test_run_records_the_captured_path_and_its_tokens_equal_the_host_paths(tiny_ckpt):
     from moetool.run import RunConfig, run
 

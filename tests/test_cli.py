@@ -227,6 +227,8 @@ def test_fit_refuses_nonsense_values_in_one_sentence(profile_file, tmp_path, arg
     (["run", "--set", "nonsense"], "--set takes key=value, not 'nonsense'"),
     (["run", "--policy", "lru", "--set", "alpha=0.3"], "policy 'lru' has no knob 'alpha'"),
     (["run", "--hw", "abacus"], "no hardware profile 'abacus'"),
+    (["run", "--prompt", " \n"], "prompt 1 of 1 is only whitespace; give it some text to continue."),
+    (["run", "--hw", "gone.hw.json"], "no hardware profile file gone.hw.json (`moetool profile --what timing` writes"),
     (["run", "--device", "gpu"], "--device must be cpu or cuda"),
     (["eval", "ppl", "--limit", "0"], "--limit must be at least 1, not 0"),
     (["eval", "ppl", "--batch-size", "0"], "--batch-size must be at least 1, not 0"),

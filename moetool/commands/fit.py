@@ -44,7 +44,8 @@ def fit(
 ) -> None:
     """Fit policy knobs from PROFILE (and runs), each with its evidence, into a fit artifact.
 
-    Example: `moetool fit demo.profile.json --sweep --hw demo.hw.json --target-tpot 40ms --budget 25% --out demo.fit.json`
+    Example: `moetool fit demo.profile.json --sweep --hw rtx3090 --target-tpot 40ms --budget 25% --out demo.fit.json`
+    (`--hw demo.hw.json` where `moetool profile --what timing` wrote this machine's profile beside its --out)
     """
     from moetool.fit import ALPHAS, SWEEP_TOKENS, FitConfig
     from moetool.fit import fit as fit_stage

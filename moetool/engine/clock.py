@@ -87,6 +87,9 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
         if path.exists():  # a directory, FIFO or device given as --hw is refused by name below, not taken for a name
             break
     else:
+        if name_or_path.endswith(".json") or "/" in name_or_path or "\\" in name_or_path:  # a path, not a name
+            raise MoetoolError(f"no hardware profile file {name_or_path} (`moetool profile --what timing` writes one "
+                               f"beside its --out; shipped presets: {', '.join(packaged_hw_names()) or 'none'}).")
         raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(packaged_hw_names()) or 'none'}; "
                            f"or put it in {USER_HW_DIR}/{name_or_path}.json, or give a path to a profile JSON).")
     from moetool.artifacts import read_json

@@ -18,8 +18,10 @@ GPU run decides.
 
 from __future__ import annotations
 
+import re
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,6 +85,23 @@ def unavailable(engine: Any) -> str | None:
     return None
 
 
+def _user_frame(text: str) -> str:
+    """Where in the model's code the compiler stopped: the innermost frame of the error's "from user
+    code:" trace, as ` at FILE:LINE (`CODE`)` (FILE from the package down), else "". "Data-dependent
+    branching" alone did not say it was Phi-3.5-MoE's rotary embedding (longrope picks its factors
+    with a Python branch on the position)."""
+    if "from user code:" not in text:
+        return ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', text.split("from user code:", 1)[1])
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    parts = Path(path).parts
+    tail = next((parts[i:] for i in range(len(parts) - 1, -1, -1) if parts[i] in ("transformers", "moetool")),
+                parts[-1:])
+    return f" at {'/'.join(tail)}:{line} (`{code.strip()[:100]}`)"
+
+
 class DecodeProgram:
     """The captured decode step of one engine, its static cache and its loop (see the module docstring).
 
@@ -119,7 +138,7 @@ class DecodeProgram:
             if isinstance(e, MoetoolError):
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise MoetoolError(f"{self._stage} failed ({type(e).__name__}: {first[:200]})") from None
+            raise MoetoolError(f"{self._stage} failed ({type(e).__name__}: {first[:200]}){_user_frame(str(e))}") from None
 
     def _prepare(self, lm: Any, max_tokens: int, host_budget: int | None, kernels: bool | None) -> None:
         """What the step reads, set up before it is compiled: the host mirrors, the captured layers,
