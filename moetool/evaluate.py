@@ -46,7 +46,7 @@ from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
                                 is_mmlu, load_task, offline_sentence, set_fewshot)
 from moetool.hub import cache_only, hub_reachable
-from moetool.inference import NonFiniteRows, context_length, nonfinite_sentence, vocab_size
+from moetool.inference import NonFiniteRows, context_length, context_words, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
@@ -165,7 +165,7 @@ def ppl_context(asked: int | None, lm: LoadedModel) -> int:
         return min(PPL_CONTEXT, limit or PPL_CONTEXT)
     if limit is not None and asked > limit:
         raise MoetoolError(f"--context {asked} is longer than {lm.path}'s context of {limit} tokens "
-                           f"(max_position_embeddings in its config.json); give --context {limit} or less.")
+                           f"({context_words(lm.model)}); give --context {limit} or less.")
     return asked
 
 

@@ -97,9 +97,32 @@ def vocab_size(model: nn.Module) -> int:
 
 
 def context_length(model: nn.Module) -> int | None:
-    """The longest sequence the model was built for (its config's max_position_embeddings), or None."""
-    n = getattr(text_config(model.config), "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
+    """The longest sequence the model was built for (its config's max_position_embeddings), or None.
+    Dynamic NTK rope scaling reads max_position_embeddings as the length it starts rescaling at
+    (transformers' `original_max_seq_len`), and exists to go past it: its context is that times its
+    factor (the other rope types give the extended length as max_position_embeddings already)."""
+    config = text_config(model.config)
+    n = getattr(config, "max_position_embeddings", None)
+    if not (isinstance(n, int) and n > 0):
+        return None
+    factor = _dynamic_factor(config)
+    return int(n * factor) if factor else n
+
+
+def context_words(model: nn.Module) -> str:
+    """Where `context_length` comes from, for a sentence that refuses a longer sequence."""
+    if _dynamic_factor(text_config(model.config)):
+        return "max_position_embeddings times its dynamic rope factor, in its config.json"
+    return "max_position_embeddings in its config.json"
+
+
+def _dynamic_factor(config: Any) -> float | None:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+        factor = rope.get("factor")
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            return float(factor)
+    return None
 
 
 def with_cache(model: nn.Module, cache: Any) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from moetool.fit_artifact import Fit
 from moetool.engine import PLAN_TOKENS, BudgetSplit, build_engine, parse_size
 from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError, not_text, quote
-from moetool.inference import NonFiniteRows, context_length, nonfinite_sentence, vocab_size
+from moetool.inference import NonFiniteRows, context_length, context_words, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
@@ -210,7 +210,7 @@ def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -
     if limit is not None and longest + max_new_tokens > limit:
         raise MoetoolError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} is "
                            f"{longest + max_new_tokens} tokens, more than {lm.path}'s context of {limit} "
-                           f"(max_position_embeddings in its config.json).")
+                           f"({context_words(lm.model)}).")
     return longest + max_new_tokens
 
 

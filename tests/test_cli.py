@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 from typer.testing import CliRunner
 
@@ -98,6 +99,27 @@ def test_sequences_past_the_models_context_are_refused(tiny_ckpt, tmp_path):
     result = runner.invoke(app, ["eval", "ppl", "--model", ckpt, "--limit", "300", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["options"]["context"] == 128  # 512 by default, cut to the model's
+
+
+def test_dynamic_rope_runs_past_max_position_embeddings_as_far_as_its_factor(tmp_path):
+    """Dynamic NTK scaling reads max_position_embeddings as where it starts rescaling, and exists to go
+    past it (transformers does): 32 positions and factor 4 were refused at 50 tokens. They run, the same
+    tokens as plain transformers' greedy ones, and past 32 x 4 the refusal names the factor."""
+    from tiny import save_tiny
+
+    from moetool.model import load_reference
+    from moetool.run import RunConfig, run
+
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    path = save_tiny("qwen3_moe", tmp_path / "dyn", max_position_embeddings=32, rope_parameters=rope)
+    prompt = "The quick brown fox jumps over"  # 30 tokens: bytes folded into the vocabulary
+    got = run(RunConfig(model=str(path), policy="resident", budget="100%", decode="host", prompts=(prompt,),
+                        max_new_tokens=20))
+    ref = load_reference(path)
+    ids = torch.tensor([[b % ref.config.vocab_size for b in prompt.encode()]])
+    assert got.tokens[0] == ref.generate(ids, do_sample=False, max_new_tokens=20, min_new_tokens=20)[0, 30:].tolist()
+    line = _one_error_line(runner.invoke(app, ["run", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "99"]))
+    assert "context of 128 (max_position_embeddings times its dynamic rope factor" in line
 
 
 def test_directory_without_config(tmp_path):

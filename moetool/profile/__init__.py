@@ -23,7 +23,7 @@ import torch
 from moetool.artifacts import sha256_file
 from moetool.defaults import DEFAULT_HW
 from moetool.errors import MoetoolError
-from moetool.inference import context_length
+from moetool.inference import context_length, context_words
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.profile.data import load_sequences
@@ -157,13 +157,13 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     if traced and limit is not None and cfg.seq_len + cfg.decode_tokens > limit:
         raise MoetoolError(f"--seq-len {cfg.seq_len} plus --decode-tokens {cfg.decode_tokens} is "
                            f"{cfg.seq_len + cfg.decode_tokens} tokens, more than {lm.path}'s context of {limit} "
-                           "(max_position_embeddings in its config.json).")
+                           f"({context_words(lm.model)}).")
     # A prompt of a JSONL or task data set runs whole, whatever --seq-len says (which cuts only texts).
     longest = max((s.shape[-1] for seqs in data.values() for s in seqs), default=0)
     if traced and limit is not None and longest + cfg.decode_tokens > limit:
         raise MoetoolError(f"the longest prompt of --data ({longest} tokens) plus --decode-tokens {cfg.decode_tokens} "
                            f"is {longest + cfg.decode_tokens} tokens, more than {lm.path}'s context of {limit} "
-                           "(max_position_embeddings in its config.json).")
+                           f"({context_words(lm.model)}).")
     parts: dict[str, Any] = {}
     if traced:
         parts.update(_trace_parts(lm, cfg, what, data, tick))
