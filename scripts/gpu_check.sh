@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: moetool's CUDA tests, then its GPU benchmarks, logged under $OUT
 # (default gpu-out/). The CPU suite (make test) runs these tests too but skips them without a GPU.
-#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [tune] [model] [timing] [decode] [sim] [bench]
+#     OUT=gpu-out bash scripts/gpu_check.sh [tests] [kernels] [tune] [model] [timing] [bench] [decode] [sim]
 #         tests:   the tests marked cuda (tests/test_cuda.py: engine, captured step, fused kernels)
 #         kernels: scripts/bench_kernels.py (the fused low-bit experts kernels against dequantize + GEMM)
 #         tune:    scripts/bench_kernels.py --tune: the kernels' configs searched on this device, written
@@ -9,17 +9,20 @@
 #         model:   the 4-layer Qwen1.5-MoE checkpoint and its 16/8/4/2-bit bundle (scripts/bench_gpu.py's)
 #         timing:  `moetool profile --what timing` on it: hw-profile.json, each precision timed on the
 #                  engine's path there (the fused kernels in a CUDA graph), to recalibrate profiles/hw
+#         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
 #         decode:  scripts/bench_decode.py on it (captured step vs host-driven vs plain transformers)
 #         sim:     the decode part's rows again on the simulated clock of the timing part's profile,
 #                  each against its wall-clock row (sim_over_wall: issue 41's "sim within 10% of wall")
-#         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
-#     T_TESTS=240 T_KERNELS=120 T_TUNE=300 T_TIMING=300 T_DECODE=300 T_SIM=300 ...   each part's time limit in seconds (it is cut, not the rest)
+#     Parts run in the order above, whatever order they are named in (default: tests kernels bench).
+#     T_TESTS=600 T_KERNELS=300 T_TUNE=420 T_TIMING=300 T_DECODE=600 T_SIM=300: each part's time limit in
+#         seconds, the defaults shown (a part past it is cut, not the rest); model and bench have none
 #     BENCH_ARGS="--layers 8 --time-limit 900" DECODE_ARGS="--policies resident,lru" bash scripts/gpu_check.sh bench decode
 #     KERNELS_ARGS: bench_kernels.py's arguments in the kernels part (e.g. "--shapes qwen1.5-moe-a2.7b")
 #     SIM_ARGS: the sim part's bench_decode arguments (default DECODE_ARGS), e.g. fewer rows: "--paths captured"
 # A GPU image without this project's pins: wheels put in `.whl/` (e.g. `pip download --no-deps -d .whl
 # transformers==5.24.0 hqq termcolor`) are installed first, into a directory ahead of the image's packages.
 set -uo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0; fi
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
