@@ -11,6 +11,7 @@ import torch
 
 from moetool.engine import build_engine
 from moetool.engine.store import HostStore
+from moetool.errors import MoetoolError
 from moetool.kernels import activation_of
 from moetool.model import load_model
 from moetool.profile import _timing_blobs
@@ -177,3 +178,23 @@ def test_a_layers_time_outside_its_moe_block_is_its_mixers_whatever_it_is(tmp_pa
     timings = layer_timings(lm, ids, steps=2)
     assert [t.layer for t in timings] == [g.index for g in lm.geometry.layers]
     assert all(t.t_attn > 0 and t.t_moe > 0 for t in timings)
+
+
+def test_timing_decodes_inside_the_models_positions(tmp_path):
+    """The timing part prefilled 32 tokens and decoded 10 more whatever the model's context: on a model
+    of 16 positions it fed position 40 where every other stage refuses. Its prompt is cut to fit, and
+    a context with no room for its decode steps is refused in one sentence."""
+    from moetool.profile import ProfileConfig, profile
+
+    seen = []
+    path = save_tiny("qwen3_moe", tmp_path / "q16", max_position_embeddings=16)
+    lm_cls = load_model(path).model.model.rotary_emb.__class__
+    real = lm_cls.forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm_cls, "forward", lambda self, x, position_ids, *a, **k: seen.append(int(position_ids.max()))
+                   or real(self, x, position_ids, *a, **k))
+        got = profile(ProfileConfig(model=str(path), data=("heldout",), seqs_per_data=1, seq_len=8, what=("timing",)))
+    assert got.timing is not None and 8 <= max(seen) < 16  # a prompt cut to 6 tokens, and its decode steps after it
+    with pytest.raises(MoetoolError, match=r"--what timing decodes 10 tokens after its prompt, and .* context of 10 "):
+        profile(ProfileConfig(model=str(save_tiny("qwen3_moe", tmp_path / "q10", max_position_embeddings=10)),
+                              data=("heldout",), seqs_per_data=1, seq_len=8, what=("timing",)))

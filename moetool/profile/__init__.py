@@ -153,6 +153,11 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     for name in dict.fromkeys(cfg.data):
         data[name], inputs[f"data:{name}"] = load_sequences(lm, name, cfg.seqs_per_data, cfg.seq_len)
     limit = context_length(lm.model)
+    # timing: a prefill of up to 32 tokens, then timing_steps + 2 decode steps, all inside the model's positions
+    room = 32 if limit is None else min(32, limit - cfg.timing_steps - 2)
+    if "timing" in what and room < 1:
+        raise MoetoolError(f"--what timing decodes {cfg.timing_steps + 2} tokens after its prompt, and {lm.path}'s "
+                           f"context of {limit} ({context_words(lm.model)}) leaves no room for one.")
     traced = bool({"routing", "similarity", "prefetch"} & set(what))  # what runs --seq-len + --decode-tokens
     if traced and limit is not None and cfg.seq_len + cfg.decode_tokens > limit:
         raise MoetoolError(f"--seq-len {cfg.seq_len} plus --decode-tokens {cfg.decode_tokens} is "
@@ -179,7 +184,7 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     info = _info(lm, bundle, dtype, str(dtype).removeprefix("torch."))  # before timing installs an engine in lm
     if "timing" in what:
         tick("timing", 0, 1)
-        ids = next(iter(data.values()))[0][:, :32]
+        ids = next(iter(data.values()))[0][:, :room]
         parts["timing"] = measure_timing(lm, _timing_blobs(lm, bundle), ids, cfg.timing_steps,
                                          store=_captured_store(lm, bundle, dtype))
         from moetool.profile.timing import hw_profile
