@@ -161,6 +161,9 @@ def ppl_context(asked: int | None, lm: LoadedModel) -> int:
     """The ppl window: --context as given, or PPL_CONTEXT cut to the model's context. Windows longer
     than the model's positions would be scored, silently, where the model was never trained."""
     limit = context_length(lm.model)
+    if limit is not None and limit < 2:  # a window of one token predicts nothing: a ppl over 0 tokens
+        raise MoetoolError(f"{lm.path}'s context is {limit} token ({context_words(lm.model)}): a perplexity "
+                           "window needs 2 tokens or more, one to predict the next.")
     if asked is None:
         return min(PPL_CONTEXT, limit or PPL_CONTEXT)
     if limit is not None and asked > limit:

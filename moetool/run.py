@@ -205,10 +205,12 @@ class _StepCounter(BaseStreamer):
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
     """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
     tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
-    longest = max(_encode(lm, [p])[0].shape[1] for p in prompts)
+    lengths = [_encode(lm, [p])[0].shape[1] for p in prompts]
+    longest = max(lengths)
     limit = context_length(lm.model)
     if limit is not None and longest + max_new_tokens > limit:
-        raise MoetoolError(f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} is "
+        which = f"prompt {lengths.index(longest) + 1} of {len(prompts)}, " if len(prompts) > 1 else ""
+        raise MoetoolError(f"the longest prompt ({which}{longest} tokens) plus --max-new-tokens {max_new_tokens} is "
                            f"{longest + max_new_tokens} tokens, more than {lm.path}'s context of {limit} "
                            f"({context_words(lm.model)}).")
     return longest + max_new_tokens

@@ -101,6 +101,27 @@ def test_sequences_past_the_models_context_are_refused(tiny_ckpt, tmp_path):
     assert json.loads(result.stdout)["options"]["context"] == 128  # 512 by default, cut to the model's
 
 
+def test_a_prompt_past_the_context_is_named_among_several(tiny_ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("a", "x" * 126, "b")))
+    line = _one_error_line(runner.invoke(app, ["run", "--model", str(tiny_ckpt("qwen2_moe")), "--prompts",
+                                               str(prompts), "--max-new-tokens", "4"]))
+    assert "the longest prompt (prompt 2 of 3, 126 tokens)" in line and "context of 128" in line
+
+
+def test_a_model_of_one_position_has_no_perplexity_window(tmp_path):
+    """Windows of one token predict nothing: a ppl over 0 tokens was a ZeroDivisionError in eval, and a
+    sensitivity profile of ppl 1.0 everywhere (no layer sensitive, for fit to read)."""
+    from tiny import save_tiny
+
+    ckpt = str(save_tiny("qwen3_moe", tmp_path / "c1", max_position_embeddings=1))
+    line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--model", ckpt, "--limit", "64"]))
+    assert "context is 1 token" in line and "needs 2 tokens or more" in line
+    out = tmp_path / "p.json"
+    line = _one_error_line(runner.invoke(app, ["profile", "--model", ckpt, "--what", "sensitivity", "--out", str(out)]))
+    assert "context is 1 token" in line and not out.exists()
+
+
 def test_dynamic_rope_runs_past_max_position_embeddings_as_far_as_its_factor(tmp_path):
     """Dynamic NTK scaling reads max_position_embeddings as where it starts rescaling, and exists to go
     past it (transformers does): 32 positions and factor 4 were refused at 50 tokens. They run, the same

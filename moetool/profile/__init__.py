@@ -169,6 +169,9 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
         raise MoetoolError(f"the longest prompt of --data ({longest} tokens) plus --decode-tokens {cfg.decode_tokens} "
                            f"is {longest + cfg.decode_tokens} tokens, more than {lm.path}'s context of {limit} "
                            f"({context_words(lm.model)}).")
+    if "sensitivity" in what and limit is not None and limit < 2:  # its windows would predict nothing (ppl 1.0)
+        raise MoetoolError(f"{lm.path}'s context is {limit} token ({context_words(lm.model)}): the sensitivity "
+                           "part's perplexity windows need 2 tokens or more.")
     parts: dict[str, Any] = {}
     if traced:
         parts.update(_trace_parts(lm, cfg, what, data, tick))
