@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch first and pinned: an unpinned torch (or one pulled in by another package) is a multi-GB CUDA build.
+# PyPI's torch for Linux is the CUDA build too: TORCH_INDEX=https://download.pytorch.org/whl/cpu takes
+# the CPU one (left empty, pip's own index decides, as on a machine with a CPU wheel of its own).
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[dev,gptq]"
 	touch $(STAMP)
 
