@@ -60,3 +60,22 @@ def test_starved_experts_fall_back_to_hqq_and_say_so(tmp_path):
     quantized = [e for e in bundle.entries if e.bits == 4]
     assert quantized and all(e.method == "hqq" and e.tokens < 10**6 for e in quantized)
     assert all(e.method == "bf16" for e in bundle.entries if e.bits == 16)
+
+
+@needs_gptqmodel
+def test_loading_gptqmodel_leaves_the_terminal_and_the_environment_as_they_were():
+    """Its import printed a dozen lines (a banner, a version table, a GIL warning) on every GPTQ
+    quantize, and set HF_HOME and the hub caches under /tmp, the CUDA allocator's settings and
+    device order for the whole process. A fresh process, as the CLI is."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, os; before = dict(os.environ)\n"
+            "from moetool.quant.gptq import load_gptqmodel; load_gptqmodel()\n"
+            "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {}
+    # torch's own pytree deprecation lines (torchao's enums, as any moetool process that loads it) aside
+    assert [ln for ln in done.stderr.splitlines() if ln.strip() and "_pytree.py" not in ln] == []

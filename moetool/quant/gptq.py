@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -33,14 +35,24 @@ def available() -> bool:
 
 
 def load_gptqmodel() -> tuple[Any, Any]:
-    # gptqmodel prints a banner and logs to stdout; stdout belongs to the CLI's results.
+    """gptqmodel's two classes. Its import prints a banner, a version table and a GIL warning (a
+    dozen lines on the terminal of every GPTQ quantize), and sets environment variables for the
+    whole process: HF_HOME and the hub caches under /tmp (where a later load would look for a hub
+    model), the CUDA allocator's settings and device order. The lines are kept out of sight and
+    the environment is put back as it was."""
+    before = dict(os.environ)
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
             from gptqmodel.quantization.config import QuantizeConfig
             from gptqmodel.quantization.gptq import GPTQ
     except ImportError as e:
         raise MoetoolError(f"--method gptq needs the optional gptqmodel package ({e.name or e} is missing); "
                            "install it with pip install 'moetool[gptq]' or use --method hqq.") from None
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)
     return QuantizeConfig, GPTQ
 
 
