@@ -142,6 +142,8 @@ def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary:
     said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
              for why in (summary.get("clamped") or {}).values()]
     said += list(summary.get("policy_notes") or [])
+    if summary.get("host_budget_unread"):
+        said.append(f"{summary['host_budget_unread']} (recorded under summary.host_budget_unread).")
     unmatched = summary.get("router_scores_unmatched")
     if unmatched:
         said.append(f"the routers of MoE layers {', '.join(map(str, unmatched))} choose by a rule moetool does not "

@@ -233,6 +233,12 @@ def _program(ready: Prepared, reason: str, asked: bool) -> Any:
         reason += (f"; its tokens are not checked against transformers' for model type "
                    f"'{program.model_type or 'unknown'}'")
     ready.engine.decode_info = {"path": "captured", "path_reason": reason, **program.summary()}
+    if ready.host_budget is not None and not program.mirrors.pinned:
+        # A captured engine has no host tiers, and mirrors that are views pin nothing: the option was
+        # given and nothing read it (on a CPU always), said rather than recorded as if it had bounded something.
+        ready.engine.decode_info["host_budget_unread"] = (
+            "--host-budget was not read: a captured engine keeps no host tiers, and its host mirrors here are "
+            "views (of the mapped bundle, or of the in-memory store) that pin nothing")
     return program
 
 

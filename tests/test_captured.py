@@ -633,3 +633,20 @@ def test_without_host_tiers_a_copy_reads_a_pinned_copy_made_elsewhere(tiny_ckpt)
     store.pinned_elsewhere = lambda layer, e, b: copy if (layer, e, b) == (g.index, 1, 16) else None
     assert store.source(g.index, 1, 16)[0] is copy
     assert torch.equal(store.source(g.index, 2, 16)[0], store.host(g.index, 2, 16))  # none made: the blob itself
+
+
+def test_a_host_budget_the_captured_step_does_not_read_is_said(tiny_ckpt):
+    """On a CPU the captured step's host mirrors are views (nothing pinned) and a captured engine has no
+    host tiers: --host-budget bounds nothing there, so the run says so instead of taking it silently;
+    the host path reads it (its tiers hold the experts within it)."""
+    from moetool.options import engine_notes
+    from moetool.run import RunConfig, run
+
+    common = dict(model=str(tiny_ckpt("qwen2_moe")), policy="lru", budget="25%", prompts=("hello",),
+                  max_new_tokens=3, host_budget="64MiB")
+    captured = run(RunConfig(**common, decode="captured"))
+    assert captured.summary["path"] == "captured" and not captured.summary["host_tiers"]
+    assert "--host-budget was not read" in captured.summary["host_budget_unread"]
+    assert any("--host-budget was not read" in n for n in engine_notes(False, "rtx3090", None, "lru", captured.summary))
+    host = run(RunConfig(**common, decode="host"))
+    assert host.summary["host_tiers"] and "host_budget_unread" not in host.summary
