@@ -29,6 +29,19 @@ STOPPED = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (S
 NOTHING_HALF_WRITTEN = "no file was left half-written; run the same command again"
 
 
+def return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). A
+    layer's transient tensors are freed between layers, but glibc keeps the pages of its arenas, so
+    quantize's resident memory rose by about 1 MiB a layer (67 to 93 MiB over 16) with none of it in
+    use: a long model looked like a leak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator is its own business
+        pass
+
+
 def hold_closed_descriptors() -> None:
     """Open /dev/null on each standard descriptor (0, 1, 2) the command was started without (`>&-`), so
     that no file opened later takes its number: what a library writes to stdout or stderr from C

@@ -36,6 +36,7 @@ import torch
 
 from moetool.artifacts import atomic_write_bytes, read_json, sha256_file
 from moetool.errors import MoetoolError, keeping, not_a_file, quote
+from moetool.machine import return_freed_heap
 from moetool.files import DirectoryLock as _DirectoryLock
 from moetool.files import not_inside_a_model, target_of_temp, temp_file_of
 from moetool.schema import build
@@ -173,6 +174,7 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
 
         shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], routed, out, settings_sha, on_expert)
         journal.add(layer.index, shard, entries)
+        return_freed_heap()  # the layer's transients, freed, returned: memory flat over the model's depth
         done += layer.num_experts
         report(Progress("shard", done, total, layer.index))
 
