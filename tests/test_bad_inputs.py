@@ -84,7 +84,7 @@ def test_an_empty_prompt_is_refused_before_the_model_runs(tiny_bundle, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"prompt": "   "}\n')
     line = _one_error_line(runner.invoke(app, run_args(tiny_bundle, "--prompts", str(prompts))))
-    assert "prompt 2 of 2 is empty" in line  # it used to crash inside transformers' attention
+    assert "prompt 2 of 2 is only whitespace" in line  # it used to crash inside transformers' attention
 
 
 # ---- artifacts ------------------------------------------------------------------------------------
