@@ -222,13 +222,19 @@ def test_budget_below_non_expert_weights_names_the_minimum(tiny_ckpt):
     assert p.total_bytes == p.non_expert_bytes + p.margin_bytes + p.staging_bytes + p.cache_bytes
 
 
-def test_sim_clock_overlap_arithmetic_on_a_hand_made_timeline():
-    hw = HwProfile(name="t", h2d_gbps=1.0, gpu_tflops=1.0, gpu_mem_gbps=1.0, cpu_tflops=1.0, cpu_mem_gbps=1.0,
-                   kernel_s=0.0, copy_latency_s=0.0)
-    cost = CostModel(hw=hw, expert_bytes={16: 10**9}, expert_flops_per_token=0.0, reference_bytes=0,
-                     dense_bytes_per_layer=0.0, dense_flops_per_token_per_layer=0.0)
-    clock = SimClock(cost)
+def _unit_clock(cpu_mem_gbps: float = 1.0) -> SimClock:
+    """A sim clock at the start of a step on a machine of round numbers: a 1 GB blob crosses the link
+    in 1 s, with no latency and no launch cost."""
+    hw = HwProfile(name="t", h2d_gbps=1.0, gpu_tflops=1.0, gpu_mem_gbps=1.0, cpu_tflops=1.0,
+                   cpu_mem_gbps=cpu_mem_gbps, kernel_s=0.0, copy_latency_s=0.0)
+    clock = SimClock(CostModel(hw=hw, expert_bytes={16: 10**9}, expert_flops_per_token=0.0, reference_bytes=0,
+                               dense_bytes_per_layer=0.0, dense_flops_per_token_per_layer=0.0))
     clock.begin_step()
+    return clock
+
+
+def test_sim_clock_overlap_arithmetic_on_a_hand_made_timeline():
+    clock = _unit_clock()
     prefetch = clock.copy(10**9)  # issued at t=0 on an idle link: ready at 1.0
     clock.compute(0.6)  # attention runs while the prefetch is in flight
     demand = clock.copy(10**9)  # link busy until 1.0, so this one completes at 2.0
@@ -246,12 +252,7 @@ def test_a_blob_staged_through_the_ring_pays_the_host_copy_before_its_transfer()
     """A blob outside the pinned tier is first copied on the host into a staging-ring slot (read and
     written at the host's memory bandwidth), so its transfer starts only after that, on the cpu
     timeline; a pinned blob's transfer starts at once."""
-    hw = HwProfile(name="t", h2d_gbps=1.0, gpu_tflops=1.0, gpu_mem_gbps=1.0, cpu_tflops=1.0, cpu_mem_gbps=4.0,
-                   kernel_s=0.0, copy_latency_s=0.0)
-    cost = CostModel(hw=hw, expert_bytes={16: 10**9}, expert_flops_per_token=0.0, reference_bytes=0,
-                     dense_bytes_per_layer=0.0, dense_flops_per_token_per_layer=0.0)
-    clock = SimClock(cost)
-    clock.begin_step()
+    clock = _unit_clock(cpu_mem_gbps=4.0)
     assert clock.copy(10**9, staged=True) == pytest.approx(0.5 + 1.0)  # 2 GB of memcpy at 4 GB/s, then the link
     assert clock.cpu_free == pytest.approx(0.5)
     assert clock.copy(10**9) == pytest.approx(2.5)  # pinned: queued behind the first on the link only

@@ -172,8 +172,7 @@ def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], 
         def on_expert(expert: int, base: int = done) -> None:
             report(Progress("expert", base + expert + 1, total, layer.index))
 
-        shard, entries = _quantize_layer(lm, layer, cfg, layouts[layer.index], routed, out, settings_sha, on_expert)
-        journal.add(layer.index, shard, entries)
+        journal.add(layer.index, *_quantize_layer(lm, layer, cfg, layouts[layer.index], routed, out, settings_sha, on_expert))
         return_freed_heap()  # the layer's transients, freed, returned: memory flat over the model's depth
         done += layer.num_experts
         report(Progress("shard", done, total, layer.index))
