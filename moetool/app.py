@@ -397,7 +397,9 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
                                 "path.") from None
                 _show(held)
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
-                raise _fail(BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG) from None
+                from moetool.policies.knobs import raised_in_a_policy
+
+                raise _fail(raised_in_a_policy(e) or (BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG)) from None
             _show(held)
             return result
 

@@ -53,7 +53,30 @@ def setting_label(policy: str, params: dict[str, Any]) -> str:
         return params[k]
 
     knobs = [f"{k}={shown(k)}" for k in LABEL_KEYS if k in params and params[k] not in ("", None)]
+    knobs += [f"{k}={params[k]}" for k in _set_elsewhere(policy, params)]
     return f"{policy} " + " ".join(knobs) if knobs else policy
+
+
+def _set_elsewhere(policy: str, params: dict[str, Any]) -> list[str]:
+    """The knobs beyond LABEL_KEYS whose recorded value is not the policy's default (LRU's eviction=arc,
+    SMoE's window, a researcher's own knob): two settings that differ there were one label, one row of
+    the quality table and one colour. Knobs a shorthand set (`config` spells DyMoE's tiers) are in it;
+    a policy this process does not know shows every scalar knob it recorded."""
+    import dataclasses
+
+    from moetool.policies import POLICIES, load_user_policies
+
+    try:
+        load_user_policies()
+    except Exception:  # noqa: BLE001 - a label is no place to refuse a module: the policy is drawn as unknown
+        pass
+    cls = POLICIES.get(policy)
+    if cls is None:
+        return [k for k, v in params.items() if k not in LABEL_KEYS and isinstance(v, (str, int, float, bool))
+                and k not in {used for used, _ in RESOLVED.values()}]
+    spelled = {k for short, keys in cls.shorthands.items() if params.get(short) for k in keys}
+    return [f.name for f in dataclasses.fields(cls.Params) if f.name not in LABEL_KEYS and f.name not in spelled
+            and f.default is not dataclasses.MISSING and f.name in params and params[f.name] != f.default]
 
 
 def save(fig, path: Path) -> Path:

@@ -264,7 +264,9 @@ class _Grid:
 
     def _policies(self) -> list[tuple[str, str, dict[str, str], dict[str, Any]]]:
         """(label, policy, knobs, settings pinned by the entry) for every choice of the policy axis."""
-        from moetool.policies import POLICIES
+        from moetool.policies import POLICIES, load_user_policies
+
+        load_user_policies()
 
         entries = self._values("policy", self.axes["policy"]) if "policy" in self.axes else [self.default_policy]
         out = []

@@ -51,8 +51,9 @@ class EngineSpec:
         """Refuse in one sentence, before anything loads, what no model could run with."""
         from moetool.engine.clock import load_hw
         from moetool.policies import POLICIES
-        from moetool.policies.knobs import parse_params
+        from moetool.policies.knobs import load_user_policies, parse_params
 
+        load_user_policies()
         if self.policy not in POLICIES:
             raise MoetoolError(f"unknown policy '{self.policy}' (known: {', '.join(sorted(POLICIES))}).")
         parse_params(POLICIES[self.policy], self.settings)  # unknown knobs and bad values, before the model loads

@@ -192,6 +192,20 @@ def _fd2_captured() -> Iterator[Any]:
         os.close(saved)
 
 
+def _workers_know(policies: Any) -> None:
+    """One sentence for a policy registered in this process alone (a launcher that imports its module):
+    Ray's workers import moetool, and what MOETOOL_POLICIES names; every cell of it was "unknown policy"."""
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import USER_POLICIES, user_modules
+
+    for name in dict.fromkeys(policies):
+        module = POLICIES[name].__module__
+        if module.split(".")[0] != "moetool" and module not in user_modules():
+            raise MoetoolError(f"policy '{name}' is registered in this process only (by its module {module!r}), "
+                               f"which the sweep's Ray workers do not import: name the module in {USER_POLICIES} "
+                               f"(`{USER_POLICIES}={module} moetool sweep ...`), or run the cells here with --workers 0.")
+
+
 def _start_ray(address: str | None, workers: int | None) -> tuple[bool, Reaper | None]:
     """Connect to or start Ray: (whether this call started it, and so shuts it down; the watcher that
     kills the processes of a Ray it started on this machine if this process dies without shutting it down)."""
@@ -372,6 +386,11 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
             cell.config().check()
         except MoetoolError as e:
             raise MoetoolError(f"cell {cell.name}: {str(e)[0].lower()}{str(e)[1:]}") from None
+    if cfg.workers != 0:
+        _workers_know(cell.config().policy for cell in plan.cells)
+        if os.environ.get("MOETOOL_POLICIES"):  # paths as the workers read them: their working directory is Ray's
+            os.environ["MOETOOL_POLICIES"] = ",".join(str(Path(e.strip()).resolve()) if e.strip().endswith(".py") else e
+                                                      for e in os.environ["MOETOOL_POLICIES"].split(","))
     out = Path(cfg.out)
     previous = _previous(out, plan.model)
     if previous:

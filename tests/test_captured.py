@@ -22,7 +22,8 @@ from moetool.engine.store import HostStore
 from moetool.errors import MoetoolError
 from moetool.model import load_model, load_reference
 from moetool.policies import POLICIES as REGISTRY
-from moetool.policies.base import LayerPlan, Policy, Where, register
+from moetool.policies.base import Fetch, LayerPlan, Policy, Where, register
+from moetool.policies.common import predicted_scores
 from moetool.policies.base import Params as BaseParams
 from moetool.quant.bundle import load_bundle_model
 from moetool.quant.quantize import QuantizeConfig, quantize
@@ -227,16 +228,27 @@ class HostOnlySkip(Policy):
         return plan
 
 
+class HostOnlyAhead(Policy):
+    """A policy whose rule is its host `prefetch` alone (the next layer's predicted experts): the
+    captured step never calls `prefetch`, and it ran there as plain routing with no word."""
+
+    def prefetch(self, view):
+        ahead = predicted_scores(view, self.ctx)
+        return [] if ahead is None else [Fetch(ahead[0], int(ahead[1][-1].argmax()), 16)]
+
+
 def test_a_policy_without_an_in_step_plan_falls_back_in_the_open(tiny_ckpt):
     """A policy written with `plan` alone (the policies README's example shape) has no in-step form:
     `run --decode captured` runs it on the host path and says why; so does SMoE's CPU assistance and
     a batch of several sequences."""
     from moetool.run import RunConfig, run
 
-    if "host-only-skip" not in REGISTRY:
-        register("host-only-skip")(HostOnlySkip)
+    for name, cls in (("host-only-skip", HostOnlySkip), ("host-only-ahead", HostOnlyAhead)):
+        if name not in REGISTRY:
+            register(name)(cls)
     path = tiny_ckpt("qwen2_moe")
     for policy, knobs, batch, why in [("host-only-skip", {}, 1, "no in-step plan"),
+                                      ("host-only-ahead", {}, 1, "prefetches on the host only"),
                                       ("smoe", {}, 1, "Algorithm 2"),
                                       ("lru", {}, 2, "one sequence at a time")]:
         result = run(RunConfig(model=str(path), policy=policy, settings=knobs, budget="50%", decode="captured",

@@ -168,7 +168,11 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     if host_tiers if host_tiers is not None else device.type == "cuda" or host_budget is not None:
         store.configure_host(bits=pol.bits_in_use(), host_budget=default_host_budget() if host_budget is None
                              else host_budget, ring_slots=ctx.top_k, page_lock=device.type == "cuda")
-    bare = bare_layers(pol.pools(), ctx.moe_layers)
+    pools = pol.pools()
+    if any(p.slots < 0 for p in pools):
+        raise MoetoolError(f"policy '{pol.name}' asks for a pool of {min(p.slots for p in pools)} slots in its pools(): "
+                           "a pool holds 0 slots or more.")
+    bare = bare_layers(pools, ctx.moe_layers) if any(p.slots > 0 for p in pools) else []  # no pool: no cache to raise
     if bare and not pol.says_bare_layers:  # a budget under one expert a layer: the tail layers cache nothing
         many = len(bare) > 1
         pol.notes.append(f"the expert cache of {size_text(split.cache_bytes)} gives MoE layer{'s' if many else ''} "
@@ -176,7 +180,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
                          f"{'they run' if many else 'it runs'} anew; raise --budget for a slot a layer.")
     budget_tracker = Budget(split.total_bytes)
     budget_tracker.reserve(split.non_expert_bytes + split.margin_bytes, "non-expert weights and the KV margin")
-    residency = Residency(store, pol.pools(), budget_tracker, device, staged)
+    residency = Residency(store, pools, budget_tracker, device, staged)
     clk = SimClock(cost) if clock == "sim" else WallClock(device)
     foreign = 0
     if device.type == "cuda":

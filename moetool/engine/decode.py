@@ -29,6 +29,7 @@ import torch
 from moetool.checkpoint import looped_layers
 from moetool.defaults import DECODE_PATHS as PATHS
 from moetool.engine.captured import CapturedLayers, held_for_life
+from moetool.engine.groups import check_plan
 from moetool.engine.mirror import host_mirrors
 from moetool.engine.step_model import (DIFFERENT_MODEL_TYPES, VERIFIED_MODEL_TYPES, architecture_refusal,  # noqa: F401 (API)
                                        greedy_rule, whole_windows)
@@ -367,6 +368,8 @@ class DecodeProgram:
                 clock.compute(cost.t_dense(1, captured=True))
             routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
             run = bits > 0
+            check_plan(expert[run], bits[run], 0 * expert[run], self.layers.num_experts, pol.name,  # the step clamped
+                       frozenset(map(int, engine.store.bits)), layer, "plan_step")  # a bad id: said a step late
             st.skips += int((~run & (routed >= 0) & (routed < self.layers.num_experts)).sum())  # a dropped slot: no skip
             st.substitutions += int((run & (expert != routed)).sum())
             used, hit_s, miss_s, read = [], 0.0, 0.0, 0

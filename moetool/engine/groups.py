@@ -9,6 +9,7 @@ expert MLP over them, and the combine that sums a token's k outputs as transform
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from enum import IntEnum
 
 import numpy as np
@@ -18,6 +19,7 @@ from transformers.integrations.moe import _grouped_mm  # the dispatcher transfor
 
 from moetool.engine.residency import Handle
 from moetool.engine.stats import LayerStats
+from moetool.errors import MoetoolError
 from moetool.engine.transfer import upload
 from moetool.policies.base import LayerPlan, Where, valid_slots
 from moetool.quant.format import ExpertStack
@@ -191,9 +193,47 @@ def counted_uses(idx: torch.Tensor, num_experts: int, real: torch.Tensor | None)
     return mask if real is None else mask & real.to(mask.device)[:, None]
 
 
+def taken_plan(plan: Any, policy: str, view: Any) -> LayerPlan:
+    """`plan`, once it is a LayerPlan of the routing's [T, k] shape with integer ids, bits and wheres: a
+    policy's `plan()` returning None, arrays of another shape or float ids failed deep in the engine
+    (an AttributeError, a numpy broadcast, a tuple index), read as moetool's bugs. Arrays the plan has
+    not made yet (`_Made`) stay unmade: reading them would take the routed plan's fast path away."""
+    if not isinstance(plan, LayerPlan):
+        raise MoetoolError(f"policy '{policy}' plan() returned {type(plan).__name__}, not a LayerPlan "
+                           "(LayerPlan.routed(view, bits) makes one).")
+    want = tuple(view.top_k_index.shape)
+    for name in ("expert", "bits", "where", "weight"):
+        array = getattr(plan, "_" + name)
+        if array is not None and (tuple(array.shape) != want or (name != "weight" and array.is_floating_point())):
+            raise MoetoolError(f"policy '{policy}' plan() gave its {name} as {tuple(array.shape)} {array.dtype}, where "
+                               f"the layer's routing is {want}{'' if name == 'weight' else ' integers'}.")
+    return plan
+
+
+def check_plan(expert: np.ndarray, bits: np.ndarray, where: np.ndarray, num_experts: int, policy: str,
+               stored: frozenset[int], layer: int | None, hook: str = "plan") -> None:
+    """One sentence for a plan no engine can run as written: a `Where` that is none of GPU, CPU and SKIP,
+    or a running slot's expert or precision the store does not hold. The plan's key packs the three
+    into one number (`group_plan`), so such a value aliased into another group: where 7 ran as a skip,
+    -1 ran uncounted, a substitute id past the experts as a skip."""
+    at, there = f"policy '{policy}' planned", "" if layer is None else f" at layer {layer}"
+    if where.size and not np.isin(where, (int(Where.GPU), int(Where.CPU), int(Where.SKIP))).all():
+        bad = int(where[~np.isin(where, (0, 1, 2))][0])
+        raise MoetoolError(f"{at} where={bad}{there} (Where is GPU 0, CPU 1 or SKIP 2): a bug in its {hook}().")
+    running = where != int(Where.SKIP)
+    if running.any() and not ((expert[running] >= 0) & (expert[running] < num_experts)).all():
+        bad = int(expert[running][(expert[running] < 0) | (expert[running] >= num_experts)][0])
+        raise MoetoolError(f"{at} expert {bad} to run{there}, and the layer has experts 0 to {num_experts - 1}: a bug in its "
+                           f"{hook}() (a slot it does not run is Where.SKIP).")
+    if running.any() and not np.isin(bits[running], tuple(stored)).all():
+        bad = int(bits[running][~np.isin(bits[running], tuple(stored))][0])
+        raise MoetoolError(f"{at} an expert at {bad} bits{there}, and the store holds {', '.join(map(str, sorted(stored)))}: "
+                           f"a bug in its {hook}() (its precisions() name the bits it may plan).")
+
+
 def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats, *, grouped: bool,
                max_bits: int, device: torch.device, routed: Routed | None = None,
-               real: torch.Tensor | None = None) -> list[Group]:
+               real: torch.Tensor | None = None, checked: tuple[str, frozenset[int]] | None = None) -> list[Group]:
     """The plan's running (token, slot) pairs grouped by (where, bits, expert), counting skips,
     substitutions and the precision mix of the `counted_uses` (`real`: the rows of requests' tokens).
     Vectorised (numpy on the host arrays, a constant number of calls whatever T x k is); one index
@@ -218,6 +258,8 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
             start += n
         return groups
     expert, bits, where = (t.numpy() for t in (plan.expert, plan.bits, plan.where))  # [T, k] each
+    if checked is not None:
+        check_plan(expert, bits, where, num_experts, *checked, getattr(plan._view, "layer", None))
     subst = expert != idx.numpy()
     if subst.any():
         st.substitutions += int(np.count_nonzero(subst & (where != int(Where.SKIP)) & counted))

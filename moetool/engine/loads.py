@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from moetool.errors import MoetoolError
+
 from moetool.engine.groups import Group
 from moetool.engine.residency import Handle
 from moetool.policies.base import Fetch
@@ -29,9 +31,11 @@ class Loads:
         traffic and take no time on the clock."""
         moved = 0
         for f in self.policy.warm():
+            self._held(f)
             victims = self.policy.admit(f, self.residency, set(), False)
             if victims is None or self.residency.get(f.layer, f.expert, f.bits) is not None:
                 continue
+            self.residency.check_victims(self.policy.name, f, victims, set())
             handle, dst = self.residency.begin_load(f, victims)
             event, nbytes, _ = self._copy_in(f, dst)
             self.copier.wait(event)
@@ -39,17 +43,27 @@ class Loads:
             moved += nbytes
         return moved
 
+    def _held(self, want: Fetch) -> None:
+        """One sentence for a policy's fetch of an expert the store lacks (layer 999, expert -1, bits it never
+        stored): a KeyError deep in the store, or a sentence blaming the bundle."""
+        if not self.store.holds(want.layer, want.expert, want.bits):
+            raise MoetoolError(f"policy '{self.policy.name}' asked to load expert {want.expert} of layer {want.layer} at "
+                               f"{want.bits} bits, which the experts it runs from do not hold (a MoE layer's expert, at "
+                               "a precision they store): a bug in its prefetch(), warm() or end_step().")
+
     def _start_load(self, want: Fetch, shield: set, *, demand: bool = False, prefetched: bool = False,
                     staged: bool = True, source: torch.Tensor | None = None) -> Handle | None:
         """Admit (policy + residency), take a slot, start the copy (from `source`, else where the store
         keeps the blob). A demand load the policy does not admit gets a staged handle, copied when its
         turn comes (`_copy_staged`), unless `staged` is off (the captured step has read it already);
         another load that is not admitted, or whose copy exists already, returns None."""
+        self._held(want)
         if (not demand or not staged) and self.residency.get(want.layer, want.expert, want.bits) is not None:
             return None
         victims = self.policy.admit(want, self.residency, shield, demand)
         if victims is None:
             return Handle(slot=None) if demand and staged else None
+        self.residency.check_victims(self.policy.name, want, victims, shield)
         handle, dst = self.residency.begin_load(want, victims, prefetched=prefetched)
         self._copy(handle, dst, want, demand and source is None, source)
         return handle

@@ -90,7 +90,10 @@ class Residency:
                                    f"quantize --bits {spec.bits}`.")
             if spec.eviction is not None and spec.eviction not in EVICTIONS:
                 raise MoetoolError(f"unknown eviction '{spec.eviction}' (known: {', '.join(sorted(EVICTIONS))}).")
-            budget.reserve(spec.slots * store.slot_bytes(spec.bits), f"the {spec.bits}-bit pool of {spec.slots} slots")
+            if not budget.try_reserve(need := spec.slots * store.slot_bytes(spec.bits)):  # a policy's pools() past it
+                raise MoetoolError(f"the policy's {spec.bits}-bit pool of {spec.slots} slots needs {need} B, and the "
+                                   f"expert budget has {budget.total - budget.used} B left: its pools() must fit the "
+                                   "cache bytes it is given (ctx.cache_bytes).")
             self.pools[spec.bits] = _PoolState(
                 spec=spec, free=list(range(spec.slots - 1, -1, -1)), holders={}, orders={},
                 slots=torch.empty(spec.slots, store.slot_bytes(spec.bits), dtype=torch.uint8, device=device))
@@ -176,6 +179,10 @@ class Residency:
         order.request(key)
         if candidates is not None:
             victim = order.victim(candidates)
+            if victim not in candidates:  # a registered order's bug: it would evict a copy in flight or in use
+                raise MoetoolError(f"eviction order '{spec.eviction}' chose {victim} as the victim, which is not one of "
+                                   "the candidates it was given (the resident, unshielded copies it may evict): a bug "
+                                   "in its victim().")
             self._forget((*victim, want.bits))
             victims.append(Fetch(victim[0], victim[1], want.bits))
         order.insert(key)
@@ -230,6 +237,24 @@ class Residency:
     # -- the slot table ----------------------------------------------------------------------------
     def get(self, layer: int, expert: int, bits: int) -> Handle | None:
         return self.table.get((layer, expert, bits))
+
+    def check_victims(self, policy: str, want: Fetch, victims: list[Fetch], shield: set[Key]) -> None:
+        """One sentence for victims a policy's `admit` may not give: a copy not held at its bits, a copy of an
+        expert the layer uses now (`shield`; only the expert's own other copy, as DyMoE's promotion evicts
+        its low one), a copy in flight (the same exception), or too few to leave `want` a slot."""
+        for v in victims:
+            own = (v.layer, v.expert) == (want.layer, want.expert) and v.bits != want.bits
+            why = ("which is not held at those bits" if self.get(v.layer, v.expert, v.bits) is None else
+                   "an expert the layer is using now (in the shield)" if (v.layer, v.expert) in shield and not own else
+                   "a copy still in flight" if not own and not self._settled((v.layer, v.expert, v.bits)) else None)
+            if why:
+                raise MoetoolError(f"policy '{policy}' admit() gave ({v.layer}, {v.expert}) at {v.bits} bits as a victim "
+                                   f"for ({want.layer}, {want.expert}) at {want.bits} bits, {why}: a bug in its admit().")
+        pool = self.pools.get(want.bits)
+        if pool is None or len(pool.free) + sum(v.bits == want.bits for v in victims) < 1:
+            raise MoetoolError(f"policy '{policy}' admitted ({want.layer}, {want.expert}) at {want.bits} bits without "
+                               f"making room ({'no pool of those bits' if pool is None else 'no free slot and no victim'}): "
+                               "a bug in its admit() (return None to not cache it).")
 
     def begin_load(self, want: Fetch, victims: list[Fetch], *, prefetched: bool = False) -> tuple[Handle, torch.Tensor]:
         """Evict `victims`, take a free slot for `want`; the caller copies into the returned view."""

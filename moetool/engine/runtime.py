@@ -25,7 +25,7 @@ from moetool.defaults import EXPERTS_IMPLS
 from moetool.engine.budget import check_plan
 from moetool.engine.clock import CostModel, SimClock, WallClock, cpu_experts_ready
 from moetool.engine.device_layers import DeviceLayers
-from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows
+from moetool.engine.groups import Combine, Group, Routed, Rows, Status, group_plan, grouped_mlp, routed_rows, taken_plan
 from moetool.engine.loads import Loads
 from moetool.engine.residency import Residency, State
 from moetool.engine.signals import mean_scores, token_importance
@@ -72,7 +72,7 @@ class Engine(Loads):
         self.weights = PoolWeights(store, residency, self.device)  # what grouped GEMMs read from the pools
         self.decode_chunk = max(g.top_k for g in lm.geometry.layers)  # experts decoded at once (budget.decode_workspace)
         self.copier, self.layers = Copier(self.device), lm.geometry.layers
-        self._max_bits = max(int(b) for b in store.bits)
+        self._max_bits, self._stored = max(int(b) for b in store.bits), frozenset(int(b) for b in store.bits)
         self.moe_index = {g.index: i for i, g in enumerate(self.layers)}
         self.stats = Stats(tuple(g.index for g in self.layers))
         self.step, self._step_count = None, 0  # the current Step, and how many have begun
@@ -224,7 +224,7 @@ class Engine(Loads):
             self.clock.compute(self.cost.t_dense(hidden.shape[0]))
         self._publish_ready()
         view = self._view(g, hidden, top_k_index, top_k_weights)  # the layer's one host sync
-        plan = self.policy.plan(view)
+        plan = taken_plan(self.policy.plan(view), self.policy.name, view)
         weight = plan.routing_weight().to(hidden.device, hidden.dtype, non_blocking=True)  # [T, k]
         out = Combine(hidden, weight, grouped=self.grouped)
         routed = routed_rows(plan, view.top_k_index, g.num_experts, self.device) if self.grouped else None
@@ -276,7 +276,7 @@ class Engine(Loads):
     def _group(self, plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerStats,
                routed: Routed | None = None, real: torch.Tensor | None = None) -> list[Group]:
         return group_plan(plan, idx, num_experts, st, grouped=self.grouped, max_bits=self._max_bits,
-                          device=self.device, routed=routed, real=real)
+                          device=self.device, routed=routed, real=real, checked=(self.policy.name, self._stored))
 
     def _run_resident(self, module: EngineExperts, hidden: torch.Tensor, routed: Routed, st: LayerStats,
                       out: Combine, real: torch.Tensor | None = None) -> list[int] | None:

@@ -277,6 +277,10 @@ class HostStore:
     def slot_bytes(self, bits: int) -> int:
         return self._slot_bytes[bits]
 
+    def holds(self, layer: int, expert: int, bits: int) -> bool:
+        """Whether the store has a blob for (layer, expert) at `bits`: a policy's fetch names one."""
+        return (layer, expert, bits) in self._sizes
+
     def host(self, layer: int, expert: int, bits: int) -> torch.Tensor:
         """The blob where it lies on the host (for compute there): the pinned copy or the mapped file."""
         pinned = self._pinned.get((layer, expert, bits))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from moetool.errors import MoetoolError
 # In the order the report places the papers' parts.
 from moetool.policies import baselines_knobs, fate_knobs, dymoe_knobs, dynaexq_knobs, smoe_knobs  # noqa: F401,I001  (each registers its presets)
-from moetool.policies.knobs import POLICIES, Knobs, hooked, parse_params, register
+from moetool.policies.knobs import POLICIES, Knobs, hooked, load_user_policies, parse_params, register
 
 if TYPE_CHECKING:
     from moetool.policies.base import EngineContext, Policy
@@ -24,6 +24,7 @@ def make_policy(name: str, settings: dict[str, str], ctx: EngineContext,
     their knobs' places in the registry."""
     from moetool.policies import baselines, dymoe, dynaexq, fate, smoe  # noqa: F401
 
+    load_user_policies()
     if name not in POLICIES:
         raise MoetoolError(f"unknown policy '{name}' (known: {', '.join(sorted(POLICIES))}).")
     cls = POLICIES[name]
@@ -43,4 +44,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Knobs", "POLICIES", "Policy", "hooked", "make_policy", "register"]
+__all__ = ["Knobs", "POLICIES", "Policy", "hooked", "load_user_policies", "make_policy", "register"]

@@ -342,10 +342,17 @@ class Policy(Knobs):
 
     def captured_unsupported(self) -> str | None:
         """Why this policy cannot run in the captured step (its decision has no in-step form), or None.
-        A policy that overrides `plan` but not `plan_step` has none: its rule exists only on the host."""
+        A policy that overrides `plan` but not `plan_step` has none: its rule exists only on the host.
+        Nor has one that overrides `prefetch` alone: the captured step never calls it (its look-ahead is
+        `plan_step`'s prefetch, or fetches `log_layer` returns one step behind), so it would run without
+        the prefetch that may be its whole rule."""
         cls = type(self)
         if cls.plan is not Policy.plan and cls.plan_step is Policy.plan_step:
             return f"policy '{self.name}' has no in-step plan (plan_step)"
+        if cls.prefetch is not Policy.prefetch and cls.plan_step is Policy.plan_step \
+                and cls.log_layer is Policy.log_layer:
+            return (f"policy '{self.name}' prefetches on the host only (prefetch), with no in-step form "
+                    f"(plan_step's prefetch, or fetches from log_layer)")
         return None
 
     def device_misses(self, bits: int) -> bool:

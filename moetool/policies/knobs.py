@@ -71,22 +71,86 @@ POLICIES: dict[str, type[Knobs]] = {}
 
 
 def register(name: str) -> Callable[[K], K]:
-    """Register a policy class under `name`. A name is taken once, except by a subclass of the class
-    registered under it: the engine half of a shipped policy takes the place of its knobs."""
+    """Register a policy class under `name`. A name is taken once, except by the engine half of the
+    knobs registered under it (a subclass of a class with no `plan`): a policy's engine half takes the
+    place of its knobs. A subclass of a whole policy registered under that policy's name would run as it,
+    recorded as it (a lossy tweak of `lru` recorded as the lossless baseline)."""
     def deco(cls: K) -> K:
         have = POLICIES.get(name)
-        if have is not None and not issubclass(cls, have):
-            raise ValueError(f"policy {name!r} registered twice")
+        if have is not None and have is not cls and (not issubclass(cls, have) or hasattr(have, "plan")):
+            raise MoetoolError(f"the policy name {name!r} is taken (by {have.__module__}.{have.__qualname__}); register "
+                               f"{cls.__qualname__} under a name of its own.")
         cls.name = name
         POLICIES[name] = cls
         return cls
     return deco
 
 
+USER_POLICIES = "MOETOOL_POLICIES"  # the environment variable naming a researcher's policy modules
+_loaded: set[str] = set()
+
+
+def load_user_policies() -> None:
+    """Import the modules MOETOOL_POLICIES names (comma-separated: importable module names, or paths of
+    .py files), so that the policies they register answer to `--policy NAME` in every command, and in
+    a sweep's Ray workers, which inherit the variable. Each once; one sentence for one that fails."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    for entry in (e.strip() for e in os.environ.get(USER_POLICIES, "").split(",")):
+        if not entry or entry in _loaded:
+            continue
+        try:
+            if entry.endswith(".py"):
+                path = Path(entry).expanduser()
+                spec = importlib.util.spec_from_file_location(path.stem, path)
+                if spec is None or spec.loader is None or not path.is_file():
+                    raise FileNotFoundError(f"no file {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[path.stem] = module
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(entry)
+        except MoetoolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the researcher's module: its error, named, in one sentence
+            raise MoetoolError(f"{USER_POLICIES} names {entry!r}, which does not import: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}".rstrip(": ") + ".") from None
+        _loaded.add(entry)
+
+
+def raised_in_a_policy(e: BaseException) -> str | None:
+    """The sentence for an error raised in a researcher's policy (a registered class's file outside
+    moetool), naming it and the line: "a bug in moetool" sent them to report their own code."""
+    import inspect
+    import traceback
+
+    files = {}
+    for name, cls in POLICIES.items():
+        try:
+            source = None if cls.__module__.startswith("moetool.") else inspect.getsourcefile(cls)
+        except TypeError:  # a class defined where no file is (a notebook's cell, `python -c`)
+            source = None
+        if source:
+            files.setdefault(source, name)
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename in files), None)
+    return None if frame is None else (f"the error above was raised in policy '{files[frame.filename]}' "
+                                       f"({frame.filename}:{frame.lineno}), the policy's own code, not moetool's.")
+
+
+def user_modules() -> set[str]:
+    """The module names of what MOETOOL_POLICIES named and `load_user_policies` imported."""
+    return {e[:-3].replace("\\", "/").rsplit("/", 1)[-1] if e.endswith(".py") else e for e in _loaded}
+
+
 def hooked(hook: str) -> list[tuple[str, type[Knobs]]]:
     """(name, class) of each registered policy whose `hook` ("fit" or "report") a stage calls: each
     paper's once, under the first name registered with it (a variant subclassing DyMoE does not fit
     DyMoE again, nor does DyMoE's engine half), and none that only inherits the default."""
+    load_user_policies()
     seen, out = {getattr(Knobs, hook).__func__}, []
     for name, cls in POLICIES.items():
         fn = getattr(cls, hook).__func__
@@ -254,6 +318,7 @@ def _check_range(cls: type[Knobs], key: str, value: Any) -> None:
 
 # What a typed value (a fit artifact's JSON, a Python caller's) may be for each knob type: a bool is
 # an int to Python, and JSON's 4 for a float knob is an int, so both are spelled out.
+_MISSING = object()
 _TYPED = {"bool": lambda v: isinstance(v, bool), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
           "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "str": lambda v: isinstance(v, str)}
 
@@ -265,8 +330,43 @@ def _json_prefix(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _knob_type(tp: Any) -> tuple[Any, bool]:
+    """(the type a knob's value has, whether None is one too) of its annotation: `int`, `float | None`,
+    `Optional[str]`, `Literal["a", "b"]`, a string of one under `from __future__ import annotations`."""
+    import types
+    import typing
+
+    if isinstance(tp, str):
+        names = {"bool": bool, "int": int, "float": float, "str": str, "None": None, "Literal": typing.Literal,
+                 "Optional": typing.Optional, "Union": typing.Union, "typing": typing}
+        try:
+            tp = eval(tp, {"__builtins__": {}}, names)  # noqa: S307 - an annotation in the policy's own source
+        except Exception:  # noqa: BLE001 - a type --set cannot spell (tuple, list, a class): refused by the caller
+            return tp, False
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else tp), True
+    return tp, tp is None
+
+
 def _coerce(policy: str, key: str, tp: Any, raw: Any) -> Any:
+    import typing
+
+    tp, optional = _knob_type(tp)
+    if optional and (raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null"))):
+        return None
+    if typing.get_origin(tp) is typing.Literal:
+        choices = typing.get_args(tp)
+        got = next((c for c in choices if c == raw or str(c).lower() == str(raw).lower()), _MISSING)
+        if got is _MISSING:
+            raise MoetoolError(f"knob '{key}' of policy '{policy}' takes one of {', '.join(map(str, choices))}, "
+                               f"not {quote(raw)}.")
+        return got
     name = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
+    if name not in _TYPED:  # a string passed through as a tuple, a list, a class: the policy would read it as one
+        raise MoetoolError(f"knob '{key}' of policy '{policy}' is typed {name}, which --set and a fit cannot give "
+                           "(a knob is an int, float, bool or str, a Literal of them, or one of these | None).")
     if not isinstance(raw, str):
         if name in _TYPED and not _TYPED[name](raw):
             raise MoetoolError(f"knob '{key}' of policy '{policy}' takes {article(name)} {name}, not {_json_prefix(raw)} "
