@@ -74,7 +74,10 @@ def not_text(text: str) -> str | None:
     """Why `text` is not text, or None: the first lone UTF-16 surrogate in it, a code point that
     encodes no character (JSON's `"\\ud800"` escape without its pair, or a byte of the command line
     that was not UTF-8, which Python keeps as one). A tokenizer cannot encode it, so a prompt holding
-    one would fail deep inside tokenization."""
+    one would fail deep inside tokenization. A NUL character too (a JSON `"\\u0000"` escape), which no
+    text holds and a file holding one raw is refused for (`datasets.decode_text`)."""
+    if (nul := text.find("\0")) >= 0:
+        return f"holds a NUL character at character {nul + 1}, which no text holds; give text"
     try:
         text.encode("utf-8")
         return None

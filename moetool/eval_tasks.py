@@ -12,7 +12,7 @@ from moetool import mmlu
 from moetool.errors import first_line as _first_line
 from moetool.datasets import decode_text
 from moetool.errors import MoetoolError, quote, yaml_error
-from moetool.files import CONFIG_BYTES, read_bytes
+from moetool.files import CONFIG_BYTES, TEXT_BYTES, read_bytes
 from moetool.hub import hub_reachable
 
 # An `evaluate.EvalConfig` (its task, include paths, MMLU source, few-shot count and limit), named
@@ -109,6 +109,24 @@ def _check_task_yaml(path: Path) -> None:
         raise yaml_error(f"task file {path}", e) from None
     if not isinstance(data, dict) or not ({"task", "group", "include"} & set(data)):
         raise MoetoolError(f"task file {path} is not an lm-eval task (a YAML mapping with `task:` or `group:`).")
+    _check_data_files(data, path)
+
+
+def _check_data_files(task: dict[str, Any], path: Path) -> None:
+    """The task's local data files (`dataset_kwargs.data_files` of a json, csv or text loader) read as
+    text here, one sentence naming the file: `datasets` says "An error occurred while generating the
+    dataset." of a UTF-16 or Latin-1 file, or one holding a NUL, and names neither the file nor why."""
+    kwargs = task.get("dataset_kwargs")
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) and task.get("dataset_path") in ("json", "csv", "text") else None
+    listed = files.values() if isinstance(files, dict) else [files]
+    for entry in listed:
+        for name in entry if isinstance(entry, list) else [entry]:
+            local = Path(name) if isinstance(name, str) and "://" not in name else None
+            if local is not None and not local.is_absolute():
+                local = path.parent / local if (path.parent / local).is_file() else local
+            if local is not None and local.is_file():
+                decode_text(read_bytes(local, TEXT_BYTES, "task data file"), f"the data file {local} of task file {path}",
+                            ".", wide=False)
 
 
 def load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:

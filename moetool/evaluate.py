@@ -40,7 +40,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from moetool import mmlu
 from moetool.artifacts import sha256_file
 from moetool.errors import first_line as _first_line
-from moetool.datasets import read_text_file
+from moetool.datasets import line_ends, read_text_file
 from moetool.errors import MoetoolError, not_a_file
 from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
@@ -51,7 +51,7 @@ from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
 from moetool.spec import EngineSpec, check_positive
-from moetool.tokenizer import check_ids, unknown_tokens
+from moetool.tokenizer import check_ids, dropped_characters, framing, unknown_tokens, without_tail
 
 PPL_CONTEXT = 512  # ppl's default window
 MAX_LENGTH = 2048  # longest lm-eval sequence; the budget's KV margin is sized for it
@@ -96,10 +96,7 @@ class EvalConfig(EngineSpec):
             if self.data is not None and not Path(self.data).is_file():
                 raise not_a_file(self.data, "--data")
             if self.data is not None:  # binary, NUL or only whitespace: one sentence before anything loads
-                if Path(self.data).suffix.lower() == ".jsonl":  # its braces and keys were scored as the text
-                    raise MoetoolError(f"--data {self.data} is a JSON Lines file, and ppl scores running text: give "
-                                       "a text file (the documents one after another).")
-                read_text_file(Path(self.data), "--data")
+                read_text_file(Path(self.data), "--data", "ppl scores")  # JSON's braces and keys were scored
             if self.context is not None and self.context < 2:
                 raise MoetoolError(f"--context must be at least 2 tokens, not {self.context}.")
             if self.num_fewshot is not None or self.include_path is not None:
@@ -121,7 +118,7 @@ def evaluate(cfg: EvalConfig, progress: ProgressFn | None = None) -> Eval:
 
 def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     if cfg.data is not None:
-        text = read_text_file(Path(cfg.data), "--data")
+        text = read_text_file(Path(cfg.data), "--data", "ppl scores")
         source, inputs = str(cfg.data), {str(cfg.data): sha256_file(Path(cfg.data))}
     else:
         from moetool.datasets import heldout_text
@@ -154,7 +151,10 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 options={"data": source, "context": context, "limit": limit, "stepwise": cfg.stepwise,
                          "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored",
                          # characters the vocabulary lacks, scored as its placeholder (`tokenizer.unknown_tokens`)
-                         "unknown_tokens": unknown_tokens(ids, ready.lm.tokenizer, text)[0]})
+                         "unknown_tokens": unknown_tokens(ids, ready.lm.tokenizer, text)[0],
+                         # characters a tokenizer with no unknown token drops, not scored at all
+                         "dropped_characters": dropped_characters(ready.lm.tokenizer, text),
+                         "line_ends": line_ends(text)})  # read as stored: a carriage return is scored
 
 
 def ppl_context(asked: int | None, lm: LoadedModel) -> int:
@@ -193,6 +193,10 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
             lm = ready.lm
             if lm.tokenizer is None:
                 raise MoetoolError(f"{lm.path} has no tokenizer; lm-eval tasks need one (ppl does not).")
+            if lm.tokenizer.bos_token_id is None and lm.tokenizer.eos_token_id is None:  # lm-eval's prefix token
+                raise MoetoolError(f"the tokenizer of {lm.path} has neither a beginning- nor an end-of-sequence token, "
+                                   "and lm-eval starts every request with one of them (ppl and run need neither); "
+                                   "give its tokenizer_config.json a bos_token or eos_token.")
             hflm = _engine_lm(lm.model, lm.tokenizer, cfg.batch_size, progress, lm.fingerprint.source)
             check_generation(loaded["tasks"], hflm, lm.path)
             # lm-eval bootstraps a metric's stderr in a multiprocessing Pool forked from this process; a fork
@@ -235,6 +239,8 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                          "tied_choices": hflm.tied_choices,
                          # characters the vocabulary lacks in the choices, scored as its placeholder
                          "unknown_tokens": hflm.unknown_tokens,
+                         # contexts and choices scored without the EOS the tokenizer ends every text with
+                         "tail_dropped": hflm.tail_dropped, "tail": hflm.tokenizer.decode(hflm.frame[1]) or None,
                          "lm_eval": lm_eval_version})
 
 
@@ -326,13 +332,24 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
             return ctx, cont
 
         # Every id lm-eval hands the model is one it embeds (another model's tokenizer is one sentence).
+        # A context or choice is text the model continues: the EOS some tokenizers end every text with
+        # (OLMo's) is dropped (`tokenizer.without_tail`), else every choice is scored after an EOS where its
+        # space was, and with one of its own; counted (`tail_dropped`) and said.
         def tok_encode(self, string, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
             ids = super().tok_encode(string, *args, **kwargs)
+            if kwargs.get("add_special_tokens", args[0] if args else None) is not False:
+                kept = without_tail(ids, self.frame)
+                self.tail_dropped += kept is not ids
+                ids = kept
             check_ids(torch.tensor(ids, dtype=torch.long), self.tokenizer, vocab)
             return ids
 
         def tok_batch_encode(self, strings, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
             ids, mask = super().tok_batch_encode(strings, *args, **kwargs)
+            tail = torch.tensor(self.frame[1], dtype=ids.dtype)
+            if tail.numel() and ids.shape[1] > tail.numel() and bool((ids[:, -tail.numel():] == tail).all()):
+                ids, mask = ids[:, :-tail.numel()], mask[:, :-tail.numel()]  # left-padded: every row ends there
+                self.tail_dropped += ids.shape[0]
             return check_ids(ids, self.tokenizer, vocab), mask
 
     vocab = vocab_size(model)
@@ -342,7 +359,8 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
     lm = EngineLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
                   softmax_dtype=torch.float32)
     lm.set_cache_hook(Ticker())
-    lm.cut_from_the_left = lm.merged_with_context = lm.tied_choices = lm.unknown_tokens = 0
+    lm.cut_from_the_left = lm.merged_with_context = lm.tied_choices = lm.unknown_tokens = lm.tail_dropped = 0
+    lm.frame = framing(tokenizer)
     lm.continuations = {}  # hash of a context's ids -> hash of a continuation's ids -> its text
     return lm
 

@@ -141,7 +141,7 @@ def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary:
     said = [wall_hw_note(hw)] if wall_hw else []
     said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
              for why in (summary.get("clamped") or {}).values()]
-    said += list(summary.get("policy_notes") or [])
+    said += list(summary.get("policy_notes") or []) + list(summary.get("text_notes") or [])
     if summary.get("host_budget_unread"):
         said.append(f"{summary['host_budget_unread']} (recorded under summary.host_budget_unread).")
     unmatched = summary.get("router_scores_unmatched")

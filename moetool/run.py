@@ -33,7 +33,8 @@ from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
 from moetool.spec import EngineSpec, check_positive, resolve_dtype
-from moetool.tokenizer import check_ids, encode, refuse_unknown
+from moetool.tokenizer import (check_ids, encode, framing, refuse_dropped, refuse_unknown, unknown_tokens,
+                               without_tail)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,30 +75,54 @@ def load(cfg: EngineSpec, dtype: torch.dtype) -> tuple[LoadedModel, HostStore, d
     return lm, HostStore.from_bundle(lm.bundle, dtype), {str(bundle / MANIFEST): sha256_file(bundle / MANIFEST)}
 
 
-def _encode(lm: LoadedModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and attention mask; tokenizer-less test models fold prompt bytes into the vocab."""
-    tok = lm.tokenizer
+def _encode(lm: LoadedModel, prompts: list[str], notes: set[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and attention mask; tokenizer-less test models fold prompt bytes into the vocab.
+    A prompt is continued, so it does not end with the EOS some tokenizers end every text with
+    (`tokenizer.without_tail`); what the model will not read of a prompt (the unknown token in place of
+    characters, characters dropped) is added to `notes`, and a prompt with no token of its own is refused."""
+    tok, pad = lm.tokenizer, 0
     if tok is None:
         rows = [encode(None, p, vocab_size(lm.model)) for p in prompts]
-        width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
-        return ids, mask
-    tok.padding_side = "left"
-    if tok.pad_token is None and len(prompts) > 1:
-        # a pad row is masked out, so any token pads it: end-of-sequence where the tokenizer has one (as
-        # generate pads), else the vocabulary's first (a tokenizer with neither was a traceback)
-        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
-    enc = tok(prompts, return_tensors="pt", padding=len(prompts) > 1)
-    check_ids(enc.input_ids, tok, vocab_size(lm.model))  # the pad token's id too: it is embedded as well
-    empty = (enc.attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
-    if empty:  # text the tokenizer maps to no token at all (RunConfig.check refuses blank prompts)
-        raise MoetoolError(f"prompt {empty[0] + 1} ({prompts[empty[0]]!r}) has no tokens under this model's tokenizer.")
-    for i, (row, keep) in enumerate(zip(enc.input_ids, enc.attention_mask)):
-        refuse_unknown(row[keep.bool()], tok, f"prompt {i + 1} ({quote(prompts[i], 40)})", prompts[i])
-    return enc.input_ids, enc.attention_mask
+    else:
+        if tok.pad_token is None and len(prompts) > 1:
+            # a pad row is masked out, so any token pads it: end-of-sequence where the tokenizer has one (as
+            # generate pads), else the vocabulary's first (a tokenizer with neither was a traceback)
+            tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        frame, rows = framing(tok), []
+        for i, p in enumerate(prompts):
+            ids = tok(p).input_ids
+            what = f"prompt {i + 1} ({quote(p, 40)})"
+            check_ids(torch.tensor(ids, dtype=torch.long), tok, vocab_size(lm.model))
+            refuse_unknown(torch.tensor(ids, dtype=torch.long), tok, what, p)
+            dropped = refuse_dropped(tok, p, ids, what)  # RunConfig.check refused blank prompts
+            if notes is not None:
+                notes.update(_unread(tok, p, ids, what, frame, dropped))
+            rows.append(torch.tensor(without_tail(ids, frame), dtype=torch.long))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    check_ids(ids[:, :1], tok, vocab_size(lm.model))  # the pad token's id too: it is embedded as well
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids, mask
+
+
+def _unread(tok: Any, prompt: str, ids: list[int], what: str, frame: tuple[list[int], list[int]],
+            dropped: int) -> list[str]:
+    """What `run` says of a prompt the model will not read whole (recorded under summary.text_notes)."""
+    said = []
+    unknown = unknown_tokens(torch.tensor(ids, dtype=torch.long), tok, prompt)[0]
+    if unknown:
+        said.append(f"{what} has {unknown} unknown token(s) ({quote(tok.unk_token, 10)}) in place of characters the "
+                    "vocabulary lacks: the model reads the placeholder, not them.")
+    if dropped:
+        said.append(f"{what} has {dropped} character(s) the tokenizer drops (no token covers them): the model "
+                    "reads the prompt without them.")
+    if without_tail(ids, frame) is not ids:
+        said.append(f"the tokenizer ends every text with {quote(tok.decode(frame[1]), 20)}; prompts are run without "
+                    "it, since the model is to continue them.")
+    return said
 
 
 @dataclass
@@ -204,10 +229,19 @@ class _StepCounter(BaseStreamer):
 
 def _sequence_tokens(lm: LoadedModel, prompts: list[str], max_new_tokens: int) -> int:
     """The longest sequence a run makes: its longest prompt (a batch is left-padded to it) plus the
-    tokens it generates; the KV margin is sized for it. Refused past the model's own context."""
+    tokens it generates; the KV margin is sized for it. Refused past the model's own context, and a
+    prompt too long to fit whatever its tokens before it is tokenized (a 4 MB prompt took 2.2 GB and 38 s
+    in one tokenizer call to be refused): no token spells more characters than the vocabulary's longest."""
+    limit = context_length(lm.model)
+    if limit is not None and lm.tokenizer is not None:
+        most = max(map(len, lm.tokenizer.get_vocab()), default=1)
+        for i, p in enumerate(prompts):
+            if len(p) > (limit + 1) * most:
+                raise MoetoolError(f"prompt {i + 1} of {len(prompts)} is {len(p)} characters, more than {lm.path}'s "
+                                   f"context of {limit} tokens can hold ({context_words(lm.model)}; no token of its "
+                                   f"tokenizer spells more than {most} characters).")
     lengths = [_encode(lm, [p])[0].shape[1] for p in prompts]
     longest = max(lengths)
-    limit = context_length(lm.model)
     if limit is not None and longest + max_new_tokens > limit:
         which = f"prompt {lengths.index(longest) + 1} of {len(prompts)}, " if len(prompts) > 1 else ""
         raise MoetoolError(f"the longest prompt ({which}{longest} tokens) plus --max-new-tokens {max_new_tokens} is "
@@ -261,10 +295,11 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
     lm = ready.lm
     tokens: list[list[int]] = []
     texts: list[str] = []
+    notes: set[str] = set()  # what the model will not read of the prompts (`_unread`)
     bad = None  # the first prompt whose logits were not finite
     with torch.no_grad():
         for i, prompt in enumerate(prompts if program is not None else ()):
-            ids, _ = _encode(lm, [prompt])
+            ids, _ = _encode(lm, [prompt], notes)
             done = i * cfg.max_new_tokens
             row = program.generate(ids, cfg.max_new_tokens, progress=(lambda n, done=done: progress(
                 done + n, len(prompts) * cfg.max_new_tokens)) if progress else None)
@@ -276,7 +311,7 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
             ready.engine.decode_info.update(program.summary())
         for start in range(0, len(prompts) if program is None else 0, cfg.batch_size):
             batch = prompts[start:start + cfg.batch_size]
-            ids, mask = _encode(lm, batch)
+            ids, mask = _encode(lm, batch, notes)
             counter = _StepCounter(progress, start * cfg.max_new_tokens, len(batch), len(prompts) * cfg.max_new_tokens)
             out = lm.model.generate(ids.to(cfg.device), attention_mask=mask.to(cfg.device), do_sample=False,
                                     max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens,
@@ -293,6 +328,10 @@ def run(cfg: RunConfig, progress: Callable[[int, int], None] | None = None) -> R
         raise MoetoolError(nonfinite_sentence(f"for prompt {bad + 1} of {len(prompts)}", lm.fingerprint.source))
     record = engine_record(ready)
     s = record["summary"]
+    if notes:
+        s["text_notes"] = sorted(notes)
+    if getattr(lm.tokenizer, "chat_template", None):  # prompts are raw text, as lm-eval's default: recorded
+        s["chat_template"] = "not applied"
     return Run(model=lm.fingerprint, inputs=ready.inputs, **record, ttft_s=s["ttft_s"], tpot_s=s["tpot_s"],
                hit_rate=s["hit_rate"], bytes_h2d=s["bytes_h2d"], bytes_per_token=s["bytes_per_token"],
                stall_s=s["stall_s"], prompts=prompts, tokens=tokens, texts=texts, batch_size=ready.batch)

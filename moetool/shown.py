@@ -17,8 +17,11 @@ from rich.text import Text
 # styled span keeps its place; a C1 control (U+0080-U+009F, which some terminals obey too) becomes
 # U+FFFD. Newlines and tabs lay text out and stay. Rich alone drops five controls (BEL, BS, VT, FF, CR)
 # without a trace and passes the rest.
+# So does a bidirectional embedding, override or isolate (U+202A-U+202E, U+2066-U+2069: the "Trojan
+# Source" set), which reorders what a bidi-aware terminal shows after it ("price: \u202e0001$" shows
+# "$1000"); right-to-left letters themselves stay, laid out by the terminal's own rules.
 _SHOWN = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421} | \
-         {c: 0xFFFD for c in range(0x80, 0xA0)}
+         {c: 0xFFFD for c in (*range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
 
 
 def visible(obj: Any) -> Any:

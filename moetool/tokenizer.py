@@ -61,7 +61,22 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
                          torch.tensor(tail, dtype=torch.long)])
     if not unknown_ok:
         refuse_unknown(ids, tokenizer, what or f"the text {quote(text, 40)}", text)
+        refuse_dropped(tokenizer, text, ids.tolist() if ids.numel() < 64 else None, what or f"the text {quote(text, 40)}")
     return check_ids(ids, tokenizer, vocab_size)
+
+
+def refuse_dropped(tokenizer: Any, text: str, ids: list[int] | None, what: str) -> int:
+    """How many characters of `text` (not whitespace) its tokenizer drops (`dropped_characters`); one
+    sentence naming `what` where it keeps none of them, or where `ids` (the text's, with special tokens;
+    None for a long text) are only the special tokens it frames every text with (a normalizer that
+    strips the text)."""
+    dropped = dropped_characters(tokenizer, text)
+    kept_none = ids is not None and not own_tokens(ids, framing(tokenizer))
+    if text.strip() and (kept_none or (dropped and dropped == sum(not c.isspace() for c in text))):
+        raise MoetoolError(f"{what} gives no token of its own under this model's tokenizer (at most whitespace and "
+                           "the special tokens it frames every text with): the tokenizer drops its characters; give "
+                           "text the tokenizer keeps.")
+    return dropped
 
 
 def _plain(tokenizer: Any, text: str) -> list[int]:
@@ -141,6 +156,67 @@ def _frame(tokenizer: Any, text: str) -> tuple[list[int], list[int]] | None:
                 tokenizer(s, add_special_tokens=True).input_ids == head + _plain(tokenizer, s) + tail for s in ends):
             return head, tail
     return None
+
+
+def framing(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(head, tail): the ids a tokenizer adds before and after every text with special tokens (BOS;
+    EOS), read off _TOKENIZER_PROBE; ([], []) for none. OLMo's and OLMoE's tokenizer.json append EOS
+    to every text (a TemplateProcessing post-processor `$A </s>`)."""
+    if tokenizer is None:
+        return [], []
+    plain, framed = _plain(tokenizer, _TOKENIZER_PROBE), tokenizer(_TOKENIZER_PROBE, add_special_tokens=True).input_ids
+    for i in range(len(framed) - len(plain) + 1):
+        if framed[i:i + len(plain)] == plain:
+            return framed[:i], framed[i + len(plain):]
+    return [], []
+
+
+def own_tokens(ids: list[int], frame: tuple[list[int], list[int]]) -> int:
+    """How many of one text's `ids` (with special tokens) the text itself gave: less the `frame`."""
+    head, tail = frame
+    n = len(ids) - (len(head) if head and ids[:len(head)] == head else 0)
+    return n - (len(tail) if tail and n >= len(tail) and ids[len(ids) - len(tail):] == tail else 0)
+
+
+def without_tail(ids: list[int], frame: tuple[list[int], list[int]]) -> list[int]:
+    """One text's `ids` without the tail its tokenizer ends every text with (`framing`): a text the model
+    is to continue (a prompt, an lm-eval context or choice) does not end with EOS, as the model was
+    trained to read text; kept, the model continues past an end of document and lm-eval scores every
+    choice after an EOS where its space was."""
+    tail = frame[1]
+    return ids[:len(ids) - len(tail)] if tail and ids[len(ids) - len(tail):] == tail else ids
+
+
+def dropped_characters(tokenizer: Any, text: str) -> int:
+    """Characters of `text`, not whitespace, that no token of a fast tokenizer covers: a BPE with
+    neither an unknown token nor byte fallback drops what its vocabulary lacks, so the model would
+    read the text without them and nothing would say so. 0 where the tokenizer is not a fast one (no
+    offsets to read), none, or one that cannot drop a character (`_may_drop`). Read CHUNK characters
+    at a time (as `encode` reads a long text)."""
+    if not _may_drop(tokenizer):
+        return 0
+    dropped = 0
+    for start in range(0, len(text), CHUNK):
+        piece = text[start:start + CHUNK]
+        covered = bytearray(len(piece))
+        for a, b in tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True).offset_mapping:
+            covered[a:b] = b"\x01" * (b - a)
+        dropped += sum(1 for c, seen in zip(piece, covered) if not seen and not c.isspace())
+    return dropped
+
+
+def _may_drop(tokenizer: Any) -> bool:
+    """Whether a fast tokenizer's model can leave a character out: a BPE (or WordPiece, Unigram) with no
+    unknown token and no byte fallback, over a pre-tokenizer that is not byte-level (which spells every
+    byte). The others write `<unk>` (counted by `unknown_tokens`) or spell bytes, so a pass over the
+    offsets is spent only where it can find something."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return False
+    model = backend.model
+    unknown = getattr(model, "unk_token", getattr(model, "unk_id", "absent"))
+    return (unknown is None and not getattr(model, "byte_fallback", False)
+            and "ByteLevel" not in repr(backend.pre_tokenizer))
 
 
 def unknown_tokens(ids: torch.Tensor, tokenizer: Any, text: str | None = None) -> tuple[int, int]:

@@ -733,7 +733,7 @@ def test_eval_ppl_reads_its_text_before_the_model(tiny_bundle, tmp_path, monkeyp
     lines = tmp_path / "docs.jsonl"  # its braces and keys were scored as text, without a word
     lines.write_text('{"text": "one document"}\n{"text": "another"}\n')
     line = _one_error_line(runner.invoke(app, ["eval", "ppl", "--bundle", str(tiny_bundle), "--data", str(lines)]))
-    assert "is a JSON Lines file, and ppl scores running text" in line
+    assert "is JSON data (JSON Lines, or one JSON document), and ppl scores running text" in line
 
 
 def test_decoding_through_a_kv_cache_uses_the_keyword_transformers_does_not_warn_about(tiny_ckpt):

@@ -492,6 +492,9 @@ def test_a_styled_line_keeps_its_styles_where_controls_are_shown():
         console.print(line)
     assert "\x1b[1m" in shown.get() and "\x1b[2J" not in shown.get()  # Rich's own styles, none of the text's
     assert visible(Text("plain\ttext\n")).plain == "plain\ttext\n"
+    # a bidi override reorders what follows it on a bidi-aware terminal ("$1000" shown for "0001$"):
+    # shown as U+FFFD, where right-to-left letters stay as they are
+    assert visible("price: \u202e0001$ \u2066x\u2069 سلام") == "price: \ufffd0001$ \ufffdx\ufffd سلام"
 
 
 @pytest.mark.parametrize("most,unit,said", [(1, "experts per layer", "1 expert per layer"),
@@ -609,3 +612,18 @@ def test_a_mistyped_local_path_that_reads_as_a_hub_id_says_it_is_no_local_direct
     assert result.exit_code == 1
     line = one_error_line(result)
     assert line.startswith("error: there is no local directory 'ckpt/nosuch', and as a hub id it could not be read: "), line
+
+
+@pytest.mark.parametrize("data,said", [
+    ("\ufeff".encode("utf-16-le"), "is UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8."),
+    (b'{"q": "The sky is", "choices": ["blue", "green"], "answer": 0}\x00\n', "holds a NUL character (character 63)"),
+    ('{"q": "Caf\u00e9", "choices": ["a", "b"], "answer": 0}\n'.encode("latin-1"), "is not UTF-8 text (byte 10 is not)."),
+])
+def test_a_task_data_file_that_is_not_utf8_text_is_named(char_ckpt, tmp_path, offline, data, said):
+    """`datasets` said "An error occurred while generating the dataset." of a UTF-16 or Latin-1 data file,
+    or one holding a NUL (after a line of its own logger), naming neither the file nor why."""
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC)
+    rows = tmp_path / "tasks" / "t.jsonl"
+    rows.write_bytes(data + (rows.read_text().encode("utf-16-le") if data.startswith(b"\xff\xfe") else b""))
+    line = one_error_line(_cli("eval", task, "--model", char_ckpt))
+    assert line.startswith(f"error: the data file {rows} of task file {task} ") and said in line, line

@@ -80,7 +80,8 @@ def eval(  # noqa: A001 - the command is `moetool eval`
 
     writable(save)
     not_an_input(save, fit, data, inside=bundle or model)
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    for name in ("lm_eval", "datasets"):  # their failures are said in one sentence, not logged beside it
+        logging.getLogger(name).setLevel(logging.CRITICAL if name == "datasets" else logging.ERROR)
     cfg = EvalConfig(**spec_fields(model, bundle, policy, set_, fit, budget, clock, hw, device, dtype, host_budget,
                                      experts_impl),
                      task=task, num_fewshot=num_fewshot, limit=limit, include_path=include_path,
@@ -103,6 +104,15 @@ def eval(  # noqa: A001 - the command is `moetool eval`
         err.print(styled(("note:", "yellow"), f" {unknown} token(s) {where} are the tokenizer's unknown token "
                          f"(characters its vocabulary lacks): {scored} the model on that placeholder there, not on "
                          "the text."), highlight=False)
+    if dropped := result.options.get("dropped_characters"):
+        err.print(styled(("note:", "yellow"), f" {dropped} character(s) of {result.options['data']} are dropped by "
+                         "the tokenizer (no token covers them, and it has no unknown token): the perplexity scores "
+                         "the text without them."), highlight=False)
+    if ends := result.options.get("line_ends"):
+        how = {"crlf": "in CRLF (Windows)", "cr": "in a lone CR (old Mac)", "mixed": "in mixed styles"}[ends]
+        err.print(styled(("note:", "yellow"), f" the lines of {result.options['data']} end {how}, and the text is read "
+                         "as stored, its carriage returns scored as text: its perplexity differs from the same text "
+                         "with \\n line ends (recorded under options.line_ends)."), highlight=False)
     if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
                          "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "
@@ -112,6 +122,10 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                          "document (characters the vocabulary lacks read as its unknown token, or text the tokenizer "
                          "normalizes alike): they score alike, and lm-eval counts a tie as the first of them."),
                   highlight=False)
+    if dropped := result.options.get("tail_dropped"):
+        err.print(styled(("note:", "yellow"), f" the tokenizer ends every text with {result.options.get('tail')!r}; "
+                         f"lm-eval's contexts and choices ({dropped} encodings) were scored without it, as text the model continues "
+                         "(recorded under options.tail_dropped)."), highlight=False)
     if merged := result.options.get("merged_with_context"):
         err.print(styled(("note:", "yellow"), f" {merged} choice(s) merged with the last token of their context "
                          "(as 'Par' + 'isian' makes 'Paris' 'ian'), and lm-eval scored the rest of the merged word "

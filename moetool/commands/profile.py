@@ -90,7 +90,7 @@ def profile(
     sens_bits = parse_numbers(bits, "--bits", int)
     from moetool.profile.data import TEXTS
 
-    if ppl_data not in TEXTS and not (Path(ppl_data).is_file() and Path(ppl_data).suffix.lower() != ".jsonl"):
+    if ppl_data not in TEXTS and not Path(ppl_data).is_file():
         raise MoetoolError(f"--ppl-data {ppl_data} is neither a text file nor a text data set ({', '.join(TEXTS)}): the "
                            "sensitivity scores perplexity over running text.")
     from moetool.datasets import read_text_file
@@ -98,7 +98,7 @@ def profile(
     # a file's text before anything loads (binary, NUL, only whitespace: refused after the whole profile)
     for path, option in [*((f, "--data") for f in files if f.is_file()),
                          *([(Path(ppl_data), "--ppl-data")] if ppl_data not in TEXTS else [])]:
-        read_text_file(path, option)
+        read_text_file(path, option, "the sensitivity scores perplexity over" if option == "--ppl-data" else None)
     parts = _split(what) or ("all",)
     if hw_out is not None and "timing" not in parts and "all" not in parts:  # it would not be written, unsaid
         raise MoetoolError(f"--hw-out {hw_out} is written from the timing part, which --what {','.join(parts)} leaves out; add "

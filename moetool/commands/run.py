@@ -34,7 +34,7 @@ def run(
     budget: BudgetOpt = DEFAULT_BUDGET,
     clock: ClockOpt = Clock.wall,
     hw: HwOpt = DEFAULT_HW,
-    prompt: Annotated[str | None, typer.Option(help="One prompt (default: a fixed English sentence).")] = None,
+    prompt: Annotated[str | None, typer.Option(help="One prompt, the model's input as written: no chat template is applied (default: a fixed English sentence).")] = None,
     prompts: Annotated[Path | None, typer.Option(help='JSONL file of {"prompt": ...} lines.')] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt (greedy).")] = 32,
     batch_size: BatchOpt = 1,

@@ -28,8 +28,8 @@ def known_names() -> tuple[str, ...]:
     return (*TEXTS, *datasets.MC_TASKS)
 
 
-def _ids(lm: LoadedModel, text: str) -> torch.Tensor:
-    return encode(lm.tokenizer, text, vocab_size(lm.model))  # [T]
+def _ids(lm: LoadedModel, text: str, what: str | None = None) -> torch.Tensor:
+    return encode(lm.tokenizer, text, vocab_size(lm.model), what=what)  # [T]
 
 
 def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]:
@@ -50,7 +50,7 @@ def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--da
     for i, p in enumerate(prompts[:n], 1):
         if not p.strip():  # skipped, it left fewer sequences than --seqs without a word (`run` refuses it)
             raise MoetoolError(f"prompt {i} of {source} is empty; give it some text or remove it.")
-        ids = _ids(lm, p)
+        ids = _ids(lm, p, f"prompt {i} of {source} ({quote(p, 40)})")
         if not len(ids):  # text the tokenizer maps to no token (its normalizer drops it): nothing to run
             raise MoetoolError(f"prompt {i} of {source} ({quote(p, 40)}) has no tokens under this model's tokenizer; "
                                "remove it or give text the tokenizer keeps.")
@@ -73,12 +73,13 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int,
         raise MoetoolError(f"{option} {name} is neither a file nor a known data set ({', '.join(known_names())}).")
     text = datasets.read_text_file(path, option)
     sha = sha256_file(path)  # the file's, as every artifact records its inputs (a BOM or UTF-16 is not the text's)
-    if path.suffix.lower() == ".jsonl":
+    prompts_file = path.suffix.lower() == ".jsonl" or datasets.is_json(text)  # .ndjson, .json: JSON, not text
+    if prompts_file:
         prompts = datasets.parse_prompt_lines(text, path)
         seqs = _prompts(lm, prompts, n, path)
     else:
         seqs = spread_chunks(_ids(lm, text), n, seq_len)
     if not seqs:
-        what = "no prompt" if path.suffix.lower() == ".jsonl" else "fewer than 2 tokens"
+        what = "no prompt" if prompts_file else "fewer than 2 tokens"
         raise MoetoolError(f"{path} holds {what}: nothing to profile on.")
     return seqs, sha

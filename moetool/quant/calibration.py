@@ -48,7 +48,7 @@ def calibration_ids(lm: LoadedModel, cfg: CalibrationSettings) -> torch.Tensor:
     if cfg.calib_text is not None:
         from moetool.datasets import read_text_file
 
-        text, where = read_text_file(Path(cfg.calib_text), "--calib-text"), str(cfg.calib_text)
+        text, where = read_text_file(Path(cfg.calib_text), "--calib-text", "calibration reads"), str(cfg.calib_text)
     else:
         from moetool.datasets import train_text  # lazy: reads the packaged text only when calibrating
 
