@@ -1,5 +1,5 @@
 """`python -m moetool ...`, the same program as the `moetool` command."""
 
-from moetool.cli import app
+from moetool.entry import main
 
-app(prog_name="moetool")
+main()

@@ -1,6 +1,6 @@
 """The `moetool` entry point: import every command (each registers itself on `moetool.app.app`) and run the app.
 
-    moetool run --help          # the console script (pyproject.toml: moetool = "moetool.cli:app")
+    moetool run --help          # the console script (pyproject.toml: moetool = "moetool.entry:main")
     python -m moetool.cli run --help
 
 The app, its consoles and the error policy are in moetool/app.py, the shared options in

@@ -55,7 +55,10 @@ def _refuse_bundle(p: Path) -> None:
     """A bundle, or the model directory inside one, given where a checkpoint is asked for: its experts
     are in the bundle's shards, so as a checkpoint it reads as one without experts."""
     # quant.bundle.MANIFEST, quant.quantize.JOURNAL and quant.shards.MODEL_DIR (modules that import this one)
-    if (p / "bundle.json").is_file() or (p / ".quantize-journal.json").is_file():  # quantize.JOURNAL: one begun
+    if not (p / "bundle.json").is_file() and (p / ".quantize-journal.json").is_file():  # quantize.JOURNAL: one begun
+        raise MoetoolError(f"{p} is an unfinished moetool bundle (its quantize was stopped before it wrote bundle.json), "
+                           "not a model checkpoint: rerun the quantize command that made it to finish it.")
+    if (p / "bundle.json").is_file():
         raise MoetoolError(f"{p} is a moetool bundle, not a model checkpoint: give it as --bundle {p} (check and "
                            "quantize read the checkpoint a bundle is made from).")
     if p.name == "model" and (p.parent / "bundle.json").is_file():

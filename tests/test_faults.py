@@ -205,7 +205,7 @@ def test_sigterm_stops_a_sweep_cleanly_and_sigkill_leaves_no_ray_process(char_bu
     proc.send_signal(signal.SIGTERM)
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 143 and "SIGTERM received" not in stderr, stderr  # Ray's native crash dump
-    assert "terminated:" in stderr and "the same command runs the rest" in stderr
+    assert "terminated (SIGTERM):" in stderr and "the same command runs the rest" in stderr
     assert not _gone_within(ray, 30)
     index = json.loads((out / "sweep.json").read_text())["cells"]
     assert {f"{n}.run.json" for n, c in index.items() if c["status"] == "done"} == \

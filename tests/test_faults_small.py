@@ -183,7 +183,27 @@ def test_a_fixed_small_tensor_or_another_checkpoint_starts_over(tmp_path):
 
     other = _checkpoint(tmp_path / "other", seed=1)
     assert (other / "config.json").read_text() == (model / "config.json").read_text()
-    assert _quantize(other, tmp_path / "b2").exit_code == 0 and not _continued(tmp_path / "b2")
+    done = _quantize(other, tmp_path / "b2")
+    assert done.exit_code == 0 and not _continued(tmp_path / "b2")
+    assert f"{tmp_path / 'b2'} held 2 finished MoE layer(s) quantized from other weights" in done.stderr
+
+
+def test_a_resume_with_other_settings_is_refused_and_an_orphan_shard_never_reaches_the_bundle(tmp_path):
+    """Resumed with another --bits (a forgotten option), the finished layers were deleted without a word;
+    and a shard renamed into place whose journal entry a signal stopped survived into the finished bundle,
+    which `verify` then refused ("holds layer-002.safetensors, which its manifest does not list")."""
+    model, bundle = _checkpoint(tmp_path / "m", moe_intermediate_size=1024), tmp_path / "b"  # fixed, it continues
+    before = _refused_late(model, bundle)
+    _set(model, LATE, before)
+    other = runner.invoke(app, ["quantize", str(model), "--bits", "8", "--no-hqq-optimize", "--out", str(bundle)])
+    assert one_error_line(other) == (f"error: {bundle} holds 2 finished MoE layer(s) of an interrupted quantize of "
+                                     "other settings (bits [16, 4] -> [16, 8]); rerun the command that made them to continue, "
+                                     "or delete the directory (or give another --out) to start over.")
+    assert sorted(p.name for p in bundle.glob("layer-*")) == ["layer-000.safetensors", "layer-001.safetensors"]
+    assert f"{bundle} is an unfinished bundle" in one_error_line(runner.invoke(app, ["verify", str(bundle)]))
+    shutil.copy(bundle / "layer-001.safetensors", bundle / "layer-007.safetensors")  # on disk, not in the journal
+    assert _quantize(model, bundle).exit_code == 0 and _continued(bundle)
+    assert runner.invoke(app, ["verify", str(bundle)]).exit_code == 0
 
 
 def test_a_line_to_a_pipe_is_not_wrapped():
@@ -279,4 +299,43 @@ def test_a_bundle_given_where_a_checkpoint_is_asked_for_says_to_give_it_as_bundl
     assert not (tmp_path / "other").exists()
     begun = tmp_path / "begun"  # a quantize refused in its last layer: no bundle.json, its journal names it
     _refused_late(_checkpoint(tmp_path / "m"), begun)
-    assert f"{begun} is a moetool bundle" in one_error_line(runner.invoke(app, ["check", str(begun)]))
+    assert f"{begun} is an unfinished moetool bundle (its quantize was stopped before it wrote bundle.json), not a " \
+           "model checkpoint: rerun the quantize command" in one_error_line(runner.invoke(app, ["check", str(begun)]))
+
+
+def test_a_ctrl_c_while_moetool_starts_is_one_line_not_an_import_traceback():
+    """A Ctrl-C in the first second (torch and transformers being imported) printed a KeyboardInterrupt
+    traceback from the import; it is one line and exit code 130, as during a command."""
+    code = ("import sys, types\n"
+            "class Starting(types.ModuleType):\n"
+            "    def __getattr__(self, name): raise KeyboardInterrupt\n"
+            "sys.modules['moetool.cli'] = Starting('moetool.cli')\n"
+            "from moetool.entry import main\n"
+            "main()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and done.stderr == "interrupted (Ctrl-C) while moetool started: nothing was done.\n", \
+        done.stderr
+
+
+def test_a_sweep_stopped_before_its_first_cell_says_so_in_the_words_of_every_command(tmp_path, monkeypatch):
+    """It said "interrupted: 0 of ? cells are finished" (the count is learnt from the first cell), where every
+    other command says "interrupted (Ctrl-C): ..."."""
+    import moetool.sweep
+
+    def stopped(cfg, progress=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(moetool.sweep, "sweep", stopped)
+    done = runner.invoke(app, ["sweep", "demo-runs", "--out", str(tmp_path / "s")])
+    assert done.exit_code == 130, done.output
+    assert done.stderr.strip() == "interrupted (Ctrl-C): no cell had finished; the same command runs them all.", done.stderr
+
+
+def test_a_journal_left_beside_a_finished_manifest_does_not_fail_verify(tmp_path):
+    """A Ctrl-C between writing bundle.json (quantize's last write) and removing the journal left a whole
+    bundle that `verify` refused for the journal, and that the command, run again, refused as finished."""
+    bundle = tmp_path / "b"
+    assert _quantize(_checkpoint(tmp_path / "m"), bundle).exit_code == 0
+    (bundle / JOURNAL).write_text(json.dumps({"settings_sha256": "x", "layers": {}}))
+    done = runner.invoke(app, ["verify", str(bundle)])
+    assert done.exit_code == 0, done.output

@@ -156,10 +156,17 @@ def test_resume_redoes_a_shard_that_no_longer_hashes_right(built, models, tmp_pa
     assert {p.layer for p in seen if p.stage == "expert"} == {0, 1}
 
 
-def test_resume_with_other_settings_starts_clean(models, tmp_path):
+def test_resume_with_other_settings_is_refused_and_a_deleted_directory_starts_clean(models, tmp_path):
+    """Resumed with other settings (a forgotten option), the finished layers were deleted without a word:
+    refused now, naming what changed; the directory deleted, the other settings start clean."""
     out = tmp_path / "b"
     with pytest.raises(Interrupt):
         quantize(config(models[0], out, bits=(4,)), progress=interrupt_after_first_shard)
+    with pytest.raises(MoetoolError, match=r"holds 1 finished MoE layer\(s\) of an interrupted quantize of other "
+                                           r"settings \(bits \[4\] -> \[2\]\)"):
+        quantize(config(models[0], out, bits=(2,)))
+    assert (out / "layer-000.safetensors").is_file()
+    shutil.rmtree(out)
     seen = []
     bundle = quantize(config(models[0], out, bits=(2,)), progress=seen.append)
     assert {p.layer for p in seen if p.stage == "expert"} == {0, 1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -57,6 +58,7 @@ def sweep(
     reads INT4 and INT2 experts), `prompts: ["Hello"]`, `max_new_tokens: 16` and
     `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
+    from moetool.machine import STOPPED
     from moetool.sweep import SweepConfig, Terminated, fit_dropped_cells
     from moetool.sweep import sweep as sweep_stage
 
@@ -91,10 +93,11 @@ def sweep(
         try:
             index = sweep_stage(cfg, progress=progress)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): cells in flight are cancelled, Ray is stopped
-            what, code = ("terminated", 128 + e.signum) if isinstance(e, Terminated) else ("interrupted", 130)
-            err.print(styled((what, "yellow"), f": {sum(counts.values())} of {total or '?'} cells are finished and "
-                             f"kept in {save / 'sweep.json'}; the same command runs the rest."), highlight=False)
-            raise typer.Exit(code) from None
+            signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            kept = (f"{sum(counts.values())} of {total} cells are finished and kept in {save / 'sweep.json'}; the same "
+                    "command runs the rest" if counts else "no cell had finished; the same command runs them all")
+            err.print(styled((STOPPED.get(signum, f"stopped by signal {signum}"), "yellow"), f": {kept}."), highlight=False)
+            raise typer.Exit(128 + signum) from None
     table = Table(title=f"sweep {grid} -> {save} ({len(index.cells)} cells)")
     for col in ("cell", "status", "artifact or reason"):
         table.add_column(col)

@@ -261,6 +261,9 @@ class Bundle(Artifact):
         directory = Path(directory)
         if not (directory / MANIFEST).is_file():
             what = "does not exist" if not directory.exists() else f"is not a bundle directory (no {MANIFEST} in it)"
+            if (directory / ".quantize-journal.json").is_file():  # quantize.JOURNAL (a module that imports this one)
+                what = (f"is an unfinished bundle (its quantize was stopped before it wrote {MANIFEST}); rerun the "
+                        "quantize command that made it to finish it")
             raise MoetoolError(f"{directory} {what}.")
         manifest = cls.load(directory / MANIFEST, model=model)
         for f in manifest.model_files:
@@ -374,7 +377,9 @@ class OpenBundle:
     def unlisted(self) -> list[str]:
         """Files and directories in the bundle directory that its manifest does not list (a stray shard
         of another model, a file dropped in by hand), as paths relative to it."""
-        files = {MANIFEST, *(s.name for s in self.manifest.shards),
+        # The resume journal (quantize.JOURNAL) beside a manifest is what a quantize interrupted between
+        # writing the manifest, its last write, and removing the journal leaves: the bundle is whole.
+        files = {MANIFEST, ".quantize-journal.json", *(s.name for s in self.manifest.shards),
                  *(f"{MODEL_DIR}/{f.name}" for f in self.manifest.model_files)}
         dirs = {str(parent) for name in files for parent in PurePosixPath(name).parents if str(parent) != "."}
         found = []

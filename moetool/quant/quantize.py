@@ -14,44 +14,41 @@ to `model/`, so the bundle runs without the checkpoint.
 
 A journal next to the shards records each finished shard with its sha256, so an interrupted run
 (a Ctrl-C, a full disk, a weight refused in a later layer) leaves no `bundle.json` and the next run with
-the same settings and weights fingerprint continues from the shards that still hash right; other
-settings or another checkpoint start clean.
+the same settings and weights fingerprint continues from the shards that still hash right; weights
+repaired since start over, other settings or another model are refused (`journal.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
-from moetool.artifacts import atomic_write_bytes, read_json, sha256_file
+from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError, keeping, not_a_file, quote
 from moetool.machine import return_freed_heap
 from moetool.files import DirectoryLock as _DirectoryLock
 from moetool.files import not_inside_a_model, target_of_temp, temp_file_of
-from moetool.schema import build
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.prequantized import without_quantization
 from moetool.quant import gptq, hqq
 from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
 from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids, calibration_length
+from moetool.quant.journal import JOURNAL, SHARD_NAME, Journal
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.notes import gate_up_shape, precision_note, size_note
 from moetool.quant.format import (DTYPES, META_DTYPE, Bits, Layout, QTensor, auto_group_size, dequantize,
                                    dequantize_qtensor, encode, make_layout, relative_error)
 
 READ_CHUNK = 8  # experts read from the checkpoint at once: memory stays flat in the number of experts
-JOURNAL = ".quantize-journal.json"
 LOCK = ".quantize.lock"  # flock'ed while a quantize writes the directory
 
 
@@ -114,8 +111,8 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
     # The weights' digest too (where known): an interrupted run never resumes on another checkpoint
     # of the same architecture.
     weights = {"weights_sha256": lm.fingerprint.weights_sha256} if lm.fingerprint.weights_sha256 else {}
-    settings_sha = _sha256_json({"model_type": lm.fingerprint.model_type,
-                                 "config_sha256": lm.fingerprint.config_sha256, "settings": settings, **weights})
+    identity = {"model_type": lm.fingerprint.model_type, "config_sha256": lm.fingerprint.config_sha256,
+                "settings": settings, **weights}
     layouts = {layer.index: {b: make_layout(b, gate_up_shape(layer), (layer.hidden_size, layer.intermediate_size),
                                             layer.has_bias, cfg.group_size, cfg.axis, cfg.int8_per_channel) for b in bits}
                for layer in layers}
@@ -138,11 +135,14 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
         with lock:
             check_out_dir(out)  # again, under the lock: another run may have finished here since the first look
             try:
-                bundle = _write_bundle(lm, cfg, bits, out, inputs, settings, settings_sha, layouts, total, report,
-                                       calib)
+                bundle = _write_bundle(lm, cfg, bits, out, inputs, identity, layouts, total, report, calib, note)
             except OSError as e:
                 raise _cannot_write(out, e, finished=any(out.glob("layer-*.safetensors"))) from None
-            Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
+            try:
+                Bundle.open(out, verify=cfg.verify, model=lm.fingerprint)  # read back what was written, as a user will
+            except KeyboardInterrupt as e:  # the bundle is whole: running the command again would refuse it
+                raise keeping(e, f"{out} holds the finished bundle ({MANIFEST} is written); `moetool verify {out}` "
+                                 "rehashes it") from None
     except MoetoolError:
         # Refused before a single layer was finished (a checkpoint whose weights do not fit its
         # config, ...): nothing there is worth resuming, so a directory this run made goes too.
@@ -156,12 +156,15 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
 
 
 def _write_bundle(lm: LoadedModel, cfg: QuantizeConfig, bits: tuple[Bits, ...], out: Path, inputs: dict[str, str],
-                  settings: dict, settings_sha: str, layouts: dict[int, dict[Bits, Layout]], total: int,
-                  report: Callable[[Progress], None], calib: torch.Tensor | None) -> Bundle:
+                  identity: dict, layouts: dict[int, dict[Bits, Layout]], total: int,
+                  report: Callable[[Progress], None], calib: torch.Tensor | None,
+                  note: Callable[[str], None] | None) -> Bundle:
     """Quantize the layers the journal lacks (GPTQ / calibrated HQQ on `calib` token ids), then write
     the manifest (the caller holds `out`'s lock)."""
     layers = lm.geometry.layers
-    journal = Journal(out, settings_sha)
+    _remove_strays(out)
+    journal = Journal(out, identity, note)
+    settings, settings_sha = identity["settings"], journal.settings_sha
     model_files = write_model_files(lm, out)
     todo = [layer for layer in layers if layer.index not in journal.done]
     done = total - sum(layer.num_experts for layer in todo)
@@ -225,7 +228,6 @@ def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
 
 # ---- the output directory -----------------------------------------------------------------------
 
-SHARD_NAME = re.compile(r"layer-\d{3,}\.safetensors")
 _WRITTEN = frozenset({MODEL_DIR, MANIFEST, JOURNAL})  # besides the shards, what quantize writes in a bundle directory
 
 
@@ -361,10 +363,6 @@ def _calibrated(cfg: QuantizeConfig) -> bool:
     return cfg.method == "gptq" or cfg.calibrate or cfg.calib_text is not None
 
 
-def _sha256_json(value: object) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
 def _layout_key(layout: Layout) -> str:
     gu, dn = (p.shape for p in layout.projections)
     group = layout.projections[0].group_size
@@ -448,53 +446,16 @@ def _quantize_expert(ref: ExpertWeights, bits: Bits, layout: Layout, x: torch.Te
                                                cfg.hqq_optimize) for p in layout.projections}
 
 
-# ---- resume journal -----------------------------------------------------------------------------
+# ---- resume journal (`journal.py`) ---------------------------------------------------------------
 
 
-class Journal:
-    """The shards an unfinished run has completed: layer -> (Shard, entries), kept only while the
-    settings match and the shard still hashes to what was recorded."""
-
-    def __init__(self, out: Path, settings_sha: str):
-        self.path, self.settings_sha = out / JOURNAL, settings_sha
-        self.done: dict[int, tuple[Shard, list[Entry]]] = {}
-        # A killed run's temp shards, half-written model/ and half-written journal or manifest. Safe
-        # to delete: the caller holds the directory's lock, so no live run is writing them.
-        for stray in out.glob(".*.tmp"):
-            if not own_temp_file(stray.name):
-                continue
-            if stray.is_dir():
-                shutil.rmtree(stray, ignore_errors=True)
-            else:
-                stray.unlink(missing_ok=True)
-        records, same = {}, False
-        if self.path.exists():
-            try:
-                data = read_json(self.path)  # a regular file of bounded size: a FIFO here is not our journal
-                records = {int(k): (build(Shard, v["shard"]), build(list[Entry], v["entries"]))
-                           for k, v in data["layers"].items()}
-                same = data["settings_sha256"] == settings_sha
-            except (MoetoolError, ValueError, KeyError, TypeError, AttributeError):  # SchemaError is a ValueError
-                records, same = {}, False
-        for layer, (shard, entries) in records.items():
-            if not SHARD_NAME.fullmatch(shard.name):
-                continue  # not a name quantize gives a shard: never read, never delete it
-            path = out / shard.name
-            if same and path.is_file() and sha256_file(path) == shard.sha256:
-                self.done[layer] = (shard, entries)
-            elif not same:
-                path.unlink(missing_ok=True)  # made with other settings: start clean
-        self._save()  # at once, even empty: it is what marks the directory as an unfinished bundle of ours
-
-    def add(self, layer: int, shard: Shard, entries: list[Entry]) -> None:
-        self.done[layer] = (shard, entries)
-        self._save()
-
-    def _save(self) -> None:
-        data = {"settings_sha256": self.settings_sha,
-                "layers": {str(k): {"shard": asdict(s), "entries": [asdict(e) for e in es]}
-                           for k, (s, es) in sorted(self.done.items())}}
-        atomic_write_bytes(self.path, json.dumps(data).encode())
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+def _remove_strays(out: Path) -> None:
+    """A killed run's temp shards, half-written model/ and half-written journal or manifest. Safe to
+    delete: the caller holds the directory's lock, so no live run is writing them."""
+    for stray in out.glob(".*.tmp"):
+        if not own_temp_file(stray.name):
+            continue
+        if stray.is_dir():
+            shutil.rmtree(stray, ignore_errors=True)
+        else:
+            stray.unlink(missing_ok=True)
