@@ -235,6 +235,8 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
         same.sort(key=lambda pr: (_timing(pr[1]) != preferred, pr[0].name))
         tpot = same[0][1].tpot_s["mean"] if same and same[0][1].tpot_s else None
         source = f"{same[0][0].name} ({', '.join(_timing(same[0][1]))})" if tpot is not None else None
+        if source and _eval_clock(e) and _timing(same[0][1])[0] != _eval_clock(e):  # a residency-reading policy
+            source += f"; quality on the {_eval_clock(e)} clock"
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
             tpot = ((e.get("summary") or {}).get("tpot_s") or {}).get("mean")
             source = "eval counters" if tpot is not None else None
@@ -244,6 +246,12 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
                      "metric": metric,
                      "higher": m[2], "tpot": tpot, "eval": epath.name, "run": source})
     return rows
+
+
+def _eval_clock(e: dict) -> str | None:
+    """The clock an eval ran on, with the simulated machine ("sim/rtx3090", "wall"); None for a hand-made
+    eval that records none."""
+    return f"{e['clock']}{'/' + e['hw'] if e.get('hw') else ''}" if e.get("clock") else None
 
 
 def _timing(r: Run) -> tuple[str, str]:
@@ -301,14 +309,19 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
     tasks = sorted(set(columns.values()))
     if not tasks:
         return ""
-    # bf16 against fp32 moves a perplexity by tenths of a percent: where both were scored, each its own row
+    # bf16 against fp32 moves a perplexity by tenths of a percent: where both were scored, each its own row.
+    # So does the clock for a policy that reads residency (SMoE's substitutes, DyMoE's reuse of a resident
+    # high-bit copy, every prefetch): fills land when the simulated link finishes, or at once on a CPU's
+    # wall clock, so one setting evaluated on both computed different things.
     dtypes = len({e.get("dtype", "float32") for e in scored}) > 1
+    clocks = len({_eval_clock(e) for e in scored} - {None}) > 1
     rows: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
     again: list[str] = []
     for e in scored:
         cache = int((e.get("budget") or {}).get("cache_bytes") or 0)  # total budgets differ by the KV margin
         label = setting_label(e.get("policy", "?"), e.get("params") or {})
         label += f" ({e.get('dtype', 'float32')})" if dtypes else ""
+        label += f" ({_eval_clock(e) or 'unrecorded'} clock)" if clocks else ""
         held = rows[label, cache].get(columns[id(e)])
         if held is not None:  # one cell, two evals: the table shows one, and says which
             again.append(f"`{paths[id(held)].name}` and `{paths[id(e)].name}` ({label}, {columns[id(e)]}: "

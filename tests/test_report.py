@@ -374,6 +374,25 @@ def test_evals_take_their_tpot_from_runs_of_one_clock_and_path(tmp_path):
         assert f"| {pol}.eval.json | b-{pol}-captured.run.json (sim/rtx3090, captured path) |" in md, md
 
 
+def test_evals_of_one_setting_on_two_clocks_are_two_rows_and_a_pairing_across_clocks_is_said(tmp_path):
+    """A policy that reads the residency computes other things on the sim clock (fills land when the
+    modelled link finishes) than on a CPU's wall clock (at once): two such evals of one setting were one
+    cell ("Evals of one setting ... the table shows the second"), and a wall-clock eval was paired with a
+    sim-clock run's TPOT without a word."""
+    d = tmp_path / "art"
+    d.mkdir()
+    synthetic_run("smoe", {"alpha": 0.3}, 0.1, budget=8 << 20).save(d / "smoe.run.json")
+    for clock, hw, ppl in (("wall", None, 40.0), ("sim", "rtx3090", 41.0)):
+        e = {**_ppl_eval("smoe", {"alpha": 0.3}, ppl), "clock": clock, "hw": hw, "budget_bytes": 8 << 20}
+        (d / f"smoe-{clock}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "Evals of one setting" not in md, md
+    assert "| smoe alpha=0.3 (wall clock) |" in md and "| smoe alpha=0.3 (sim/rtx3090 clock) |" in md, md
+    assert "| smoe-wall.eval.json | smoe.run.json (sim/rtx3090, host path); quality on the wall clock |" in md, md
+    assert "| smoe-sim.eval.json | smoe.run.json (sim/rtx3090, host path) |" in md, md
+
+
 def test_a_link_loop_and_an_integer_past_64_bits_are_one_sentence(tmp_path):
     """`report DIR` over a tree holding two links to each other (pathlib raises RuntimeError there on
     Python 3.11) and over a run whose budget_bytes has 400 digits (a float overflow in the runs table)
