@@ -24,6 +24,7 @@ from moetool.artifacts import read_json, sha256_file
 from moetool.fit_artifact import Fit
 from moetool.errors import MoetoolError, size_text
 from moetool.policies import POLICIES, hooked
+from moetool.policies.knobs import parse_params
 from moetool.policies.dymoe_knobs import RETENTION_FLOOR
 from moetool.policies.smoe_fit import ALPHAS
 from moetool.policies.stages import FitInputs, FitTargets
@@ -141,7 +142,11 @@ def fit(cfg: FitConfig, progress: Callable[[str, int, int], None] | None = None)
             continue
         unknown = set(got.knobs) - {f.name for f in dataclasses.fields(cls.Params)}
         if unknown:
-            raise ValueError(f"policy '{name}' fitted {sorted(unknown)}, which are not its knobs")
+            raise MoetoolError(f"policy '{name}' fitted {sorted(unknown)}, which are not its knobs: a bug in its fit().")
+        try:  # as `run --fit` will read them: a value it refuses is refused here, not written
+            parse_params(cls, {}, got.knobs)
+        except MoetoolError as e:
+            raise MoetoolError(f"policy '{name}' fit() gave a knob `run --fit` would refuse: {e}") from None
         if got.knobs:
             params[name] = got.knobs
         if got.evidence:

@@ -102,6 +102,8 @@ def _collect(inputs: list[Path]) -> Found:
             raise MoetoolError(f"{f} is not an artifact report draws (a {', '.join(READERS)} artifact).")
     if not found:
         raise MoetoolError(f"no profile, fit, run or eval artifacts in {', '.join(map(str, inputs))}.")
+    for listed in found.values():  # by path, as a directory lists them: files given in another order, the same report
+        listed.sort(key=lambda pair: str(pair[0]))
     return found
 
 

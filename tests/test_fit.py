@@ -355,7 +355,7 @@ def test_the_stage_asks_each_paper_once_and_takes_only_its_knobs(tmp_path):
         POLICIES.pop("dymoe-variant")
     register("typo")(type("Typo", (DyMoE,), {"fit": classmethod(lambda cls, inputs: Fitted(knobs={"lamda": 0.5}))}))
     try:
-        with pytest.raises(ValueError, match="lamda"):
+        with pytest.raises(MoetoolError, match=r"policy 'typo' fitted \['lamda'\], which are not its knobs: a bug in its fit"):
             fit(FitConfig(profile=prof))
     finally:
         POLICIES.pop("typo")

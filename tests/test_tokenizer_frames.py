@@ -213,3 +213,14 @@ def test_an_lm_eval_task_on_a_tokenizer_without_bos_or_eos_is_one_sentence(char_
     assert line == (f"error: the tokenizer of {ckpt} has neither a beginning- nor an end-of-sequence token, and lm-eval "
                     "starts every request with one of them (ppl and run need neither); give its tokenizer_config.json "
                     "a bos_token or eos_token."), line
+
+
+def test_calibration_text_partly_in_a_script_the_vocabulary_lacks_is_said(char_ckpt, tmp_path):
+    """`eval ppl` said how much of a text was the unknown token; `quantize --calib-text` calibrated on the
+    same placeholders without a word."""
+    text = tmp_path / "cjk.txt"
+    text.write_text("ab 東京 cd\n" * 200, encoding="utf-8")
+    done = _cli("quantize", char_ckpt, "--bits", "4", "--no-reference", "--calibrate", "--calib-text", text,
+                "--calib-tokens", "256", "--out", tmp_path / "b")
+    assert done.exit_code == 0, done.output
+    assert "of the 256 calibration tokens are the tokenizer's unknown token" in done.stderr, done.stderr

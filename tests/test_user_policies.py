@@ -249,3 +249,33 @@ def test_an_in_step_plan_past_the_experts_is_named_not_clamped(tiny_ckpt):
     import dataclasses
 
     assert run(dataclasses.replace(cfg, decode="host")).summary["path"] == "host"
+
+
+def test_a_fit_hook_that_gives_a_value_run_would_refuse_is_refused_when_fitted(tmp_path):
+    """`fit` wrote a researcher's fitted knob as its hook gave it ("fast", for a float knob), and every
+    `run --fit` over the artifact then refused it: the fit is refused now, naming the policy."""
+    from dataclasses import dataclass
+
+    from helpers import synthetic_profile
+
+    from moetool.fit import FitConfig, fit
+    from moetool.policies.base import Params as BaseParams
+    from moetool.policies.stages import Fitted
+
+    class BadFit(Policy):
+        @dataclass(frozen=True)
+        class Params(BaseParams):
+            tau: float = 0.1
+
+        @classmethod
+        def fit(cls, inputs):
+            return Fitted(knobs={"tau": "fast"})
+
+    if "t-bad-fit" not in POLICIES:
+        register("t-bad-fit")(BadFit)
+    try:
+        with pytest.raises(MoetoolError, match="policy 't-bad-fit' fit\\(\\) gave a knob `run --fit` would refuse: knob "
+                                               "'tau' of policy 't-bad-fit' takes a float"):
+            fit(FitConfig(profile=synthetic_profile().save(tmp_path / "s.profile.json")))
+    finally:
+        POLICIES.pop("t-bad-fit")  # its fit would be asked by every later fit in this process

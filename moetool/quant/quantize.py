@@ -43,6 +43,7 @@ from moetool.quant import gptq, hqq
 from moetool.quant.bundle import MANIFEST, METHODS, Bundle, Entry
 from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids, calibration_length
 from moetool.quant.journal import JOURNAL, SHARD_NAME, Journal
+from moetool.tokenizer import unknown_tokens
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.notes import gate_up_shape, precision_note, size_note
 from moetool.quant.format import (DTYPES, META_DTYPE, Bits, Layout, QTensor, auto_group_size, dequantize,
@@ -125,6 +126,10 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
         why = "the text holds no more whole sequences" if calib.numel() < cfg.calib_tokens else "calibration takes whole sequences"
         note(f"calibration uses {calib.numel()} tokens ({calib.shape[0]} sequence(s) of {calib.shape[1]}), not the "
              f"{cfg.calib_tokens} of --calib-tokens: {why}.")
+    if calib is not None and lm.tokenizer is not None and note is not None \
+            and (unknown := unknown_tokens(calib.reshape(-1), lm.tokenizer)[0]):  # placeholders calibrated on, said
+        note(f"{unknown} of the {calib.numel()} calibration tokens are the tokenizer's unknown token (characters its "
+             "vocabulary lacks): the experts are calibrated on that placeholder there; give text in a script it spells.")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)  # only now: refused settings leave no directory behind
