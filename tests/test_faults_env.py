@@ -183,7 +183,8 @@ def test_a_profile_prompt_the_tokenizer_drops_is_one_sentence(char_ckpt, tmp_pat
     save = tmp_path / "p.json"
     line = one_error_line(_cli("profile", "--model", model, "--data", data, "--what", "routing", "--seqs", "2",
                                "--seq-len", "8", "--decode-tokens", "1", "--out", save))
-    assert f"prompt 2 of {data} ('123') has no tokens" in line and not save.exists()
+    assert f"prompt 2 of {data} ('123') gives no token of its own under this model's tokenizer" in line \
+        and not save.exists()
 
 
 # ---- 6. a narrow terminal -------------------------------------------------------------------------
