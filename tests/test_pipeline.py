@@ -84,7 +84,8 @@ def test_the_report_pairs_every_evaluated_setting_with_a_tpot(piped):
     for row in table:
         cells = [c.strip() for c in row.strip("|").split("|")]
         label, tpot, source = cells[0], cells[3], cells[5]
-        # the run's file, then what its TPOT was measured on: "x.run.json (sim/rtx3090, host path)"
+        # the run's file, then what its TPOT was measured on: "x.run.json (sim/rtx3090, host path)"; the demo's
+        # evals run on its runs' clock, so no row says its quality came from another
         match = re.fullmatch(r"(.+\.run\.json) \((sim/\w+|wall), (host|captured) path\)", source)
         assert tpot != "-" and match, row
         assert json.loads((paths["runs"] / match.group(1)).read_text())["policy"] == label.split()[0]
