@@ -63,14 +63,16 @@ def _set_elsewhere(policy: str, params: dict[str, Any]) -> list[str]:
     the quality table and one colour. Knobs a shorthand set (`config` spells DyMoE's tiers) are in it;
     a policy this process does not know shows every scalar knob it recorded."""
     import dataclasses
+    import sys
 
-    from moetool.policies import POLICIES, load_user_policies
-
+    # The registry as this process has it (report, fit and the papers' hooks have loaded it): read, not
+    # imported, since the policies draw with this module and sit above it.
+    knobs = sys.modules.get("moetool.policies.knobs")
     try:
-        load_user_policies()
+        knobs.load_user_policies() if knobs is not None else None
     except Exception:  # noqa: BLE001 - a label is no place to refuse a module: the policy is drawn as unknown
         pass
-    cls = POLICIES.get(policy)
+    cls = knobs.POLICIES.get(policy) if knobs is not None else None
     if cls is None:
         return [k for k, v in params.items() if k not in LABEL_KEYS and isinstance(v, (str, int, float, bool))
                 and k not in {used for used, _ in RESOLVED.values()}]

@@ -369,7 +369,7 @@ class DecodeProgram:
             routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
             run = bits > 0
             check_plan(expert[run], bits[run], 0 * expert[run], self.layers.num_experts, pol.name,  # the step clamped
-                       frozenset(map(int, engine.store.bits)), layer, "plan_step")  # a bad id: said a step late
+                       engine._stored, layer, "plan_step")  # a bad id: said a step late
             st.skips += int((~run & (routed >= 0) & (routed < self.layers.num_experts)).sum())  # a dropped slot: no skip
             st.substitutions += int((run & (expert != routed)).sum())
             used, hit_s, miss_s, read = [], 0.0, 0.0, 0

@@ -9,8 +9,8 @@ expert MLP over them, and the combine that sums a token's k outputs as transform
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +19,8 @@ from transformers.integrations.moe import _grouped_mm  # the dispatcher transfor
 
 from moetool.engine.residency import Handle
 from moetool.engine.stats import LayerStats
-from moetool.errors import MoetoolError
 from moetool.engine.transfer import upload
+from moetool.errors import MoetoolError
 from moetool.policies.base import LayerPlan, Where, valid_slots
 from moetool.quant.format import ExpertStack
 

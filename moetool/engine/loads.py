@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from moetool.errors import MoetoolError
-
 from moetool.engine.groups import Group
 from moetool.engine.residency import Handle
+from moetool.errors import MoetoolError
 from moetool.policies.base import Fetch
 from moetool.quant.kernels import MODULES as KERNELS
 
