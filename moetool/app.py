@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import errno
 import functools
-import logging
 import os
 import re
-import resource
 import select
 import signal
 import sys
@@ -36,10 +34,11 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from moetool.errors import MoetoolError, size_text
+from moetool.errors import MoetoolError
 from moetool.shown import visible
-from moetool.machine import NOTHING_HALF_WRITTEN, STOPPED, hold_closed_descriptors, interruption, memory_sentence, \
-    out_of_memory, signals_raise
+from moetool.machine import NOTHING_HALF_WRITTEN, STOPPED, escape_unencodable, escaped_note, hold_closed_descriptors, \
+    import_failure, interruption, memory_sentence, out_of_memory, quiet_libraries, space_cause, raised_in_transformers, \
+    signals_raise, warning_sentence
 
 # Typer runs on a vendored click (typer._click) since 0.2x, whose exceptions are not click's own;
 # its Abort is typer.exceptions'.
@@ -85,6 +84,10 @@ class _Group(_Help, typer.core.TyperGroup):
              standalone_mode: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        if sys.flags.optimize >= 2:
+            raise SystemExit(_fail(OPTIMIZED).exit_code)
+        if os.environ.get("COLUMNS", "1").strip() in ("0", ""):  # Typer's help console takes it as 0 wide too
+            del os.environ["COLUMNS"]
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS as e:  # `moetool` alone: the error's making printed the help (Typer's rich help)
@@ -115,6 +118,8 @@ app = typer.Typer(
 # SIGPIPE, what a shell reports for `yes | head -1`. Neither 0 (the output was not all delivered) nor
 # 1 (moetool's code for a mistake or a fault, which always comes with its sentence).
 PIPE_CLOSED = 141
+OPTIMIZED = ("python -OO (PYTHONOPTIMIZE=2) strips docstrings, which transformers builds its model classes from and "
+             "moetool's --help pages are written in; run moetool without it (-O is fine).")
 
 
 class _Console(Console):
@@ -133,6 +138,11 @@ class _Console(Console):
       result for a stdout the command was started without (`>&-`, where Rich writes nowhere) is refused
       in one sentence, not lost with exit code 0.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._width is not None and self._width < 1:  # COLUMNS=0 (a 0x0 pty): every line drawn 0 wide, nothing
+            self._width = None
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         if not self.stderr and not self.quiet and self.file is NULL_FILE:
@@ -220,25 +230,6 @@ BUG_IN_TRANSFORMERS = ("the error above was raised inside transformers: if `moet
                        "too, its checkpoint or config.json is at fault; if not, this is a bug in moetool: please "
                        "report it with the traceback and the command you ran.")
 
-# torchao (pulled in by the gptq extra) logs kernel-library misses and deprecations on import;
-# on a CLI they would bury the one line moetool prints.
-for _name in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_name).setLevel(logging.ERROR)
-
-
-def _quiet_libraries() -> None:
-    """transformers' loading bars and warnings would bury moetool's own output. A transformers not yet
-    imported is told through the environment it reads as it imports, so a command that never loads a
-    model (`report`) does not import it for this; one imported already is told directly."""
-    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars follow the hub's
-    if "transformers" in sys.modules or "huggingface_hub" in sys.modules:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-
-
 @app.callback()
 def _root() -> None:
     """Run Mixture-of-Experts models on one memory-limited GPU.
@@ -257,15 +248,8 @@ def os_sentence(e: OSError) -> str:
     cause = e.strerror or str(e) or type(e).__name__
     filename = target_of_temp(e.filename) if e.filename is not None else None
     where = f" writing {filename}" if filename else ""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        said = "" if e.errno == errno.ENOSPC else f" ({cause})"  # a quota says so; a full disk is the sentence
-        return f"no space left on the device{where}{said}; free some space and run the same command again."
-    if e.errno == errno.EFBIG:
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        why = (f"this process may write files of at most {size_text(limit)} (its file-size limit, ulimit -f)"
-               if limit != resource.RLIM_INFINITY else "the filesystem holds no file that large")
-        return (f"file too large{where} ({cause}): {why}; raise the limit or write to another filesystem, and run "
-                "the same command again.")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"{space_cause(e, where)} and run the same command again."
     if e.errno == errno.ENOMEM:
         return memory_sentence(e)
     if e.filename is None:
@@ -363,7 +347,8 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             hold_closed_descriptors()
-            _quiet_libraries()
+            escape_unencodable()
+            quiet_libraries()
             # Python warnings of the libraries (torch's "Initializing zero-element tensors" for a config
             # size of 0, ...) are held until the command ends: a refusal is its one sentence alone, and
             # anything else shows them then, under the filters in force, as they would have been shown.
@@ -389,8 +374,8 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
             except Exception as e:  # noqa: BLE001 - shown in full, not hidden: a bug to report
                 if (stopped := interruption(e)) is not None:  # a Ctrl-C or SIGTERM a library wrapped
                     raise _stopped(stopped) from None
-                if (failed := out_of_memory(e)) is not None:  # the machine's limit, not a bug
-                    raise _fail(memory_sentence(failed)) from None
+                if (failed := out_of_memory(e)) is not None or (said := warning_sentence(e) or import_failure(e)):
+                    raise _fail(memory_sentence(failed) if failed is not None else said) from None  # not a bug
                 if type(e) is RuntimeError and (loop := re.fullmatch(r"Symlink loop from '(.*)'", str(e))):
                     # pathlib's resolve() of a link loop on Python < 3.13 (3.13 raises ELOOP): a path given
                     raise _fail(f"{loop.group(1)} is a symlink that leads back to itself (a loop); give another "
@@ -399,8 +384,10 @@ def command(fn: Callable[..., Any] | None = None, *, name: str | None = None) ->
                 err.print(traceback.format_exc().rstrip(), highlight=False, markup=False, soft_wrap=True)
                 from moetool.policies.knobs import raised_in_a_policy
 
-                raise _fail(raised_in_a_policy(e) or (BUG_IN_TRANSFORMERS if _raised_in_transformers(e) else BUG)) from None
+                raise _fail(raised_in_a_policy(e) or (BUG_IN_TRANSFORMERS if raised_in_transformers(e) else BUG)) from None
             _show(held)
+            if (note := escaped_note()) is not None:
+                err.print(f"note: {note}", highlight=False)
             return result
 
         return app.command(name=name, cls=_Command)(wrapper)
@@ -417,12 +404,6 @@ def _show(held: list[warnings.WarningMessage]) -> None:
         if reader_gone():
             pipe_closed()
         raise
-
-
-def _raised_in_transformers(e: BaseException) -> bool:
-    """Whether the innermost frame of `e`'s traceback is transformers' code."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return bool(frames) and f"{os.sep}transformers{os.sep}" in frames[-1].filename
 
 
 def writable(path: Path | None, kind: str = "file", option: str = "--out") -> None:
@@ -450,7 +431,8 @@ def writable(path: Path | None, kind: str = "file", option: str = "--out") -> No
     if not parent.is_dir():
         raise MoetoolError(f"{option} {shown} lies under {parent}, which is a file, not a directory.")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise MoetoolError(f"{option} {shown} cannot be written: {parent} is not writable (permission denied).")
+        why = "on a read-only filesystem" if os.statvfs(parent).f_flag & os.ST_RDONLY else "permission denied"
+        raise MoetoolError(f"{option} {shown} cannot be written: {parent} is not writable ({why}).")
 
 
 def not_an_input(save: Path | None, *inputs: Path | str | None, inside: Path | str | None = None,

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 
 from moetool import __version__
 from moetool.errors import MoetoolError, article, not_a_file
-from moetool.files import ARTIFACT_BYTES, read_bytes, symlink_loop, temp_path
+from moetool.files import ARTIFACT_BYTES, read_bytes, symlink_loop, temp_path, umask_mode
 from moetool.schema import SchemaError, build, describe
 
 A = TypeVar("A", bound="Artifact")
@@ -73,7 +73,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # artifacts are ordinary readable files, whatever the umask
+        os.chmod(tmp, umask_mode())  # an ordinary file under the caller's umask (mkstemp made it private)
         os.replace(tmp, path)
     except BaseException as e:
         if not _taken(e, tmp):
@@ -130,12 +130,15 @@ def replace_dir(target: Path, fill: Callable[[Path], T]) -> T:
     leaves the old directory (or none, and no parent made for it), never part of the new one; the
     new one holds nothing stale from the old."""
     target = Path(target)
+    if target.is_dir() and os.path.ismount(target):  # a container's bind mount, a tmpfs: renamed away, it is EBUSY
+        raise MoetoolError(f"{target} is a mount point, which cannot be replaced whole (the directory is built beside "
+                           f"it and swapped in); give a directory inside it, e.g. {target / 'report'}.")
     made = [a for a in (target.parent, *target.parent.parents) if not a.exists()]  # deepest first
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(target)
     try:
         os.mkdir(tmp, 0o700)
-        os.chmod(tmp, 0o755)  # an ordinary readable directory, whatever the umask
+        os.chmod(tmp, umask_mode(directory=True))  # an ordinary directory under the caller's umask
         result = fill(tmp)
         _swap(tmp, target)
     except BaseException as e:

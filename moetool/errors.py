@@ -1,6 +1,7 @@
 """The one exception type for user mistakes; the CLI turns it into one red line and exit code 1.
 `Terminated` is how SIGTERM and SIGHUP stop a command (as Ctrl-C does, with KeyboardInterrupt)."""
 
+import math
 import signal
 
 
@@ -34,12 +35,13 @@ def article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
 
 
-def size_text(n: float) -> str:
+def size_text(n: float, up: bool = False) -> str:
     """A byte count as a sentence shows it, in the largest unit that keeps it >= 1 (so two small
-    sizes never both read "0.0 MiB")."""
+    sizes never both read "0.0 MiB"); `up` rounds up, for a minimum (a budget of 16.1 MiB was "below the
+    minimum of 16.1 MiB", 16.14 of them)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
+            return f"{(math.ceil(n / scale * 10) / 10 if up else n / scale):.1f} {unit}"
     return f"{int(n)} B"
 
 

@@ -51,7 +51,7 @@ from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
 from moetool.spec import EngineSpec, check_positive
-from moetool.tokenizer import check_ids, dropped_characters, framing, unknown_tokens, without_tail
+from moetool.tokenizer import check_ids, dropped_characters, framing, head, unknown_tokens, without_tail
 
 PPL_CONTEXT = 512  # ppl's default window
 MAX_LENGTH = 2048  # longest lm-eval sequence; the budget's KV margin is sized for it
@@ -128,8 +128,11 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     ready = prepare(cfg, max_tokens=lambda lm: ppl_context(cfg.context, lm), batch=cfg.batch_size)
     context = ppl_context(cfg.context, ready.lm)
     try:
-        ids = tokenize(ready.lm, text)  # [N]
         limit = cfg.limit if cfg.limit is not None else STEPWISE_TOKENS if cfg.stepwise else None
+        read = text if limit is None else head(ready.lm.tokenizer, text, limit)
+        ids = tokenize(ready.lm, read)  # [N]
+        if limit is not None and ids.numel() < limit and len(read) < len(text):  # a normalizer dropped much
+            read, ids = text, tokenize(ready.lm, text)
         ids = ids[:limit]
         if ids.numel() < 2:
             why = f"--limit {limit} keeps fewer than 2 of its tokens" if limit is not None and limit < 2 else \
@@ -151,9 +154,9 @@ def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 options={"data": source, "context": context, "limit": limit, "stepwise": cfg.stepwise,
                          "batch_size": cfg.batch_size, "windows": "non-overlapping; first token of each unscored",
                          # characters the vocabulary lacks, scored as its placeholder (`tokenizer.unknown_tokens`)
-                         "unknown_tokens": unknown_tokens(ids, ready.lm.tokenizer, text)[0],
+                         "unknown_tokens": unknown_tokens(ids, ready.lm.tokenizer, read)[0],
                          # characters a tokenizer with no unknown token drops, not scored at all
-                         "dropped_characters": dropped_characters(ready.lm.tokenizer, text),
+                         "dropped_characters": dropped_characters(ready.lm.tokenizer, read),
                          "line_ends": line_ends(text)})  # read as stored: a carriage return is scored
 
 

@@ -53,11 +53,11 @@ def setting_label(policy: str, params: dict[str, Any]) -> str:
         return params[k]
 
     knobs = [f"{k}={shown(k)}" for k in LABEL_KEYS if k in params and params[k] not in ("", None)]
-    knobs += [f"{k}={params[k]}" for k in _set_elsewhere(policy, params)]
+    knobs += [f"{k}={params[k]}" for k in off_default(policy, params)]
     return f"{policy} " + " ".join(knobs) if knobs else policy
 
 
-def _set_elsewhere(policy: str, params: dict[str, Any]) -> list[str]:
+def off_default(policy: str, params: dict[str, Any]) -> list[str]:
     """The knobs beyond LABEL_KEYS whose recorded value is not the policy's default (LRU's eviction=arc,
     SMoE's window, a researcher's own knob): two settings that differ there were one label, one row of
     the quality table and one colour. Knobs a shorthand set (`config` spells DyMoE's tiers) are in it;

@@ -192,8 +192,39 @@ class DirectoryLock:
         os.close(self.fd)
 
 
+def umask_mode(directory: bool = False) -> int:
+    """The mode any program gives a new file (0o666) or directory (0o777) under this process's umask: what
+    moetool's writes get once their private temp file (mkstemp's 0600) is whole. A fixed 0644 ignored a
+    umask 077 (a cluster user's unpublished prompts and licensed weights) and 002's group write."""
+    try:  # read, not set: os.umask alone cannot read it without changing it for every thread a moment
+        with open("/proc/self/status", encoding="ascii") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds the `DirectoryLock` file `path` now (one a killed process left is not
+    held: the kernel dropped its flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 __all__ = ["ARTIFACT_BYTES", "CONFIG_BYTES", "DirectoryLock", "GRID_BYTES", "PROMPTS_BYTES", "TEXT_BYTES",
-           "TOKENIZER_BYTES", "check_file", "read_bytes", "short_name", "symlink_loop", "target_of_temp", "temp_file_of",
+           "TOKENIZER_BYTES", "check_file", "lock_held", "read_bytes", "umask_mode", "short_name", "symlink_loop", "target_of_temp", "temp_file_of",
            "temp_path", "text_bytes"]
 
 

@@ -174,6 +174,14 @@ class _Sweep:
                 sw = dataclasses.replace(sw, bundle=made, model=prof.settings.get("model"))
                 cfg = dataclasses.replace(cfg, sweep=sw)
             else:
+                from moetool.source import resolve_source
+
+                try:
+                    resolve_source(prof.model.source)
+                except MoetoolError:  # "ckpt does not exist", a path the user never typed here
+                    raise MoetoolError(f"the profile was made on the bundle {made}, which is not there now, and its "
+                                       f"model {prof.model.source} is not found either (paths recorded relative to "
+                                       "where profile ran); give --bundle or --model.") from None
                 self.warnings.append(f"the profile was made on the bundle {made}, which is not there now: the sweep runs "
                                      f"the profile's model {prof.model.source} (give --bundle to run a bundle).")
         self.cfg, self.prof, self.source = cfg, prof, None

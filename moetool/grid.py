@@ -130,6 +130,8 @@ def _loader() -> type:
         def construct_mapping(self, node: Any, deep: bool = False) -> dict:
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged by SafeLoader, own keys win
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 if isinstance(key, (str, int, float, bool)):
                     if key in seen:
@@ -192,6 +194,7 @@ class _Grid:
 
     def __init__(self, grid: dict[str, Any], base: Path):
         self.base = base
+        self.written: dict[str, str] = {}  # a hardware profile's path as resolved -> as the grid wrote it
         check_expansion(grid, "the grid")  # again after --with overrides, and for a grid given as a dict
         grid = dict(grid)
         self.stage = grid.pop("stage", "run")
@@ -222,6 +225,15 @@ class _Grid:
             return None
         if key == "model":
             return str(self.base / str(value)) if (self.base / str(value)).exists() else str(value)
+        if key == "hw" and isinstance(value, str):  # a path or a name of the grid's, not of where sweep runs
+            from moetool.engine.clock import HW_DIR, USER_HW_DIR
+
+            mine = self.base / USER_HW_DIR / f"{value}.json"
+            if (self.base / value).exists() or value.endswith(".json") or "/" in value or "\\" in value:
+                self.written[str((self.base / value).resolve())] = value  # a cell's name spells it as written
+            elif not (HW_DIR / f"{value}.json").exists() and mine.exists():
+                self.written[str(mine.resolve())] = value
+            return next((k for k, v in self.written.items() if v == value), value)
         ok = {"Path": isinstance(value, str), "tuple": isinstance(value, list) and all(isinstance(v, str) for v in value),
               "dict": isinstance(value, dict), "bool": isinstance(value, bool),
               "int": isinstance(value, int) and not isinstance(value, bool),
@@ -334,7 +346,8 @@ class _Grid:
             if self.stage == "eval" and not settings.get("task"):
                 raise MoetoolError("an eval grid needs a task: give `task:` or a task axis.")
             settings["settings"] = cell_knobs
-            parts = [label, *(f"{k}={cell_knobs[k] if k in axis_knobs else settings[k]}" for k in names)]
+            parts = [label, *(f"{k}={cell_knobs[k] if k in axis_knobs else self._written(k, settings[k])}"
+                              for k in names)]
             cell = Cell(name=_slug("_".join(parts)), stage=self.stage, settings=settings)
             if len(cell.artifact.encode()) > NAME_BYTES:  # found at its write, after the index: refused here
                 raise MoetoolError(f"cell {quote(cell.name, 40)} makes a file name of {len(cell.artifact.encode())} "
@@ -361,6 +374,10 @@ class _Grid:
         if count > MAX_CELLS:
             raise MoetoolError(f"the grid crosses into {count:,} cells, more than the {MAX_CELLS:,} a sweep runs; "
                                "split it into smaller grids, or narrow its axes.")
+
+    def _written(self, key: str, value: Any) -> Any:
+        """A setting as the grid wrote it, for a cell's name: a hardware profile's path as given, not resolved."""
+        return self.written.get(value, value) if key == "hw" else value
 
     def _axis_choices(self, key: str) -> list[tuple[Any, dict[str, Any]]]:
         """(value, settings pinned with it) for each value of a non-policy axis."""

@@ -8,17 +8,19 @@ standard stream it was started without. `moetool.app.command` uses these around 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import os
 import re
 import resource
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from moetool.errors import Terminated, size_text
+from moetool.errors import Terminated, quote, size_text
 
 # How a signal that stops a command is named in its one line; its exit code is 128 + the signal's
 # number, what a shell reports for a process the signal killed (130, 143, 129).
@@ -143,3 +145,125 @@ def memory_sentence(e: BaseException) -> str:
 
 __all__ = ["NOTHING_HALF_WRITTEN", "STOPPED", "hold_closed_descriptors", "interruption", "memory_sentence",
            "out_of_memory", "signals_raise"]
+
+
+# -- the process's environment ----------------------------------------------------------------------
+
+_ESCAPED: list[str] = []  # what standard output could not spell since the last `escaped_note`
+
+
+def _escape(e: UnicodeError) -> tuple[str, int]:
+    _ESCAPED.append(e.object[e.start:e.end])
+    return codecs.backslashreplace_errors(e)
+
+
+codecs.register_error("moetool-escape", _escape)
+
+
+def escape_unencodable() -> None:
+    """Let standard output write what its encoding cannot spell (PYTHONIOENCODING=ascii, a latin-1
+    locale given a CJK prompt) as backslash escapes, noted once (`escaped_note`), as Python's own stderr
+    does: a run's text or a report's path was a traceback after the work was done and saved."""
+    stream = sys.stdout
+    try:
+        if getattr(stream, "errors", None) == "strict" and codecs.lookup(stream.encoding).name != "utf-8":
+            stream.reconfigure(errors="moetool-escape")
+    except (AttributeError, LookupError, TypeError, ValueError):  # a stream without reconfigure (a test's capture)
+        pass
+
+
+def escaped_note() -> str | None:
+    """One sentence for what `escape_unencodable` escaped since it was last asked, or None."""
+    if not _ESCAPED:
+        return None
+    chars = "".join(dict.fromkeys("".join(_ESCAPED)))
+    _ESCAPED.clear()
+    return (f"standard output's encoding ({getattr(sys.stdout, 'encoding', '?')}) cannot spell {quote(chars, 20)}, "
+            "written as backslash escapes; set PYTHONIOENCODING=utf-8 (or a UTF-8 locale) to see them.")
+
+
+def warning_sentence(e: BaseException) -> str | None:
+    """One sentence for a warning the process's filters turned into an error (PYTHONWARNINGS=error,
+    `python -W error`): a library's DeprecationWarning at import was "a bug in moetool"."""
+    if not isinstance(e, Warning):
+        return None
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return (f"a {type(e).__name__} was made an error by this process's warning filters (PYTHONWARNINGS or python "
+            f"-W): {quote(str(e), 120)}{where}; run without that filter, or add "
+            f"-W ignore::{type(e).__name__} after it.")
+
+
+def raised_in_transformers(e: BaseException) -> bool:
+    """Whether the innermost frame of `e`'s traceback is transformers' code."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and f"{os.sep}transformers{os.sep}" in frames[-1].filename
+
+
+# The libraries' own settings, named where an import's error quotes their value (not HOME's path in it).
+_LIBRARY_ENV = ("TORCH", "PYTORCH", "CUDA", "TRITON", "HF_", "TRANSFORMERS", "TOKENIZERS", "OMP_", "MKL_", "RAY_",
+                "NCCL_", "PYTHON", "DATASETS", "LM_EVAL", "HQQ")
+
+
+def import_failure(e: BaseException) -> str | None:
+    """One sentence for a library that failed as it was imported, in a library's own code (an invalid
+    TORCH_LOGS is a ValueError from torch's import): the installation's or the environment's fault,
+    not moetool's, named with the variables whose values the error quotes. None otherwise: moetool's
+    own code at the failing line, or no import under way."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)  # Python drops importlib's own frames from it
+    if not frames or f"{os.sep}moetool{os.sep}" in frames[-1].filename:
+        return None
+    # a library module's top-level code under way: the outermost is the library imported
+    library = next((f.filename for f in frames if f.name == "<module>" and "-packages" in f.filename
+                    and f"{os.sep}moetool{os.sep}" not in f.filename), None)
+    if library is None:
+        return None
+    name = re.split(r"[\\/]", library.split("-packages", 1)[1].lstrip("/\\"))[0].removesuffix(".py")
+    text = " ".join(str(e).split()) or type(e).__name__
+    named = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(_LIBRARY_ENV) and len(v) > 2 and v in text]
+    cause = f"check or unset {', '.join(named)}" if named else "check its installation (make install) and environment"
+    return f"importing {name} failed: {quote(text, 160)}; {cause}."
+
+
+def quiet_libraries() -> None:
+    """transformers' loading bars and warnings, torchao's kernel-library misses (the gptq extra) and
+    torch's pytree deprecations would bury moetool's own output; a user's own TRANSFORMERS_VERBOSITY
+    (debugging a checkpoint's load) is kept. A transformers not yet imported is told through the
+    environment it reads as it imports, so a command that never loads a model (`report`) does not
+    import it for this; one imported already is told directly. Called per command, not at import: a
+    script that imports moetool keeps its loggers."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    mine = "TRANSFORMERS_VERBOSITY" not in os.environ
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' bars follow the hub's
+    if "transformers" in sys.modules or "huggingface_hub" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        if mine:
+            hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
+def space_cause(e: OSError, where: str = "") -> str | None:
+    """What ran out, for a write that failed with no space (ENOSPC), a quota (EDQUOT) or past the file-size
+    limit (EFBIG, `ulimit -f`), and how to go on; `where` (" writing PATH") placed after the cause. None
+    for another error."""
+    cause = e.strerror or str(e) or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        said = "" if e.errno == errno.ENOSPC else f" ({cause})"  # a quota says so; a full disk is the sentence
+        return f"no space left on the device{where}{said}; free some space"
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why = (f"this process may write files of at most {size_text(limit)} (its file-size limit, ulimit -f)"
+               if limit != resource.RLIM_INFINITY else "the filesystem holds no file that large")
+        return f"file too large{where} ({cause}): {why}; raise the limit or write to another filesystem"
+    return None

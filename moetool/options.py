@@ -120,14 +120,14 @@ def fit_note(fit: Path | None, policy: str) -> str | None:
 
     if fit is None or policy not in POLICIES:
         return None
-    if not any(issubclass(POLICIES[policy], cls) for _, cls in hooked("fit")):  # lru, lod, resident...
-        return f"policy '{policy}' has no fitted knobs (no paper's fit is its), so --fit changes nothing for it."
     try:
         loaded = Fit.load(Path(fit))
     except MoetoolError:
         return None
-    if loaded.params.get(policy):
+    if loaded.params.get(policy):  # the run takes them, or refuses knobs no fit writes (`run.fitted_knobs`)
         return None
+    if not any(issubclass(POLICIES[policy], cls) for _, cls in hooked("fit")):  # lru, lod, resident...
+        return f"policy '{policy}' has no fitted knobs (no paper's fit is its), so --fit changes nothing for it."
     why = [f"{k}: {v}" for k, v in loaded.evidence.get("skipped", {}).items() if k.startswith(f"{policy}.")]
     said = f" (it says {why[0]})" if why else ""
     return f"{fit} holds no fitted knob of policy '{policy}'{said}; it runs on its defaults."
@@ -142,8 +142,9 @@ def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary:
     said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
              for why in (summary.get("clamped") or {}).values()]
     said += list(summary.get("policy_notes") or []) + list(summary.get("text_notes") or [])
-    if summary.get("host_budget_unread"):
-        said.append(f"{summary['host_budget_unread']} (recorded under summary.host_budget_unread).")
+    for key in ("host_budget_unread", "hw_measured_elsewhere"):
+        if summary.get(key):
+            said.append(f"{summary[key]} (recorded under summary.{key}).")
     unmatched = summary.get("router_scores_unmatched")
     if unmatched:
         said.append(f"the routers of MoE layers {', '.join(map(str, unmatched))} choose by a rule moetool does not "

@@ -219,6 +219,7 @@ class Profile(Artifact):
     prefetch: PrefetchProfile | None = None
     timing: TimingProfile | None = None
     hw: dict[str, Any] | None = None  # the hardware profile JSON written from `timing`
+    notes: tuple[str, ...] = ()  # what the model did not read of the data (unknown tokens, dropped characters)
 
     def validate(self) -> None:
         """On read, what fit and report index by: parts of this model's shape, one count per expert."""

@@ -13,134 +13,22 @@ directory whole.
 from __future__ import annotations
 
 import os
-import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from moetool.artifacts import ModelFingerprint, atomic_write_bytes, read_json, replace_dir
+from moetool.artifacts import atomic_write_bytes, replace_dir
 from moetool.fit_artifact import Fit
 from moetool.errors import MoetoolError
-from moetool.eval_artifact import Eval
 from moetool.figures import comparison_figures, profile_figures, setting_label
 from moetool.files import text_bytes
 from moetool.policies import hooked
-from moetool.policies.stages import ReportInputs, cache_bytes, ppl_measurement, primary_metric
+from moetool.policies.stages import ReportInputs, cache_bytes, ppl_measurement, primary_metric, shown_names
 from moetool.policies.stages import table as _table
 from moetool.profile_artifact import Profile
+from moetool.report_inputs import Found, collect, group_by_model
 from moetool.run_artifact import Run
-from moetool.schema import SchemaError, build, build_fields
-from moetool.spec import EngineRecord
 from moetool.sweep import Sweep
-
-
-Found = dict[str, list[tuple[Path, Any]]]  # schema -> (file, artifact), in the order found
-
-
-def _read_eval(data: Any, where: str) -> dict[str, Any]:
-    """Evals stay dicts: report takes hand-made eval records too (a few of Eval's fields), so only
-    the fields present are checked against Eval's types, and `model` is required."""
-    Eval.check_header(data, where)
-    try:
-        fields = build_fields(Eval, data, required=("model",))
-        Eval.check_present(fields)
-        Eval.check_metrics(fields.get("metrics", {}))
-        Eval.check_scores(fields)
-        Eval.check_params(fields.get("policy"), fields.get("params"))
-    except SchemaError as e:
-        raise MoetoolError(f"{where} is not a valid eval artifact: {e.sentence()}.") from None
-    return data
-
-
-def _read_fit(data: Any, where: str) -> Fit:
-    """A fit whose knobs are what `run --fit` takes (types, the papers' ranges), so the report shows
-    what would run; a policy this version does not know is left as it is."""
-    fit = Fit.from_json(data, where=where)
-    for policy, knobs in fit.params.items():
-        try:
-            EngineRecord.check_params(policy, knobs)
-        except SchemaError as e:
-            raise MoetoolError(f"{where} is not a valid fit artifact: params[{policy!r}] "
-                               f"{e.problem}.") from None
-    return fit
-
-
-READERS = {"profile": Profile.from_json, "fit": _read_fit, "run": Run.from_json, "eval": _read_eval,
-           "sweep": Sweep.from_json}  # a sweep index: its cells without artifacts
-ARTIFACT_NAMES = tuple(f".{schema}.json" for schema in READERS)  # what moetool names the files it writes
-
-
-def _collect(inputs: list[Path]) -> Found:
-    """Every artifact under `inputs`. A file found in a directory that is not an artifact report
-    draws (other JSON: configs, tokenizers, bundle manifests) is passed over; a file named on the
-    command line must be one, and so must a file named like one (`*.run.json`, ...): a damaged run
-    is an error, not a row missing from the tables without a word."""
-    files: list[tuple[Path, bool]] = []  # (file, must be an artifact)
-    for p in map(Path, inputs):
-        if p.is_dir():
-            files += [(f, f.name.endswith(ARTIFACT_NAMES)) for f in _json_files(p)]
-        elif p.is_file():
-            files.append((p, True))
-        else:
-            raise MoetoolError(f"{p} does not exist.")
-    found: Found = defaultdict(list)
-    seen: set[Path] = set()
-    for f, named in files:
-        if f.resolve() in seen:  # one file reached twice (a directory and its subdirectory): one artifact
-            continue
-        seen.add(f.resolve())
-        try:
-            data = read_json(f)
-        except MoetoolError:
-            if named:
-                raise
-            continue
-        schema = data.get("schema") if isinstance(data, dict) else None
-        if isinstance(schema, str) and schema in READERS:
-            found[schema].append((f, READERS[schema](data, where=str(f))))
-        elif named:
-            raise MoetoolError(f"{f} is not an artifact report draws (a {', '.join(READERS)} artifact).")
-    if not found:
-        raise MoetoolError(f"no profile, fit, run or eval artifacts in {', '.join(map(str, inputs))}.")
-    for listed in found.values():  # by path, as a directory lists them: files given in another order, the same report
-        listed.sort(key=lambda pair: str(pair[0]))
-    return found
-
-
-def _json_files(directory: Path) -> list[Path]:
-    """The .json files under `directory`, sorted. A subdirectory that cannot be listed is refused:
-    `Path.rglob` passed over it, and its artifacts went missing from the report without a word."""
-    def refuse(e: OSError) -> None:
-        raise MoetoolError(f"cannot list {e.filename} ({e.strerror}), so its artifacts would be missing from the "
-                           "report; make it readable, or give the artifacts outside it.")
-
-    found = []
-    for root, dirs, names in os.walk(directory, onerror=refuse):  # a directory named like a run is refused by name
-        found += [Path(root) / n for n in (*names, *dirs) if n.endswith(".json")]
-    return sorted(found)
-
-
-def _model(art: Any) -> ModelFingerprint:
-    return build(ModelFingerprint, art["model"]) if isinstance(art, dict) else art.model
-
-
-def _by_model(found: Found) -> dict[str, tuple[ModelFingerprint, Found]]:
-    """A name for each model -> (the model, its artifacts), in the order the models were found. Models are
-    told apart as fit and run tell them (`ModelFingerprint.same_model`): the same config with other
-    weights is another model, and an artifact whose weights digest is unknown joins the first model of
-    its config. The name is `<model_type>-<config hash>`, with the weights' hash where that is not enough."""
-    groups: dict[str, tuple[ModelFingerprint, Found]] = {}
-    for schema, items in found.items():
-        for path, art in items:
-            fp = _model(art)
-            name = next((n for n, (other, _) in groups.items() if other.same_model(fp)), None)
-            if name is None:
-                name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{fp.model_type}-{fp.config_sha256[:12]}")
-                if name in groups:
-                    name += f"-weights-{fp.weights_sha256[:12]}"
-                groups[name] = (fp, defaultdict(list))
-            groups[name][1][schema].append((path, art))
-    return groups
 
 
 # -- profile tables --------------------------------------------------------------------------------
@@ -153,8 +41,8 @@ def _peak(mean_sorted: tuple[float, ...], k: int) -> float | None:
     return mean_sorted[0] / mean_sorted[k]
 
 
-def _profile_tables(path: Path, prof: Profile) -> str:
-    md = [f"## Profile `{path.name}`\n\n", f"Model {prof.model.source} ({prof.model.model_type}); parts: "
+def _profile_tables(name: str, prof: Profile) -> str:
+    md = [f"## Profile `{name}`\n\n", f"Model {prof.model.source} ({prof.model.model_type}); parts: "
           f"{', '.join(prof.what)}; data: {', '.join(f'{k} ({v} seqs)' for k, v in prof.data.items())}.\n"]
     r = prof.routing
     if r:
@@ -195,8 +83,8 @@ def _profile_tables(path: Path, prof: Profile) -> str:
 # -- fits, runs, evals -----------------------------------------------------------------------------
 
 
-def _fit_tables(path: Path, fit: Fit) -> str:
-    md = [f"## Fit `{path.name}`\n\n",
+def _fit_tables(name: str, fit: Fit) -> str:
+    md = [f"## Fit `{name}`\n\n",
           _table(["policy", "knob", "value"], [[p, k, v] for p, knobs in fit.params.items() for k, v in knobs.items()])]
     for w in fit.evidence.get("warnings", []):
         md.append(f"\n- warning: {w}")
@@ -214,8 +102,9 @@ def _same_budget(r: Run, e: dict) -> bool:
     return not pairs or any(a == b for a, b in pairs)
 
 
-def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> list[dict[str, Any]]:
+def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]], names: dict | None = None) -> list[dict]:
     """One row per eval, with the TPOT of the run made with the same policy, knobs and budget."""
+    names = names if names is not None else shown_names([p for p, _ in (*runs, *evals)])
     rows = []
     # a task measured more than one way (ppl at two windows) gets a metric per way: one axis and one
     # column mixed perplexities of different windows as if they were one measure
@@ -230,13 +119,15 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
         if m is None:
             continue
         pol, params = e.get("policy", "?"), e.get("params") or {}
-        same = [(p, r) for p, r in runs if r.policy == pol and _same_budget(r, e) and all(
-            r.params[k] == v for k, v in params.items() if k in r.params and isinstance(v, (str, int, float, bool)))]
+        same = [(p, r) for p, r in runs if r.policy == pol and _same_budget(r, e) and _bundle(r.inputs) == _bundle(
+            e.get("inputs")) and all(r.params[k] == v for k, v in params.items() if k in r.params and
+                                     isinstance(v, (str, int, float, bool)))]
         # No fallback to "the one run of this policy": a run at other knobs (static INT4 for an INT2
         # eval, SMoE's fitted alpha for alpha = 0.3) would lend the eval a TPOT it did not have.
-        same.sort(key=lambda pr: (_timing(pr[1]) != preferred, pr[0].name))
+        # A batch of one first: a quality row's TPOT is one sequence's (a batched run's steps serve several).
+        same.sort(key=lambda pr: (_timing(pr[1]) != preferred, pr[1].batch_size != 1, pr[0].name))
         tpot = same[0][1].tpot_s["mean"] if same and same[0][1].tpot_s else None
-        source = f"{same[0][0].name} ({', '.join(_timing(same[0][1]))})" if tpot is not None else None
+        source = f"{names[same[0][0]]} ({', '.join(_timing(same[0][1]))})" if tpot is not None else None
         if source and _eval_clock(e) and _timing(same[0][1])[0] != _eval_clock(e):  # a residency-reading policy
             source += f"; quality on the {_eval_clock(e)} clock"
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
@@ -246,8 +137,15 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]]) -> lis
         metric = m[0] if task == "?" else column if task == m[0] else f"{column} {m[0]}"  # acc of which task
         rows.append({"label": setting_label(pol, params), "policy": pol, "params": params, "value": m[1],
                      "metric": metric,
-                     "higher": m[2], "tpot": tpot, "eval": epath.name, "run": source})
+                     "higher": m[2], "tpot": tpot, "eval": names[epath], "run": source})
     return rows
+
+
+def _bundle(inputs: dict | None, named: bool = False) -> str | None:
+    """The bundle an artifact ran (its manifest's sha256; `named`: its directory's name), None for none: an eval
+    of one bundle (group 8) was paired with a run of another of the same model (group 16)."""
+    key = next((k for k in (inputs or {}) if Path(k).name == "bundle.json"), None)
+    return None if key is None else Path(key).parent.name if named else inputs[key]
 
 
 def _eval_clock(e: dict) -> str | None:
@@ -299,12 +197,13 @@ def _measures(evals: list[dict]) -> dict[int, str]:
     return out
 
 
-def _quality_table(evals: list[tuple[Path, dict]]) -> str:
+def _quality_table(evals: list[tuple[Path, dict]], names: dict[Path, str] | None = None) -> str:
     """One row per setting (policy, knobs, budget), one column per task: what each policy costs in quality.
 
     "agree" is the share of questions answered like `resident` (the exact model) on the same
     questions: a paired measure that still separates policies when accuracy sits near chance.
     """
+    names = names if names is not None else shown_names([p for p, _ in evals])
     paths = {id(e): p for p, e in evals}
     scored = [e for _, e in evals if primary_metric(e.get("metrics", {}))]
     columns = _measures(scored)
@@ -317,6 +216,7 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
     # wall clock, so one setting evaluated on both computed different things.
     dtypes = len({e.get("dtype", "float32") for e in scored}) > 1
     clocks = len({_eval_clock(e) for e in scored} - {None}) > 1
+    bundles = len({_bundle(e.get("inputs")) for e in scored}) > 1  # two bundles of one model (group size, method)
     rows: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
     again: list[str] = []
     for e in scored:
@@ -324,9 +224,10 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
         label = setting_label(e.get("policy", "?"), e.get("params") or {})
         label += f" ({e.get('dtype', 'float32')})" if dtypes else ""
         label += f" ({_eval_clock(e) or 'unrecorded'} clock)" if clocks else ""
+        label += f" (bundle {_bundle(e.get('inputs'), named=True) or 'none'})" if bundles else ""
         held = rows[label, cache].get(columns[id(e)])
         if held is not None:  # one cell, two evals: the table shows one, and says which
-            again.append(f"`{paths[id(held)].name}` and `{paths[id(e)].name}` ({label}, {columns[id(e)]}: "
+            again.append(f"`{names[paths[id(held)]]}` and `{names[paths[id(e)]]}` ({label}, {columns[id(e)]}: "
                          f"the table shows the second)")
         rows[label, cache][columns[id(e)]] = e
     ref = {t: _choices(e) for (label, _), by_task in rows.items() if label.startswith("resident")
@@ -353,10 +254,12 @@ def _quality_table(evals: list[tuple[Path, dict]]) -> str:
             "share of the same questions answered as the exact model answers them.\n\n" + _table(heads, body) + note)
 
 
-def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict]) -> str:
+def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict], names: dict[Path, str] | None = None) -> str:
+    names = names if names is not None else shown_names([p for p, _ in runs])
     md = ["## Runs\n\n", _table(["run", "setting", "clock", "path", "expert cache MiB", "budget MiB", "TTFT ms",
                                  "TPOT mean ms", "hit rate"],
-                                [[p.name, setting_label(r.policy, r.params), f"{r.clock}{'/' + r.hw if r.hw else ''}",
+                                [[names[p], setting_label(r.policy, r.params) + (f", batch {r.batch_size}" if r.batch_size > 1 else ""),
+                                  f"{r.clock}{'/' + r.hw if r.hw else ''}",
                                   (r.summary or {}).get("path", "-"), cache_bytes(r) / 2**20,
                                   r.budget_bytes / 2**20, r.ttft_s * 1e3 if r.ttft_s is not None else None,
                                   r.tpot_s["mean"] * 1e3 if r.tpot_s else None, r.hit_rate] for p, r in runs])]
@@ -390,23 +293,27 @@ def _claims_table(claims: list[list[str]]) -> str:
             "(perplexity).\n\n" + _table(["claim", "measured", "difference", ""], claims))
 
 
-def _report_one(found: Found, out_dir: Path) -> list[Path]:
+def _report_one(found: Found, out_dir: Path, copies: dict[Path, Path] | None = None) -> list[Path]:
     """Figures and summary.md for the artifacts of one model, into the existing `out_dir`."""
     out: list[Path] = []
+    mine = {p for items in found.values() for p, _ in items}
+    same = [f"`{c}` (a copy of `{f}`)" for c, f in (copies or {}).items() if f in mine]
     md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in found.items()
-                                                          for p, _ in items) + "\n\n"]
+                                                          for p, _ in items) + "\n\n",
+          *([f"Read once, as the same bytes as another input: {', '.join(same)}.\n\n"] if same else [])]
     runs, profiles = found.get("run", []), found.get("profile", [])  # the Profiles (the hooks' ProfileRecord has less)
-    rows = _joined(runs, found.get("eval", []))
+    names = shown_names([p for items in found.values() for p, _ in items])
+    rows = _joined(runs, found.get("eval", []), names)
     inputs = ReportInputs(profiles=tuple(profiles), fits=tuple(found.get("fit", [])), runs=tuple(runs),
-                          evals=tuple(found.get("eval", [])), rows=tuple(rows), out_dir=out_dir)
+                          evals=tuple(found.get("eval", [])), rows=tuple(rows), out_dir=out_dir, names=names)
     for path, prof in profiles:
         profile_figures(prof, out_dir, inputs.tag(path), out)
-        md.append(_profile_tables(path, prof) + "\n")
+        md.append(_profile_tables(names[path], prof) + "\n")
     for path, fit in inputs.fits:
-        md.append(_fit_tables(path, fit))
+        md.append(_fit_tables(names[path], fit))
     if runs or rows:
-        md.append(_runs_tables(runs, rows))
-    md.append(_quality_table(found.get("eval", [])))
+        md.append(_runs_tables(runs, rows, names))
+    md.append(_quality_table(found.get("eval", []), names))
     comparison_figures(rows, out_dir, out)
     papers, claims = [], []
     for _, cls in hooked("report"):  # each paper's report once, without its engine half (no torch)
@@ -451,8 +358,9 @@ def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Pa
     directory beside `out_dir` and swapped in whole: an interrupted report leaves the previous one
     (or none), never figures without their summary, and a new one leaves no stale figures behind.
     """
-    found = _collect(list(inputs))
-    groups = _by_model(found)
+    copies: dict[Path, Path] = {}
+    found = collect(list(inputs), copies)
+    groups = group_by_model(found)
     if len(groups) > 1 and not by_model:
         (fa, ga), (fb, gb) = list(groups.values())[:2]
         a, b = (next(path for items in g.values() for path, _ in items) for g in (ga, gb))
@@ -470,11 +378,11 @@ def report(inputs: list[Path], out_dir: Path, by_model: bool = False) -> list[Pa
 
     def fill(tmp: Path) -> list[Path]:
         if not by_model:
-            return _report_one(found, tmp)
+            return _report_one(found, tmp, copies)
         written, index = [], ["# moetool report\n\nOne report per model:\n\n"]
         for name, (fp, mine) in groups.items():
             (tmp / name).mkdir()
-            written += _report_one(mine, tmp / name)
+            written += _report_one(mine, tmp / name, copies)
             index.append(f"- [{fp.describe()}]({name}/summary.md)\n")
         atomic_write_bytes(tmp / "summary.md", text_bytes("".join(index)))
         return [*written, tmp / "summary.md"]

@@ -144,6 +144,21 @@ class Prepared:
     captured_refusal: str | None = None  # why an engine planned for the captured step could not be built
 
 
+def fitted_knobs(fit: Any, policy: str, path: Any) -> dict[str, Any]:
+    """`fit`'s knobs for `policy`; refused where no paper's fit sets that policy's knobs (lru, static):
+    `moetool fit` never writes them, so they are an edit, and they ran (lru at INT4) while the run said
+    the fit changed nothing."""
+    from moetool.policies import POLICIES
+    from moetool.policies.knobs import hooked
+
+    knobs = fit.params.get(policy) or {}
+    cls = POLICIES.get(policy)
+    if knobs and cls is not None and not any(issubclass(cls, hook) for _, hook in hooked("fit")):
+        raise MoetoolError(f"{path} holds knobs of policy '{policy}' ({', '.join(f'{k}={v}' for k, v in knobs.items())}), "
+                           "which no paper's fit sets (moetool fit never writes them); give them with --set instead.")
+    return knobs
+
+
 def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = PLAN_TOKENS,
             batch: int | None = None, captured: bool = False) -> Prepared:
     """Load the model, open the store, build the policy and the engine from `spec`.
@@ -157,12 +172,16 @@ def prepare(spec: EngineSpec, max_tokens: int | Callable[[LoadedModel], int] = P
     dtype = resolve_dtype(spec.dtype, spec.device)
     host_budget = None if spec.host_budget is None else parse_size(spec.host_budget, "--host-budget")
     lm, store, inputs = load(spec, dtype)
+    from moetool.engine.clock import hw_path
+
+    hw = hw_path(spec.hw).resolve()  # read by the engine's cost model whatever the clock: an edit is a new input
+    inputs[str(hw)] = sha256_file(hw)
     if callable(max_tokens):
         max_tokens = max_tokens(lm)
     fitted = sizing = None
     if spec.fit is not None:
         fit = Fit.load(Path(spec.fit), model=lm.fingerprint)
-        fitted, sizing = fit.params.get(spec.policy, {}), fit.sizing(spec.policy)
+        fitted, sizing = fitted_knobs(fit, spec.policy, spec.fit), fit.sizing(spec.policy)
         inputs[str(spec.fit)] = sha256_file(Path(spec.fit))
     ready = Prepared(spec=spec, lm=lm, engine=None, budget=None, inputs=inputs, dtype=str(dtype).removeprefix("torch."),
                      store=store, fitted=fitted, fit_sizing=sizing, max_tokens=max_tokens,

@@ -19,7 +19,7 @@ from moetool.errors import first_line as _first_line
 from moetool.checkpoint import text_config
 from moetool.checkpoint_files import refuse_broken_links
 from moetool.errors import MoetoolError, quote
-from moetool.files import CONFIG_BYTES, check_file
+from moetool.files import CONFIG_BYTES, check_file, lock_held
 from moetool.prequantized import DEQUANTIZED, quant_method
 from moetool.prequantized import check as check_prequantized
 
@@ -55,6 +55,9 @@ def _refuse_bundle(p: Path) -> None:
     """A bundle, or the model directory inside one, given where a checkpoint is asked for: its experts
     are in the bundle's shards, so as a checkpoint it reads as one without experts."""
     # quant.bundle.MANIFEST, quant.quantize.JOURNAL and quant.shards.MODEL_DIR (modules that import this one)
+    if not (p / "bundle.json").is_file() and lock_held(p / ".quantize.lock"):  # quantize.LOCK
+        raise MoetoolError(f"{p} is a bundle a moetool quantize is writing now, not a model checkpoint: wait for it "
+                           f"to finish and give it as --bundle {p}.")
     if not (p / "bundle.json").is_file() and (p / ".quantize-journal.json").is_file():  # quantize.JOURNAL: one begun
         raise MoetoolError(f"{p} is an unfinished moetool bundle (its quantize was stopped before it wrote bundle.json), "
                            "not a model checkpoint: rerun the quantize command that made it to finish it.")

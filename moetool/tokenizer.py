@@ -65,6 +65,24 @@ def encode(tokenizer: Any, text: str, vocab_size: int, special_tokens: bool = Tr
     return check_ids(ids, tokenizer, vocab_size)
 
 
+def head(tokenizer: Any, text: str, tokens: int) -> str:
+    """The start of `text` that holds its first `tokens` tokens as `encode` reads them (`eval ppl
+    --limit`: a 256 MiB file's first 512 tokens without tokenizing all of it). No token spells more
+    characters than the vocabulary's longest string, so the cut goes past that many characters a token
+    (and as many again for what a normalizer drops), at a cut the tokenizer is local at (`_local`, as
+    `encode`'s pieces are): the head's ids are the text's first ones. All of `text` where it is not
+    much longer, or no cut passes; the caller checks the head gave `tokens` tokens and reads all of it
+    where not."""
+    if tokenizer is None:  # one token a byte, at least one a character
+        return text[:tokens]
+    most = max(map(len, tokenizer.get_vocab()), default=1)
+    want = 2 * (tokens + 1) * most
+    if len(text) <= want + CHUNK:
+        return text
+    return next((text[:cut] for cut, kind in _cuts(text, want, want + CHUNK, list(_KINDS)) if kind[2] == 0
+                 and _local(tokenizer, text, cut)), text)
+
+
 def refuse_dropped(tokenizer: Any, text: str, ids: list[int] | None, what: str) -> int:
     """How many characters of `text` (not whitespace) its tokenizer drops (`dropped_characters`); one
     sentence naming `what` where it keeps none of them, or where `ids` (the text's, with special tokens;

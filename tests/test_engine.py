@@ -220,6 +220,16 @@ def test_budget_below_non_expert_weights_names_the_minimum(tiny_ckpt):
     p = split_budget_for("25%", lm, store)
     assert p.cache_bytes == int(0.25 * p.expert_bytes_reference)
     assert p.total_bytes == p.non_expert_bytes + p.margin_bytes + p.staging_bytes + p.cache_bytes
+    # the minimum is rounded up: a budget a little under it was "16.1MiB is below the minimum of 16.1 MiB"
+    fixed = p.total_bytes - p.cache_bytes
+    with pytest.raises(MoetoolError) as e:
+        split_budget_for(f"{(fixed - 1000) / 2**20:.2f}MiB", lm, store)
+    shown = str(e.value).split("minimum of ")[1].split(" (")[0]
+    assert float(shown.split()[0]) * 2**20 >= fixed, shown
+    # `--budget 0.25` meant a quarter of the experts; it was 0 bytes, refused as below the minimum
+    with pytest.raises(MoetoolError, match=r"--budget '0.25' has no unit, and a bare number is bytes; write a size "
+                                           r"like 500MB or 12GiB, 25% for a share of the experts."):
+        split_budget_for("0.25", lm, store)
 
 
 def _unit_clock(cpu_mem_gbps: float = 1.0) -> SimClock:
@@ -541,6 +551,33 @@ def test_a_batchs_left_padding_is_no_use_in_the_precision_mix(tiny_ckpt, policy,
     layers, k = len(lm.geometry.layers), lm.geometry.layers[0].top_k
     uses = (6 + 2 + 2 * 2) * layers * k  # the real prompt tokens, then two decode steps of both prompts
     assert sum(got.summary["precision_mix"].values()) == uses
+
+
+@pytest.mark.parametrize("policy,budget", [("lod", "0%"), ("lru", "100%")])
+def test_an_expert_only_a_batchs_padding_routes_to_is_not_loaded_or_counted(tiny_ckpt, monkeypatch, policy, budget):
+    """A batch's left-pad rows loaded the experts only they routed to: a third of a helper's bytes moved,
+    counted as misses (load on demand) or hits (a cache), none of it a request's. Tokens stay
+    transformers' (`test_wide_top_k_batches_match_transformers_bit_for_bit`)."""
+    from moetool.engine.runtime import Engine
+    from moetool.run import RunConfig, run
+
+    routed: dict[int, set[int]] = {}
+    view = Engine._view
+
+    def spy(self, g, *args):
+        v = view(self, g, *args)
+        if v.step.phase.name == "PREFILL":
+            idx = v.top_k_index if v.real_rows is None else v.top_k_index[v.real_rows]
+            routed[g.index] = set(idx.flatten().tolist())
+        return v
+
+    monkeypatch.setattr(Engine, "_view", spy)
+    got = run(RunConfig(model=str(tiny_ckpt("mixtral")), policy=policy, budget=budget, clock="sim",
+                        prompts=("z", "zzzzzzzzzzzz"), max_new_tokens=1, batch_size=2, decode="host"))
+    assert routed
+    for layer, experts in routed.items():
+        counts = got.layers[str(layer)]
+        assert sum(counts["hits"].values()) + sum(counts["misses"].values()) == len(experts), (layer, counts)
 
 
 def test_a_tokenizer_with_neither_pad_nor_eos_token_runs_one_prompt_and_pads_a_batch(tmp_path):

@@ -195,3 +195,118 @@ def test_a_narrow_terminal_keeps_every_number_of_a_table_whole(tiny_ckpt, monkey
     result = _cli("check", tiny_ckpt("qwen2_moe"))
     assert result.exit_code == 0, result.output
     assert "1.0000" in result.stdout and "…" not in result.stdout
+
+
+# ---- 7. the process's filters and encodings (a sixteenth pass) -------------------------------------
+
+def test_a_warning_the_filters_make_an_error_is_one_sentence_naming_the_filter(tiny_ckpt, tmp_path):
+    """PYTHONWARNINGS=error made a library's DeprecationWarning at import "a bug in moetool", with a traceback."""
+    done = _moetool("run", "--model", tiny_ckpt("qwen2_moe"), "--prompt", "hi", "--max-new-tokens", "2",
+                    "--out", tmp_path / "r.json", env={"PYTHONWARNINGS": "error"}, capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: a ") and "was made an error by this process's warning filters" in line, line
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_stdout_that_cannot_spell_the_text_escapes_it_and_says_so(tiny_ckpt, tmp_path):
+    """PYTHONIOENCODING=ascii: a prompt "café" was a UnicodeEncodeError traceback after the run was saved."""
+    save = tmp_path / "r.json"
+    done = _moetool("run", "--model", tiny_ckpt("qwen2_moe"), "--prompt", "café", "--max-new-tokens", "2",
+                    "--out", save, env={"PYTHONIOENCODING": "ascii", "COLUMNS": "200"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "caf\\xe9" in done.stdout and "Traceback" not in done.stderr
+    assert "note: standard output's encoding (ascii) cannot spell" in " ".join(done.stderr.split())
+    assert json.loads(save.read_text())["prompts"] == ["café"]
+
+
+def test_a_librarys_import_the_environment_breaks_is_one_sentence_naming_the_variable(tiny_ckpt, tmp_path):
+    """TORCH_LOGS=bogus: torch's import raised a ValueError inside the command, "a bug in moetool"."""
+    done = _moetool("run", "--model", tiny_ckpt("qwen2_moe"), "--prompt", "hi", "--out", tmp_path / "r.json",
+                    env={"TORCH_LOGS": "bogus"}, capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: importing torch failed: 'Invalid log settings: bogus") and \
+        line.endswith("check or unset TORCH_LOGS=bogus."), line
+
+
+def test_python_with_docstrings_stripped_is_refused_in_one_sentence(tmp_path):
+    """-OO: transformers' model classes are built from docstrings (the error blamed the checkpoint) and every
+    --help page lost its text."""
+    done = subprocess.run([sys.executable, "-OO", "-m", "moetool", "run", "--help"], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    assert done.stderr.strip() == "error: python -OO (PYTHONOPTIMIZE=2) strips docstrings, which transformers builds " \
+        "its model classes from and moetool's --help pages are written in; run moetool without it (-O is fine)."
+
+
+def test_an_out_on_a_read_only_filesystem_is_said_to_be_one(tmp_path, monkeypatch):
+    """It was "permission denied", which root, refused all the same, could not make sense of."""
+    from types import SimpleNamespace
+
+    from moetool.app import writable
+    from moetool.errors import MoetoolError
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
+    with pytest.raises(MoetoolError, match=r"is not writable \(on a read-only filesystem\)\.$"):
+        writable(tmp_path / "r.json")
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=0))
+    with pytest.raises(MoetoolError, match=r"is not writable \(permission denied\)\.$"):
+        writable(tmp_path / "r.json")
+
+
+def test_columns_zero_loses_no_line(tmp_path):
+    """COLUMNS=0 (what a 0x0 pty exports): every sentence was drawn 0 wide, so a refusal was exit code 1 and
+    nothing else, and a help page was empty."""
+    done = _moetool("verify", tmp_path / "none", env={"COLUMNS": "0"}, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.strip() == f"error: {tmp_path / 'none'} does not exist.", done.stderr
+    page = _moetool("run", "--help", env={"COLUMNS": "0"}, capture_output=True, text=True)
+    assert page.returncode == 0 and "--max-new-tokens" in page.stdout and "Example" in page.stdout, page.stdout
+
+
+def test_a_users_transformers_verbosity_is_kept(tiny_ckpt):
+    """TRANSFORMERS_VERBOSITY=info (debugging a checkpoint's load) was overwritten with "error" by every command."""
+    done = _moetool("check", tiny_ckpt("qwen2_moe"), env={"TRANSFORMERS_VERBOSITY": "info"}, capture_output=True,
+                    text=True)
+    assert done.returncode == 0, done.stderr
+    assert "loading" in done.stderr.lower() or "config" in done.stderr.lower(), done.stderr
+    quiet = _moetool("check", tiny_ckpt("qwen2_moe"), capture_output=True, text=True)
+    assert len(quiet.stderr) < len(done.stderr)
+
+
+@pytest.mark.parametrize("umask,file_mode,dir_mode", [(0o077, 0o600, 0o700), (0o002, 0o664, 0o775)])
+def test_what_moetool_writes_takes_the_callers_umask(tmp_path, umask, file_mode, dir_mode):
+    """Artifacts were 0644 and reports 0755 whatever the umask: a run's prompts and texts readable by all under
+    umask 077, a group's write dropped under 002."""
+    from moetool.artifacts import atomic_write_bytes, replace_dir
+
+    old = os.umask(umask)
+    try:
+        atomic_write_bytes(tmp_path / "r.run.json", b"{}")
+
+        def fill(d):
+            (d / "summary.md").write_text("x")
+            return [d / "summary.md"]
+
+        replace_dir(tmp_path / "rep", fill)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "r.run.json").stat().st_mode & 0o777 == file_mode
+    assert (tmp_path / "rep").stat().st_mode & 0o777 == dir_mode
+
+
+def test_a_directory_that_is_a_mount_point_is_refused_before_the_work(tmp_path, monkeypatch):
+    """`report --out /out` (a container's bind mount) drew every figure, then failed "mnt -> mnt: Device or
+    resource busy" when it swapped its directory in."""
+    from moetool.artifacts import replace_dir
+    from moetool.errors import MoetoolError
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt)
+    drawn = []
+    with pytest.raises(MoetoolError, match=f"{mnt} is a mount point, which cannot be replaced whole .*; give a "
+                                           f"directory inside it, e.g. {mnt / 'report'}."):
+        replace_dir(mnt, lambda d: drawn.append(d))
+    assert drawn == [] and mnt.is_dir()

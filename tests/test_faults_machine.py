@@ -237,6 +237,16 @@ def test_a_file_size_limit_is_one_sentence_saying_so_and_a_rerun_without_it_writ
     assert out.exists()
 
 
+def test_quantize_past_a_file_size_limit_names_the_limit_and_the_shard(char_ckpt, tmp_path):
+    """quantize, whose files are the largest, said "File too large (OUT)": the directory twice, no limit."""
+    out = tmp_path / "b"
+    with file_size_limit(4096):
+        line = error_line(runner.invoke(app, ["quantize", str(char_ckpt), "--bits", "4", "--no-reference",
+                                              "--out", str(out)]))
+    assert line.startswith(f"error: cannot write the bundle in {out}: file too large writing {out}/"), line
+    assert "this process may write files of at most 4.0 KiB (its file-size limit, ulimit -f)" in line, line
+
+
 # ---- 4. memory ----------------------------------------------------------------------------------------------
 
 def test_an_allocation_the_machine_cannot_give_is_one_sentence_not_a_bug(tiny_ckpt, tmp_path):

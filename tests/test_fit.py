@@ -1,6 +1,7 @@
 """moetool fit: the alpha polynomial and eq. 5, Fate's L/n/p, DyMoE's lambda, DynaExq's n_hi."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,6 +139,23 @@ def test_fit_end_to_end_with_evidence_and_round_trip(tmp_path):
     assert result.sizing("smoe")["alpha"].costs.keys() == {"t_load.16"} and result.sizing("lru") == {}
 
 
+def test_a_fit_edited_to_hold_knobs_no_paper_fits_is_refused_not_run_quietly(tmp_path):
+    """A fit with `params.lru = {bits: 4}` ran lru at INT4 while the run said the fit changed nothing for it."""
+    from moetool.options import fit_note
+    from moetool.run import fitted_knobs
+
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+    made = fit(FitConfig(profile=prof, budget="50%"))
+    edited = dataclasses.replace(made, params={**made.params, "lru": {"bits": 4}})
+    path = edited.save(tmp_path / "e.fit.json")
+    with pytest.raises(MoetoolError, match=r"e.fit.json holds knobs of policy 'lru' \(bits=4\), which no paper's fit "
+                                           r"sets \(moetool fit never writes them\); give them with --set instead."):
+        fitted_knobs(Fit.load(path), "lru", path)
+    assert fit_note(path, "lru") is None  # no "changes nothing" before the refusal
+    assert fitted_knobs(Fit.load(path), "dymoe", path) == made.params["dymoe"]
+    assert "changes nothing" in fit_note(made.save(tmp_path / "m.fit.json"), "lru")
+
+
 def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_path):
     """Eq. 5's T(alpha) through runs one gives is theirs: one expert cache, one set of the other knobs, one
     machine. A run with another cache (--budget), other knobs or another --hw's link took the alpha as it
@@ -217,6 +235,43 @@ def test_smoe_runs_that_timed_no_decode_step_are_named_as_such(tmp_path):
     assert "2 run(s) given timed no decode step (one token: no TPOT)" in result.evidence["skipped"]["smoe.alpha"]
     with pytest.raises(MoetoolError, match="--max-new-tokens 1 gives the --sweep runs no decode step to time"):
         fit(FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=1), alphas=(0.0, 0.2)))
+
+
+def test_smoe_runs_on_two_hardware_files_of_one_name_are_two_machines(tmp_path):
+    """Runs made with `--hw hw.json` in two experiments' directories were one T(alpha) curve: the run records the
+    path as typed, and fit compared that text. The file's content (the run's inputs) tells them apart."""
+    prof = synthetic_profile().save(tmp_path / "s.profile.json")
+
+    def on(a: float, digest: str) -> Path:
+        r = dataclasses.replace(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a), hw="hw.json",
+                                inputs={f"/exp{digest}/hw.json": digest * 64})
+        return r.save(tmp_path / f"{digest}{a}.run.json")
+
+    two = fit(FitConfig(profile=prof, runs=(on(0.0, "a"), on(0.2, "b"), on(0.4, "a")), target_tpot=0.09))
+    assert "differ in more than alpha (hw hw.json (aaaaaaaaaaaa) / hw hw.json (bbbbbbbbbbbb))" in \
+        two.evidence["skipped"]["smoe.alpha"]
+    one = fit(FitConfig(profile=prof, runs=(on(0.0, "a"), on(0.2, "a"), on(0.4, "a")), target_tpot=0.09))
+    assert "alpha" in one.params["smoe"]
+    # the decode path is part of the setting: a host run at alpha 0 and a captured one at 0.8 were one curve
+    paths = [dataclasses.replace(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a), summary={"path": path}).save(
+        tmp_path / f"{path}{a}.run.json") for a, path in ((0.0, "host"), (0.8, "captured"))]
+    mixed = fit(FitConfig(profile=prof, runs=tuple(paths), target_tpot=0.09))
+    assert "differ in more than alpha (host path / captured path)" in mixed.evidence["skipped"]["smoe.alpha"]
+
+
+def test_a_profiles_bundle_is_recorded_whole_and_one_gone_is_said_as_such(tmp_path, monkeypatch):
+    """A profile made with `--bundle robundle` recorded the relative path, so `fit --sweep` from another directory
+    fell back to the bundle's model `ckpt` (relative too) and said "ckpt does not exist"."""
+    from moetool.profile import ProfileConfig
+
+    (tmp_path / "robundle").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert ProfileConfig(bundle=Path("robundle")).recorded()["bundle"] == str(tmp_path / "robundle")
+    prof = dataclasses.replace(synthetic_profile(), settings={"bundle": "robundle"},
+                               model=dataclasses.replace(FP, source="ckpt")).save(tmp_path / "s.profile.json")
+    with pytest.raises(MoetoolError, match="the profile was made on the bundle robundle, which is not there now, and "
+                                           "its model ckpt is not found either"):
+        fit(FitConfig(profile=prof, sweep=RunConfig(max_new_tokens=2), alphas=(0.0, 0.2)))
 
 
 def test_fit_without_runs_or_budget_skips_and_says_why(tmp_path):

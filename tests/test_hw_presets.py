@@ -61,3 +61,36 @@ def test_a_path_wins_and_a_preset_name_is_the_shipped_preset(tmp_path, monkeypat
     (tmp_path / USER_HW_DIR / "rtx3090.json").write_text(json.dumps(_mine(h2d_gbps=1.0)))
     assert load_hw("rtx3090")[0].h2d_gbps != 1.0  # runs that name a preset mean the shipped one
     assert load_hw("profiles/hw/rtx3090.json")[0].h2d_gbps == 1.0
+    (tmp_path / "rtx3090").write_text(json.dumps(_mine(h2d_gbps=2.0)))  # a file of the working directory so named
+    assert load_hw("rtx3090")[0].h2d_gbps != 2.0  # it replaced the default preset unsaid
+    assert load_hw("./rtx3090")[0].h2d_gbps == 2.0  # a path, given as one
+
+
+def test_a_field_a_hardware_profile_does_not_have_is_refused_with_the_one_meant(tmp_path):
+    """`t_expert` for t_expert_s was dropped: the run was charged the estimates and recorded the file as its machine."""
+    (tmp_path / "typo.json").write_text(json.dumps({**_mine(), "t_expert": {"16": 1e-3}}))
+    with pytest.raises(MoetoolError, match=r"typo.json names 't_expert', which is no field of a hardware profile "
+                                           r"\(did you mean t_expert_s\?\)"):
+        load_hw(str(tmp_path / "typo.json"))
+    for name in packaged_hw_names():  # every shipped preset reads
+        load_hw(name)
+
+
+def test_times_measured_on_another_model_are_not_charged_to_this_one(tiny_ckpt, tmp_path):
+    """Qwen1.5-MoE's measured layer and expert times were charged to any model run on h100sxm-qwen15moe (111x a
+    tiny model's TPOT), unsaid; a profile measured on this model's geometry is charged as measured."""
+    from moetool.engine import cost_model, measured_on
+    from moetool.engine.store import HostStore
+    from moetool.model import load_model
+
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    store = HostStore.from_experts(lm.experts, next(lm.model.parameters()).dtype)
+    cost, raw = cost_model(lm, store, "h100sxm-qwen15moe")
+    assert cost.hw.t_expert_s is None and cost.hw.t_dense_s is None and "measured on another model" in \
+        raw["measured_elsewhere"]
+    mine = json.loads((HW_DIR / "h100sxm-qwen15moe.json").read_text())
+    assert load_hw("h100sxm-qwen15moe")[0].t_expert_s  # the preset itself keeps them, for its own model
+    path = tmp_path / "mine.hw.json"
+    path.write_text(json.dumps({**mine, "model": measured_on(lm)}))
+    cost, raw = cost_model(lm, store, str(path))
+    assert cost.hw.t_expert_s == load_hw("h100sxm-qwen15moe")[0].t_expert_s and "measured_elsewhere" not in raw

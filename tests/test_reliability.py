@@ -612,6 +612,12 @@ def test_a_second_quantize_into_the_same_directory_is_refused_while_the_first_ru
         text = refused(quantize, quick(tiny_model, out))
         assert "another moetool quantize is writing" in text and str(out) in text
         assert listing(out) == {LOCK}  # the holder's lock, nothing of the refused run
+        (out / JOURNAL).write_text("{}")  # a quantize under way, not one stopped
+        from moetool.quant.bundle import Bundle
+
+        with pytest.raises(MoetoolError, match="is a bundle a moetool quantize is writing now; wait for it"):
+            Bundle.open(out)
+        (out / JOURNAL).unlink()
     finally:
         holder.communicate("\n", timeout=60)
     assert listing(out) == set()
@@ -627,11 +633,36 @@ def test_a_killed_runs_lock_file_and_a_garbage_journal_do_not_stop_the_next_run(
     (out / ".layer-000.safetensors.abc.tmp").write_bytes(b"half")
     quantize(quick(tiny_model, out))
     assert {p.name for p in out.iterdir()} == {MANIFEST, "model", "layer-000.safetensors", "layer-001.safetensors"}
+    (out / LOCK).write_text("")  # a quantize killed while it read its finished bundle back
+    from moetool.quant.bundle import Bundle
+
+    assert Bundle.open(out).unlisted() == []  # verify had refused the bundle over it, and quantize to redo it
 
 
 def test_quantize_into_a_file_is_one_sentence(tiny_model, tmp_path):
     (tmp_path / "f").write_text("x")
     assert "is a file" in refused(quantize, quick(tiny_model, tmp_path / "f"))
+
+
+def test_a_bundle_of_links_whose_originals_are_gone_names_the_link(bundle_dir, tmp_path):
+    """A `cp -rs` copy of a bundle whose shard was deleted since said "is missing; re-run moetool quantize", which
+    refuses a finished bundle."""
+    import shutil
+
+    from moetool.quant.bundle import Bundle
+
+    orig = tmp_path / "orig"
+    shutil.copytree(bundle_dir, orig)
+    links = tmp_path / "links"
+    shutil.copytree(orig, links, copy_function=lambda src, dst: os.symlink(os.path.abspath(src), dst))
+    shard = sorted(orig.glob("layer-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(MoetoolError, match=f"shard {shard.name} of the bundle in {links} is a link to {shard}, which "
+                                           "does not exist; restore that file, or copy the bundle with cp -r"):
+        Bundle.open(links)
+    (orig / "model" / "non_expert.safetensors").unlink()
+    with pytest.raises(MoetoolError, match="non-expert weights of the bundle in .* is a link to"):
+        Bundle.open(links)
 
 
 def test_the_schema_accepts_what_moetool_writes(bundle_dir, tmp_path):

@@ -91,6 +91,64 @@ def test_the_ablation_keeps_clocks_and_configurations_apart(tmp_path):
     assert "| 2. Cache | 0.5 | 1 | wall.json |" in tables[1]
 
 
+def test_the_ablation_keeps_other_knobs_and_batches_apart(tmp_path):
+    """An LRU batch-1 run and an LFU batch-4 run were one "2. Cache" cell, their mean a TPOT neither had."""
+    import dataclasses
+
+    from moetool.policies.dymoe_report import ablation
+
+    runs = [("a.json", synthetic_run("lru", {"bits": 16, "eviction": "lru"}, 0.2)),
+            ("b.json", synthetic_run("lru", {"bits": 16, "eviction": "lfu"}, 0.4)),
+            ("c.json", dataclasses.replace(synthetic_run("lru", {"bits": 16, "eviction": "lru"}, 0.8), batch_size=4)),
+            ("d.json", synthetic_run("lru", {"bits": 16, "eviction": "lru"}, 0.4))]
+    md = ablation(tuple((tmp_path / name, r) for name, r in runs))
+    cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in md.splitlines() if line.startswith("| 2.")}
+    assert cells == {"2. Cache (lru 16-bit)": "0.3", "2. Cache (lru 16-bit, batch 4)": "0.8",
+                     "2. Cache (lru 16-bit, eviction=lfu)": "0.4"}
+
+
+def test_artifacts_of_one_file_name_are_told_apart_and_a_copy_is_read_once(tmp_path):
+    """Two lru.run.json in other directories were two rows named alike, and a backup copy of a run was averaged
+    into the ablation as a second measurement."""
+    import shutil
+
+    d = tmp_path / "art"
+    (d / "a").mkdir(parents=True)
+    (d / "b").mkdir()
+    (d / "backup").mkdir()
+    synthetic_run("lru", {}, 0.2).save(d / "a" / "lru.run.json")
+    synthetic_run("lru", {}, 0.4).save(d / "b" / "lru.run.json")
+    shutil.copy(d / "a" / "lru.run.json", d / "backup" / "lru.run.json")
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert f"Read once, as the same bytes as another input: `{d / 'backup' / 'lru.run.json'}` (a copy of " \
+           f"`{d / 'a' / 'lru.run.json'}`)." in md
+    runs = [line.split("|")[1].strip() for line in md.split("## Runs")[1].split("##")[0].splitlines()
+            if line.startswith("| ")][1:]
+    assert runs == ["a/lru.run.json", "b/lru.run.json"]
+    assert "| 2. Cache | 0.5 | 0.3 | a/lru.run.json, b/lru.run.json |" in md  # TTFT, and TPOT's mean of the two
+
+
+def test_an_eval_of_one_bundle_is_paired_with_a_run_of_that_bundle_and_not_another(tmp_path):
+    """Two bundles of one model (group 16 and group 8): the INT4 eval of one was paired with the run of the other,
+    and the two evals of one setting were one cell ("the table shows the second")."""
+    import dataclasses
+
+    d = tmp_path / "art"
+    d.mkdir()
+    for group, tpot, ppl in ((16, 0.2, 40.0), (8, 0.3, 39.0)):
+        inputs = {f"/b/g{group}/bundle.json": f"{group:02d}" * 32}
+        dataclasses.replace(synthetic_run("static", {"bits": 4}, tpot, budget=8 << 20), inputs=inputs).save(
+            d / f"s4_g{group}.run.json")
+        e = {**_ppl_eval("static", {"bits": 4}, ppl), "inputs": inputs, "budget_bytes": 8 << 20}
+        (d / f"{'a' if group == 8 else 'b'}_g{group}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| a_g8.eval.json | s4_g8.run.json (sim/rtx3090, host path) |" in md, md
+    assert "| b_g16.eval.json | s4_g16.run.json (sim/rtx3090, host path) |" in md
+    assert "static bits=4 (bundle g16)" in md and "static bits=4 (bundle g8)" in md and "Evals of one setting" not in md
+
+
 def test_report_refuses_an_empty_input(tmp_path):
     with pytest.raises(MoetoolError, match="no profile, fit, run or eval"):
         report([tmp_path], tmp_path / "rep")
@@ -364,7 +422,7 @@ def test_evals_take_their_tpot_from_runs_of_one_clock_and_path(tmp_path):
         dataclasses.replace(run, summary={"path": "host"}, tpot_s={"mean": 0.3, "p50": 0.3, "p99": 0.3, "n": 8}).save(
             d / f"a-{pol}-host.run.json")
         dataclasses.replace(run, summary={"path": "captured"}).save(d / f"b-{pol}-captured.run.json")
-        dataclasses.replace(run, summary={"path": "captured"}).save(d / f"c-{pol}-captured.run.json")
+        dataclasses.replace(run, summary={"path": "captured"}, ttft_s=0.011).save(d / f"c-{pol}-captured.run.json")
         e = _ppl_eval(pol, params, 11.0)
         e["budget_bytes"] = 8 << 20
         (d / f"{pol}.eval.json").write_text(json.dumps(e))

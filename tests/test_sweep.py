@@ -71,6 +71,18 @@ def test_a_grid_that_gives_a_key_twice_is_refused_not_read_as_its_last(tiny_ckpt
     assert line == f"error: {path} gives 'max_new_tokens' twice in one mapping (line {len(path.read_text().splitlines())}); keep one of them.", line
 
 
+def test_a_grid_may_merge_an_anchored_mapping_into_another(tiny_ckpt, tmp_path):
+    """`<<: *fate` (YAML's merge key) was refused as "not valid YAML" by the check for repeated keys."""
+    from moetool.grid import expand, load_grid
+
+    path = tmp_path / "g.yaml"
+    path.write_text(f"model: {tiny_ckpt('qwen2_moe')}\nprompts: [hi]\nmax_new_tokens: 2\ngrid:\n  policy:\n"
+                    "    - &fate {policy: fate, set: {L: 1}, label: fate_a}\n"
+                    "    - <<: *fate\n      set: {L: 2}\n      label: fate_b\n")
+    cells = expand(load_grid(path), tmp_path).cells
+    assert {c.name: c.settings["settings"] for c in cells} == {"fate_a": {"L": "1"}, "fate_b": {"L": "2"}}
+
+
 def test_a_command_line_setting_the_grid_crosses_is_refused(tiny_ckpt, tmp_path):
     """`--with policy=zzz` on a grid with a policy axis ran the axis' policies, zzz never checked."""
     path = write_grid(tmp_path / "g.yaml", **run_grid(tiny_ckpt("qwen2_moe"), policy=["lru"]))
@@ -172,6 +184,36 @@ def test_a_cell_out_of_device_memory_is_failed_with_the_sentence_moetool_run_giv
     assert failed["reason"] == ("out of device memory (CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
                                 "total capacity of 15.6 GiB of which 3.2 MiB is free); give a smaller --budget or "
                                 "--batch-size, or free the device (another process may hold its memory)."), failed
+
+
+def test_a_grids_hardware_profile_is_the_grid_files_and_an_edit_to_it_runs_its_cells_again(tiny_ckpt, tmp_path,
+                                                                                           monkeypatch):
+    """`hw: hw/fast.json` was read from where sweep ran, not beside the grid (another file of that name gave
+    10x another TPOT, the artifacts alike), and a resume after an edit to it reused the old figures."""
+    from moetool.engine.clock import HW_DIR
+
+    home = tmp_path / "gdir"
+    (home / "hw").mkdir(parents=True)
+    preset = json.loads((HW_DIR / "rtx3090.json").read_text())
+    (home / "hw" / "fast.json").write_text(json.dumps({**preset, "h2d_gbps": 1000.0}))
+    (tmp_path / "hw").mkdir()
+    (tmp_path / "hw" / "fast.json").write_text(json.dumps({**preset, "h2d_gbps": 0.01}))  # where sweep runs
+    settings = run_grid(tiny_ckpt("qwen2_moe"), policy=["lod"], hw=["hw/fast.json"])
+    del settings["hw"]  # an axis, not a top setting
+    grid = write_grid(home / "g.yaml", **settings)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "sweep"
+    index = sweep(SweepConfig(grid=grid, out=out, workers=0))
+    assert list(index.cells) == ["lod_hw=hw-fast.json"]  # the name as the grid wrote it
+    run = json.loads((out / "lod_hw=hw-fast.json.run.json").read_text())
+    assert run["hw"] == str((home / "hw" / "fast.json").resolve())
+    assert str((home / "hw" / "fast.json").resolve()) in run["inputs"]
+    (home / "hw" / "fast.json").write_text(json.dumps({**preset, "h2d_gbps": 0.05}))
+    said = []
+    sweep(SweepConfig(grid=grid, out=out, workers=0), progress=lambda name, status, *_: said.append(status))
+    assert said == ["done"]  # run again, not "reused"
+    slower = json.loads((out / "lod_hw=hw-fast.json.run.json").read_text())
+    assert slower["tpot_s"]["mean"] > 2 * run["tpot_s"]["mean"]
 
 
 # -- on a local Ray with 2 CPUs ------------------------------------------------------------------------

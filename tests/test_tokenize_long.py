@@ -192,3 +192,21 @@ def test_a_long_texts_tokenization_holds_a_pieces_worth_of_python_objects(byte_l
     whole = peak(lambda: byte_level(text, add_special_tokens=False).input_ids)
     pieces = peak(lambda: encode(byte_level, text, 10**6, False))
     assert pieces < whole / 4, (pieces, whole)
+
+
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_the_head_of_a_long_text_holds_its_first_tokens_and_little_more(byte_level, tokens):
+    # eval ppl --limit N reads the start of a file: its ids are the whole text's first N, and the rest
+    # of a long file is never tokenized.
+    text = heldout_text()
+    rec = Recording(byte_level)
+    start = tk.head(rec, text, tokens)
+    assert len(start) < len(text) // 10
+    got = encode(rec, start, 10**6, special_tokens=False)[:tokens].tolist()
+    assert got == byte_level(text[:len(start) + 20_000], add_special_tokens=False).input_ids[:tokens]
+    assert rec.longest <= CHUNK
+
+
+def test_the_head_of_a_text_without_a_tokenizer_is_its_first_bytes():
+    assert tk.head(None, "héllo world", 3) == "hél"  # 4 bytes, so 4 tokens: at least the 3 asked
+    assert tk.head(None, "hi", 5) == "hi"

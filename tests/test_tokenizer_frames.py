@@ -91,6 +91,13 @@ def test_text_the_tokenizer_drops_whole_is_refused_and_in_part_said(framed_ckpt,
     done = _cli("run", "--model", framed_ckpt, "--prompt", "ab 東京", "--max-new-tokens", 2, "--out", tmp_path / "r.json")
     assert done.exit_code == 0, done.output
     assert "prompt 1 ('ab 東京') has 2 character(s) the tokenizer drops" in done.stderr, done.stderr
+    done = _cli("profile", "--model", framed_ckpt, "--data", text, "--what", "routing", "--seq-len", 8,
+                "--decode-tokens", 2, "--out", tmp_path / "p.json")  # profiled as if read whole, before
+    assert done.exit_code == 0, done.output
+    assert f"note: {text} has 40 character(s) the tokenizer drops" in done.stderr.replace("\n", " "), done.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["notes"] == [
+        f"{text} has 40 character(s) the tokenizer drops (no token covers them): the profile measured the text "
+        "without them."]
 
 
 def test_lm_eval_scores_contexts_and_choices_without_the_appended_eos(framed_ckpt, tmp_path, monkeypatch):
@@ -224,3 +231,8 @@ def test_calibration_text_partly_in_a_script_the_vocabulary_lacks_is_said(char_c
                 "--calib-tokens", "256", "--out", tmp_path / "b")
     assert done.exit_code == 0, done.output
     assert "of the 256 calibration tokens are the tokenizer's unknown token" in done.stderr, done.stderr
+    done = _cli("profile", "--model", char_ckpt, "--data", text, "--what", "routing", "--seq-len", 8,
+                "--decode-tokens", 2, "--out", tmp_path / "p.json")
+    assert done.exit_code == 0, done.output
+    notes = json.loads((tmp_path / "p.json").read_text())["notes"]
+    assert len(notes) == 1 and notes[0].startswith(f"{text} has 400 unknown token(s)"), notes

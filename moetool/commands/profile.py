@@ -143,6 +143,8 @@ def profile(
         err.print(f"note: the sensitivity scored {result.sensitivity.tokens:,} tokens of {ppl_data}, not the "
                   f"{ppl_tokens:,} --ppl-tokens asked for (the text is that short): its perplexity changes are "
                   "that much noisier; give a longer text.", highlight=False)
+    for said in result.notes:
+        err.print(f"note: {said}", highlight=False)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
         return

@@ -48,6 +48,13 @@ def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: i
 
 def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, dict]:
     profile, raw = load_hw(hw)
+    if isinstance(raw.get("model"), dict) and raw["model"] != measured_on(lm):
+        # Times measured on another model's layers and experts (`profile --what timing` records whose): this
+        # model is charged its own estimates from the throughputs, and the run says so.
+        profile = dataclasses.replace(profile, t_dense_s=None, t_dense_captured_s=None, t_expert_s=None, c_cpu_s=None)
+        raw = {**raw, "measured_elsewhere": f"hardware profile {profile.name}'s per-layer and per-expert times were "
+                                            f"measured on another model ({raw['model']}); this one is charged estimates "
+                                            "from its throughputs"}
     g = lm.geometry.layers[0]
     params = expert_params(g)
     ref_bytes = params * 2  # bf16, what a dequantizing kernel writes and a bf16 expert reads
@@ -58,6 +65,14 @@ def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, d
                      dense_bytes_per_layer=dense_params * 2 / n_moe,
                      dense_flops_per_token_per_layer=2.0 * dense_params / n_moe)
     return cost, raw
+
+
+def measured_on(lm: LoadedModel) -> dict[str, Any]:
+    """What a measured hardware profile's layer and expert times hold for: the geometry of one MoE layer
+    (a layer's and an expert's times do not depend on how many layers the model has)."""
+    g = lm.geometry.layers[0]
+    return {"model_type": lm.geometry.model_type, "hidden_size": g.hidden_size, "intermediate_size": g.intermediate_size,
+            "num_experts": g.num_experts, "top_k": g.top_k}
 
 
 def default_host_budget() -> int:
@@ -120,7 +135,8 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
         torch.cuda.set_device(device)
     if captured:
         kernels, host_tiers = False, False
-    cost, _ = cost_model(lm, store, hw)
+    cost, raw = cost_model(lm, store, hw)
+    elsewhere = {"hw_measured_elsewhere": raw["measured_elsewhere"]} if "measured_elsewhere" in raw else {}
     # What cost-aware policies read (Fate's n, SMoE's load-or-compute): the sim clock's machine, and on
     # the wall clock the machine the run is on. `--hw` names the sim clock's; left at its default on a
     # CUDA device that a shipped preset is made for, the wall clock's policies read that preset, not
@@ -204,5 +220,5 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     if ctx.routers.unmatched and (pol.reads_scores or residency.wants_scores()):  # said where it matters
         scoring["router_scores_unmatched"] = list(ctx.routers.unmatched)
     engine.stats.context = lambda: {"dtype": dtype, "kernel_layers": kernel_layers, "policy_hw": policy_hw, **scoring,
-                                    **store.host_stats()}
+                                    **elsewhere, **store.host_stats()}
     return engine, split

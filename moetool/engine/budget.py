@@ -48,6 +48,10 @@ def parse_size(text: str, option: str = "--budget") -> int:
     if not m or m.group(2).lower() not in _UNITS:
         share = " or a percentage like 25%" if option == "--budget" else ""
         raise MoetoolError(f"{option} '{text}' is not a size like 12GiB / 500MB{share}.")
+    if not m.group(2) and "." in m.group(1):  # `--budget 0.25`: 0 bytes, refused as below a minimum of MiB
+        share = f", {float(m.group(1)) * 100:g}% for a share of the experts" if option == "--budget" else ""
+        raise MoetoolError(f"{option} '{text}' has no unit, and a bare number is bytes; write a size like "
+                           f"500MB or 12GiB{share}.")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -207,7 +211,7 @@ def split_budget(spec: str, *, n_experts: int, expert_bytes: dict[int, int], non
         total = int(value)
         cache = total - fixed
         if cache < 0:
-            raise MoetoolError(f"--budget {spec} is below the minimum of {size_text(fixed)} ({fixed:,} B: non-expert weights "
+            raise MoetoolError(f"--budget {spec} is below the minimum of {size_text(fixed, up=True)} ({fixed:,} B: non-expert weights "
                                f"{size_text(non_expert_bytes)} + KV/activation margin {size_text(margin_bytes)} "
                                f"+ staging {size_text(staging)}).")
     return BudgetSplit(total_bytes=total, non_expert_bytes=non_expert_bytes, margin_bytes=margin_bytes,

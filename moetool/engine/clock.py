@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moetool.errors import MoetoolError
+from moetool.errors import MoetoolError, quote
 
 HW_DIR = Path(__file__).parents[1] / "hw_presets"  # the presets shipped in the package
 USER_HW_DIR = Path("profiles") / "hw"  # a user's own profiles, relative to where moetool runs
@@ -79,19 +79,33 @@ PLAUSIBLE: dict[str, tuple[float, float, str]] = {
 }
 
 
-def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
-    """A profile JSON path, else a shipped preset by name (moetool/hw_presets/NAME.json), else one of
-    the user's own (profiles/hw/NAME.json under the working directory)."""
+# What a hardware profile holds beside `HwProfile`'s fields: its provenance, and the model a measured one
+# was measured on (`engine.measured_on`).
+HW_NOTES = ("description", "sources", "base", "devices", "model")
+
+
+def hw_path(name_or_path: str) -> Path:
+    """The file `load_hw` reads for `name_or_path` (the order its docstring gives), or one sentence. A
+    bare name (no directory, no .json) is a preset's or the user's own before a file of the working
+    directory: a file named `rtx3090` there replaced the default preset unsaid."""
     path = Path(name_or_path)
-    for path in (path, HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json"):
+    named = not (name_or_path.endswith(".json") or "/" in name_or_path or "\\" in name_or_path)
+    order = (HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json", path) if named else \
+        (path, HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json")
+    for path in order:
         if path.exists():  # a directory, FIFO or device given as --hw is refused by name below, not taken for a name
-            break
-    else:
-        if name_or_path.endswith(".json") or "/" in name_or_path or "\\" in name_or_path:  # a path, not a name
-            raise MoetoolError(f"no hardware profile file {name_or_path} (`moetool profile --what timing` writes one "
-                               f"beside its --out; shipped presets: {', '.join(packaged_hw_names()) or 'none'}).")
-        raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(packaged_hw_names()) or 'none'}; "
-                           f"or put it in {USER_HW_DIR}/{name_or_path}.json, or give a path to a profile JSON).")
+            return path
+    if name_or_path.endswith(".json") or "/" in name_or_path or "\\" in name_or_path:  # a path, not a name
+        raise MoetoolError(f"no hardware profile file {name_or_path} (`moetool profile --what timing` writes one "
+                           f"beside its --out; shipped presets: {', '.join(packaged_hw_names()) or 'none'}).")
+    raise MoetoolError(f"no hardware profile '{name_or_path}' (shipped: {', '.join(packaged_hw_names()) or 'none'}; "
+                       f"or put it in {USER_HW_DIR}/{name_or_path}.json, or give a path to a profile JSON).")
+
+
+def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
+    """A shipped preset by name (moetool/hw_presets/NAME.json), else one of the user's own
+    (profiles/hw/NAME.json under the working directory), else a profile JSON path (`hw_path`)."""
+    path = hw_path(name_or_path)
     from moetool.artifacts import read_json
     from moetool.files import GRID_BYTES
 
@@ -100,6 +114,13 @@ def load_hw(name_or_path: str) -> tuple[HwProfile, dict[str, Any]]:
         raise MoetoolError(f"{path} is not a hardware profile (its top level is not an object).")
     from moetool.schema import SchemaError, build
 
+    known = (*HwProfile.__dataclass_fields__, *HW_NOTES)
+    if odd := [k for k in data if k not in known]:  # `t_expert` for t_expert_s ran on the estimates, unsaid
+        import difflib
+
+        near = difflib.get_close_matches(str(odd[0]), known, n=1)
+        raise MoetoolError(f"{path} names {quote(str(odd[0]))}, which is no field of a hardware profile"
+                           f"{f' (did you mean {near[0]}?)' if near else ''}; its fields: {', '.join(known)}.")
     fields = {k: data[k] for k in HwProfile.__dataclass_fields__ if k in data}
     try:
         return build(HwProfile, fields), data  # types and ranges, as artifacts are read

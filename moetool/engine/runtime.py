@@ -284,8 +284,8 @@ class Engine(Loads):
         grouped GEMM over the pool, no per-expert objects, nothing to load or wait for. Returns the
         experts it ran, or None (nothing done) where that does not hold: the general path runs."""
         layer, bits = module.layer.index, routed.bits
-        if self.simulated or (self.on_kernel(layer, bits) and hidden.shape[0] == 1):
-            return None  # the sim clock charges each expert; one token's kernel experts run fused (_per_group)
+        if self.simulated or (self.on_kernel(layer, bits) and hidden.shape[0] == 1) or real is not None:
+            return None  # the sim clock charges each expert; one token's kernel experts run fused; pads (group_plan)
         get = self.residency.table.get
         handles = [get((layer, e, bits)) for e in routed.experts]
         if not all(h is not None and h.state == State.RESIDENT for h in handles):

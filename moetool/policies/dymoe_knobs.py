@@ -173,17 +173,17 @@ class DyMoEKnobs(Knobs):
         for path, f in inputs.fits:
             lam = f.evidence.get(cls.name, {}).get("lam")
             if lam:
-                head = (f"DyMoE schedule (eq. 4-5) of `{path.name}`, lam = {lam['value']:.4f}, r = {lam['r']:.4f}, "
+                head = (f"DyMoE schedule (eq. 4-5) of `{inputs.shown(path)}`, lam = {lam['value']:.4f}, r = {lam['r']:.4f}, "
                         f"M = {lam['M']}")
                 md += [head + ":\n\n", table(["MoE position", "r(l)", "t_l"],
                                                [[x["position"], x["r"], x["t"]] for x in lam["schedule"]]), "\n"]
-        md.append(ablation(inputs.runs))
+        md.append(ablation(inputs.runs, inputs.shown))
         for path, prof in inputs.profiles:
             s = prof.sensitivity
             if s and s.layers:
                 part.figures.append(sensitivity_figure(s, inputs.out_dir / f"sensitivity{inputs.tag(path)}.png"))
             if s and 2 in s.bits and len(s.layers) >= 3:
-                part.claims.append(depth_claim(s, path.name))
+                part.claims.append(depth_claim(s, inputs.shown(path)))
         if (fig := retention_figure(inputs.rows, inputs.out_dir / "dymoe_retention.png")) is not None:
             part.figures.append(fig)
         if pair := inputs.ppl_pair((cls.name, {"r": 0.9, "precisions": {"high": 4, "low": 0}}), ("static", {"bits": 4})):

@@ -42,21 +42,29 @@ def ablation_row(policy: str, p: dict[str, Any]) -> str | None:
     return ABLATION[4 if prefetch else 3]
 
 
-def configuration(policy: str, p: dict[str, Any]) -> str:
+def configuration(policy: str, p: dict[str, Any], batch: int = 1) -> str:
     """What a Table 3 row's run ran, to tell apart runs that stand for one row: the policy, its
     precisions and DyMoE's r (a 16-bit `lru` and DyMoE at r = 1 in INT4 are both "2. Cache"; DyMoE at
-    r = 0.75 and 0.9 both row 5)."""
+    r = 0.75 and 0.9 both row 5), every other knob off its default (an LFU cache, eap's k, DyMoE's
+    hh_ratio: they were averaged with the defaults' runs into one cell) and a batch of more than one."""
+    from moetool.figures import off_default
+
     high, low = recorded_precisions(p)
     if policy == "dymoe":
-        return f"dymoe {high}/{low}, r = {float(p.get('critical_share', p.get('r', 0))):.3g}"
-    bits = p.get("bits")
-    return f"{policy} {bits}-bit" if isinstance(bits, int) else policy
+        name = f"dymoe {high}/{low}, r = {float(p.get('critical_share', p.get('r', 0))):.3g}"
+    else:
+        bits = p.get("bits")
+        name = f"{policy} {bits}-bit" if isinstance(bits, int) else policy
+    # lam is solved from r (shown); the tiers are in the name
+    knobs = [f"{k}={p[k]}" for k in off_default(policy, p) if k not in ("lam", "high_bits", "low_bits")]
+    return ", ".join([name, *knobs, *([f"batch {batch}"] if batch > 1 else [])])
 
 
-def ablation(runs: tuple) -> str:
+def ablation(runs: tuple, shown: Any = None) -> str:
     """Table 3 from the runs present: TTFT and TPOT per row and budget, one table per clock (seconds of
     the sim clock and of the wall are not averaged together), and a row per configuration where runs of
-    more than one stand for it; a cell averages the runs of one configuration (repeats, prompts)."""
+    more than one stand for it; a cell averages the runs of one configuration (repeats, prompts).
+    `shown(path)`: how the report names a run (its file name by default)."""
     by_clock: dict[str, list] = defaultdict(list)
     for path, r in runs:
         row = ablation_row(r.policy, r.params)
@@ -65,16 +73,16 @@ def ablation(runs: tuple) -> str:
             # (docs/engine.md), so its runs are not averaged with the host path's.
             decode = (r.summary or {}).get("path")
             by_clock[f"{r.clock}{'/' + r.hw if r.hw else ''}{f', {decode} path' if decode else ''}"].append(
-                (row, configuration(r.policy, r.params), path, r))
-    return "\n".join(_ablation_table(clock, rows) for clock, rows in sorted(by_clock.items()))
+                (row, configuration(r.policy, r.params, r.batch_size), path, r))
+    return "\n".join(_ablation_table(clock, rows, shown or (lambda p: p.name)) for clock, rows in sorted(by_clock.items()))
 
 
-def _ablation_table(clock: str, rows: list) -> str:
+def _ablation_table(clock: str, rows: list, shown: Any) -> str:
     cells: dict[tuple[str, str, int], list] = defaultdict(list)
     names: dict[tuple[str, str], list[str]] = defaultdict(list)
     for row, cfg, path, r in rows:
         cells[row, cfg, cache_bytes(r)].append(r)
-        names[row, cfg].append(path.name)
+        names[row, cfg].append(shown(path))
     budgets = sorted({b for _, _, b in cells})
     # three significant digits, or the bytes where that heads two budgets alike ("16 MiB" twice)
     shown = [f"{b / 2**20:.3g} MiB" for b in budgets]

@@ -78,13 +78,13 @@ class DynaExqKnobs(Knobs):
         for path, prof in inputs.profiles:
             r = prof.routing
             if r and r.jaccard:
-                head = (f"Workload shift (DynaExq Fig. 2) in `{path.name}`: mean Jaccard of per-layer top-{r.hot_k} "
+                head = (f"Workload shift (DynaExq Fig. 2) in `{inputs.shown(path)}`: mean Jaccard of per-layer top-{r.hot_k} "
                         "hot sets.")
                 md += [head + "\n\n", table(["data sets", "Jaccard"], [[k.replace("|", " vs "), v]
                                                                        for k, v in r.jaccard.items()]), "\n"]
             if r and r.activation_ratio:
                 sizes = sorted({int(b) for d in r.activation_ratio.values() for b in d})
-                head = (f"Expert activation ratio (%) vs batch size in `{path.name}` (DynaExq Tables 1-2; decode "
+                head = (f"Expert activation ratio (%) vs batch size in `{inputs.shown(path)}` (DynaExq Tables 1-2; decode "
                         "batches are random decode tokens, prefill batches random prompts).")
                 md += [head + "\n\n",
                        table(["phase", *map(str, sizes)],

@@ -189,12 +189,12 @@ class FateKnobs(Knobs):
             tag, fits = inputs.tag(path), inputs.fits_for(prof)
             if prof.similarity and prof.similarity.positions:
                 pf = prof.prefetch.positions if prof.prefetch else {}
-                md += [f"### Fate Table 1 (positions vs Gate_in(i+1)), `{path.name}`\n\n",
+                md += [f"### Fate Table 1 (positions vs Gate_in(i+1)), `{inputs.shown(path)}`\n\n",
                        table(["position", "mean cosine", "prefetch recall prefill", "prefetch recall decode"],
                              [[pos, v, pf.get(pos, {}).get("prefill"), pf.get(pos, {}).get("decode")]
                               for pos, v in prof.similarity.positions.items()]), "\n"]
             if prof.sensitivity and prof.sensitivity.int2_share:
-                md += [f"### INT2 share (Fate Fig. 10), INT4 otherwise, `{path.name}`\n\n",
+                md += [f"### INT2 share (Fate Fig. 10), INT4 otherwise, `{inputs.shown(path)}`\n\n",
                        table(["share p", "perplexity"], [[k, v] for k, v in prof.sensitivity.int2_share.items()]), "\n"]
                 part.figures.append(_int2_figure(prof, fits, inputs.out_dir / f"int2_share{tag}.png"))
             if prof.prefetch and prof.prefetch.layers:

@@ -197,9 +197,21 @@ def _setting(run: Any) -> dict[str, str]:
     knobs = {f.name: f"{f.name}={run.params.get(f.name)!r}" for f in fields(SMoEKnobs.Params) if f.name != "alpha"}
     prompts = hashlib.sha256("\x00".join(run.prompts).encode("utf-8", "surrogatepass")).hexdigest()[:12]
     lengths = sorted({len(t) for t in run.tokens})
-    return {"clock": f"{run.clock} clock", "hw": f"hw {run.hw}", "budget": f"budget {run.budget_bytes} B",
+    # a user's hardware profile by its content where the run records it (`run.prepare`; a preset ships with the
+    # version): two files named hw.json in two experiments were one machine, one file reached by two paths two
+    from moetool.engine.clock import HW_DIR
+
+    hw = str(run.hw or "")
+    digest = next((v for k, v in (run.inputs or {}).items() if hw and Path(k).name in (Path(hw).name, f"{hw}.json")
+                   and Path(k).parent != HW_DIR.resolve()), None)
+    hw = f"{Path(hw).name} ({digest[:12]})" if digest else hw
+    return {"clock": f"{run.clock} clock", "hw": f"hw {hw}", "budget": f"budget {run.budget_bytes} B",
             "batch": f"batch {run.batch_size}", "dtype": f"dtype {run.dtype}",
             "device": f"device {run.device.split(':')[0] if run.clock == 'sim' else run.device}",
+            # the decode path (the captured step runs the host half a step late, and reads misses in place) and
+            # the expert cache it left (the captured plan reserves a workspace out of one budget)
+            "path": f"{(run.summary or {}).get('path', 'host')} path",
+            "cache": f"expert cache {(run.budget or {}).get('cache_bytes')} B",
             "prompts": f"{len(run.prompts)} prompt(s) {prompts}", "tokens": f"{'/'.join(map(str, lengths))} tokens a prompt",
             **knobs}
 

@@ -236,6 +236,21 @@ def differences(settings: list[dict[str, str]]) -> str:
 
 # -- report ----------------------------------------------------------------------------------------
 
+def shown_names(paths: list[Path]) -> dict[Path, str]:
+    """How a report names each artifact: its file name, or where several share one, as many of their
+    last path parts as tell them apart (`a/lru.run.json`, `backup/lru.run.json`)."""
+    by_name: dict[str, list[Path]] = {}
+    for p in dict.fromkeys(paths):
+        by_name.setdefault(p.name, []).append(p)
+    names = {}
+    for same in by_name.values():
+        for p in same:
+            n = 1
+            while n < len(p.parts) and any(q.parts[-n:] == p.parts[-n:] for q in same if q != p):
+                n += 1
+            names[p] = "/".join(p.parts[-n:])
+    return names
+
 
 @dataclass(frozen=True)
 class ReportInputs:
@@ -252,14 +267,22 @@ class ReportInputs:
     evals: tuple[tuple[Path, dict], ...]
     rows: tuple[dict[str, Any], ...]
     out_dir: Path
+    names: dict[Path, str] = field(default_factory=dict)  # how the report names each artifact (`shown_names`)
+
+    def shown(self, path: Path) -> str:
+        """How the report names the artifact at `path`: its file name, or its last path parts where two
+        artifacts share a file name (`backup/lru.run.json`)."""
+        return self.names.get(path, path.name)
 
     def tag(self, path: Path) -> str:
         """The suffix of a figure drawn for one profile or fit: "" when the report has one of that
-        kind, else "-<file stem>" (sensitivity-a.png, sensitivity-b.png)."""
+        kind, else "-<its shown name, less the suffixes>" (sensitivity-a.png, sensitivity-b.png;
+        two a.profile.json in other directories drew over each other's)."""
         import re
 
         many = len(self.profiles) > 1 if any(p == path for p, _ in self.profiles) else len(self.fits) > 1
-        return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", path.name.split(".")[0]) if many else ""
+        stem = self.shown(path).removesuffix(".json").removesuffix(".profile").removesuffix(".fit")
+        return "-" + re.sub(r"[^A-Za-z0-9_.-]", "_", stem) if many else ""
 
     def fits_for(self, prof: ProfileRecord) -> list[FitRecord]:
         """The fits made for `prof`'s model (what a profile figure may mark its fitted knob on)."""

@@ -62,8 +62,13 @@ class ProfileConfig:
     seed: int = 0
 
     def recorded(self) -> dict[str, Any]:
-        """These settings as `Profile.settings` holds them: tuples as lists, paths as strings, as JSON reads back."""
-        return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+        """These settings as `Profile.settings` holds them: tuples as lists, paths as strings, as JSON reads back.
+        The bundle and a local model as absolute paths: `fit --sweep` runs them from wherever it runs."""
+        made = json.loads(json.dumps(dataclasses.asdict(self), default=str))
+        for key in ("bundle", "model"):
+            if made.get(key) and Path(made[key]).exists():
+                made[key] = str(Path(made[key]).resolve())
+        return made
 
 
 def parse_what(items: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -150,8 +155,9 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
             raise MoetoolError(f"the bundle in {cfg.bundle} lacks {missing[0]}-bit experts that the "
                                "sensitivity measurement needs; quantize with those bits.")
     data: dict[str, list[torch.Tensor]] = {}
+    notes: list[str] = []  # what the model does not read of the data (`profile.data._unread`)
     for name in dict.fromkeys(cfg.data):
-        data[name], inputs[f"data:{name}"] = load_sequences(lm, name, cfg.seqs_per_data, cfg.seq_len)
+        data[name], inputs[f"data:{name}"] = load_sequences(lm, name, cfg.seqs_per_data, cfg.seq_len, notes=notes)
     limit = context_length(lm.model)
     # timing: a prefill of up to 32 tokens, then timing_steps + 2 decode steps, all inside the model's positions
     room = 32 if limit is None else min(32, limit - cfg.timing_steps - 2)
@@ -178,7 +184,7 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     if "sensitivity" in what:
         seq_len = min(cfg.ppl_seq_len, cfg.ppl_tokens, limit or cfg.ppl_seq_len)  # windows within the model's context
         chunks, inputs[f"data:{cfg.ppl_data}"] = load_sequences(lm, cfg.ppl_data, cfg.ppl_tokens // seq_len, seq_len,
-                                                                "--ppl-data")
+                                                                "--ppl-data", notes=notes)
         source = bundle or MemoryQuantizer(lm)
         name = f"bundle {cfg.bundle}" if bundle is not None else "hqq in memory (calibration-free)"
         parts["sensitivity"] = measure_sensitivity(
@@ -192,11 +198,13 @@ def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
                                          store=_captured_store(lm, bundle, dtype))
         from moetool.profile.timing import hw_profile
 
-        parts["hw"] = hw_profile(parts["timing"], cfg.hw_base,
+        from moetool.engine import measured_on
+
+        parts["hw"] = hw_profile(parts["timing"], cfg.hw_base, model=measured_on(lm),
                                  name=f"{lm.fingerprint.model_type}-{parts['timing'].device}-measured")
         tick("timing", 1, 1)
     return Profile(model=lm.fingerprint, inputs=inputs, what=what, data={k: len(v) for k, v in data.items()},
-                   settings=cfg.recorded(), info=info, **parts)
+                   settings=cfg.recorded(), info=info, notes=tuple(dict.fromkeys(notes)), **parts)
 
 
 def _captured_store(lm: LoadedModel, bundle, dtype: torch.dtype):

@@ -19,7 +19,7 @@ from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError, quote
 from moetool.inference import vocab_size
 from moetool.model import LoadedModel
-from moetool.tokenizer import encode
+from moetool.tokenizer import dropped_characters, encode, unknown_tokens
 
 TEXTS = {"train": datasets.train_text, "heldout": datasets.heldout_text}
 
@@ -45,7 +45,25 @@ def spread_chunks(ids: torch.Tensor, n: int, seq_len: int) -> list[torch.Tensor]
     return [ids[s:s + seq_len][None] for s in starts]
 
 
-def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--data") -> list[torch.Tensor]:
+def _unread(lm: LoadedModel, texts: list[str], seqs: list[torch.Tensor], source: object) -> list[str]:
+    """What the profile says of data the model does not read whole (`Profile.notes`): characters the
+    vocabulary lacks, read as its unknown token, and characters the tokenizer drops. The routing,
+    sensitivity and look-ahead measured there are the placeholder's, or the text's without them."""
+    if lm.tokenizer is None:
+        return []
+    said = []
+    unknown = sum(unknown_tokens(ids.reshape(-1), lm.tokenizer, t)[0] for ids, t in zip(seqs, texts))
+    if unknown:
+        said.append(f"{source} has {unknown} unknown token(s) ({quote(lm.tokenizer.unk_token, 10)}) in place of "
+                    "characters the vocabulary lacks: the profile measured the placeholder there.")
+    if dropped := sum(dropped_characters(lm.tokenizer, t) for t in texts):
+        said.append(f"{source} has {dropped} character(s) the tokenizer drops (no token covers them): the profile "
+                    "measured the text without them.")
+    return said
+
+
+def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--data",
+             notes: list[str] | None = None) -> list[torch.Tensor]:
     seqs = []
     for i, p in enumerate(prompts[:n], 1):
         if not p.strip():  # skipped, it left fewer sequences than --seqs without a word (`run` refuses it)
@@ -55,19 +73,30 @@ def _prompts(lm: LoadedModel, prompts: list[str], n: int, source: object = "--da
             raise MoetoolError(f"prompt {i} of {source} ({quote(p, 40)}) has no tokens under this model's tokenizer; "
                                "remove it or give text the tokenizer keeps.")
         seqs.append(ids[None])
+    if notes is not None:
+        notes += _unread(lm, prompts[:n], seqs, source)
     return seqs
 
 
-def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int,
-                   option: str = "--data") -> tuple[list[torch.Tensor], str]:
-    """(`n` sequences [1, T] of `name`, sha256 of the data they come from); `option` names where it was given."""
+def _text(lm: LoadedModel, text: str, n: int, seq_len: int, source: object,
+          notes: list[str] | None) -> list[torch.Tensor]:
+    ids = _ids(lm, text)
+    if notes is not None:
+        notes += _unread(lm, [text], [ids], source)
+    return spread_chunks(ids, n, seq_len)
+
+
+def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int, option: str = "--data",
+                   notes: list[str] | None = None) -> tuple[list[torch.Tensor], str]:
+    """(`n` sequences [1, T] of `name`, sha256 of the data they come from); `option` names where it was given.
+    What the model does not read of the data is appended to `notes` (`_unread`)."""
     if name in TEXTS:
         text = TEXTS[name]()
-        return spread_chunks(_ids(lm, text), n, seq_len), hashlib.sha256(text.encode()).hexdigest()
+        return _text(lm, text, n, seq_len, name, notes), hashlib.sha256(text.encode()).hexdigest()
     if name in datasets.MC_TASKS:
         items = datasets.mc_task(name)
         prompts = [f"Question: {q.question}\nAnswer:" for q in items]
-        return _prompts(lm, prompts, n), hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+        return _prompts(lm, prompts, n, name, notes), hashlib.sha256("\n".join(prompts).encode()).hexdigest()
     path = Path(name)
     if not path.is_file():
         raise MoetoolError(f"{option} {name} is neither a file nor a known data set ({', '.join(known_names())}).")
@@ -76,9 +105,9 @@ def load_sequences(lm: LoadedModel, name: str, n: int, seq_len: int,
     prompts_file = path.suffix.lower() == ".jsonl" or datasets.is_json(text)  # .ndjson, .json: JSON, not text
     if prompts_file:
         prompts = datasets.parse_prompt_lines(text, path)
-        seqs = _prompts(lm, prompts, n, path)
+        seqs = _prompts(lm, prompts, n, path, notes)
     else:
-        seqs = spread_chunks(_ids(lm, text), n, seq_len)
+        seqs = _text(lm, text, n, seq_len, path, notes)
     if not seqs:
         what = "no prompt" if prompts_file else "fewer than 2 tokens"
         raise MoetoolError(f"{path} holds {what}: nothing to profile on.")

@@ -321,8 +321,9 @@ def captured_dense(lm: LoadedModel, store: Any, ids: torch.Tensor, steps: int, t
                    f"less {n} x {g.top_k} experts at {t_expert[bits] * 1e6:.1f} us, per MoE layer")
 
 
-def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
-    """A hardware profile JSON: `base`'s throughputs, overridden by what `t` measured."""
+def hw_profile(t: TimingProfile, base: str, name: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A hardware profile JSON: `base`'s throughputs, overridden by what `t` measured on `model`
+    (`engine.measured_on`: a run of another model is charged estimates, not these times)."""
     _, raw = load_hw(base)
     # Not `devices`: a measured profile is one model on one machine, not the preset a device is matched to.
     data = {k: v for k, v in raw.items() if k not in ("t_dense_s", "t_expert_s", "c_cpu_s", "devices")}
@@ -352,4 +353,6 @@ def hw_profile(t: TimingProfile, base: str, name: str) -> dict[str, Any]:
         sources["h2d_gbps"] = f"from preset '{base}' (no CUDA device to measure here): {sources.get('h2d_gbps', '')}"
     data["sources"] = sources
     data["base"] = base
+    if model is not None:
+        data["model"] = model
     return data

@@ -32,7 +32,7 @@ import torch
 
 from moetool.artifacts import Artifact, ModelFingerprint, read_json
 from moetool.errors import MoetoolError
-from moetool.files import CONFIG_BYTES
+from moetool.files import CONFIG_BYTES, lock_held
 from moetool.inference import refuse_unroutable
 from moetool.checkpoint import build_skeleton, expert_parameter_names, load_into
 from moetool.checkpoint_files import open_safetensors
@@ -261,7 +261,9 @@ class Bundle(Artifact):
         directory = Path(directory)
         if not (directory / MANIFEST).is_file():
             what = "does not exist" if not directory.exists() else f"is not a bundle directory (no {MANIFEST} in it)"
-            if (directory / ".quantize-journal.json").is_file():  # quantize.JOURNAL (a module that imports this one)
+            if lock_held(directory / ".quantize.lock"):  # quantize.LOCK (a module that imports this one)
+                what = "is a bundle a moetool quantize is writing now; wait for it to finish"
+            elif (directory / ".quantize-journal.json").is_file():  # quantize.JOURNAL
                 what = (f"is an unfinished bundle (its quantize was stopped before it wrote {MANIFEST}); rerun the "
                         "quantize command that made it to finish it")
             raise MoetoolError(f"{directory} {what}.")
@@ -378,8 +380,9 @@ class OpenBundle:
         """Files and directories in the bundle directory that its manifest does not list (a stray shard
         of another model, a file dropped in by hand), as paths relative to it."""
         # The resume journal (quantize.JOURNAL) beside a manifest is what a quantize interrupted between
-        # writing the manifest, its last write, and removing the journal leaves: the bundle is whole.
-        files = {MANIFEST, ".quantize-journal.json", *(s.name for s in self.manifest.shards),
+        # writing the manifest, its last write, and removing the journal leaves: the bundle is whole. So is
+        # its lock file (quantize.LOCK), left where the quantize was killed while it read the bundle back.
+        files = {MANIFEST, ".quantize-journal.json", ".quantize.lock", *(s.name for s in self.manifest.shards),
                  *(f"{MODEL_DIR}/{f.name}" for f in self.manifest.model_files)}
         dirs = {str(parent) for name in files for parent in PurePosixPath(name).parents if str(parent) != "."}
         found = []

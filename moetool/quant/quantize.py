@@ -36,7 +36,7 @@ from moetool.artifacts import sha256_file
 from moetool.errors import MoetoolError, keeping, not_a_file, quote
 from moetool.machine import return_freed_heap
 from moetool.files import DirectoryLock as _DirectoryLock
-from moetool.files import not_inside_a_model, target_of_temp, temp_file_of
+from moetool.files import not_inside_a_model, target_of_temp, temp_file_of, umask_mode
 from moetool.model import ExpertWeights, LoadedModel, MoeLayer, load_model
 from moetool.prequantized import without_quantization
 from moetool.quant import gptq, hqq
@@ -228,7 +228,10 @@ def _cannot_write(out: Path, e: OSError, finished: bool) -> MoetoolError:
     where = target_of_temp(e.filename) if e.filename else out  # never the temp file of a shard or model/
     then = "finished layers are kept, re-run the same command to continue" if finished else \
         "no layer was finished, so nothing is kept; re-run the same command to start again"
-    return MoetoolError(f"cannot write the bundle in {out}: {e.strerror or e} ({where}); {then}.")
+    from moetool.machine import space_cause
+
+    cause = space_cause(e, f" writing {where}")  # a full disk, a quota, `ulimit -f`: named, with the way on
+    return MoetoolError(f"cannot write the bundle in {out}: {cause or f'{e.strerror or e} ({where})'}; {then}.")
 
 
 # ---- the output directory -----------------------------------------------------------------------
@@ -291,13 +294,13 @@ def write_model_files(lm: LoadedModel, out: Path) -> tuple[ModelFile, ...]:
         write_safetensors(tmp / NON_EXPERT, non_expert_state(lm.model), {"format": "pt"})
         records = []
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            os.chmod(f, 0o644)
+            os.chmod(f, umask_mode())
             records.append(ModelFile(name=str(f.relative_to(tmp)), nbytes=f.stat().st_size, sha256=sha256_file(f),
                                      crc32=file_crc32(f)))
         final = out / MODEL_DIR
         if final.exists():
             shutil.rmtree(final)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, umask_mode(directory=True))
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

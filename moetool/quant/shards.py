@@ -8,6 +8,7 @@ their headers, checking them, and mapping a shard's blobs. `bundle.py` holds the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import struct
 import tempfile
 import zlib
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 from moetool.artifacts import sha256_file
 from moetool.digest import read_header
 from moetool.errors import MoetoolError
-from moetool.files import temp_path
+from moetool.files import temp_path, umask_mode
 from moetool.quant.format import ALIGN
 
 TENSOR = "blobs"  # the one tensor name inside every shard
@@ -75,7 +77,8 @@ class ShardWriter:
             raise
 
     def _write(self, data: bytes | memoryview) -> None:
-        self.file.write(data)
+        with _naming(self.path):
+            self.file.write(data)
         self.hash.update(data)
 
     def write(self, blob: torch.Tensor) -> tuple[int, int]:
@@ -89,10 +92,11 @@ class ShardWriter:
     def finish(self) -> Shard:
         if self.written != self.nbytes:
             raise RuntimeError(f"shard {self.path.name}: wrote {self.written} bytes, planned {self.nbytes}")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.chmod(self.tmp, 0o644)  # mkstemp makes it private; a bundle is meant to be shared read-only
+        with _naming(self.path):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        os.chmod(self.tmp, umask_mode())  # mkstemp makes it private; the caller's umask says what to share
         os.replace(self.tmp, self.path)
         return Shard(name=self.path.name, layer=self.layer, nbytes=self.path.stat().st_size,
                      sha256=self.hash.hexdigest())
@@ -104,6 +108,18 @@ class ShardWriter:
             pass
         finally:
             self.tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """A write's OSError names the file it wrote (a file object's write raises one with no filename: a full
+    disk or `ulimit -f` was said of the bundle's directory, not its shard)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -123,7 +139,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with _naming(path), os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(text)) + text)
             for t in tensors.values():
                 f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
@@ -135,11 +151,20 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         raise
 
 
+def _dangling(path: Path) -> str | None:
+    """What to say of a bundle file that is a link leading nowhere (`cp -rs` of a bundle whose original went),
+    or None: quantize, which "missing" sent the user to, refuses a finished bundle."""
+    if not path.is_symlink():
+        return None
+    return (f"is a link to {os.readlink(path)}, which does not exist; restore that file, or copy the bundle with "
+            "cp -r rather than links")
+
+
 def check_shard(path: Path, shard: Shard, settings_sha256: str, full: bool) -> None:
     """Refuse, in one sentence naming the shard, a shard that is missing, resized, stale or corrupt."""
     where = f"shard {shard.name} of the bundle in {path.parent}"
     if not path.is_file():
-        raise MoetoolError(f"{where} is missing; re-run moetool quantize.")
+        raise MoetoolError(f"{where} {_dangling(path) or 'is missing; re-run moetool quantize'}.")
     size = path.stat().st_size
     if size != shard.nbytes:
         raise MoetoolError(f"{where} is {size} bytes, not the {shard.nbytes} its manifest records; "
@@ -181,6 +206,8 @@ def check_model_file(directory: Path, f: ModelFile, full: bool, crc: bool = Fals
     """Refuse, in one sentence naming the file, a model file that is missing, resized or corrupt."""
     path = directory / MODEL_DIR / f.name
     what = "non-expert weights" if f.name == NON_EXPERT else f.name
+    if not path.is_file() and (link := _dangling(path)):
+        raise MoetoolError(f"the {what} of the bundle in {directory} ({MODEL_DIR}/{f.name}) {link}.")
     if not path.is_file():
         raise MoetoolError(f"the bundle in {directory} lacks its {what} ({MODEL_DIR}/{f.name}); it is incomplete: "
                            "re-run moetool quantize.")
