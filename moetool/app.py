@@ -88,6 +88,10 @@ class _Group(_Help, typer.core.TyperGroup):
             raise SystemExit(_fail(OPTIMIZED).exit_code)
         if os.environ.get("COLUMNS", "1").strip() in ("0", ""):  # Typer's help console takes it as 0 wide too
             del os.environ["COLUMNS"]
+        from moetool.files import directory_spelled
+
+        if (said := directory_spelled(list(sys.argv[1:] if args is None else args))) is not None:
+            raise SystemExit(_fail(said).exit_code)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _NO_ARGS as e:  # `moetool` alone: the error's making printed the help (Typer's rich help)

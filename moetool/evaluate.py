@@ -114,6 +114,38 @@ def evaluate(cfg: EvalConfig, progress: ProgressFn | None = None) -> Eval:
     return _evaluate_lm_eval(cfg, progress)
 
 
+def _task_inputs(tm: Any, tasks: dict[str, Any]) -> dict[str, str]:
+    """The sha256 of a user's task files (its YAML, its local data_files) an eval read: an edit to either left
+    a sweep's eval "reused" with the old scores. lm-eval's and moetool's own tasks ship with their versions."""
+    import lm_eval
+
+    shipped = (Path(lm_eval.__file__).parent.resolve(), TASKS_DIR.resolve())
+    files: list[Path] = []
+    for name, task in tasks.items():
+        entry = getattr(tm, "task_index", {}).get(name)
+        if getattr(entry, "yaml_path", None):
+            files.append(Path(entry.yaml_path))
+        data = (getattr(getattr(task, "config", None), "dataset_kwargs", None) or {}).get("data_files")
+        for value in (data.values() if isinstance(data, dict) else [data]):
+            files += [Path(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
+    return {str(f.resolve()): sha256_file(f) for f in dict.fromkeys(files)
+            if f.is_file() and not any(f.resolve().is_relative_to(d) for d in shipped)}
+
+
+def _metric_failure(task: str, e: BaseException) -> str | None:
+    """One sentence for a task whose metric lm-eval cannot compute on its results (a task file's `f1`, which
+    is binary, over three choices: sklearn's ValueError after every forward had run, "a bug in moetool"); None
+    where the error was not raised computing a metric."""
+    import traceback
+
+    frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(e.__traceback__)]
+    if not any(f.endswith("lm_eval/api/metrics.py") or "/sklearn/" in f or f.endswith("lm_eval/evaluator_utils.py")
+               for f in frames):
+        return None
+    return (f"lm-eval could not compute a metric of task '{task}' on its results ({_first_line(e)}); check the "
+            "task's metric_list (f1 and mcc are for two choices).")
+
+
 # -- perplexity -------------------------------------------------------------------------------------
 
 def _evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
@@ -214,6 +246,10 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 if online or not hub_failure(e):
                     raise MoetoolError(f"lm-eval could not read the data of '{cfg.task}': {_first_line(e)}.") from None
                 raise MoetoolError(offline_sentence(cfg.task)) from None
+            except (ValueError, TypeError, ZeroDivisionError, IndexError, KeyError) as e:
+                if (said := _metric_failure(cfg.task, e)) is None:
+                    raise
+                raise MoetoolError(said) from None
             finally:
                 if multiproc is None:
                     os.environ.pop("DISABLE_MULTIPROC", None)
@@ -230,7 +266,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     n = sum(results["n-samples"][t]["effective"] for t in leaves if t in results["n-samples"])
     local_mmlu = data == mmlu.SOURCE
     return Eval(model=ready.lm.fingerprint, **engine_record(ready),
-                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else {})},
+                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else {}), **_task_inputs(tm, loaded["tasks"])},
                 task=cfg.task, metrics=metrics, stderr=stderr, n=n, unit="examples", subtasks=subtasks,
                 samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,

@@ -205,6 +205,25 @@ def umask_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~mask
 
 
+# The options that name one file a command writes (the others name directories: quantize, report, sweep).
+FILE_OUTS = {"run": ("--out",), "eval": ("--out",), "profile": ("--out", "--hw-out"), "fit": ("--out",),
+             "check": ("--out",)}
+
+
+def directory_spelled(args: list[str]) -> str | None:
+    """The sentence for a file output given with a trailing separator (`--out results/`), or None: Python's
+    Path drops the slash, so the artifact was written as a file named `results`, which `report results/..`
+    then passed over (it reads *.json)."""
+    options = FILE_OUTS.get(next((a for a in args if not a.startswith("-")), ""), ())
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in options and (value if eq else (args[i + 1] if i + 1 < len(args) else "")).endswith(("/", os.sep)):
+            given = value if eq else args[i + 1]
+            return (f"{name} {given} names a directory (it ends with {given[-1]}); give the file to write, e.g. "
+                    f"{given}result.json.")
+    return None
+
+
 def lock_held(path: Path) -> bool:
     """Whether a live process holds the `DirectoryLock` file `path` now (one a killed process left is not
     held: the kernel dropped its flock)."""
@@ -224,7 +243,7 @@ def lock_held(path: Path) -> bool:
 
 
 __all__ = ["ARTIFACT_BYTES", "CONFIG_BYTES", "DirectoryLock", "GRID_BYTES", "PROMPTS_BYTES", "TEXT_BYTES",
-           "TOKENIZER_BYTES", "check_file", "lock_held", "read_bytes", "umask_mode", "short_name", "symlink_loop", "target_of_temp", "temp_file_of",
+           "TOKENIZER_BYTES", "check_file", "directory_spelled", "lock_held", "read_bytes", "umask_mode", "short_name", "symlink_loop", "target_of_temp", "temp_file_of",
            "temp_path", "text_bytes"]
 
 

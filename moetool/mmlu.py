@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -228,10 +229,21 @@ def task_dir(cache: Path | None = None) -> Path:
                        # sampler then draws without the question being asked.
                        fewshot_split="test")
         wanted[name] = head + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
-    for name, text in wanted.items():
-        path = out / name
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            atomic_write_bytes(path, text.encode("utf-8"))
+    changed = {name: text for name, text in wanted.items()
+               if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text}
+    if changed and out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        # A complete cache mounted read-only at another path than it was built at (a shared cache, a
+        # container's mount): its data is good and its YAMLs name the old path. They are derived and a few
+        # KB, so they are written for this process alone rather than the cache refused.
+        import atexit
+        import shutil
+        import tempfile
+
+        out = Path(tempfile.mkdtemp(prefix="moetool-mmlu-tasks-"))
+        atexit.register(shutil.rmtree, out, True)
+        changed = wanted
+    for name, text in changed.items():
+        atomic_write_bytes(out / name, text.encode("utf-8"))
     for stale in set(p.name for p in out.glob("*.yaml")) - set(wanted):
         (out / stale).unlink(missing_ok=True)
     return out

@@ -142,7 +142,7 @@ def engine_notes(wall_hw: bool, hw: str, fit: Path | None, policy: str, summary:
     said += [f"{why.rstrip('.')}: its default ran clamped to that (recorded under summary.clamped)."
              for why in (summary.get("clamped") or {}).values()]
     said += list(summary.get("policy_notes") or []) + list(summary.get("text_notes") or [])
-    for key in ("host_budget_unread", "hw_measured_elsewhere"):
+    for key in ("host_budget_unread", "hw_measured_elsewhere", "hw_measured_implausible"):
         if summary.get(key):
             said.append(f"{summary[key]} (recorded under summary.{key}).")
     unmatched = summary.get("router_scores_unmatched")

@@ -118,9 +118,13 @@ def _resolve(cfg: SweepConfig) -> tuple[dict[str, Any], Path, dict[str, str]]:
         raise MoetoolError(f"{crossed} given on the command line replaces a top-level setting of the grid, but the "
                            f"grid crosses {crossed} as an axis, which decides it in every cell; change the axis in "
                            "the grid file instead.")
+    # A path given on the command line (`--with fit=F`, --bundle) is the working directory's, as every other
+    # command reads it; the grid's own paths are its directory's. A file of that name beside the grid was used.
+    overrides = {k: str(Path(v).resolve()) if isinstance(v, str) and v and Path(v).exists() else v
+                 for k, v in cfg.overrides.items()}
     if path is None:
-        return {**grid, **cfg.overrides}, Path("."), {}
-    return {**grid, **cfg.overrides}, path.parent, {str(path): sha256_file(path)}
+        return {**grid, **overrides}, Path("."), {}
+    return {**grid, **overrides}, path.parent, {str(path): sha256_file(path)}
 
 
 def cells_of(cfg: SweepConfig) -> list[Cell]:

@@ -42,6 +42,8 @@ def _python_groups(plan: LayerPlan, idx: torch.Tensor, slot_major: bool, real=No
         subs += counted and e != int(idx[t, s])
         mix += counted and w == Where.GPU
         groups.setdefault((w, b, e), []).append((t, s))
+    # an expert only a batch's left padding routes to is not run (`groups._requested`)
+    groups = {key: rows for key, rows in groups.items() if real is None or any(bool(real[t]) for t, _ in rows)}
     return groups, skips, subs, mix
 
 

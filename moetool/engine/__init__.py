@@ -60,11 +60,31 @@ def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, d
     ref_bytes = params * 2  # bf16, what a dequantizing kernel writes and a bf16 expert reads
     dense_params = lm.non_expert_bytes() / next(lm.model.parameters()).element_size()
     n_moe = len(lm.geometry.layers)
-    cost = CostModel(hw=profile, expert_bytes={b: store.slot_bytes(b) for b in store.bits},
-                     expert_flops_per_token=2.0 * params, reference_bytes=ref_bytes,
-                     dense_bytes_per_layer=dense_params * 2 / n_moe,
-                     dense_flops_per_token_per_layer=2.0 * dense_params / n_moe)
+    shape = dict(expert_bytes={b: store.slot_bytes(b) for b in store.bits}, expert_flops_per_token=2.0 * params,
+                 reference_bytes=ref_bytes, dense_bytes_per_layer=dense_params * 2 / n_moe,
+                 dense_flops_per_token_per_layer=2.0 * dense_params / n_moe)
+    cost = CostModel(hw=profile, **shape)
+    if odd := _implausible(cost, CostModel(hw=dataclasses.replace(
+            profile, t_dense_s=None, t_dense_captured_s=None, t_expert_s=None), **shape)):
+        raw = {**raw, "measured_implausible": odd}
     return cost, raw
+
+
+def _implausible(cost: CostModel, estimated: CostModel) -> str | None:
+    """A measured time a thousand times off what the profile's throughputs give for this model: a profile
+    written by hand in microseconds or milliseconds (the units `profile` prints) passed the plausible ranges,
+    and every TPOT was 10^3-10^6 off."""
+    hw = cost.hw
+    pairs = [(f"t_expert_s[{b}]", t, estimated.t_expert(b, 1)) for b, t in (hw.t_expert_s or {}).items()
+             if b in cost.expert_bytes]
+    pairs += [(k, getattr(hw, k), estimated.t_dense(1)) for k in ("t_dense_s", "t_dense_captured_s")
+              if getattr(hw, k) is not None]
+    for name, measured, guess in pairs:
+        if not 1e-3 <= measured / guess <= 1e3:
+            return (f"hardware profile {hw.name}'s {name} = {measured:.3g} s is {measured / guess:.0e} times what its "
+                    f"throughputs give for this model ({guess:.3g} s): its times are in seconds, not micro- or "
+                    "milliseconds?")
+    return None
 
 
 def measured_on(lm: LoadedModel) -> dict[str, Any]:
@@ -101,6 +121,8 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
     costs = {f"t_load.{b}": t for b, t in (ctx.hw.get("t_load") or {}).items()}
     drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget, costs, ctx.hw.get("name", ""),
                          ctx.cache_bytes)
+    mine = {k: v for k, v in fitted.items() if k not in settings and k not in drops}
+    drops.update(POLICIES[policy].fitted_disagree(mine, len(ctx.moe_layers), ctx.top_k))
     return {k: v for k, v in fitted.items() if k not in drops}, drops
 
 
@@ -136,7 +158,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     if captured:
         kernels, host_tiers = False, False
     cost, raw = cost_model(lm, store, hw)
-    elsewhere = {"hw_measured_elsewhere": raw["measured_elsewhere"]} if "measured_elsewhere" in raw else {}
+    elsewhere = {f"hw_{k}": raw[k] for k in ("measured_elsewhere", "measured_implausible") if k in raw}
     # What cost-aware policies read (Fate's n, SMoE's load-or-compute): the sim clock's machine, and on
     # the wall clock the machine the run is on. `--hw` names the sim clock's; left at its default on a
     # CUDA device that a shipped preset is made for, the wall clock's policies read that preset, not

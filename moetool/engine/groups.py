@@ -256,10 +256,7 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
         for e, n in zip(routed.experts, routed.counts):
             groups.append(Group(e, routed.bits, where, routed.rows, start, start + n))
             start += n
-        if real is None:
-            return groups
-        upto = np.concatenate(([0], np.cumsum(counted.reshape(-1)[routed.rows.pos_host.numpy()])))
-        return [x for x in groups if upto[x.end] > upto[x.start]]  # pad rows alone: see below
+        return groups if real is None else _requested(groups, real[routed.rows.tok_host].numpy())  # see below
     expert, bits, where = (t.numpy() for t in (plan.expert, plan.bits, plan.where))  # [T, k] each
     if checked is not None:
         check_plan(expert, bits, where, num_experts, *checked, getattr(plan._view, "layer", None))
@@ -294,13 +291,18 @@ def group_plan(plan: LayerPlan, idx: torch.Tensor, num_experts: int, st: LayerSt
     for e, b, w, start, end in zip(e.tolist(), b.tolist(), w.tolist(), bounds[:-1], bounds[1:]):
         if w == on_device:
             mix[b] += int(upto[end] - upto[start])
-        # An expert only a batch's left padding routes to is not run: a pad row is no request's token (its
-        # output reaches none through the masked attention), and loading the expert for it counted a
-        # miss, bytes and a wait no request caused. Experts the requests use run their pad rows too, in
-        # the order transformers runs them, so the requests' rows are computed as it computes them.
-        if real is None or upto[end] > upto[start]:
-            groups.append(Group(e, b, _WHERE[w], rows, start, end))
-    return groups
+        groups.append(Group(e, b, _WHERE[w], rows, start, end))
+    return groups if real is None else _requested(groups, real.numpy()[tok])
+
+
+def _requested(groups: list[Group], real: np.ndarray) -> list[Group]:
+    """The groups a request's token is in (`real`: whether each grouped row is one). An expert only a
+    batch's left padding routes to is not run: a pad row is no request's token (its output reaches none
+    through the masked attention), and loading the expert for it counted a miss, bytes and a wait no
+    request caused. Experts the requests use run their pad rows too, in the order transformers runs
+    them, so the requests' rows are computed as it computes them."""
+    upto = np.concatenate(([0], np.cumsum(real)))
+    return [x for x in groups if upto[x.end] > upto[x.start]]
 
 
 def routed_rows(plan: LayerPlan, idx: torch.Tensor, num_experts: int, device: torch.device) -> Routed | None:

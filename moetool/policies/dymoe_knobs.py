@@ -127,6 +127,19 @@ class DyMoEKnobs(Knobs):
 
     # -- fit and report --------------------------------------------------------------------------
     @classmethod
+    def fitted_disagree(cls, fitted: dict[str, Any], moe_layers: int, top_k: int) -> dict[str, str]:
+        """A fit's lam is solved for its r (eq. 4-5): where they disagree, r was edited by hand, and lam (which
+        wins) ran the old setting unsaid. r is taken, lam solved again from it."""
+        r, lam = fitted.get("r"), fitted.get("lam")
+        if not isinstance(r, (int, float)) or not isinstance(lam, (int, float)) or lam < 0 or not moe_layers:
+            return {}
+        got, step = critical_share(lam, moe_layers, top_k), 1 / (moe_layers * top_k)
+        if r - 1e-9 <= got < r + step - 1e-9:  # lam gives the least share of at least r, in steps of 1 / (L M)
+            return {}
+        return {"lam": f"it gives r = {got:.3g} on this model, not the fit's r = {r:.3g} beside it (edited?): lam is "
+                       "solved again from r"}
+
+    @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted:
         """lam (eq. 4-5) for the target share of critical experts `--r` (Table 2 r); without it, for the largest r at which every
         expert fits `--budget`, r of them at high bits and the rest at low (the defaults' 4/2), or for

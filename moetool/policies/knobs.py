@@ -66,6 +66,12 @@ class Knobs:
         """`moetool report`: this paper's tables, figures and claims; None where it adds nothing."""
         return None
 
+    @classmethod
+    def fitted_disagree(cls, fitted: dict[str, Any], moe_layers: int, top_k: int) -> dict[str, str]:
+        """Fitted knobs another knob of the same fit contradicts (one of a derived pair edited by hand),
+        knob -> why the run drops it; the run takes the other and says so."""
+        return {}
+
 
 POLICIES: dict[str, type[Knobs]] = {}
 
