@@ -266,7 +266,8 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     n = sum(results["n-samples"][t]["effective"] for t in leaves if t in results["n-samples"])
     local_mmlu = data == mmlu.SOURCE
     return Eval(model=ready.lm.fingerprint, **engine_record(ready),
-                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else {}), **_task_inputs(tm, loaded["tasks"])},
+                # MMLU offline is its wheel (its YAMLs and parquet files are derived from it in the cache)
+                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else _task_inputs(tm, loaded["tasks"]))},
                 task=cfg.task, metrics=metrics, stderr=stderr, n=n, unit="examples", subtasks=subtasks,
                 samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,

@@ -143,6 +143,7 @@ def test_mmlu_offline_through_the_engine_equals_plain_lm_eval(tiny_lm, mmlu_task
     assert ours.n == 3 and ours.options["n_shot"] == {"mmlu_anatomy": 2}
     assert ours.options["data"] == mmlu.SOURCE and ours.options["fewshot_from"] == mmlu.FEWSHOT_RULE
     assert ours.inputs.items() >= mmlu.INPUTS.items()
+    assert not [k for k in ours.inputs if k.endswith((".yaml", ".parquet"))]  # derived from the wheel, not inputs
     assert ours.summary["bytes_h2d"] > 0 and ours.summary["hit_rate"] < 1
     assert [s["target"] for s in ours.samples["mmlu_anatomy"]] == [
         r["answer"] for r in mmlu.questions()["anatomy"][:3]]
