@@ -275,14 +275,20 @@ def _sweep_table(sweeps: list[tuple[Path, Sweep]]) -> str:
     """The cells of `moetool sweep` indexes that left no artifact, each with its one-sentence reason; a
     cell the index calls done whose artifact is gone from the sweep's directory too (deleted, or the
     directory copied in part), which would otherwise be missing from the tables without a word."""
+    from moetool.files import lock_held
+
+    # a pending cell whose artifact is there was written after the index last was (a sweep under way)
     rows = [[str(path.parent), name, c.get("status"), str(c.get("reason") or "-").replace("|", "\\|")]
-            for path, s in sweeps for name, c in s.cells.items() if c.get("status") != "done"]
+            for path, s in sweeps for name, c in s.cells.items() if c.get("status") != "done"
+            and not (c.get("status") == "pending" and (path.parent / f"{name}.{s.stage}.json").is_file())]
     rows += [[str(path.parent), name, "done, artifact missing", f"{c['artifact']} is not in {path.parent}"]
              for path, s in sweeps for name, c in s.cells.items()
              if c.get("status") == "done" and c.get("artifact") and not (path.parent / c["artifact"]).is_file()]
+    busy = [str(path.parent) for path, _ in sweeps if lock_held(path.parent / ".sweep.lock")]  # sweep.LOCK
+    said = f"\nA sweep is still writing {', '.join(busy)}: this report shows it part-way.\n" if busy else ""
     if not rows:
-        return ""
-    return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows)
+        return said
+    return "\n## Sweep cells without an artifact\n\n" + _table(["sweep", "cell", "status", "reason"], rows) + said
 
 
 def _claims_table(claims: list[list[str]]) -> str:

@@ -493,6 +493,25 @@ def test_a_done_sweep_cell_whose_artifact_is_gone_is_named(tmp_path):
     assert "lru_budget=25pct |" not in md.split("## Sweep cells without an artifact")[1]
 
 
+def test_a_report_of_a_sweep_under_way_shows_a_written_cell_once_and_says_so(tmp_path):
+    """A report made while a sweep wrote listed a cell both as a run and as "pending, without an artifact"."""
+    from moetool.files import DirectoryLock
+    from moetool.sweep import LOCK, Sweep
+
+    d = tmp_path / "sw"
+    d.mkdir()
+    synthetic_run("lru", {}, 0.001).save(d / "lru_budget=25pct.run.json")  # written; the index not yet
+    cells = {name: {"status": "pending"} for name in ("lru_budget=25pct", "lru_budget=50pct")}
+    Sweep(model=FP, inputs={}, stage="run", grid={"policy": ["lru"], "budget": ["25%", "50%"]},
+          cells=cells).save(d / "sweep.json")
+    with DirectoryLock(d, LOCK, "busy"):
+        report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    table = md.split("## Sweep cells without an artifact")[1]
+    assert "| lru_budget=50pct | pending |" in table and "lru_budget=25pct" not in table, md
+    assert f"A sweep is still writing {d}: this report shows it part-way." in md
+
+
 def test_a_ppl_limit_past_the_texts_end_is_the_same_measurement_as_none(tmp_path):
     """`eval ppl --limit 99999999999999999999` read the whole text, as an eval with no limit does, and the
     report gave each its own column ("..., 99999999999999999999 tokens") with one number twice."""

@@ -235,6 +235,19 @@ def test_a_path_given_on_the_command_line_is_the_working_directorys(tiny_ckpt, t
     assert cells[0].settings["hw"] == str(tmp_path / "hw" / "fast.json")
 
 
+def test_an_hw_axis_on_the_wall_clock_is_said_to_time_nothing(tiny_ckpt, tmp_path):
+    """`run --clock wall --hw X` says hw times nothing there; a sweep's hw axis on the wall clock ran the same
+    measurement once per profile under two names, unsaid."""
+    settings = {**run_grid(tiny_ckpt("qwen2_moe"), policy=["lru"], hw=["rtx3090", "h100sxm"]), "clock": "wall",
+                "max_new_tokens": 2}
+    del settings["hw"]
+    grid = write_grid(tmp_path / "g.yaml", **settings)
+    done = runner.invoke(app, ["sweep", str(grid), "--out", str(tmp_path / "o"), "--workers", "0"])
+    assert done.exit_code == 0, done.output
+    said = " ".join(done.stderr.split())
+    assert "note: the hw axis times nothing in the 2 wall-clock cell(s) (lru_hw=rtx3090, ...)" in said, said
+
+
 # -- on a local Ray with 2 CPUs ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,12 @@ def sweep(
     out.print(table)
     if (said := fit_dropped_cells(save, index.cells)) is not None:  # what `run` and `eval` say of one cell
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
+    axes = index.grid.get("grid") if isinstance(index.grid.get("grid"), dict) else {}
+    wall = [n for n, c in index.cells.items() if (c.get("settings") or {}).get("clock", "wall") == "wall"]
+    if "hw" in axes and wall:  # what `run --clock wall --hw X` says, once for the grid
+        err.print(styled(("note:", "yellow"), f" the hw axis times nothing in the {len(wall)} wall-clock cell(s) "
+                         f"({wall[0]}{', ...' if len(wall) > 1 else ''}): their times are this machine's, and hw gives "
+                         "only the costs cost-aware policies decide with (summary.policy_hw)."), highlight=False)
     tally = ", ".join(f"{n} {k}" for k, n in counts.items())
     err.print(f"{len(index.cells)} cells: {tally or 'none run'}; index: {save / 'sweep.json'}", highlight=False)
     refused = [n for n, c in index.cells.items() if c["status"] == "refused"]
