@@ -310,11 +310,11 @@ def _write_marker(tmp: Path, p: ConversionParams, params_sha: str, refit: bool) 
 
 def _umask_permissions(d: Path) -> None:
     # mkdtemp makes the directory 0700 and some writers make 0600 files; a cache is shared data.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(d, 0o777 & ~umask)
+    from moetool.files import umask_mode
+
+    os.chmod(d, umask_mode(directory=True))
     for f in d.iterdir():
-        os.chmod(f, 0o666 & ~umask)
+        os.chmod(f, umask_mode())
 
 
 def _remove_stale_partials(out: Path, max_age_s: float = 3600.0) -> None:
