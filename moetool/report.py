@@ -259,8 +259,7 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict], names: dict[Pat
     md = ["## Runs\n\n", _table(["run", "setting", "clock", "path", "expert cache MiB", "budget MiB", "TTFT ms",
                                  "TPOT mean ms", "hit rate"],
                                 [[names[p], setting_label(r.policy, r.params) + (f", batch {r.batch_size}" if r.batch_size > 1 else ""),
-                                  f"{r.clock}{'/' + r.hw if r.hw else ''}",
-                                  (r.summary or {}).get("path", "-"), cache_bytes(r) / 2**20,
+                                  _clock_cell(r), (r.summary or {}).get("path", "-"), cache_bytes(r) / 2**20,
                                   r.budget_bytes / 2**20, r.ttft_s * 1e3 if r.ttft_s is not None else None,
                                   r.tpot_s["mean"] * 1e3 if r.tpot_s else None, r.hit_rate] for p, r in runs])]
     if rows:
@@ -269,6 +268,15 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict], names: dict[Pat
                       [[x["label"], x["metric"], x["value"], x["tpot"] * 1e3 if x["tpot"] else None, x["eval"],
                         x["run"]] for x in rows])]
     return "".join(md)
+
+
+def _clock_cell(r: Run) -> str:
+    """A run's clock as the Runs table says it: the simulated machine, or the device and (on a CPU) the
+    threads a wall-clock time was measured with (two CPU times at 1 and 16 threads are two machines)."""
+    if r.clock != "wall":
+        return f"{r.clock}{'/' + r.hw if r.hw else ''}"
+    threads = (r.summary or {}).get("host_threads")
+    return f"wall/{r.device}" + (f", {threads} thread{'s' * (threads != 1)}" if threads and r.device.startswith("cpu") else "")
 
 
 def _sweep_table(sweeps: list[tuple[Path, Sweep]]) -> str:

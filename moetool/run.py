@@ -222,6 +222,8 @@ def engine_record(ready: Prepared) -> dict[str, Any]:
                 hw=spec.hw if spec.clock == "sim" else None, device=str(spec.device), dtype=ready.dtype,
                 budget_bytes=split.total_bytes, budget=dataclasses.asdict(split), peak_device_bytes=s["peak_device_bytes"],
                 summary={**s, "warm_bytes": engine.warm_bytes, **engine.decode_info,
+                         # a wall-clock time on a CPU is a time at this many threads (OMP_NUM_THREADS, torch's own)
+                         **({"host_threads": torch.get_num_threads()} if spec.clock == "wall" else {}),
                          **({"fit_dropped": engine.fit_dropped} if engine.fit_dropped else {}),
                          **({"clamped": engine.policy.clamped} if engine.policy.clamped else {}),
                          **({"policy_notes": engine.policy.notes} if engine.policy.notes else {})},

@@ -342,6 +342,7 @@ def test_a_run_reports_progress_per_generated_token(tiny_ckpt):
                            max_new_tokens=5, batch_size=2), progress=lambda done, total: seen.append((done, total)))
     assert all(len(t) == 5 for t in result.tokens)
     assert result.batch_size == 2  # recorded: hits and TPOT depend on it, and the artifact did not say
+    assert result.summary["host_threads"] == torch.get_num_threads()  # a CPU's wall-clock time is per thread count
     assert [d for d, _ in seen] == [2, 4, 6, 8, 10, 11, 12, 13, 14, 15] and {t for _, t in seen} == {15}
 
 

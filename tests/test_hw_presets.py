@@ -55,12 +55,18 @@ def test_a_users_own_profile_is_found_by_name_in_profiles_hw(tmp_path, monkeypat
     assert load_hw(str(tmp_path / USER_HW_DIR / "mybox.json"))[0].h2d_gbps == 7.5  # a path from anywhere
 
 
-def test_a_path_wins_and_a_preset_name_is_the_shipped_preset(tmp_path, monkeypatch):
+def test_a_path_wins_and_a_preset_name_shared_with_ones_own_profile_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / USER_HW_DIR).mkdir(parents=True)
+    (tmp_path / USER_HW_DIR / "rtx3090.json").write_bytes((HW_DIR / "rtx3090.json").read_bytes())
+    assert load_hw("rtx3090")[0] == load_hw(str(HW_DIR / "rtx3090.json"))[0]  # a copy of the preset is the preset
     (tmp_path / USER_HW_DIR / "rtx3090.json").write_text(json.dumps(_mine(h2d_gbps=1.0)))
-    assert load_hw("rtx3090")[0].h2d_gbps != 1.0  # runs that name a preset mean the shipped one
+    # a profile of one's own named after the preset's machine had lost to the preset unsaid
+    with pytest.raises(MoetoolError, match=r"--hw rtx3090 names both the shipped preset and your "
+                                           r"profiles/hw/rtx3090.json, which differ; give the file's path"):
+        load_hw("rtx3090")
     assert load_hw("profiles/hw/rtx3090.json")[0].h2d_gbps == 1.0
+    (tmp_path / USER_HW_DIR / "rtx3090.json").unlink()
     (tmp_path / "rtx3090").write_text(json.dumps(_mine(h2d_gbps=2.0)))  # a file of the working directory so named
     assert load_hw("rtx3090")[0].h2d_gbps != 2.0  # it replaced the default preset unsaid
     assert load_hw("./rtx3090")[0].h2d_gbps == 2.0  # a path, given as one

@@ -120,6 +120,18 @@ def test_prefetch_recall_is_one_when_the_next_router_sees_the_same_input(tmp_pat
     assert prof.routing is None and prof.timing is None
 
 
+def test_profile_leaves_the_callers_random_stream_where_it_was(tiny_ckpt):
+    # --seed seeds the timing part's activations; a notebook that profiles between two draws of its own
+    # gets the draw it would have got without the call (it had been reset to the profile's seed)
+    path = tiny_ckpt("qwen2_moe")  # built (from its own seed) before the stream is drawn from
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    profile(ProfileConfig(model=str(path), what=("timing",), data=("heldout",), seqs_per_data=1,
+                          seq_len=8, timing_steps=1))
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_routing_statistics():
     assert gini(np.ones(8)) == pytest.approx(0.0)
     assert gini(np.eye(8)[0]) == pytest.approx(7 / 8)

@@ -539,3 +539,20 @@ def test_two_evals_of_one_cell_are_said_and_dtypes_kept_apart(tmp_path):
     assert "| lru bits=16 (bfloat16) | 8 | 12.9 |" in md and "| lru bits=16 (float32) | 8 | 12.6 |" in md, md
     assert "Evals of one setting and measure: `a.eval.json` and `b.eval.json` (lru bits=16 (float32), ppl: the " \
            "table shows the second)." in md, md
+
+
+def test_the_runs_table_says_the_device_and_threads_a_wall_clock_time_was_measured_with(tmp_path):
+    """Two CPU wall-clock runs at 1 and 16 threads, and a CUDA one, were three rows all saying "wall"."""
+    import dataclasses
+
+    from moetool.report import _runs_tables
+
+    runs = [(tmp_path / f"{name}.run.json", dataclasses.replace(synthetic_run("lru", {}, 0.1), clock="wall", hw=None,
+                                                                 device=device, summary=summary))
+            for name, device, summary in (("one", "cpu", {"host_threads": 1}), ("many", "cpu", {"host_threads": 16}),
+                                          ("gpu", "cuda", {"host_threads": 16}), ("old", "cpu", {}))]
+    runs.append((tmp_path / "sim.run.json", synthetic_run("lru", {}, 0.1)))
+    md = _runs_tables(runs, [])
+    for name, clock in (("one", "wall/cpu, 1 thread"), ("many", "wall/cpu, 16 threads"), ("gpu", "wall/cuda"),
+                        ("old", "wall/cpu"), ("sim", "sim/rtx3090")):
+        assert f"| {name}.run.json | lru | {clock} |" in md, md

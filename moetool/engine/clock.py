@@ -92,6 +92,11 @@ def hw_path(name_or_path: str) -> Path:
     named = not (name_or_path.endswith(".json") or "/" in name_or_path or "\\" in name_or_path)
     order = (HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json", path) if named else \
         (path, HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json")
+    preset, own = HW_DIR / f"{name_or_path}.json", USER_HW_DIR / f"{name_or_path}.json"
+    if named and preset.is_file() and own.is_file() and preset.read_bytes() != own.read_bytes():
+        # the preset would win unsaid over a profile the user measured and named after their machine
+        raise MoetoolError(f"--hw {name_or_path} names both the shipped preset and your {own}, which differ; give "
+                           f"the file's path (--hw {own}) to use yours, or rename it.")
     for path in order:
         if path.exists():  # a directory, FIFO or device given as --hw is refused by name below, not taken for a name
             return path

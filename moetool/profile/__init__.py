@@ -127,10 +127,18 @@ def _check(cfg: ProfileConfig) -> None:
 def profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile:
     """Measure `cfg.what` on `cfg.model` over `cfg.data`."""
     _check(cfg)
+    # --seed seeds the timing part's random activations, in a fork of torch's global generator: a
+    # caller's own random stream (a notebook's, a script's) is where it was after the call.
+    device = torch.device(cfg.device)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed)
+        return _measure(cfg, progress)
+
+
+def _measure(cfg: ProfileConfig, progress: Progress | None) -> Profile:
     tick = progress or (lambda part, done, total: None)
     what = parse_what(cfg.what)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
-    torch.manual_seed(cfg.seed)
     inputs: dict[str, str] = {}
     bundle = None
     if cfg.bundle is not None and cfg.model is None:  # the bundle's own model: no checkpoint is read
