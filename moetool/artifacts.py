@@ -285,8 +285,8 @@ class Artifact:
         """Rebuild the artifact from its JSON form, every field checked against its type and range
         (`moetool.schema`); anything else is one sentence naming `where` and the field."""
         version = cls.check_header(data, where)
-        data = cls.upgrade(dict(data), version)
         try:
+            data = cls.upgrade(dict(data), version)  # a field an older moetool did not write, or a SchemaError
             return build(cls, {k: v for k, v in data.items() if k not in ("schema", "schema_version")})
         except SchemaError as e:
             raise MoetoolError(f"{where} is not a valid {cls.SCHEMA} artifact: {e.sentence()}.") from None

@@ -380,7 +380,12 @@ def inspect_geometry(model: nn.Module) -> MoeGeometry:
 
 
 def model_fingerprint(config: Any, source: str) -> ModelFingerprint:
-    return ModelFingerprint.of_config(source, config.to_dict(), weights_digest(source), DIGEST_VERSION)
+    """`config`'s fingerprint, its local directory recorded resolved: a bundle quantized from `ckpt`, from
+    `/abs/ckpt` or from `../ckpt` holds the same bytes, and a manifest that spelled the path as typed made
+    them three bundles to every stage that keys a bundle by its manifest's sha256 (report's pairing,
+    sweep's reuse)."""
+    recorded = str(Path(source).resolve()) if Path(source).is_dir() else source
+    return ModelFingerprint.of_config(recorded, config.to_dict(), weights_digest(source), DIGEST_VERSION)
 
 
 def load_reference(source: str | Path, dtype: torch.dtype = torch.float32, experts_impl: str = "eager") -> nn.Module:

@@ -7,8 +7,9 @@ torch (`moetool report`, `moetool fit`); the run stage itself is `run.py`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from moetool.artifacts import Artifact
 from moetool.schema import SchemaError
@@ -32,9 +33,28 @@ class Run(EngineRecord, Artifact):
     prompts: list[str]
     tokens: list[list[int]]  # generated token ids per prompt
     texts: list[str]
-    # prompts decoded together: hits, TPOT and bytes per token all change with it (runs before it was
-    # recorded decoded one at a time unless path_reason says otherwise)
+    # prompts decoded together: hits, TPOT and bytes per token all change with it (`upgrade` reads it
+    # from a run written before it was recorded)
     batch_size: int = 1
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:
+        """A run written before `batch_size` was recorded: one prompt was a batch of one, and a batch the
+        captured step could not take is in its path_reason ("... not a batch of 2"). Several prompts run
+        otherwise may have been batched on the host path (`--batch-size`): that is not known, and read as 1
+        it put a batched run's TPOT in a batch-1 table cell, so it is refused with what to add."""
+        if "batch_size" in data:
+            return data
+        reason = str((data.get("summary") or {}).get("path_reason") or "")
+        said = re.search(r"not a batch of (\d+)", reason)
+        prompts = data.get("prompts")
+        if said:
+            data["batch_size"] = int(said.group(1))
+        elif isinstance(prompts, list) and len(prompts) > 1:
+            raise SchemaError("batch_size", f"is missing, and the run's {len(prompts)} prompts may have been decoded "
+                                            "together (it was written before runs recorded their batch); add "
+                                            '"batch_size": N with the run\'s --batch-size (1 by default), or run it again')
+        return data
 
     def validate(self) -> None:
         """On read: the TPOT statistics `fit` and `report` use are all there, finite and not negative."""

@@ -9,6 +9,7 @@ import torch
 
 from moetool.artifacts import CheckReport, LayerCheck, ModelFingerprint, atomic_write_bytes
 from moetool.errors import MoetoolError
+from helpers import VALID
 
 FP_A = ModelFingerprint.of_config("a", {"model_type": "mixtral", "hidden_size": 32})
 FP_B = ModelFingerprint.of_config("b", {"model_type": "mixtral", "hidden_size": 64})
@@ -221,3 +222,23 @@ def test_digests_taken_two_ways_are_not_compared():
     old, new = (ModelFingerprint.of_config("a", {"model_type": "mixtral", "hidden_size": 32}, w, v) for v in (1, 2))
     assert old.same_model(new) and new.same_model(old)  # lenient reads: as if one digest were unknown
     assert not new.same_model(old, strict=True) and new.same_model(new, strict=True)  # reuse: recompute
+
+
+def test_a_run_written_before_batch_size_was_recorded_reads_it_where_known_and_is_refused_where_not(tmp_path):
+    """Such a run read as batch 1: a batched run's TPOT sat in batch-1 cells of report's Table 3 and fit's
+    T(alpha). One prompt is a batch of one; the captured step's fall-back says the batch it could not take."""
+    import copy
+
+    from moetool.run_artifact import Run
+
+    old = copy.deepcopy(VALID["run"])
+    old.pop("batch_size")
+    assert Run.from_json(old).batch_size == 1  # one prompt
+    old.update(prompts=["a", "b"], tokens=[[1], [2]], texts=["", ""])
+    with pytest.raises(MoetoolError, match=r"^old.run.json is not a valid run artifact: batch_size is missing, and the "
+                                           r"run's 2 prompts may have been decoded together .*add \"batch_size\": N"):
+        Run.from_json(old, where="old.run.json")
+    old["summary"] = {**old["summary"], "path": "host",
+                      "path_reason": "the captured step decodes one sequence at a time, not a batch of 2"}
+    assert Run.from_json(old).batch_size == 2
+    assert Run.from_json({**old, "batch_size": 1}).batch_size == 1  # recorded: taken as it is

@@ -473,6 +473,23 @@ def test_a_fitted_n_hi_sized_for_another_budget_or_tiers_is_not_taken_and_the_ru
                                                             "do not hold there"), notes
 
 
+def test_a_fitted_knob_recorded_without_what_it_was_sized_for_is_not_taken(tiny_bundle, tmp_path):
+    """A fit written before fits recorded "sized_for" (or edited without it): its DynaExq n_hi ran at any
+    budget unsaid, where the same numbers fitted now were dropped at another. It cannot be checked, so the
+    run takes the default and says why; a DyMoE r given with --r is recorded as holding anywhere."""
+    model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
+    fit = write(tmp_path / "old.fit.json", {**VALID["fit"], "model": model, "params": {"dynaexq": {"n_hi": 0}},
+                                            "evidence": {"dynaexq": {"n_hi": {"value": 0, "from": "--budget 50%"}}}})
+    out = tmp_path / "r.run.json"
+    result = runner.invoke(app, [*run_args(tiny_bundle, "--policy", "dynaexq", "--fit", str(fit), "--prompt", "Hi",
+                                           "--out", str(out))])
+    assert result.exit_code == 0, result.output
+    art = json.loads(out.read_text())
+    assert art["params"]["n_hi"] == -1 and art["summary"]["fit_dropped"]["n_hi"].startswith(
+        "recorded without what it was sized for (budget, tiers, machine)"), art["summary"]
+    assert "note:" in result.stderr and "re-run moetool fit" in result.stderr, result.stderr
+
+
 def test_a_fitted_smoe_alpha_from_runs_with_another_cache_is_not_taken(tiny_bundle, tmp_path):
     """An alpha fitted through given runs records their expert cache (a Run records bytes, not --budget): a
     run whose cache differs takes the paper's alpha, records why and says so; one with the same cache takes it."""
@@ -512,7 +529,9 @@ def test_a_fitted_dymoe_r_for_other_tiers_is_dropped_with_its_lam():
     assert stale_fitted(cls, {"config": "4/2"}, fitted, sizing, lambda b: b == "25%", "25%") == {}
     assert stale_fitted(cls, {"low_bits": "0", "r": "0.9"}, fitted, sizing, lambda b: b == "25%", "25%") == {}
     assert set(stale_fitted(cls, {}, fitted, sizing, lambda b: False, "40%")) == {"r", "lam"}
-    assert stale_fitted(cls, {}, fitted, {}, lambda b: False, "40%") == {}  # a fit without sizing: as before
+    # a fit without sizing (written before fits recorded it) cannot be checked: dropped, lam with r
+    assert set(stale_fitted(cls, {}, fitted, {}, lambda b: False, "40%")) == {"r", "lam"}
+    assert stale_fitted(cls, {}, fitted, {"r": Sizing()}, lambda b: False, "40%") == {}  # --r's: holds anywhere
 
 
 POINTS = [[0.0, 0.01, "runs"], [0.2, 0.008, "runs"]]
@@ -1012,7 +1031,8 @@ def test_a_fitted_knob_the_run_cannot_take_runs_the_default_and_says_why(tiny_bu
     run's cache holds: the run stopped ("n_hi=... does not fit the budget") where it should run the policy's
     default and say why."""
     model = json.loads((tiny_bundle / "bundle.json").read_text())["model"]
-    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"dynaexq": {"n_hi": 64}}})
+    fit = write(tmp_path / "f.fit.json", {**VALID["fit"], "model": model, "params": {"dynaexq": {"n_hi": 64}},
+                                          "evidence": {"dynaexq": {"n_hi": {"sized_for": {"budget": "60%"}}}}})
     out = tmp_path / "r.run.json"
     result = runner.invoke(app, ["run", "--bundle", str(tiny_bundle), "--budget", "60%", "--clock", "sim",
                                  "--max-new-tokens", "2", "--policy", "dynaexq", "--fit", str(fit), "--prompt", "Hi",

@@ -100,6 +100,14 @@ def test_times_measured_on_another_model_are_not_charged_to_this_one(tiny_ckpt, 
     path.write_text(json.dumps({**mine, "model": measured_on(lm)}))
     cost, raw = cost_model(lm, store, str(path))
     assert cost.hw.t_expert_s == load_hw("h100sxm-qwen15moe")[0].t_expert_s and "measured_elsewhere" not in raw
+    # written by `profile --what timing` (it sets `base`) before profiles recorded their model: not known whose
+    old = {k: v for k, v in mine.items() if k != "model"}
+    path.write_text(json.dumps(old))
+    cost, raw = cost_model(lm, store, str(path))
+    assert cost.hw.t_expert_s is None and "record no model they were measured on" in raw["measured_elsewhere"]
+    path.write_text(json.dumps({k: v for k, v in old.items() if k != "base"}))  # times a researcher wrote by hand
+    cost, raw = cost_model(lm, store, str(path))
+    assert cost.hw.t_expert_s == load_hw("h100sxm-qwen15moe")[0].t_expert_s and "measured_elsewhere" not in raw
 
 
 def test_a_measured_time_a_thousand_times_off_the_throughputs_is_said(tiny_ckpt, tmp_path):
@@ -117,3 +125,35 @@ def test_a_measured_time_a_thousand_times_off_the_throughputs_is_said(tiny_ckpt,
         raw["measured_implausible"].endswith("its times are in seconds, not micro- or milliseconds?")
     path.write_text(json.dumps(_mine(t_expert_s={"16": 1.09e-5})))
     assert "measured_implausible" not in cost_model(lm, store, str(path))[1]
+
+
+def test_the_sim_clock_charges_attention_over_the_kv_cache_as_it_grows(tiny_ckpt):
+    """A decode step's time was flat in the context: 8 and 2,000 cached positions were charged alike (on
+    Qwen1.5-MoE at 4k positions the K/V reads are a third of the dense part on an RTX 3090). Each softmax
+    layer now reads its cache (a sliding one, its window), linear-attention and Mamba layers none."""
+    import torch
+
+    from moetool.engine.budget import attention_layers
+    from moetool.engine.clock import CostModel
+    from moetool.run import RunConfig, run
+    from tiny import tiny_config
+
+    hw, _ = load_hw("rtx3090")
+    kv, window = 2 * 4 * 128 * 2.0, 64  # 4 KV heads of 128, bf16
+    cost = CostModel(hw=hw, expert_bytes={16: 1}, expert_flops_per_token=1.0, reference_bytes=1, dense_bytes_per_layer=0.0,
+                     dense_flops_per_token_per_layer=0.0, attention=((kv, 4.0 * 1024, None), (kv, 4.0 * 1024, window)),
+                     moe_layers=2)
+    step = lambda past: cost.t_attention(1, past)  # noqa: E731
+    assert step(4095) == pytest.approx(kv * (4096 + window) / (hw.gpu_mem_gbps * 1e9) / 2)
+    assert step(4095) > step(1023) > step(0) > 0 and cost.t_dense(1, past=4095) - cost.t_dense(1) == pytest.approx(
+        step(4095) - step(0))
+    assert cost.t_attention(8, 0, sequences=2) == pytest.approx(  # two sequences of 4: each reads its own 4
+        2 * kv * 4 * 2 / (hw.gpu_mem_gbps * 1e9) / 2)
+    assert len(attention_layers(tiny_config("qwen3_next"), torch.bfloat16)) == 1  # its linear-attention layer reads none
+    assert len(attention_layers(tiny_config("jamba"), torch.bfloat16)) == 1  # nor Jamba's Mamba layer
+    assert [w for _, _, w in attention_layers(tiny_config("gpt_oss"), torch.bfloat16)][0] is not None  # sliding
+
+    path = str(tiny_ckpt("qwen2_moe"))
+    short, long_ = (run(RunConfig(model=path, policy="resident", budget="100%", clock="sim", prompts=(p,),
+                                  max_new_tokens=4)).tpot_s["mean"] for p in ("ab", "ab " * 30))
+    assert long_ > short  # the same weights read a step, and a longer cache

@@ -231,13 +231,15 @@ def test_a_fits_r_edited_by_hand_is_taken_and_its_lam_solved_again_said():
     """A fit's r edited from 0.9 to 0.7 beside the lam solved for 0.9: lam won, the run recorded r = 0.9, unsaid."""
     from moetool.engine import _fresh_fit
     from moetool.policies.dymoe import solve_lambda
+    from moetool.policies.knobs import Sizing
 
     ctx = make_ctx(layers=range(5))
     lam = solve_lambda(0.9, 5, 2)
     assert critical_share(lam, 5, 2) >= 0.9
-    mine, dropped = _fresh_fit("dymoe", {}, {"r": 0.9, "lam": lam}, {}, "25%", ctx)
+    anywhere = {"r": Sizing()}  # an r fitted from --r holds at any budget
+    mine, dropped = _fresh_fit("dymoe", {}, {"r": 0.9, "lam": lam}, anywhere, "25%", ctx)
     assert mine == {"r": 0.9, "lam": lam} and dropped == {}  # the pair the fit wrote: taken
-    mine, dropped = _fresh_fit("dymoe", {}, {"r": 0.7, "lam": lam}, {}, "25%", ctx)
+    mine, dropped = _fresh_fit("dymoe", {}, {"r": 0.7, "lam": lam}, anywhere, "25%", ctx)
     assert mine == {"r": 0.7} and dropped["lam"].startswith("it gives r = 0.9 on this model, not the fit's r = 0.7")
     ran = make_policy("dymoe", {}, ctx, mine).describe()["critical_share"]
     assert ran == pytest.approx(critical_share(solve_lambda(0.7, 5, 2), 5, 2)) and ran < 0.9  # lam solved from 0.7

@@ -1,6 +1,7 @@
 """Bundles of a tiny Qwen2-MoE: layout on disk, verification, refusal of bad input, resume."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -140,6 +141,21 @@ def test_interrupted_run_resumes_to_an_identical_bundle(built, models, tmp_path)
     assert (resumed_dir / MANIFEST).read_text() == (out / MANIFEST).read_text()
     assert not (resumed_dir / JOURNAL).exists()
     Bundle.open(resumed_dir, verify="full")
+
+
+def test_a_checkpoint_spelled_another_way_gives_the_same_manifest(built, models, tmp_path, monkeypatch):
+    """`quantize ckpt`, `quantize /abs/ckpt` and `quantize ../ckpt` wrote the same shards but manifests that
+    differed in model.source, so report, sweep and fit (which know a bundle by its manifest's sha256) took
+    one bundle for three. The source is recorded resolved."""
+    _, out = built
+    model = models[0]
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    (tmp_path / "link").symlink_to(model)
+    quantize(config(os.path.relpath(model), tmp_path / "x"))  # "../../models0/a"
+    quantize(config(os.path.relpath(tmp_path / "link") + "/", tmp_path / "y"))  # "../link/", a link to it
+    assert (tmp_path / "x" / MANIFEST).read_bytes() == (out / MANIFEST).read_bytes()
+    assert (tmp_path / "y" / MANIFEST).read_bytes() == (out / MANIFEST).read_bytes()
 
 
 def test_resume_redoes_a_shard_that_no_longer_hashes_right(built, models, tmp_path):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from moetool.engine.budget import (PLAN_TOKENS, Budget, BudgetSplit, capture_workspace, device_workspace, expert_params, kv_margin,  # noqa: F401 (API)
-                                   parse_budget, parse_size, plan_margin, split_budget)
+                                   attention_layers, parse_budget, parse_size, plan_margin, split_budget)
 from moetool.engine.captured import captured_workspace
 from moetool.engine.residency import Residency
 from moetool.engine.clock import CostModel, SimClock, WallClock, load_hw
@@ -48,13 +48,20 @@ def split_budget_for(spec: str, lm: LoadedModel, store: HostStore, max_tokens: i
 
 def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, dict]:
     profile, raw = load_hw(hw)
+    timed = any(raw.get(k) is not None for k in ("t_dense_s", "t_dense_captured_s", "t_expert_s", "c_cpu_s"))
+    whose = None
     if isinstance(raw.get("model"), dict) and raw["model"] != measured_on(lm):
-        # Times measured on another model's layers and experts (`profile --what timing` records whose): this
-        # model is charged its own estimates from the throughputs, and the run says so.
+        whose = f"were measured on another model ({raw['model']})"
+    elif timed and "base" in raw and not isinstance(raw.get("model"), dict):
+        # written by `profile --what timing` (it sets `base`) before profiles recorded their model: whose
+        # times they are is unknown, and taken as this model's they put another model's TPOT on it unsaid
+        whose = "record no model they were measured on (the profile was written by an earlier moetool)"
+    if whose is not None:
+        # Times of another model's layers and experts: this model is charged its own estimates from the
+        # throughputs, and the run says so.
         profile = dataclasses.replace(profile, t_dense_s=None, t_dense_captured_s=None, t_expert_s=None, c_cpu_s=None)
-        raw = {**raw, "measured_elsewhere": f"hardware profile {profile.name}'s per-layer and per-expert times were "
-                                            f"measured on another model ({raw['model']}); this one is charged estimates "
-                                            "from its throughputs"}
+        raw = {**raw, "measured_elsewhere": f"hardware profile {profile.name}'s per-layer and per-expert times {whose}; "
+                                            "this one is charged estimates from its throughputs"}
     g = lm.geometry.layers[0]
     params = expert_params(g)
     ref_bytes = params * 2  # bf16, what a dequantizing kernel writes and a bf16 expert reads
@@ -62,7 +69,8 @@ def cost_model(lm: LoadedModel, store: HostStore, hw: str) -> tuple[CostModel, d
     n_moe = len(lm.geometry.layers)
     shape = dict(expert_bytes={b: store.slot_bytes(b) for b in store.bits}, expert_flops_per_token=2.0 * params,
                  reference_bytes=ref_bytes, dense_bytes_per_layer=dense_params * 2 / n_moe,
-                 dense_flops_per_token_per_layer=2.0 * dense_params / n_moe)
+                 dense_flops_per_token_per_layer=2.0 * dense_params / n_moe,
+                 attention=attention_layers(lm.model.config, store.compute_dtype), moe_layers=n_moe)
     cost = CostModel(hw=profile, **shape)
     if odd := _implausible(cost, CostModel(hw=dataclasses.replace(
             profile, t_dense_s=None, t_dense_captured_s=None, t_expert_s=None), **shape)):

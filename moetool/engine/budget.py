@@ -94,6 +94,32 @@ def _kv_shapes(cfg: Any) -> list[tuple[int, int]]:
     return shapes + [shapes[i] for i in core if i < len(shapes)] * (passes - 1)
 
 
+# Layer types whose state does not grow with the sequence (linear attention, state-space, convolution):
+# a decode step reads no cache of past positions there.
+_STATEFUL = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv")
+
+
+def attention_layers(config: Any, dtype: torch.dtype) -> tuple[tuple[float, float, int | None], ...]:
+    """Per softmax-attention layer: (bytes of K and V one position adds to its cache, flops of one
+    query-key pair (QK and PV), the window a sliding layer attends over or None). What the simulated
+    clock charges a step's attention beside its weights (`CostModel.t_attention`). Layers the config
+    types as linear attention or state space (`layer_types`, or `layers_block_type` as Jamba's and
+    Granite's hybrids spell it) hold no growing cache and are left out."""
+    cfg = text_config(config)
+    item = torch.empty((), dtype=dtype).element_size()
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    window = getattr(cfg, "sliding_window", None)
+    out = []
+    for i, (c, (heads, dim)) in enumerate(zip(_layer_configs(cfg), _kv_shapes(cfg))):
+        kind = str(types[i]).lower() if isinstance(types, (list, tuple)) and i < len(types) else ""
+        if any(k in kind for k in _STATEFUL):
+            continue
+        q = getattr(c, "num_attention_heads", heads) * _head_dim(c)
+        out.append((2.0 * heads * dim * item, 4.0 * q,
+                    window if "sliding" in kind and isinstance(window, int) and window > 0 else None))
+    return tuple(out)
+
+
 def _kv_heads(c: Any) -> int:
     return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
 

@@ -143,16 +143,40 @@ class CostModel:
     reference_bytes: int  # one expert at the reference precision (what a GPU dequant writes)
     dense_bytes_per_layer: float  # non-expert weights per MoE layer (attention, router, shared experts, share of head)
     dense_flops_per_token_per_layer: float
+    # per softmax-attention layer: K+V bytes a position adds, flops of a query-key pair, a sliding window
+    # (`budget.attention_layers`); shared among the MoE layers as the dense bytes are
+    attention: tuple[tuple[float, float, int | None], ...] = ()
+    moe_layers: int = 1
 
-    def t_dense(self, tokens: int, captured: bool = False) -> float:
+    def t_dense(self, tokens: int, captured: bool = False, past: int = 0, sequences: int = 1) -> float:
         """Attention + router + shared experts of one layer (and its share of embeddings / lm_head);
-        `captured`: inside the captured decode step, where the profile measured it there."""
+        `captured`: inside the captured decode step, where the profile measured it there. `tokens` new
+        positions over `sequences` sequences with `past` cached before them: their attention over the
+        cache (`t_attention`) grows with it, which weights read once a step do not."""
         measured = self.hw.t_dense_captured_s if captured and self.hw.t_dense_captured_s is not None else self.hw.t_dense_s
         if measured is not None:
-            # Measured at one token (the weight-read floor); more tokens cost compute beyond it.
-            return max(measured, self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12))
+            # Measured at one token at a short context (the weight-read floor); more tokens cost compute
+            # beyond it, and a longer context its cache reads.
+            return max(measured, self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12)) + \
+                self.t_attention(tokens, past, sequences)
         return max(self.dense_bytes_per_layer / (self.hw.gpu_mem_gbps * 1e9),
-                   self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s
+                   self.dense_flops_per_token_per_layer * tokens / (self.hw.gpu_tflops * 1e12)) + self.hw.kernel_s + \
+            self.t_attention(tokens, past, sequences)
+
+    def t_attention(self, tokens: int, past: int, sequences: int = 1) -> float:
+        """One MoE layer's share of attention over the KV cache: each sequence reads the K and V of its
+        `past` positions and its new ones (a sliding layer, its window's), and each new query meets the
+        keys before it (a prefill's n^2 / 2 pairs). Bytes at memory bandwidth or flops at peak, the slower."""
+        if not self.attention:
+            return 0.0
+        new = max(1, tokens // max(1, sequences))  # positions each sequence adds
+        read = pairs = 0.0
+        for kv_bytes, pair_flops, window in self.attention:
+            seen = past + new if window is None else min(past + new, window)
+            read += kv_bytes * seen * sequences
+            mean = past + (new + 1) / 2 if window is None else min(past + (new + 1) / 2, window)
+            pairs += pair_flops * mean * new * sequences
+        return max(read / (self.hw.gpu_mem_gbps * 1e9), pairs / (self.hw.gpu_tflops * 1e12)) / self.moe_layers
 
     def t_expert(self, bits: int, tokens: int) -> float:
         """One expert on the GPU: read its weights (dequantizing if quantized) and multiply."""

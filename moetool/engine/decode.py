@@ -313,14 +313,16 @@ class DecodeProgram:
                     host[name].copy_(t, non_blocking=True)
                 events[i + 1] = self._record()
                 if pending is not None:
-                    tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
+                    tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1],
+                                                  past=T + pending))
                     last = self._time_step(pending, events, last)
                     del events[pending]
                     tell(len(tokens))
                 self.layers.table.sync()  # queued behind step i: step i+1 reads it
                 pending = i
             if pending is not None:
-                tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1]))
+                tokens.append(self._host_half(host=self.host_logs[pending % 2], done=events[pending + 1],
+                                              past=T + pending))
                 self._time_step(pending, events, last)
                 tell(len(tokens))
         finally:
@@ -348,10 +350,11 @@ class DecodeProgram:
         return now
 
     # -- the host half, one step behind -----------------------------------------------------------------
-    def _host_half(self, host: dict[str, torch.Tensor], done: Any) -> int:
+    def _host_half(self, host: dict[str, torch.Tensor], done: Any, past: int = 0) -> int:
         """Read a finished step's log and do what the host path does per layer and step: count, feed
         the eviction orders and the policy's bookkeeping, admit and fill misses, start prefetches and
-        migrations, publish what has landed. Returns the token the step chose."""
+        migrations, publish what has landed. Returns the token the step chose (`past`: the positions
+        cached before it, whose attention the sim clock charges)."""
         if done is not None:
             done.synchronize()  # this step's log only; the next step is already queued behind it
         engine, res, pol = self.engine, self.engine.residency, self.engine.policy
@@ -365,7 +368,7 @@ class DecodeProgram:
         for pos, layer in enumerate(self.layers.layers):
             st = stats.layer(layer)
             if sim:
-                clock.compute(cost.t_dense(1, captured=True))
+                clock.compute(cost.t_dense(1, captured=True, past=past))
             routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
             run = bits > 0
             check_plan(expert[run], bits[run], 0 * expert[run], self.layers.num_experts, pol.name,  # the step clamped

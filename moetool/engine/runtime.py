@@ -81,6 +81,7 @@ class Engine(Loads):
         # layer after another mixer (Mamba, linear attention) reads the nearest one before it (dymoe.py).
         self._importance: torch.Tensor | None = None
         self._real_rows: torch.Tensor | None = None  # [B*T] bool: this prefill's real tokens (left padding not)
+        self._past, self._sequences = 0, 1  # this forward's cached positions and sequences: its attention's cost
         self._predicting = False
         # The captured decode step's layers (`engine/captured.py`), and whether a forward now is one of
         # its steps: then the hooks below stand aside (a step is the program's, not the host's).
@@ -184,6 +185,7 @@ class Engine(Loads):
             check_plan(past + ids.shape[-1], ids.shape[0] if ids.dim() > 1 else 1, self.plan_tokens, self.plan_batch)
         self._real_rows = real_rows(kwargs.get("attention_mask"), ids) if past == 0 else None
         tokens = int(ids.numel()) if ids is not None else 1
+        self._past, self._sequences = past, (ids.shape[0] if ids is not None and ids.dim() > 1 else 1)
         self.begin_step(Phase.PREFILL if past == 0 else Phase.DECODE,
                         tokens if self._real_rows is None else int(self._real_rows.sum()))
 
@@ -221,7 +223,7 @@ class Engine(Loads):
                 self._logits.pop(g.index, None)
                 return out
         if self.simulated:
-            self.clock.compute(self.cost.t_dense(hidden.shape[0]))
+            self.clock.compute(self.cost.t_dense(hidden.shape[0], past=self._past, sequences=self._sequences))
         self._publish_ready()
         view = self._view(g, hidden, top_k_index, top_k_weights)  # the layer's one host sync
         plan = taken_plan(self.policy.plan(view), self.policy.name, view)

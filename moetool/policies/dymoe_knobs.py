@@ -102,6 +102,7 @@ class DyMoEKnobs(Knobs):
     # lam given wins over r, and the run records the r that lam gives (eq. 4)
     applies = {"r": ("lam", lambda v: v < 0, "lam < 0 (lam is solved from r; a lam given wins)")}
     shorthands = {"config": ("high_bits", "low_bits")}
+    sized = ("r",)  # from --budget, for its tiers; an r given with --r, or the paper's, holds anywhere
 
     @dataclass(frozen=True)
     class Params(Params):
@@ -146,7 +147,7 @@ class DyMoEKnobs(Knobs):
         §6.2's r = 0.75 without a budget. An `--r` given wins over the budget's."""
         info, cfg, out = inputs.profile.info, inputs.config, Fitted()
         high, low = cls.Params().high_bits, cls.Params().low_bits
-        r, how, cache, sized = cfg.r, "--r (target share of critical experts)", inputs.cache_for((high, low)), {}
+        r, how, cache, sized = cfg.r, "--r (target share of critical experts)", inputs.cache_for((high, low)), {"sized_for": {}}
         sizable = cache is not None and all(b in info.expert_bytes for b in (high, low))
         if r is None and not sizable:
             why = "no --budget" if cache is None else f"the profile gives no size of a {high}- or {low}-bit expert"

@@ -28,6 +28,7 @@ class DynaExqKnobs(Knobs):
     # a fitted n_hi was sized for the fit's tiers (16/4 by default), not for `--set config=4/2`
     derived = {"n_hi": ("config", "b_hi", "b_lo")}
     shorthands = {"config": ("b_hi", "b_lo")}
+    sized = ("n_hi",)  # §3.1's count of high-precision experts a budget holds at these tiers
 
     @dataclass(frozen=True)
     class Params(Params):

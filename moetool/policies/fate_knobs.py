@@ -66,6 +66,7 @@ class FateKnobs(Knobs):
     applies = {"n": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.3's cap on its transfers)"),
                "percentile": ("prefetcher", lambda v: v == "fate", "prefetcher=fate (§4.2's decode rule)"),
                "low_bits": ("p", lambda v: v > 0, "p > 0 (§4.5's share of prefill experts at INT2)")}
+    sized = ("n",)  # §4.3's n divides by one machine's copy time
 
     @dataclass(frozen=True)
     class Params(Params):

@@ -54,6 +54,10 @@ class Knobs:
     # `--set window=9` beside `eviction=lru` changed nothing while the run recorded window=9, so a knob
     # `--set` gives where its policy never reads it is refused (a fit's knobs are all the fit's).
     applies: ClassVar[dict[str, tuple[str, Callable[[Any], bool], str]]] = {}
+    # knobs whose `fit` records what each value holds for under evidence "sized_for" (`Sizing`; an empty
+    # one holds anywhere): a fitted value without it (a fit written before sizes were recorded) cannot be
+    # checked against a run's budget, tiers or machine, so the run takes the default and says so.
+    sized: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def fit(cls, inputs: FitInputs) -> Fitted | None:
@@ -263,7 +267,9 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
     fitted = {k: v for k, v in fitted.items() if k not in settings}
     kept = {k: v for k, v in fitted.items() if k not in sizing}
     here = resolved(cls, parse_params(cls, settings, kept))
-    drops: dict[str, str] = {}
+    drops: dict[str, str] = {knob: "recorded without what it was sized for (budget, tiers, machine), so this run "
+                                   "cannot tell that it holds here; a fit written now records it (re-run moetool fit)"
+                             for knob in cls.sized if knob in fitted and knob not in sizing}
     for knob, size in sizing.items():
         if knob not in fitted:
             continue

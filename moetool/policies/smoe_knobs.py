@@ -45,6 +45,7 @@ class SMoEKnobs(Knobs):
     evidence = {"alpha": AlphaEvidence}
     applies = {"window": ("eviction", lambda v: v == "score", "eviction=score (eq. 3's window of scores)"),
                "cpu_rule": ("cpu_assist", bool, "cpu_assist=true (Algorithm 2 picks the CPU's experts)")}
+    sized = ("alpha",)  # eq. 5's T(alpha) is one budget's and one machine's
 
     @dataclass(frozen=True)
     class Params(Params):
