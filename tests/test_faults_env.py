@@ -138,6 +138,27 @@ def test_a_weight_whose_scale_overflows_float16_is_refused(tiny_ckpt, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_group_whose_zero_point_overflows_float16_is_said_as_such():
+    """A healthy row near 4 with a spread of 1e-3 (float32): hqq's step clamps at 5e-5, so its zero (the
+    minimum over the step) is -8e4, past float16. It was refused as a scale overflow of a damaged weight."""
+    from moetool.errors import MoetoolError
+    from moetool.model import ExpertWeights
+    from moetool.quant import hqq
+    from moetool.quant.format import dequantize, encode, make_layout
+    from moetool.quant.quantize import _refuse_overflow
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(64, 64, generator=gen) * 0.02
+    gate_up[6] = 4 + torch.randn(64, generator=gen) * 1e-3
+    w = ExpertWeights(gate_up=gate_up, down=torch.randn(64, 32, generator=gen) * 0.02)
+    layout = make_layout(8, gate_up.shape, w.down.shape, False, 32)
+    q = {p.name: hqq.quantize_weight(getattr(w, p.name), 8, p.group_size, 1, "cpu", False) for p in layout.projections}
+    blob = encode(layout, w, q)
+    with pytest.raises(MoetoolError, match=r"a group of its gate_up projection lies far from 0 for its spread "
+                                           r"\(weights up to 4(\.\d+)?\), and its zero point overflows"):
+        _refuse_overflow(w, dequantize(blob, layout), layout, 0, 0, blob)
+
+
 def test_the_relative_error_of_a_large_finite_weight_is_finite():
     w = torch.full((4, 4), 1e30)
     assert relative_error(w, w) == 0.0

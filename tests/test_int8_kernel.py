@@ -65,6 +65,29 @@ def test_converted_blob_through_the_kernel_equals_the_dequantized_expert(dtype, 
         _close(decoded, getattr(ref, name), share=0.01)
 
 
+def test_a_dead_neurons_zero_rows_give_zero_through_the_kernel_as_through_the_dequantize_path():
+    """A neuron whose gate and up rows are all zero (pruned, padded): hqq gives such a row the scale 1.0 and
+    zero 0, and the kernel's s (x . (q - 128)) + c sum(x) cancelled to 0 through a bf16 product of 128 |sum(x)|,
+    leaving 0.25 |sum(x)|: tokens changed on the CPU kernel and not on the eager path. A row of one code is
+    now its constant alone (0 here), exactly."""
+    w = gaussian_expert(rows=64, hidden=128, bias=False, seed=3)
+    w.gate_up[2].zero_()
+    w.gate_up[34].zero_()  # its up row too
+    w.gate_up[7].fill_(0.25)  # a constant row
+    layout = make_layout(Bits.INT8, w.gate_up.shape, w.down.shape, False, group_size=32, int8_per_channel=True)
+    q = {p.name: hqq.quantize_weight(getattr(w, p.name), Bits.INT8, p.group_size, optimize=False)
+         for p in layout.projections}
+    blob = encode(layout, w, q)
+    ref = dequantize(blob.clone(), layout, FP32)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(0)).abs() + 1  # sum(x) large: the worst case
+    int8_kernel.convert_(blob, layout)
+    w8 = int8_kernel.kernel_weights(blob, layout)
+    got = int8_kernel.linear(x.to(BF16), *w8.gate_up)  # [1, 64] fp32
+    assert got[0, 2] == 0 and got[0, 34] == 0  # exactly: it had been ~0.25 |sum(x)| = 50
+    assert got[0, 7] == pytest.approx(float(ref.gate_up[7] @ x.to(BF16).float()[0]), rel=1e-3)
+    _close(got, x.to(BF16).float() @ ref.gate_up.T)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_one_token_through_the_fused_call_equals_the_weighted_sum_of_each_expert(dtype):
     blobs = [_per_channel_blob(False, seed=s)[1:] for s in range(3)]
@@ -180,3 +203,29 @@ def test_quantize_command_stores_per_channel_int8(tiny_ckpt, tmp_path):
     for layout in manifest["layouts"].values():
         groups = [(p["group_size"], p["shape"][1]) for p in layout["projections"]]
         assert all(g == width for g, width in groups) == (layout["bits"] == 8), groups
+
+
+def test_a_row_whose_kernel_offset_overflows_float16_is_refused_at_quantize():
+    """A row of weights near 7e4 (past float16's 65504) decodes finite through hqq's fp16 scale and zero, so
+    quantize stored it; but the kernel's row offset c = s (128 - z) is ~7e4 in float16, infinity, and every
+    output of the expert on the CPU kernel was inf or NaN where the dequantizing path's was finite."""
+    from moetool.errors import MoetoolError
+    from moetool.model import ExpertWeights
+    from moetool.quant.quantize import _refuse_overflow
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(64, 64, generator=gen) * 0.02
+    gate_up[5] = 70000 + torch.rand(64, generator=gen) * 300
+    w = ExpertWeights(gate_up=gate_up, down=torch.randn(64, 32, generator=gen) * 0.02)
+    layout = make_layout(8, gate_up.shape, w.down.shape, False, 64, int8_per_channel=True)
+    q = {p.name: hqq.quantize_weight(getattr(w, p.name), 8, p.group_size, 1, "cpu", False) for p in layout.projections}
+    blob = encode(layout, w, q)
+    approx = dequantize(blob, layout)
+    assert bool(torch.isfinite(approx.gate_up).all())  # the decoded weights are finite: only the offset overflows
+    with pytest.raises(MoetoolError, match=r"expert 3 of layer 1 cannot be stored at 8 bits per channel: its gate_up "
+                                           r"projection holds weights of magnitude 7\.0.e\+04, past float16's range"):
+        _refuse_overflow(w, approx, layout, 1, 3, blob)
+    gate_up[5] = torch.randn(64, generator=gen) * 0.02  # an ordinary row: stored
+    q = {p.name: hqq.quantize_weight(getattr(w, p.name), 8, p.group_size, 1, "cpu", False) for p in layout.projections}
+    blob = encode(layout, w, q)
+    _refuse_overflow(w, dequantize(blob, layout), layout, 1, 3, blob)

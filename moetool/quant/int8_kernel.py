@@ -61,9 +61,19 @@ def convert_(blob: torch.Tensor, layout: Layout) -> None:
     """Rewrite one per-channel INT8 blob (uint8, on the CPU) from hqq's layout into the kernel's, in place."""
     v = views(blob, layout)
     for proj in layout.projections:
-        v[f"{proj.name}.q"].bitwise_xor_(0x80)  # q - 128 in two's complement: read as int8 from here on
+        codes = v[f"{proj.name}.q"]
+        codes.bitwise_xor_(0x80)  # q - 128 in two's complement: read as int8 from here on
         scale = v[f"{proj.name}.scale"].float()  # [N, 1] fp16
         offset = scale * (128 - v[f"{proj.name}.zero"].float())
+        # A row of one code (a dead neuron's zeros, a constant row: hqq gives a range of 0 the scale 1.0)
+        # is its constant alone: the kernel's s * (x . q8) and c * sum(x) would cancel to it through a
+        # bf16 product as large as 128 s |sum(x)|, leaving its rounding (0.25 |sum(x)| for a zero row).
+        flat = codes.view(torch.int8)
+        one = (flat == flat[:, :1]).all(dim=1, keepdim=True)  # [N, 1]
+        if bool(one.any()):
+            offset = torch.where(one, scale * flat[:, :1].float() + offset, offset)
+            scale = torch.where(one, torch.zeros_like(scale), scale)
+            flat.masked_fill_(one, 0)
         v[f"{proj.name}.scale"].view(torch.bfloat16).copy_(scale)
         v[f"{proj.name}.zero"].copy_(offset)  # fp16, see the module's docstring
 

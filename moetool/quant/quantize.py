@@ -47,7 +47,7 @@ from moetool.tokenizer import unknown_tokens
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
 from moetool.quant.notes import gate_up_shape, precision_note, size_note
 from moetool.quant.format import (DTYPES, META_DTYPE, Bits, Layout, QTensor, auto_group_size, dequantize,
-                                   dequantize_qtensor, encode, make_layout, relative_error)
+                                   dequantize_qtensor, encode, make_layout, relative_error, views)
 
 READ_CHUNK = 8  # experts read from the checkpoint at once: memory stays flat in the number of experts
 LOCK = ".quantize.lock"  # flock'ed while a quantize writes the directory
@@ -403,7 +403,7 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
                 method, q = _quantize_expert(ref, bits, layout, x, cfg, experts_module)
                 blob = encode(layout, ref, q)  # uint8 [layout.nbytes]
                 approx = dequantize(blob, layout)
-                _refuse_overflow(ref, approx, layout, layer.index, expert)
+                _refuse_overflow(ref, approx, layout, layer.index, expert, blob)
                 offset, crc = writer.write(blob)
                 out_error = None
                 if y_ref is not None:
@@ -421,14 +421,36 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
         raise
 
 
-def _refuse_overflow(ref: ExpertWeights, approx: ExpertWeights, layout: Layout, layer: int, expert: int) -> None:
+def _refuse_overflow(ref: ExpertWeights, approx: ExpertWeights, layout: Layout, layer: int, expert: int,
+                     blob: torch.Tensor) -> None:
     """Refuse an expert whose stored form is not finite though its weights are (`load_into` refused any
     that are not): a group's scale past float16's range (META_DTYPE: a weight near 1e6 at INT4) is
-    stored as infinity and every output of the expert would be NaN. Checked on the blob just decoded."""
+    stored as infinity and every output of the expert would be NaN. Checked on the blob just decoded,
+    and for per-channel INT8 on the row offsets the CPU kernel keeps in float16 (`int8_kernel`), which
+    a row past float16's range overflows where the decoded weights do not."""
+    v = views(blob, layout)
+    if layout.per_channel and int(layout.bits) == 8:
+        for proj in layout.projections:
+            offset = v[f"{proj.name}.scale"].float() * (128 - v[f"{proj.name}.zero"].float())
+            if not bool(torch.isfinite(offset.half()).all()):
+                big = float(getattr(ref, proj.name).abs().max())
+                raise MoetoolError(f"expert {expert} of layer {layer} cannot be stored at 8 bits per channel: its "
+                                   f"{proj.name} projection holds weights of magnitude {big:.3g}, past float16's range, "
+                                   "where the INT8 CPU kernel keeps each row's offset; quantize without "
+                                   "--int8-per-channel (grouped INT8 has no such offset).")
     for proj in layout.projections:
         got = getattr(approx, proj.name)
         if not bool(torch.isfinite(got).all()):
             big = float(getattr(ref, proj.name).abs().max())
+            zero = v.get(f"{proj.name}.zero")
+            if zero is not None and not bool(torch.isfinite(zero.float()).all()):
+                # hqq's zero is the group's minimum over its step: a group far from 0 with little spread (a
+                # healthy row of weights near 4 in float32), not a damaged weight
+                raise MoetoolError(
+                    f"expert {expert} of layer {layer} cannot be stored at {int(layout.bits)} bits: a group of its "
+                    f"{proj.name} projection lies far from 0 for its spread (weights up to {big:.3g}), and its zero "
+                    f"point overflows the bundle's {META_DTYPE} zeros; quantize from --dtype bfloat16 (whose rounding "
+                    "widens such a group), at 16 bits only (--bits 16), or with a larger --group-size.")
             raise MoetoolError(f"expert {expert} of layer {layer} cannot be stored at {int(layout.bits)} bits: its "
                                f"{proj.name} projection holds a weight of magnitude {big:.3g}, whose group scale "
                                f"overflows the bundle's {META_DTYPE} scales; the checkpoint is damaged or not of "
