@@ -17,6 +17,7 @@ policies' registry, and this module sits below the policies (their fit hooks rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -35,6 +36,19 @@ from moetool.schema import SchemaError, build, describe
 A = TypeVar("A", bound="Artifact")
 T = TypeVar("T")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@functools.cache
+def code_version() -> str:
+    """What an artifact records as the moetool that wrote it: the version and a digest of the package's
+    Python source ("0.1.0+3f9c2a1b7d4e"). The version alone has said 0.1.0 through every change to what a
+    number means (DyMoE's r, the Run's batch, the sim clock's charges), so a sweep took a cell an older
+    moetool wrote for one of this setting (`sweep.reusable`)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"{__version__}+{h.hexdigest()[:12]}"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -269,7 +283,7 @@ class Artifact:
 
     model: ModelFingerprint
     inputs: dict[str, str]  # name or path of each input file -> its sha256
-    moetool_version: str = field(default=__version__, kw_only=True)
+    moetool_version: str = field(default_factory=code_version, kw_only=True)  # `code_version`
 
     def to_json(self) -> dict[str, Any]:
         body = dataclasses.asdict(self)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, sha256_file
+from moetool.artifacts import Artifact, ModelFingerprint, atomic_write_bytes, code_version, sha256_file
 from moetool.errors import MoetoolError, Terminated
 from moetool.files import DirectoryLock, not_inside_a_model, temp_file_of
 from moetool.schema import SchemaError
@@ -349,6 +349,8 @@ def reusable(path: Path, cell: Cell, model: ModelFingerprint) -> bool:
         return False
     if art.inputs.get(CELL_INPUT) != cell.digest:
         return False
+    if art.moetool_version != code_version():  # another moetool's numbers (a knob's meaning, a clock's charges)
+        return False
     for name, digest in art.inputs.items():  # the bundle manifest and fit it was made from, unchanged
         p = Path(name)
         if name != CELL_INPUT and p.is_file() and _sha(str(p.resolve()), p.stat().st_mtime_ns) != digest:
@@ -461,6 +463,31 @@ def sweep(cfg: SweepConfig, progress: Progress | None = None, work: Callable[...
                 index = write()
                 tell(cell.name, status)
     return index
+
+
+def other_moetool_cells(out_dir: Path) -> str | None:
+    """The done cells of the sweep in `out_dir` that another moetool wrote (`code_version`), in one line:
+    they run again rather than being reused, and a sweep that reruns its whole grid says why. None for none."""
+    try:
+        cells = json.loads((out_dir / INDEX).read_text()).get("cells") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    other: dict[str, str] = {}
+    for name, cell in cells.items():
+        artifact = cell.get("artifact") if isinstance(cell, dict) else None
+        if cell.get("status") == "done" and isinstance(artifact, str):
+            try:
+                version = json.loads((out_dir / artifact).read_text()).get("moetool_version")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(version, str) and version != code_version():
+                other[name] = version
+    if not other:
+        return None
+    versions = sorted(set(other.values()))
+    return (f"{len(other)} cell(s) of {out_dir} were written by another moetool ({', '.join(versions[:2])}"
+            f"{', ...' if len(versions) > 2 else ''}; this one is {code_version()}), so they run again rather "
+            "than being reused.")
 
 
 def fit_dropped_cells(out_dir: Path, cells: dict[str, dict[str, Any]]) -> str | None:

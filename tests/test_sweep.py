@@ -216,6 +216,26 @@ def test_a_grids_hardware_profile_is_the_grid_files_and_an_edit_to_it_runs_its_c
     assert slower["tpot_s"]["mean"] > 2 * run["tpot_s"]["mean"]
 
 
+def test_a_cell_another_moetool_wrote_runs_again_and_the_sweep_says_so(tiny_ckpt, tmp_path):
+    """A resume reused cells written months before under other meanings (DyMoE's r, the Run's batch, the
+    sim clock's charges): artifacts record the moetool that wrote them (its source's digest), and a cell of
+    another runs again, said once."""
+    from moetool.artifacts import code_version
+
+    grid = write_grid(tmp_path / "g.yaml", **run_grid(tiny_ckpt("qwen2_moe"), policy=["lru", "lod"]))
+    out = tmp_path / "sweep"
+    assert runner.invoke(app, ["sweep", str(grid), "--workers", "0", "--out", str(out)]).exit_code == 0
+    cell = out / "lru.run.json"
+    art = json.loads(cell.read_text())
+    assert art["moetool_version"] == code_version() and code_version().startswith("0.1.0+")
+    cell.write_text(json.dumps({**art, "moetool_version": "0.1.0"}))  # as every moetool before this one wrote
+    result = runner.invoke(app, ["sweep", str(grid), "--workers", "0", "--out", str(out)])
+    assert result.exit_code == 0 and "1 reused, 1 done" in result.stderr, result.output
+    assert (f"note: 1 cell(s) of {out} were written by another moetool (0.1.0; this one is {code_version()}), so they "
+            "run again rather than being reused.") in " ".join(result.stderr.split()), result.stderr
+    assert json.loads(cell.read_text())["moetool_version"] == code_version()
+
+
 def test_a_path_given_on_the_command_line_is_the_working_directorys(tiny_ckpt, tmp_path, monkeypatch):
     """`sweep --with hw=hw/fast.json` read the file of that name beside the grid, where `run --hw` reads the
     working directory's; the grid's own paths stay its directory's."""

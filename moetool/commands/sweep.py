@@ -59,7 +59,7 @@ def sweep(
     `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
     from moetool.machine import STOPPED
-    from moetool.sweep import SweepConfig, Terminated, fit_dropped_cells
+    from moetool.sweep import SweepConfig, Terminated, fit_dropped_cells, other_moetool_cells
     from moetool.sweep import sweep as sweep_stage
 
     writable(save, "dir")
@@ -90,6 +90,7 @@ def sweep(
             if status != "reused":
                 err.print(styled((f"{done}/{cells}", "dim"), f" {name}: ", (status, STYLE[status])), highlight=False)
 
+        older = other_moetool_cells(save)  # before the sweep writes over them
         try:
             index = sweep_stage(cfg, progress=progress)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): cells in flight are cancelled, Ray is stopped
@@ -105,6 +106,8 @@ def sweep(
         status = cell["status"]
         table.add_row(name, styled((status, STYLE[status])), cell["artifact"] or cell["reason"] or "")
     out.print(table)
+    if older is not None:
+        err.print(styled(("note:", "yellow"), f" {older}"), highlight=False)
     if (said := fit_dropped_cells(save, index.cells)) is not None:  # what `run` and `eval` say of one cell
         err.print(styled(("note:", "yellow"), f" {said}"), highlight=False)
     axes = index.grid.get("grid") if isinstance(index.grid.get("grid"), dict) else {}
