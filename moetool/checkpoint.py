@@ -122,18 +122,20 @@ def load_into(model: nn.Module, tensors: dict[str, Any], dtype: torch.dtype, map
         raise MoetoolError(f"the checkpoint's weights do not fit the model's config: {target}: {_reason(report)}.")
     if info.mismatched_keys:
         raise MoetoolError(f"the checkpoint's weights do not fit the model's config ({sorted(info.mismatched_keys)[0]}).")
-    refuse_not_finite(((n, p) for n, p in model.named_parameters() if not p.is_meta), where, first_expert)
+    refuse_not_finite(((n, p) for n, p in model.named_parameters() if not p.is_meta), where, first_expert, dtype)
     return info
 
 
 _FINITE_CHUNK = 1 << 24  # elements checked at a time: a bool mask of a few MiB, not one of a whole embedding
 
 
-def refuse_not_finite(named: Any, where: str, first_expert: int | None = None) -> None:
+def refuse_not_finite(named: Any, where: str, first_expert: int | None = None,
+                      dtype: torch.dtype | None = None) -> None:
     """Refuse the first of `named` ((name, tensor) pairs) that holds a NaN or an infinity, naming the
     tensor, the element and (a fused experts tensor, `first_expert` the expert of its first row) the
     expert. A weight that is not a finite number makes every output it reaches NaN: a model would
-    run and print empty text, a bundle would store it, a report would plot it."""
+    run and print empty text, a bundle would store it, a report would plot it. Loaded as float16
+    (`dtype`), an infinity may be the cast's: a finite float32 weight past 65504."""
     for name, t in named:
         if not t.is_floating_point():
             continue
@@ -149,6 +151,11 @@ def refuse_not_finite(named: Any, where: str, first_expert: int | None = None) -
             expert = ""
             if first_expert is not None and at:  # a fused experts tensor: its first index is the span's expert
                 expert, at = f" of expert {first_expert + at[0]}", at[1:]
+            if what != "NaN" and dtype == torch.float16 == t.dtype:  # the cast to --dtype may have made it
+                raise MoetoolError(f"the weight {name}{expert} at {at} in {where} is {what} in "
+                                   f"float16: the file stores an infinity there, or a value past float16's range "
+                                   f"({torch.finfo(torch.float16).max:.0f}) that --dtype float16 overflowed; run it in "
+                                   "bfloat16 or float32 (--dtype), or give an intact copy.")
             raise MoetoolError(f"{where} stores {what} in the weight {name}{expert} at {at}: a weight that is not a "
                                "finite number makes every output it reaches NaN; the file is damaged (or overflowed "
                                "when it was saved or converted): give an intact copy.")

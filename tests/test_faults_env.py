@@ -129,6 +129,17 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it(tiny_ckpt, tmp_path, k
                                        "--clock", "sim"))
 
 
+def test_a_finite_weight_past_float16_loaded_as_float16_is_not_called_damage(tiny_ckpt, tmp_path):
+    """7e4 in a float32 file is finite; `--dtype float16` made it +Infinity, and the run sent the user after
+    "an intact copy" of a file that is fine. The sentence names the cast as the likely cause, and the cure."""
+    model = _damaged(tiny_ckpt("qwen2_moe"), tmp_path / "m", "model.layers.1.mlp.experts.2.down_proj.weight", 7e4)
+    line = one_error_line(_cli("run", "--model", model, "--dtype", "float16", "--prompt", "hi", "--max-new-tokens", "2",
+                               "--clock", "sim"))
+    assert "is +Infinity in float16: the file stores an infinity there, or a value past float16's range (65504) that " \
+           "--dtype float16 overflowed; run it in bfloat16 or float32 (--dtype)" in line, line
+    assert _cli("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "2", "--clock", "sim").exit_code == 0
+
+
 def test_a_weight_whose_scale_overflows_float16_is_refused(tiny_ckpt, tmp_path):
     """1e30 is a finite weight (fp32, bf16), but its INT8 group scale is not a float16: the bundle would
     store infinity. It was refused by the bundle's reader, after the work, as `rel_error is nan`."""
