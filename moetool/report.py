@@ -23,7 +23,8 @@ from moetool.errors import MoetoolError
 from moetool.figures import comparison_figures, profile_figures, setting_label
 from moetool.files import text_bytes
 from moetool.policies import hooked
-from moetool.policies.stages import ReportInputs, cache_bytes, ppl_measurement, primary_metric, shown_names
+from moetool.policies.stages import (ReportInputs, bundle_names, bundle_of, cache_bytes, machine, ppl_measurement,
+                                     primary_metric, shown_names)
 from moetool.policies.stages import table as _table
 from moetool.profile_artifact import Profile
 from moetool.report_inputs import Found, collect, group_by_model
@@ -119,7 +120,7 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]], names:
         if m is None:
             continue
         pol, params = e.get("policy", "?"), e.get("params") or {}
-        same = [(p, r) for p, r in runs if r.policy == pol and _same_budget(r, e) and _bundle(r.inputs) == _bundle(
+        same = [(p, r) for p, r in runs if r.policy == pol and _same_budget(r, e) and bundle_of(r.inputs) == bundle_of(
             e.get("inputs")) and all(r.params[k] == v for k, v in params.items() if k in r.params and
                                      isinstance(v, (str, int, float, bool)))]
         # No fallback to "the one run of this policy": a run at other knobs (static INT4 for an INT2
@@ -141,22 +142,15 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]], names:
     return rows
 
 
-def _bundle(inputs: dict | None, named: bool = False) -> str | None:
-    """The bundle an artifact ran (its manifest's sha256; `named`: its directory's name), None for none: an eval
-    of one bundle (group 8) was paired with a run of another of the same model (group 16)."""
-    key = next((k for k in (inputs or {}) if Path(k).name == "bundle.json"), None)
-    return None if key is None else Path(key).parent.name if named else inputs[key]
-
-
 def _eval_clock(e: dict) -> str | None:
-    """The clock an eval ran on, with the simulated machine ("sim/rtx3090", "wall"); None for a hand-made
-    eval that records none."""
-    return f"{e['clock']}{'/' + e['hw'] if e.get('hw') else ''}" if e.get("clock") else None
+    """The clock an eval ran on, with the simulated machine (`stages.machine`: "sim/rtx3090", "wall"); None
+    for a hand-made eval that records none."""
+    return machine(e.get("clock"), e.get("hw"), e.get("inputs"))
 
 
 def _timing(r: Run) -> tuple[str, str]:
     """What a run's TPOT was measured on: its clock (with the simulated machine) and its decode path."""
-    return f"{r.clock}{'/' + r.hw if r.hw else ''}", f"{(r.summary or {}).get('path', 'host')} path"
+    return machine(r.clock, r.hw, r.inputs) or "?", f"{(r.summary or {}).get('path', 'host')} path"
 
 
 def _choices(e: dict) -> dict[tuple[str, Any], int]:
@@ -216,7 +210,9 @@ def _quality_table(evals: list[tuple[Path, dict]], names: dict[Path, str] | None
     # wall clock, so one setting evaluated on both computed different things.
     dtypes = len({e.get("dtype", "float32") for e in scored}) > 1
     clocks = len({_eval_clock(e) for e in scored} - {None}) > 1
-    bundles = len({_bundle(e.get("inputs")) for e in scored}) > 1  # two bundles of one model (group size, method)
+    # two bundles of one model (group size, method): each its own row, named by its directory's last parts
+    bundles = bundle_names([e.get("inputs") for e in scored])
+    several = len({bundle_of(e.get("inputs")) for e in scored}) > 1
     rows: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
     again: list[str] = []
     for e in scored:
@@ -224,7 +220,7 @@ def _quality_table(evals: list[tuple[Path, dict]], names: dict[Path, str] | None
         label = setting_label(e.get("policy", "?"), e.get("params") or {})
         label += f" ({e.get('dtype', 'float32')})" if dtypes else ""
         label += f" ({_eval_clock(e) or 'unrecorded'} clock)" if clocks else ""
-        label += f" (bundle {_bundle(e.get('inputs'), named=True) or 'none'})" if bundles else ""
+        label += f" (bundle {bundles[bundle_of(e.get('inputs'))]})" if several else ""
         held = rows[label, cache].get(columns[id(e)])
         if held is not None:  # one cell, two evals: the table shows one, and says which
             again.append(f"`{names[paths[id(held)]]}` and `{names[paths[id(e)]]}` ({label}, {columns[id(e)]}: "
@@ -256,10 +252,17 @@ def _quality_table(evals: list[tuple[Path, dict]], names: dict[Path, str] | None
 
 def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict], names: dict[Path, str] | None = None) -> str:
     names = names if names is not None else shown_names([p for p, _ in runs])
+    bundles = bundle_names([r.inputs for _, r in runs])
+    several = len({bundle_of(r.inputs) for _, r in runs}) > 1  # runs of a group-16 and a group-8 bundle, alike
+
+    def setting(r: Run) -> str:
+        return setting_label(r.policy, r.params) + (f", batch {r.batch_size}" if r.batch_size > 1 else "") + (
+            f", bundle {bundles[bundle_of(r.inputs)]}" if several else "")
+
     md = ["## Runs\n\n", _table(["run", "setting", "clock", "path", "expert cache MiB", "budget MiB", "TTFT ms",
                                  "TPOT mean ms", "hit rate"],
-                                [[names[p], setting_label(r.policy, r.params) + (f", batch {r.batch_size}" if r.batch_size > 1 else ""),
-                                  _clock_cell(r), (r.summary or {}).get("path", "-"), cache_bytes(r) / 2**20,
+                                [[names[p], setting(r), _clock_cell(r), (r.summary or {}).get("path", "-"),
+                                  cache_bytes(r) / 2**20,
                                   r.budget_bytes / 2**20, r.ttft_s * 1e3 if r.ttft_s is not None else None,
                                   r.tpot_s["mean"] * 1e3 if r.tpot_s else None, r.hit_rate] for p, r in runs])]
     if rows:
@@ -271,10 +274,10 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict], names: dict[Pat
 
 
 def _clock_cell(r: Run) -> str:
-    """A run's clock as the Runs table says it: the simulated machine, or the device and (on a CPU) the
-    threads a wall-clock time was measured with (two CPU times at 1 and 16 threads are two machines)."""
+    """A run's clock as the Runs table says it: the simulated machine (`stages.machine`), or the device and
+    (on a CPU) the threads a wall-clock time was measured with (two CPU times at 1 and 16 threads are two machines)."""
     if r.clock != "wall":
-        return f"{r.clock}{'/' + r.hw if r.hw else ''}"
+        return machine(r.clock, r.hw, r.inputs) or "?"
     threads = (r.summary or {}).get("host_threads")
     return f"wall/{r.device}" + (f", {threads} thread{'s' * (threads != 1)}" if threads and r.device.startswith("cpu") else "")
 

@@ -248,7 +248,7 @@ def test_smoe_runs_on_two_hardware_files_of_one_name_are_two_machines(tmp_path):
         return r.save(tmp_path / f"{digest}{a}.run.json")
 
     two = fit(FitConfig(profile=prof, runs=(on(0.0, "a"), on(0.2, "b"), on(0.4, "a")), target_tpot=0.09))
-    assert "differ in more than alpha (hw hw.json (aaaaaaaaaaaa) / hw hw.json (bbbbbbbbbbbb))" in \
+    assert "differ in more than alpha (hw hw.json aaaaaaaaaaaa / hw hw.json bbbbbbbbbbbb)" in \
         two.evidence["skipped"]["smoe.alpha"]
     one = fit(FitConfig(profile=prof, runs=(on(0.0, "a"), on(0.2, "a"), on(0.4, "a")), target_tpot=0.09))
     assert "alpha" in one.params["smoe"]

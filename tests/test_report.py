@@ -149,6 +149,46 @@ def test_an_eval_of_one_bundle_is_paired_with_a_run_of_that_bundle_and_not_anoth
     assert "static bits=4 (bundle g16)" in md and "static bits=4 (bundle g8)" in md and "Evals of one setting" not in md
 
 
+def test_bundles_of_one_directory_name_and_machines_of_one_file_name_are_told_apart(tmp_path):
+    """`g16/bundle` and `g8/bundle` were both "bundle": their evals one quality row (the g16 one dropped) and
+    their runs one Table 3 cell; two experiments' `hw.json` (an RTX 3090's, an H100's) were one clock, averaged.
+    A bundle is its manifest's digest, named by the path parts that tell it apart; a machine its file's content,
+    and a copy of a shipped preset is that preset."""
+    import dataclasses
+
+    from moetool.artifacts import sha256_file
+    from moetool.engine.clock import HW_DIR
+    from moetool.policies.dymoe_report import ablation
+
+    d = tmp_path / "art"
+    d.mkdir()
+    runs = []
+    for group, tpot, ppl in ((16, 0.2, 40.0), (8, 0.3, 39.0)):
+        inputs = {f"/x/g{group}/bundle/bundle.json": f"{group:02d}" * 32}
+        run = dataclasses.replace(synthetic_run("lru", {}, tpot), inputs=inputs)
+        runs.append((d / f"lru_g{group}.run.json", run))
+        e = {**_ppl_eval("static", {"bits": 4}, ppl), "inputs": inputs, "budget_bytes": 8 << 20}
+        (d / f"g{group}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "static bits=4 (bundle g16/bundle)" in md and "static bits=4 (bundle g8/bundle)" in md, md
+    assert "Evals of one setting" not in md
+    cells = [ln for ln in ablation(tuple(runs)).splitlines() if ln.startswith("| 2.")]
+    assert [c.split("|")[1].strip() for c in cells] == ["2. Cache (lru, bundle g16/bundle)", "2. Cache (lru, bundle g8/bundle)"]
+
+    def on(hw: str, digest: str, tpot: float):
+        return dataclasses.replace(synthetic_run("lod", {}, tpot), hw=hw, inputs={f"/exp/{hw}": digest})
+
+    preset = sha256_file(HW_DIR / "rtx3090.json")
+    two = ablation(((d / "a.run.json", on("hw.json", "a" * 64, 0.12)), (d / "b.run.json", on("hw.json", "b" * 64, 0.09))))
+    assert [t.split("(clock: ")[1].split(";")[0] for t in two.split("### ")[1:]] == [
+        f"sim/hw.json {'a' * 12}", f"sim/hw.json {'b' * 12}"]  # two machines, two tables: not one averaged cell
+    one = ablation(((d / "a.run.json", on("copy.json", preset, 0.1)),
+                    (d / "b.run.json", dataclasses.replace(synthetic_run("lod", {}, 0.1),
+                                                           inputs={str(HW_DIR / "rtx3090.json"): preset}))))
+    assert [t.split("(clock: ")[1].split(";")[0] for t in one.split("### ")[1:]] == ["sim/rtx3090"]
+
+
 def test_report_refuses_an_empty_input(tmp_path):
     with pytest.raises(MoetoolError, match="no profile, fit, run or eval"):
         report([tmp_path], tmp_path / "rep")

@@ -42,11 +42,12 @@ def ablation_row(policy: str, p: dict[str, Any]) -> str | None:
     return ABLATION[4 if prefetch else 3]
 
 
-def configuration(policy: str, p: dict[str, Any], batch: int = 1) -> str:
+def configuration(policy: str, p: dict[str, Any], batch: int = 1, bundle: str | None = None) -> str:
     """What a Table 3 row's run ran, to tell apart runs that stand for one row: the policy, its
     precisions and DyMoE's r (a 16-bit `lru` and DyMoE at r = 1 in INT4 are both "2. Cache"; DyMoE at
     r = 0.75 and 0.9 both row 5), every other knob off its default (an LFU cache, eap's k, DyMoE's
-    hh_ratio: they were averaged with the defaults' runs into one cell) and a batch of more than one."""
+    hh_ratio: they were averaged with the defaults' runs into one cell), a batch of more than one and the
+    `bundle` where runs of several stand for a row (a group-16 and a group-8 bundle's INT4)."""
     from moetool.figures import off_default
 
     high, low = recorded_precisions(p)
@@ -57,7 +58,7 @@ def configuration(policy: str, p: dict[str, Any], batch: int = 1) -> str:
         name = f"{policy} {bits}-bit" if isinstance(bits, int) else policy
     # lam is solved from r (shown); the tiers are in the name
     knobs = [f"{k}={p[k]}" for k in off_default(policy, p) if k not in ("lam", "high_bits", "low_bits")]
-    return ", ".join([name, *knobs, *([f"batch {batch}"] if batch > 1 else [])])
+    return ", ".join([name, *knobs, *([f"batch {batch}"] if batch > 1 else []), *([f"bundle {bundle}"] if bundle else [])])
 
 
 def ablation(runs: tuple, shown: Any = None) -> str:
@@ -65,15 +66,21 @@ def ablation(runs: tuple, shown: Any = None) -> str:
     the sim clock and of the wall are not averaged together), and a row per configuration where runs of
     more than one stand for it; a cell averages the runs of one configuration (repeats, prompts).
     `shown(path)`: how the report names a run (its file name by default)."""
+    from moetool.policies.stages import bundle_names, bundle_of, machine
+
     by_clock: dict[str, list] = defaultdict(list)
+    bundles = bundle_names([r.inputs for _, r in runs])
+    several = len({bundle_of(r.inputs) for _, r in runs}) > 1
     for path, r in runs:
         row = ablation_row(r.policy, r.params)
         if row:
             # The decode path is part of the clock: the captured step runs a policy's host half a step late
-            # (docs/engine.md), so its runs are not averaged with the host path's.
+            # (docs/engine.md), so its runs are not averaged with the host path's. The machine is the hw
+            # file's content (`machine`): two experiments' hw.json had been one clock.
             decode = (r.summary or {}).get("path")
-            by_clock[f"{r.clock}{'/' + r.hw if r.hw else ''}{f', {decode} path' if decode else ''}"].append(
-                (row, configuration(r.policy, r.params, r.batch_size), path, r))
+            bundle = bundles[bundle_of(r.inputs)] if several else None
+            by_clock[f"{machine(r.clock, r.hw, r.inputs)}{f', {decode} path' if decode else ''}"].append(
+                (row, configuration(r.policy, r.params, r.batch_size, bundle), path, r))
     return "\n".join(_ablation_table(clock, rows, shown or (lambda p: p.name)) for clock, rows in sorted(by_clock.items()))
 
 

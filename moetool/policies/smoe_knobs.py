@@ -198,14 +198,11 @@ def _setting(run: Any) -> dict[str, str]:
     knobs = {f.name: f"{f.name}={run.params.get(f.name)!r}" for f in fields(SMoEKnobs.Params) if f.name != "alpha"}
     prompts = hashlib.sha256("\x00".join(run.prompts).encode("utf-8", "surrogatepass")).hexdigest()[:12]
     lengths = sorted({len(t) for t in run.tokens})
-    # a user's hardware profile by its content where the run records it (`run.prepare`; a preset ships with the
-    # version): two files named hw.json in two experiments were one machine, one file reached by two paths two
-    from moetool.engine.clock import HW_DIR
+    # a user's hardware profile by its content (`stages.machine`): two files named hw.json in two experiments
+    # were one machine, one file reached by two paths two
+    from moetool.policies.stages import machine
 
-    hw = str(run.hw or "")
-    digest = next((v for k, v in (run.inputs or {}).items() if hw and Path(k).name in (Path(hw).name, f"{hw}.json")
-                   and Path(k).parent != HW_DIR.resolve()), None)
-    hw = f"{Path(hw).name} ({digest[:12]})" if digest else hw
+    hw = (machine(run.clock, run.hw, run.inputs) or "").partition("/")[2]
     return {"clock": f"{run.clock} clock", "hw": f"hw {hw}", "budget": f"budget {run.budget_bytes} B",
             "batch": f"batch {run.batch_size}", "dtype": f"dtype {run.dtype}",
             "device": f"device {run.device.split(':')[0] if run.clock == 'sim' else run.device}",

@@ -236,6 +236,57 @@ def differences(settings: list[dict[str, str]]) -> str:
 
 # -- report ----------------------------------------------------------------------------------------
 
+_PRESETS = Path(__file__).resolve().parents[1] / "hw_presets"  # engine.clock.HW_DIR, without torch
+
+
+def _presets_by_digest() -> dict[str, str]:
+    from moetool.artifacts import sha256_file
+
+    if not hasattr(_presets_by_digest, "table"):
+        _presets_by_digest.table = {sha256_file(f): f.stem for f in sorted(_PRESETS.glob("*.json"))}
+    return _presets_by_digest.table
+
+
+def machine(clock: str | None, hw: str | None, inputs: dict[str, str] | None) -> str | None:
+    """The clock a run's or an eval's times are on, as report and fit tell machines apart: "wall", a
+    shipped preset by its name ("sim/rtx3090", however it was given), a profile of one's own by its file
+    name and content ("sim/hw.json 3f9c2a1b7d4e": two experiments' hw.json were one machine, averaged into
+    one Table 3 cell). The content is the file's sha256 among the artifact's inputs (`run.prepare`); an
+    artifact that does not record it is known by the name as given. None: no clock recorded."""
+    if not clock:
+        return None
+    if not hw:
+        return clock
+    name = Path(hw).name
+    digest = next((v for k, v in (inputs or {}).items() if Path(k).name in (name, f"{name}.json")), None)
+    if digest is None:
+        return f"{clock}/{hw}"
+    preset = _presets_by_digest().get(digest)
+    return f"{clock}/{preset}" if preset else f"{clock}/{name} {digest[:12]}"
+
+
+def bundle_of(inputs: dict[str, str] | None) -> str | None:
+    """The bundle an artifact ran, by its manifest's sha256 (None: experts from a checkpoint)."""
+    key = next((k for k in (inputs or {}) if Path(k).name == "bundle.json"), None)
+    return None if key is None else (inputs or {})[key]
+
+
+def bundle_names(inputs: list[dict[str, str] | None]) -> dict[str | None, str]:
+    """How a report names each bundle among artifacts' `inputs`: by as many last parts of its directory as
+    tell it from the others' (g16/bundle, g8/bundle: both "bundle" had been one row), with its digest
+    where one directory held two (quantized again); "none" for experts read from a checkpoint."""
+    dirs: dict[str, Path] = {}
+    for i in inputs:
+        key = next((k for k in (i or {}) if Path(k).name == "bundle.json"), None)
+        if key is not None:
+            dirs.setdefault((i or {})[key], Path(key).parent)
+    shown = shown_names(list(dict.fromkeys(dirs.values())))
+    twice = {d for d in dirs.values() if list(dirs.values()).count(d) > 1}
+    names: dict[str | None, str] = {None: "none"}
+    names.update({sha: shown[d] + (f" {sha[:12]}" if d in twice else "") for sha, d in dirs.items()})
+    return names
+
+
 def shown_names(paths: list[Path]) -> dict[Path, str]:
     """How a report names each artifact: its file name, or where several share one, as many of their
     last path parts as tell them apart (`a/lru.run.json`, `backup/lru.run.json`)."""
