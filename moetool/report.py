@@ -315,7 +315,7 @@ def _report_one(found: Found, out_dir: Path, copies: dict[Path, Path] | None = N
     out: list[Path] = []
     mine = {p for items in found.values() for p, _ in items}
     same = [f"`{c}` (a copy of `{f}`)" for c, f in (copies or {}).items() if f in mine]
-    md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in found.items()
+    md = ["# moetool report\n\n", "Inputs: " + ", ".join(f"`{p}` ({s})" for s, items in sorted(found.items())
                                                           for p, _ in items) + "\n\n",
           *([f"Read once, as the same bytes as another input: {', '.join(same)}.\n\n"] if same else [])]
     runs, profiles = found.get("run", []), found.get("profile", [])  # the Profiles (the hooks' ProfileRecord has less)

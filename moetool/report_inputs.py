@@ -72,6 +72,9 @@ def collect(inputs: list[Path], copies: dict[Path, Path] | None = None) -> Found
             files.append((p, True))
         else:
             raise MoetoolError(f"{p} does not exist.")
+    # by path, whatever order the command line gave them in: which of two copies is read, and so named,
+    # is the same for `report A B` and `report B A`
+    files.sort(key=lambda pair: str(pair[0]))
     found: Found = defaultdict(list)
     seen: set[Path] = set()
     digests: dict[str, Path] = {}

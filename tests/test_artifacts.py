@@ -242,3 +242,18 @@ def test_a_run_written_before_batch_size_was_recorded_reads_it_where_known_and_i
                       "path_reason": "the captured step decodes one sequence at a time, not a batch of 2"}
     assert Run.from_json(old).batch_size == 2
     assert Run.from_json({**old, "batch_size": 1}).batch_size == 1  # recorded: taken as it is
+
+
+def test_a_list_of_ints_or_strings_reads_in_one_pass_and_still_names_a_bad_element():
+    """A Run's tokens took 35 us each to read (7 s for 100 prompts of 2,000 tokens): lists whose elements are
+    all of their type are taken whole; any other goes element by element, naming the first bad one."""
+    from moetool.schema import SchemaError, build
+
+    ids = list(range(1000))
+    got = build(list[list[int]], [ids, ids])
+    assert got == [ids, ids] and got[0] is not ids  # a copy, as the element-wise read gives
+    assert build(list[int], [1, 3.0]) == [1, 3] and type(build(list[int], [3.0])[0]) is int
+    with pytest.raises(SchemaError, match=r"tokens\[1\]\[2\] must be an integer, not true"):
+        build(list[list[int]], [[1], [1, 2, True]], "tokens")
+    with pytest.raises(SchemaError, match=r"texts\[1\] must be a string, not the number 4"):
+        build(list[str], ["a", 4], "texts")

@@ -127,6 +127,11 @@ def test_artifacts_of_one_file_name_are_told_apart_and_a_copy_is_read_once(tmp_p
             if line.startswith("| ")][1:]
     assert runs == ["a/lru.run.json", "b/lru.run.json"]
     assert "| 2. Cache | 0.5 | 0.3 | a/lru.run.json, b/lru.run.json |" in md  # TTFT, and TPOT's mean of the two
+    # given in the other order on the command line, the same report: the same copy is the one read
+    report([d / "backup", d / "b", d / "a"], tmp_path / "rep2")
+    again = (tmp_path / "rep2" / "summary.md").read_text()
+    assert again.split("Inputs: ")[1].split("\n")[0] == md.split("Inputs: ")[1].split("\n")[0]
+    assert "(a copy of `" + str(d / "a" / "lru.run.json") + "`)" in again, again
 
 
 def test_an_eval_of_one_bundle_is_paired_with_a_run_of_that_bundle_and_not_another(tmp_path):
