@@ -150,3 +150,27 @@ def test_stepwise_perplexity_keeps_its_tokens_nll_not_their_logits(long_bundle, 
     assert logits and logits[0] <= 2, f"{logits} logits tensors alive {N} tokens into a window"
     kept = kept_between(lambda progress: evaluate(cfg, progress), 2 * N, 4 * N - 2)  # 2 x (2N - 1) tokens scored
     assert kept.per_token() <= PER_TOKEN, str(kept)
+
+
+def test_captured_runs_one_after_another_keep_no_compiled_step_of_the_last(tiny_ckpt):
+    """Each captured run left its compiled step alive (the compiler's guards hold it, and it named it in
+    engine.decode's globals): a sweep of captured cells in one process grew ~11 MiB a cell on a tiny model.
+    Once a program is gone, what compiling it left is dropped."""
+    import torch.fx
+
+    import moetool.engine.decode as decode
+
+    path = str(tiny_ckpt("qwen2_moe"))
+
+    def live() -> tuple[int, int]:
+        gc.collect()
+        graphs = sum(isinstance(o, torch.fx.GraphModule) for o in gc.get_objects())
+        return graphs, sum(k.startswith(decode._COMPILED) for k in vars(decode))
+
+    counts = []
+    for budget in ("50%", "60%", "70%"):
+        got = run(RunConfig(model=path, policy="lru", budget=budget, clock="sim", decode="captured", prompts=("ab",),
+                            max_new_tokens=3))
+        assert got.summary["path"] == "captured"
+        counts.append(live())
+    assert counts[2] == counts[1] and counts[2][1] == 0, counts  # no more after the third than after the second

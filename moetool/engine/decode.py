@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import time
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -225,9 +226,12 @@ class DecodeProgram:
             with torch.no_grad():
                 self._step()  # eager: initializes the cache, and any error here is the model's, not the compiler's
                 self._stage = "compiling the decode step"
-                self.compiled = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False,
-                                              backend=backend or "inductor")
+                step = _own_code(self._step)
+                before = {k for k in globals() if k.startswith(_COMPILED)}
+                self.compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend or "inductor")
                 self.compiled()
+                weakref.finalize(self, _forget, step.__func__.__code__,
+                                 {k for k in globals() if k.startswith(_COMPILED)} - before)
                 self._stage = "checking that the step reads no host state that moves with the position"
                 try:
                     with torch.compiler.set_stance("fail_on_recompile"):
@@ -456,10 +460,25 @@ class DecodeProgram:
 def _own_code(method: Any) -> Any:
     """`method` bound to a copy of its code object. The compiler keeps its compiled graphs per code
     object, with at most eight variants: each program (another model, engine or policy) compiles its
-    own step, which must not count against the others' (nor keep theirs alive)."""
+    own step, which must not count against the others' (nor keep theirs alive: `_forget`)."""
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return types.MethodType(own, method.__self__)
+
+
+_COMPILED = ("__compiled_fn", "__resume")  # the names the compiler gives what it adds to a module's globals
+
+
+def _forget(code: types.CodeType, names: set[str]) -> None:
+    """Drop what compiling a program's step left in the process once the program is gone: the compiler's
+    cache entries for its code (their guards hold the graph) and the compiled functions it named in this
+    module's globals. A process that ran captured runs one after another (a sweep's cells, a benchmark)
+    had grown by a compiled step each time."""
+    from torch._dynamo.eval_frame import remove_from_cache
+
+    remove_from_cache(code)
+    for name in names:
+        globals().pop(name, None)
 
 
 __all__ = ["DIFFERENT_MODEL_TYPES", "DecodeProgram", "PATHS", "VERIFIED_MODEL_TYPES", "architecture_refusal",
