@@ -158,6 +158,28 @@ def test_a_checkpoint_spelled_another_way_gives_the_same_manifest(built, models,
     assert (tmp_path / "y" / MANIFEST).read_bytes() == (out / MANIFEST).read_bytes()
 
 
+def test_experts_of_small_weights_stored_coarser_than_their_bits_are_said(built, models, tmp_path):
+    """hqq's step stops shrinking under a group range of ~0.013 at INT8: up rows scaled by 1e-3 (the model's
+    function the same, down scaled up) were stored at "INT8" 96% off, with nothing said, and the recorded
+    rel_error (gate and up stacked) read 0.005. Each entry records its worst row; quantize says so."""
+    from safetensors.torch import load_file, save_file
+
+    bundle, _ = built
+    bound = {16: 0.01, 8: 0.05, 4: 0.5, 2: 1.0}  # bf16's rounding of fp32 weights, then `notes.ROW_BOUND`
+    assert all(max(e.row_error.values()) <= bound[e.bits] for e in bundle.entries)
+    small = tmp_path / "small"
+    shutil.copytree(models[0], small)
+    weights = load_file(small / "model.safetensors")
+    for k in weights:
+        if ".experts." in k and "up_proj" in k and "gate" not in k:
+            weights[k] = weights[k] * 1e-3
+    save_file(weights, small / "model.safetensors", metadata={"format": "pt"})
+    said: list[str] = []
+    got = quantize(config(small, tmp_path / "b", bits=(16, 8)), note=said.append)
+    assert any(e.bits == 8 and e.row_error["gate_up"] > 0.05 for e in got.entries)
+    assert [s for s in said if "coarser than their bits allow at INT8" in s and "row_error" in s], said
+
+
 def test_resume_redoes_a_shard_that_no_longer_hashes_right(built, models, tmp_path):
     bundle, _ = built
     out = tmp_path / "c"

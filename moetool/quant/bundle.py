@@ -65,6 +65,9 @@ class Entry:
     rel_error: dict[str, float]  # projection -> ||W - W_hat||_F / ||W||_F against the loaded weights
     out_error: float | None = None  # ||f(X) - f_hat(X)||_F / ||f(X)||_F on the expert's calibration tokens
     tokens: int | None = None  # calibration tokens the router sent to this expert
+    # projection -> the largest relative error of one output row: a stacked projection's Frobenius ratio
+    # hides a half of smaller weights stored far coarser (gate's norm swamps up's); None: not recorded
+    row_error: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

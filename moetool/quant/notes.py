@@ -4,6 +4,9 @@ bytes (before the work) and what storing the checkpoint rounds (once it is done)
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import torch
 
 from moetool.model import MoeLayer
 from moetool.quant.format import Bits, Layout, make_layout
@@ -62,3 +65,37 @@ def size_note(layers: list[MoeLayer], layouts: dict[int, dict[Bits, Layout]], gr
            f"{', '.join(str(int(b)) for b in poor)} skips what saves little")
     return (f"at group size {group_size} the quantized experts keep much of the bf16 experts' bytes ({said}), "
             f"since each group of {group_size} input columns stores a scale and a zero beside its codes; {fix}.")
+
+
+# The largest relative error of one output row a precision's own rounding gives, with room: a Gaussian
+# row at min-max rounding is off by ~1.36 / (2^b - 1) of its norm (0.005 at INT8, 0.09 at INT4, 0.45 at
+# INT2), ten times that at INT8, five at INT4, and at INT2 a row worse than storing zeros.
+ROW_BOUND = {8: 0.05, 4: 0.5, 2: 1.0}
+
+
+def row_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """The largest ||w - w_hat|| / ||w|| over the output rows of a weight [N, K] (rows of zeros: exact
+    or not, they have no scale to be relative to and are left out), in fp64."""
+    ref = reference.double()
+    norms = torch.linalg.vector_norm(ref, dim=1)
+    errors = torch.linalg.vector_norm(ref - approx.double(), dim=1)
+    keep = norms > 0
+    return float((errors[keep] / norms[keep]).max()) if bool(keep.any()) else 0.0
+
+
+def coarse_note(entries: Any) -> str | None:
+    """Experts stored far coarser than their bits (`ROW_BOUND`), or None. hqq caps a group's inverse
+    scale at 2e4 and takes a scale of 1 for a range under 1e-4, so a group of small weights (spanning
+    under ~0.013 at INT8) is rounded by a step its bits do not say: "INT8" experts of weights near 1e-4
+    were no better than INT4, and below 1e-5 worse than zeros, with nothing said."""
+    coarse = [(e.row_error[p], e, p) for e in entries if e.row_error and e.bits in ROW_BOUND
+              for p in e.row_error if e.row_error[p] > ROW_BOUND[e.bits]]
+    if not coarse:
+        return None
+    worst, e, proj = max(coarse, key=lambda c: c[0])
+    bits = sorted({c[1].bits for c in coarse}, reverse=True)
+    return (f"{len({(c[1].layer, c[1].expert, c[1].bits) for c in coarse})} expert(s) are stored coarser than their "
+            f"bits allow at {', '.join(f'INT{b}' for b in bits)} (worst: layer {e.layer} expert {e.expert}'s {proj} "
+            f"at INT{e.bits}, a row off by {worst:.2g} of its norm, past {ROW_BOUND[e.bits]:g}); hqq's scale stops "
+            "shrinking for groups of very small weights, so runs at those precisions compute far from the model "
+            "(bundle.json records each entry's row_error).")

@@ -45,7 +45,7 @@ from moetool.quant.calibration import calibrate_layer_by_layer, calibration_ids,
 from moetool.quant.journal import JOURNAL, SHARD_NAME, Journal
 from moetool.tokenizer import unknown_tokens
 from moetool.quant.shards import MODEL_DIR, NON_EXPERT, ModelFile, Shard, ShardWriter, file_crc32, write_safetensors
-from moetool.quant.notes import gate_up_shape, precision_note, size_note
+from moetool.quant.notes import coarse_note, gate_up_shape, precision_note, row_error, size_note
 from moetool.quant.format import (DTYPES, META_DTYPE, Bits, Layout, QTensor, auto_group_size, dequantize,
                                    dequantize_qtensor, encode, make_layout, relative_error, views)
 
@@ -155,8 +155,9 @@ def quantize(cfg: QuantizeConfig, progress: Callable[[Progress], None] | None = 
             shutil.rmtree(out, ignore_errors=True)
         raise
     said = precision_note(lm.experts.checkpoint.stored_dtypes(), cfg.dtype, reference=16 in cfg.bits)  # a finished one
-    if said and note is not None:
-        note(said)
+    for said in (said, coarse_note(bundle.entries)):
+        if said and note is not None:
+            note(said)
     return bundle
 
 
@@ -412,6 +413,8 @@ def _quantize_layer(lm: LoadedModel, layer: MoeLayer, cfg: QuantizeConfig, layou
                     layer=layer.index, expert=expert, bits=int(bits), method=method, shard=writer.path.name,
                     offset=offset, nbytes=layout.nbytes, layout=_layout_key(layout), crc32=crc,
                     rel_error={p.name: relative_error(getattr(ref, p.name), getattr(approx, p.name))
+                               for p in layout.projections},
+                    row_error={p.name: row_error(getattr(ref, p.name), getattr(approx, p.name))
                                for p in layout.projections},
                     out_error=out_error, tokens=None if x is None else len(x)))
             on_expert(expert)
