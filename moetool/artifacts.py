@@ -318,8 +318,8 @@ class Artifact:
             kind = _text(schema)
             raise MoetoolError(f"{where} is {article(kind)} '{kind}' artifact, not the '{cls.SCHEMA}' this command needs.")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise MoetoolError(f"{where} has no valid schema_version (it is {describe(version)}); it is not a "
-                               f"{cls.SCHEMA} artifact moetool wrote.")
+            raise MoetoolError(f"{where} has no valid schema_version (it is {describe(version)}); it is not "
+                               f"{article(cls.SCHEMA)} {cls.SCHEMA} artifact moetool wrote.")
         if version > cls.SCHEMA_VERSION:
             raise MoetoolError(f"{where} has {cls.SCHEMA} schema version {version}, newer than this moetool "
                                f"({__version__}) reads (≤ {cls.SCHEMA_VERSION}); upgrade moetool.")
