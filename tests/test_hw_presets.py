@@ -36,7 +36,7 @@ def test_only_the_device_presets_name_devices_and_a_measured_profile_does_not_in
     t = TimingProfile(device="cuda:0", dtype="bfloat16", steps=4, layers=(), c_cpu_s=1e-3, h2d_gbps=52.0,
                       t_dense_s=1e-4, experts=(ExpertTiming(bits=4, nbytes=1 << 20, load_s=2e-5, dequant_s=0.0,
                                                             compute_s=8e-6, path="triton"),))
-    measured = hw_profile(t, "h100sxm", "mine")
+    measured = hw_profile(t, "h100sxm", "mine", model={"model_type": "qwen2_moe"})
     assert "devices" not in measured and measured["gpu_mem_gbps"] == load_hw("h100sxm")[0].gpu_mem_gbps
     assert measured["t_expert_s"] == {"4": 8e-6} and measured["h2d_gbps"] == 52.0
 

@@ -132,6 +132,7 @@ def test_the_captured_steps_dense_time_is_measured_and_the_sim_clock_charges_it_
     only there give captured steps that differ by layers x the difference, host steps that do not."""
     import json
 
+    from moetool.engine import measured_on
     from moetool.engine.decode import DecodeProgram
     from moetool.engine.store import HostStore
     from moetool.profile.timing import TimingProfile, captured_dense, hw_profile
@@ -146,7 +147,7 @@ def test_the_captured_steps_dense_time_is_measured_and_the_sim_clock_charges_it_
     assert dense is not None and dense >= 0 and "static at 2 bits" in note
     t = TimingProfile(device="cpu", dtype="float32", steps=3, layers=(), experts=timings, c_cpu_s=1e-4,
                       h2d_gbps=None, t_dense_s=1e-3, t_dense_captured_s=dense, captured_note=note)
-    hw = hw_profile(t, "rtx3090", "measured")
+    hw = hw_profile(t, "rtx3090", "measured", model=measured_on(lm))
     assert hw["t_dense_captured_s"] == dense and note in hw["sources"]["t_dense_captured_s"]
     step = {}
     for name, value in (("low", 1e-4), ("high", 6e-4)):

@@ -12,7 +12,7 @@ measured `t_dense_s`, `t_expert_s` and `c_cpu_s` (and `h2d_gbps` on CUDA) over a
 throughputs, each field's origin written in `sources`.
 
     t = measure_timing(lm, blobs, ids, steps=8)
-    json.dumps(hw_profile(t, base="rtx3090", name="demo-cpu"))
+    json.dumps(hw_profile(t, base="rtx3090", name="demo-cpu", model=measured_on(lm)))
 """
 
 from __future__ import annotations
@@ -321,9 +321,10 @@ def captured_dense(lm: LoadedModel, store: Any, ids: torch.Tensor, steps: int, t
                    f"less {n} x {g.top_k} experts at {t_expert[bits] * 1e6:.1f} us, per MoE layer")
 
 
-def hw_profile(t: TimingProfile, base: str, name: str, model: dict[str, Any] | None = None) -> dict[str, Any]:
+def hw_profile(t: TimingProfile, base: str, name: str, model: dict[str, Any]) -> dict[str, Any]:
     """A hardware profile JSON: `base`'s throughputs, overridden by what `t` measured on `model`
-    (`engine.measured_on`: a run of another model is charged estimates, not these times)."""
+    (`engine.measured_on`: a run of another model is charged estimates, not these times, and so is any
+    model for a measured profile that names none, as those written before the key was)."""
     _, raw = load_hw(base)
     # Not `devices`: a measured profile is one model on one machine, not the preset a device is matched to.
     data = {k: v for k, v in raw.items() if k not in ("t_dense_s", "t_expert_s", "c_cpu_s", "devices")}
@@ -353,6 +354,5 @@ def hw_profile(t: TimingProfile, base: str, name: str, model: dict[str, Any] | N
         sources["h2d_gbps"] = f"from preset '{base}' (no CUDA device to measure here): {sources.get('h2d_gbps', '')}"
     data["sources"] = sources
     data["base"] = base
-    if model is not None:
-        data["model"] = model
+    data["model"] = model
     return data
