@@ -77,7 +77,8 @@ def demo(
             err.print(styled((f"{done + 1}/{total}", "dim"), f" {what}"), highlight=False)
 
         paths = demo_pipeline(cfg, progress=progress)
-    from moetool.sweep import INDEX, Sweep, fit_dropped_cells
+    from moetool.sweep import INDEX, Sweep
+    from moetool.sweep_notes import fit_dropped_cells
 
     for grid in ("runs", "evals"):  # as `moetool sweep` says it of its grid
         if (Path(paths[grid]) / INDEX).is_file():

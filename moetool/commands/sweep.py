@@ -59,7 +59,8 @@ def sweep(
     `grid: {policy: [lru, fate], budget: ["25%", "50%"]}`
     """
     from moetool.machine import STOPPED
-    from moetool.sweep import SweepConfig, Terminated, fit_dropped_cells, other_moetool_cells
+    from moetool.sweep import SweepConfig, Terminated
+    from moetool.sweep_notes import fit_dropped_cells, other_moetool_cells
     from moetool.sweep import sweep as sweep_stage
 
     writable(save, "dir")

@@ -318,8 +318,7 @@ class Engine(Loads):
         in the order their copies were issued, cached misses, staged misses) and the staged ones whose
         copies are still to be issued. Copies land in issue order (one stream), so an expert in flight
         is computed as soon as its copy can have landed, not after a later one (Fate Fig. 6: "prefetched
-        2, 4; loading 3, 1, 5" runs 2, 4, 3, 1, 5, not 1, 3, 5 by expert id).
-        """
+        2, 4; loading 3, 1, 5" runs 2, 4, 3, 1, 5, not 1, 3, 5 by expert id)."""
         get, misses, all_hit = self.residency.table.get, [], True  # the table itself: one dict lookup a group
         for x in groups:
             x.handle = h = get((layer, x.expert, x.bits))
@@ -359,8 +358,7 @@ class Engine(Loads):
         waiting only for its own copies; staged misses one at a time behind their streamed copies.
 
         The grouped path (default) runs each batch as one grouped GEMM per precision; the eager path
-        (`experts_impl="eager"`) one expert at a time, as transformers' eager loop.
-        """
+        (`experts_impl="eager"`) one expert at a time, as transformers' eager loop."""
         layer = module.layer.index
         single = hidden.shape[0] == 1  # one token: low-bit kernels' experts run fused in _per_group
         kernel_here = single and any(layer in layers for layers in self.kernel_layers.values())
