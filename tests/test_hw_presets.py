@@ -149,9 +149,12 @@ def test_the_sim_clock_charges_attention_over_the_kv_cache_as_it_grows(tiny_ckpt
         step(4095) - step(0))
     assert cost.t_attention(8, 0, sequences=2) == pytest.approx(  # two sequences of 4: each reads its own 4
         2 * kv * 4 * 2 / (hw.gpu_mem_gbps * 1e9) / 2)
-    assert len(attention_layers(tiny_config("qwen3_next"), torch.bfloat16)) == 1  # its linear-attention layer reads none
-    assert len(attention_layers(tiny_config("jamba"), torch.bfloat16)) == 1  # nor Jamba's Mamba layer
-    assert [w for _, _, w in attention_layers(tiny_config("gpt_oss"), torch.bfloat16)][0] is not None  # sliding
+    one = attention_layers(tiny_config("qwen2_moe"), torch.bfloat16)  # two full-attention layers, summed
+    assert len(one) == 1 and one[0][2] is None
+    for hybrid in ("qwen3_next", "jamba"):  # a linear-attention or Mamba layer reads no cache: half of one's
+        assert [(kv * 2, flops * 2, w) for kv, flops, w in attention_layers(tiny_config(hybrid), torch.bfloat16)] == \
+            list(one)
+    assert {w for _, _, w in attention_layers(tiny_config("gpt_oss"), torch.bfloat16)} == {16, None}  # sliding apart
 
     path = str(tiny_ckpt("qwen2_moe"))
     short, long_ = (run(RunConfig(model=path, policy="resident", budget="100%", clock="sim", prompts=(p,),

@@ -100,24 +100,26 @@ _STATEFUL = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv")
 
 
 def attention_layers(config: Any, dtype: torch.dtype) -> tuple[tuple[float, float, int | None], ...]:
-    """Per softmax-attention layer: (bytes of K and V one position adds to its cache, flops of one
-    query-key pair (QK and PV), the window a sliding layer attends over or None). What the simulated
-    clock charges a step's attention beside its weights (`CostModel.t_attention`). Layers the config
+    """The softmax-attention layers, summed per window they attend over: (bytes of K and V one position
+    adds to their caches, flops of one query-key pair (QK and PV), the window or None for the whole
+    sequence). What the simulated clock charges a step's attention beside its weights
+    (`CostModel.t_attention`, once a MoE layer: summed here, not per layer there). Layers the config
     types as linear attention or state space (`layer_types`, or `layers_block_type` as Jamba's and
     Granite's hybrids spell it) hold no growing cache and are left out."""
     cfg = text_config(config)
     item = torch.empty((), dtype=dtype).element_size()
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     window = getattr(cfg, "sliding_window", None)
-    out = []
+    sums: dict[int | None, tuple[float, float]] = {}
     for i, (c, (heads, dim)) in enumerate(zip(_layer_configs(cfg), _kv_shapes(cfg))):
         kind = str(types[i]).lower() if isinstance(types, (list, tuple)) and i < len(types) else ""
         if any(k in kind for k in _STATEFUL):
             continue
         q = getattr(c, "num_attention_heads", heads) * _head_dim(c)
-        out.append((2.0 * heads * dim * item, 4.0 * q,
-                    window if "sliding" in kind and isinstance(window, int) and window > 0 else None))
-    return tuple(out)
+        span = window if "sliding" in kind and isinstance(window, int) and window > 0 else None
+        kv, flops = sums.get(span, (0.0, 0.0))
+        sums[span] = (kv + 2.0 * heads * dim * item, flops + 4.0 * q)
+    return tuple((kv, flops, span) for span, (kv, flops) in sums.items())
 
 
 def _kv_heads(c: Any) -> int:

@@ -143,8 +143,8 @@ class CostModel:
     reference_bytes: int  # one expert at the reference precision (what a GPU dequant writes)
     dense_bytes_per_layer: float  # non-expert weights per MoE layer (attention, router, shared experts, share of head)
     dense_flops_per_token_per_layer: float
-    # per softmax-attention layer: K+V bytes a position adds, flops of a query-key pair, a sliding window
-    # (`budget.attention_layers`); shared among the MoE layers as the dense bytes are
+    # softmax-attention layers summed per window: K+V bytes a position adds, flops of a query-key pair,
+    # the window or None (`budget.attention_layers`); shared among the MoE layers as the dense bytes are
     attention: tuple[tuple[float, float, int | None], ...] = ()
     moe_layers: int = 1
 

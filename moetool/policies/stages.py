@@ -21,6 +21,7 @@ every policy file).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,12 +240,11 @@ def differences(settings: list[dict[str, str]]) -> str:
 _PRESETS = Path(__file__).resolve().parents[1] / "hw_presets"  # engine.clock.HW_DIR, without torch
 
 
+@functools.cache
 def _presets_by_digest() -> dict[str, str]:
     from moetool.artifacts import sha256_file
 
-    if not hasattr(_presets_by_digest, "table"):
-        _presets_by_digest.table = {sha256_file(f): f.stem for f in sorted(_PRESETS.glob("*.json"))}
-    return _presets_by_digest.table
+    return {sha256_file(f): f.stem for f in sorted(_PRESETS.glob("*.json"))}
 
 
 def machine(clock: str | None, hw: str | None, inputs: dict[str, str] | None) -> str | None:
