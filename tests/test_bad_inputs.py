@@ -979,6 +979,19 @@ def test_a_manifest_edited_with_its_checksum_redone_is_still_checked_for_sense(t
     assert says in line
 
 
+def test_a_bundle_of_the_first_format_is_refused_naming_its_manifest(tiny_bundle, tmp_path):
+    """The refusal said "this bundle" without saying which: a sweep over several bundles left the reader
+    to find the old one."""
+    from helpers import copy, manifest, rewrite
+
+    bundle = copy(tiny_bundle, tmp_path / "kept-from-2025")
+    doc = manifest(bundle)
+    doc["schema_version"] = 1
+    rewrite(bundle, doc)
+    line = _one_error_line(runner.invoke(app, ["verify", str(bundle)]))
+    assert "kept-from-2025" in line and "bundle format 1" in line and "re-quantize" in line, line
+
+
 @pytest.mark.parametrize("policy,settings,says", [
     ("dymoe", {"config": "8/2", "high_bits": "4"}, "--set config=8/2 sets high_bits and low_bits, and --set high_bits=4"),
     ("dynaexq", {"config": "16/4", "b_lo": "2"}, "--set config=16/4 sets b_hi and b_lo, and --set b_lo=2"),

@@ -97,8 +97,8 @@ class Bundle(Artifact):
     @classmethod
     def upgrade(cls, data: dict[str, Any], version: int) -> dict[str, Any]:
         if version < 2:
-            raise MoetoolError("this bundle was written by an older moetool (bundle format 1: no non-expert weights, "
-                               "no per-blob checksums); re-quantize it with `moetool quantize MODEL --out DIR`.")
+            raise SchemaError("", "it was written by an older moetool (bundle format 1: no non-expert weights, "
+                              "no per-blob checksums); re-quantize it with `moetool quantize MODEL --out DIR`")
         return data
 
     def to_json(self) -> dict[str, Any]:

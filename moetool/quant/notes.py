@@ -63,8 +63,9 @@ def size_note(layers: list[MoeLayer], layouts: dict[int, dict[Bits, Layout]], gr
     fix = (f"--group-size {larger} (the largest group up to 128 that divides every expert's input width) saves more"
            if larger > group_size else f"no larger group divides the experts' input widths; --bits without "
            f"{', '.join(str(int(b)) for b in poor)} skips what saves little")
+    each = "each input column" if group_size == 1 else f"each group of {group_size} input columns"
     return (f"at group size {group_size} the quantized experts keep much of the bf16 experts' bytes ({said}), "
-            f"since each group of {group_size} input columns stores a scale and a zero beside its codes; {fix}.")
+            f"since {each} stores a scale and a zero beside its codes; {fix}.")
 
 
 # The largest relative error of one output row a precision's own rounding gives, with room: a Gaussian
