@@ -226,7 +226,8 @@ def _check_fewshot(name: str, task: Any, asked: bool) -> None:
 
 
 def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
-    """Refuse a generate_until task that would generate as many tokens as the model's context holds
+    """Refuse a generate_until task that would generate no token (transformers refuses a generation whose
+    max_length is the prompt's, after the model has loaded) or as many tokens as the model's context holds
     (lm-eval asserts it midway): the context must hold the prompt too."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
@@ -238,10 +239,50 @@ def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
             tokens = int(wanted["max_gen_toks"])
         except (TypeError, ValueError, KeyError) as e:
             raise MoetoolError(f"task '{name}' has generation_kwargs lm-eval cannot use: {_first_line(e)}.") from None
+        if tokens < 1:
+            raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks in its "
+                               "generation_kwargs); give it 1 or more.")
         if tokens >= hflm.max_length:
             raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks), but {path}'s context "
                                f"is {hflm.max_length} tokens and must hold the prompt too; give the task a "
                                f"max_gen_toks below {hflm.max_length}.")
+
+
+def task_files(path: Path) -> list[Path]:
+    """The files lm-eval reads to build the task of YAML `path`: the YAML, the YAMLs it `include`s (each
+    relative to the YAML naming it, as lm-eval resolves them; a shared template is where a task's prompt
+    usually lives) and the Python modules beside them that `!function` tags name. An edit to any of them
+    changes the task, so each is an input of the eval. What cannot be read is lm-eval's to refuse."""
+    import yaml
+
+    found: list[Path] = []
+
+    def walk(yaml_path: Path) -> None:
+        yaml_path = yaml_path.resolve()
+        if yaml_path in found or not yaml_path.is_file():
+            return
+        found.append(yaml_path)
+        functions: list[str] = []
+
+        class Loader(yaml.SafeLoader):  # lm-eval's own loader imports the functions; this one only names them
+            pass
+
+        Loader.add_constructor("!function", lambda loader, node: functions.append(loader.construct_scalar(node)))
+        try:
+            cfg = yaml.load(yaml_path.read_bytes(), Loader=Loader)  # noqa: S506 (a SafeLoader subclass)
+        except (OSError, yaml.YAMLError):
+            return
+        for qual in functions:
+            module = str(qual).rpartition(".")[0]
+            if module and (py := yaml_path.parent / f"{module.replace('.', '/')}.py").is_file():
+                found.append(py.resolve())
+        included = cfg.get("include") if isinstance(cfg, dict) else None
+        for inc in included if isinstance(included, list) else [included]:
+            if isinstance(inc, str) and inc:
+                walk(Path(inc) if Path(inc).is_absolute() else yaml_path.parent / inc)
+
+    walk(Path(path))
+    return list(dict.fromkeys(found))
 
 
 def headline(loaded: dict[str, Any]) -> str | None:

@@ -44,7 +44,7 @@ from moetool.datasets import line_ends, read_text_file
 from moetool.errors import MoetoolError, not_a_file
 from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
-                                is_mmlu, load_task, offline_sentence, set_fewshot)
+                                is_mmlu, load_task, offline_sentence, set_fewshot, task_files)
 from moetool.hub import cache_only, hub_reachable
 from moetool.inference import NonFiniteRows, context_length, context_words, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel
@@ -114,17 +114,19 @@ def evaluate(cfg: EvalConfig, progress: ProgressFn | None = None) -> Eval:
     return _evaluate_lm_eval(cfg, progress)
 
 
-def _task_inputs(tm: Any, tasks: dict[str, Any]) -> dict[str, str]:
-    """The sha256 of a user's task files (its YAML, its local data_files) an eval read: an edit to either left
-    a sweep's eval "reused" with the old scores. lm-eval's and moetool's own tasks ship with their versions."""
+def _task_inputs(tm: Any, loaded: dict[str, Any], spec: str) -> dict[str, str]:
+    """The sha256 of a user's task files an eval read: its YAML given by path or found by name, the YAMLs and
+    `!function` modules those draw on (`task_files`), its local data_files. An edit to any left a sweep's eval
+    "reused" with the old scores. lm-eval's and moetool's own tasks ship with their versions."""
     import lm_eval
 
     shipped = (Path(lm_eval.__file__).parent.resolve(), TASKS_DIR.resolve())
-    files: list[Path] = []
-    for name, task in tasks.items():
+    files: list[Path] = task_files(Path(spec)) if spec.endswith((".yaml", ".yml")) else []
+    for name in [*loaded["tasks"], *loaded.get("group_map", {})]:  # a group's own YAML too
         entry = getattr(tm, "task_index", {}).get(name)
         if getattr(entry, "yaml_path", None):
-            files.append(Path(entry.yaml_path))
+            files += task_files(Path(entry.yaml_path))
+    for task in loaded["tasks"].values():
         data = (getattr(getattr(task, "config", None), "dataset_kwargs", None) or {}).get("data_files")
         for value in (data.values() if isinstance(data, dict) else [data]):
             files += [Path(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
@@ -267,7 +269,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     local_mmlu = data == mmlu.SOURCE
     return Eval(model=ready.lm.fingerprint, **engine_record(ready),
                 # MMLU offline is its wheel (its YAMLs and parquet files are derived from it in the cache)
-                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else _task_inputs(tm, loaded["tasks"]))},
+                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else _task_inputs(tm, loaded, spec))},
                 task=cfg.task, metrics=metrics, stderr=stderr, n=n, unit="examples", subtasks=subtasks,
                 samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,

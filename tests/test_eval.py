@@ -261,17 +261,22 @@ def test_include_path_and_task_yaml_run_a_user_task_offline(tiny_lm, tmp_path, m
         ("The sky is", ["blue", "green"], 0), ("Grass is", ["red", "green"], 1), ("Snow is", ["white", "black"], 0)]))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "colours.yaml").write_text(
-        f"task: colours\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    # lm-eval's usual layout: the prompt in a shared template the task includes, a function beside it
+    (tasks / "_colours_template").write_text(
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
         "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: answer\n"
-        "metric_list:\n  - metric: acc\n")
+        "process_docs: !function colour_docs.keep\nmetric_list:\n  - metric: acc\n")
+    (tasks / "colour_docs.py").write_text("def keep(dataset):\n    return dataset\n")
+    (tasks / "colours.yaml").write_text("include: _colours_template\ntask: colours\n")
     by_name = evaluate(EvalConfig(task="colours", model=str(tiny_lm), include_path=tasks))
     by_path = evaluate(EvalConfig(task=str(tasks / "colours.yaml"), model=str(tiny_lm)))
     assert by_name.n == by_path.n == 3 and by_name.samples == by_path.samples
     assert set(by_name.metrics) == {"acc"} and by_name.metrics == by_path.metrics
-    # the task's YAML and data are inputs: an edit to them left a sweep's eval "reused" with the old scores
-    for f in (tasks / "colours.yaml", data):
-        assert by_name.inputs[str(f.resolve())] == hashlib.sha256(f.read_bytes()).hexdigest()
+    # every file the task is made of is an input: an edit to one left a sweep's eval "reused" with the old scores
+    # (a YAML given by path, an included template and a function's module had not been)
+    for f in (tasks / "colours.yaml", tasks / "_colours_template", tasks / "colour_docs.py", data):
+        for ran in (by_name, by_path):
+            assert ran.inputs[str(f.resolve())] == hashlib.sha256(f.read_bytes()).hexdigest(), f
 
 
 def test_a_task_whose_metric_lm_eval_cannot_compute_on_its_results_is_one_sentence(tiny_lm, tmp_path, monkeypatch):

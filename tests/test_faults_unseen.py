@@ -279,11 +279,15 @@ def test_more_few_shot_examples_than_a_packaged_task_has_is_one_sentence(char_ck
     assert "but its few-shot split holds only 5; give --num-fewshot 5 or less" in line
 
 
-def test_a_generation_as_long_as_the_context_is_one_sentence(char_ckpt, tmp_path, offline):
-    body = ("doc_to_text: '{{q}}'\ndoc_to_target: target\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 500\n"
-            "metric_list:\n  - metric: exact_match\n")
+@pytest.mark.parametrize("tokens,says", [(500, "context is 128 tokens"), (0, "give it 1 or more"),
+                                         (-3, "give it 1 or more")])
+def test_a_generation_as_long_as_the_context_or_of_no_token_is_one_sentence(char_ckpt, tmp_path, offline, tokens,
+                                                                              says):
+    """0 tokens was transformers' "max_length is set to 18" traceback, said to be a bug in moetool."""
+    body = ("doc_to_text: '{{q}}'\ndoc_to_target: target\ngeneration_kwargs:\n  until: ['\\n']\n"
+            f"  max_gen_toks: {tokens}\nmetric_list:\n  - metric: exact_match\n")
     line = one_error_line(_cli("eval", _task(tmp_path / "tasks", "g", "generate_until", body), "--model", char_ckpt))
-    assert "generates up to 500 tokens (max_gen_toks)" in line and "context is 128 tokens" in line
+    assert f"generates up to {tokens} tokens (max_gen_toks" in line and says in line, line
 
 
 def test_an_answer_that_is_none_of_the_choices_is_refused_not_scored_zero(char_ckpt, tmp_path, offline):
