@@ -327,6 +327,25 @@ def test_run_records_the_captured_path_and_its_tokens_equal_the_host_paths(tiny_
     assert captured.tpot_s["n"] == host.tpot_s["n"] == 2 * 4
 
 
+@pytest.mark.parametrize("policy,knobs", [("fate", {"cache_bits": "16", "p": "0"}),
+                                          ("dymoe", {"config": "16/0", "r": "1"}), ("resident", {})])
+def test_the_sim_clock_charges_a_look_ahead_router_on_both_paths(tiny_ckpt, monkeypatch, policy, knobs):
+    """Every expert resident, nothing moved: the two paths do the same work a step. The captured step ran
+    each layer's look-ahead router in-step uncharged, so Fate and DyMoE modelled faster there by one
+    kernel per MoE layer, a gap larger than the captured step's modelled gain it was read as."""
+    from moetool.engine.decode import DecodeProgram
+    from moetool.run import RunConfig, run
+
+    init = DecodeProgram.__init__
+    monkeypatch.setattr(DecodeProgram, "__init__", lambda self, *a, backend=None, **k: init(self, *a, backend="eager",
+                                                                                          **k))
+    common = dict(model=str(tiny_ckpt("qwen2_moe")), policy=policy, settings=knobs, budget="100%", clock="sim",
+                  prompts=("hello",), max_new_tokens=5)
+    host, captured = (run(RunConfig(**common, decode=d)) for d in ("host", "captured"))
+    assert captured.summary["path"] == "captured" and host.tokens == captured.tokens
+    assert captured.tpot_s["p50"] == pytest.approx(host.tpot_s["p50"], rel=1e-9)
+
+
 def _with_generation_config(src, dst, **fields):
     """A copy of checkpoint `src` whose generation_config.json sets `fields` (as a real checkpoint's does)."""
     from transformers import GenerationConfig

@@ -125,6 +125,10 @@ class CapturedLayers:
                            for g in engine.layers for b in self.bits if b in self.residency.pools}
         self.host_rows = {(g.index, b): mirrors.rows(g.index, b) for g in engine.layers for b in self.bits
                           if self._misses(b)}
+        # MoE position -> look-ahead routers its plan runs a step (set as the step is traced, so as static as the
+        # graph): the sim clock charges each as the host path charges `Engine._predict`, one kernel.
+        self.lookahead: dict[int, int] = {}
+        self._predicted = 0
         self.wants_logits = "router_logits" in self.policy.signals or self.residency.wants_scores()
         self.logits_box: list[torch.Tensor | None] = [None] * len(self.layers)
         self.log = StepLog(len(self.layers), self.top_k, self.num_experts, self.device, self.residency.wants_scores())
@@ -190,6 +194,7 @@ class CapturedLayers:
         if found is None:
             return None
         router, extra, batched = found
+        self._predicted += 1
         param = next(router.parameters(), None)
         x = hidden.to(param.dtype) if param is not None else hidden
         out = type(router).forward(router, x[None] if batched else x, **extra)
@@ -205,7 +210,9 @@ class CapturedLayers:
         view = DeviceView(layer=layer, moe_pos=pos, num_experts=self.num_experts, top_k_index=top_k_index.long(),
                           top_k_weights=top_k_weights, router_logits=logits, resident=self.resident,
                           predict=lambda later: self.predict(later, hidden))
+        self._predicted = 0
         plan = self.policy.plan_step(view)
+        self.lookahead[pos] = self._predicted
         out, hit = self.experts(module, hidden, plan)
         self._log(pos, layer, view, plan, hit, logits)
         return out

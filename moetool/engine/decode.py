@@ -373,6 +373,7 @@ class DecodeProgram:
             st = stats.layer(layer)
             if sim:
                 clock.compute(cost.t_dense(1, captured=True, past=past))
+                clock.compute(cost.hw.kernel_s * self.layers.lookahead.get(pos, 0))  # as `Engine._predict` charges
             routed, expert, bits, hit = log["routed"][pos], log["expert"][pos], log["bits"][pos], log["hit"][pos]
             run = bits > 0
             check_plan(expert[run], bits[run], 0 * expert[run], self.layers.num_experts, pol.name,  # the step clamped
