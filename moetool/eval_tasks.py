@@ -167,14 +167,18 @@ def _task_reason(e: BaseException) -> str:
     return _first_line(e)
 
 
-def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> None:
+def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> dict[str, str]:
     """Refuse, before the model loads, what lm-eval would fail on in the middle of an evaluation or score
     without a word: more few-shot examples than a task's few-shot split holds (lm-eval's assertion),
     and a multiple-choice document whose answer is none of its choices (lm-eval logs a warning and
-    scores it 0 whatever the model says). The documents checked are those --limit lets lm-eval score."""
+    scores it 0 whatever the model says). The documents checked are those --limit lets lm-eval score.
+    Returns where the few-shot examples of a task that has only a test split come from (`_fewshot_pool`)."""
     from itertools import islice
 
+    fewshot_from = {}
     for name, task in tasks.items():
+        if (rule := _fewshot_pool(task)) is not None:
+            fewshot_from[name] = rule
         _check_fewshot(name, task, cfg.num_fewshot is not None)
         if task.get_config("output_type") != "multiple_choice" or getattr(task, "multiple_input", False):
             continue
@@ -206,6 +210,23 @@ def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> None:
                            "so it would score the same")
                     raise MoetoolError(f"document {i} of task '{name}': {why} whatever the model says; fix the "
                                        "task's data or its doc_to_choice.")
+    return fewshot_from
+
+
+def _fewshot_pool(task: Any) -> str | None:
+    """A few-shot task with only a test split (a local task's usual one `data_files` entry) draws its examples
+    from that split, and lm-eval leaves the question asked out of them only where the few-shot split is
+    *named* the test split: unnamed, a question was shown with its answer among its own examples (acc 0.6
+    on a 5-question task at --num-fewshot 5, lm-eval's one warning unseen). Named so here, lm-eval leaves it
+    out; returns the rule, recorded in the eval's options, or None where the task draws otherwise."""
+    cfg = getattr(task, "fewshot_cfg", None)
+    if not (task.get_config("num_fewshot") or 0) > 0 or cfg is None or cfg.split is not None \
+            or getattr(cfg, "samples", None) is not None:
+        return None
+    if task.has_training_docs() or task.has_validation_docs() or not task.has_test_docs():
+        return None
+    cfg.split = task.get_config("test_split")
+    return f"its test split '{cfg.split}', the question asked left out"
 
 
 def _check_fewshot(name: str, task: Any, asked: bool) -> None:

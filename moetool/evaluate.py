@@ -224,7 +224,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
             raise MoetoolError(f"'{cfg.task}' names no task to run (a group or tag with no tasks in it).")
         for task in loaded["tasks"].values():
             set_fewshot(task, cfg.num_fewshot)
-        check_tasks(loaded["tasks"], cfg)
+        fewshot_from = check_tasks(loaded["tasks"], cfg)
         ready = prepare(cfg, max_tokens=MAX_LENGTH, batch=cfg.batch_size)
         try:
             lm = ready.lm
@@ -275,7 +275,7 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,
                          "include_path": str(cfg.include_path) if cfg.include_path else None,
                          "n_shot": {t: results["n-shot"].get(t) for t in leaves},
-                         "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else None,
+                         "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else (fewshot_from or None),
                          "cut_from_the_left": hflm.cut_from_the_left, "max_length": hflm.max_length,
                          "merged_with_context": hflm.merged_with_context,
                          "tied_choices": hflm.tied_choices,

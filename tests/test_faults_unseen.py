@@ -279,6 +279,33 @@ def test_more_few_shot_examples_than_a_packaged_task_has_is_one_sentence(char_ck
     assert "but its few-shot split holds only 5; give --num-fewshot 5 or less" in line
 
 
+def test_a_task_with_only_a_test_split_never_shows_a_question_among_its_own_examples(tmp_path, offline):
+    """lm-eval draws such a task's few-shot examples from its test split and leaves the question asked out only
+    where the few-shot split is named the test split: unnamed, "The sky is" was asked after "The sky is blue"
+    (acc 0.6 on five questions at --num-fewshot 5 with no word). The eval records where they came from."""
+    from moetool.eval_tasks import check_tasks, find_task, load_task, set_fewshot
+    from moetool.evaluate import EvalConfig
+
+    rows = [{"q": q, "choices": [a, b], "answer": 0} for q, a, b in [
+        ("The sky is", "blue", "green"), ("Grass is", "green", "red"), ("Snow is", "white", "black"),
+        ("Coal is", "black", "white"), ("Fire is", "hot", "cold")]]
+    cfg = EvalConfig(task=str(_task(tmp_path / "tasks", "five", "multiple_choice", MC, rows=rows)), num_fewshot=4)
+    tm, spec, _, _ = find_task(cfg)
+    loaded = load_task(tm, spec, cfg, False)
+    (task,) = loaded["tasks"].values()
+    set_fewshot(task, cfg.num_fewshot)
+    assert check_tasks(loaded["tasks"], cfg) == {task.config.task: "its test split 'test', the question asked left out"}
+    for doc in task.eval_docs:
+        context = task.fewshot_context(doc, 4)
+        assert context.count(doc["q"]) == 1 and context.endswith(doc["q"]), context
+    cfg5 = EvalConfig(task=cfg.task, num_fewshot=5)  # four others are all a question can be shown
+    loaded = load_task(tm, spec, cfg5, False)
+    for task in loaded["tasks"].values():
+        set_fewshot(task, 5)
+    with pytest.raises(MoetoolError, match="holds only 5, the question asked among them; give --num-fewshot 4"):
+        check_tasks(loaded["tasks"], cfg5)
+
+
 @pytest.mark.parametrize("tokens,says", [(500, "context is 128 tokens"), (0, "give it 1 or more"),
                                          (-3, "give it 1 or more")])
 def test_a_generation_as_long_as_the_context_or_of_no_token_is_one_sentence(char_ckpt, tmp_path, offline, tokens,
