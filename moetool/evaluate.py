@@ -25,6 +25,7 @@ rounding for a lossless policy.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
@@ -132,6 +133,11 @@ def _task_inputs(tm: Any, loaded: dict[str, Any], spec: str) -> dict[str, str]:
             files += [Path(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
     return {str(f.resolve()): sha256_file(f) for f in dict.fromkeys(files)
             if f.is_file() and not any(f.resolve().is_relative_to(d) for d in shipped)}
+
+
+def _content_digest(files: dict[str, str]) -> str:
+    """sha256 over the sorted contents' sha256 of `files` (path -> sha256): the same files moved are the same."""
+    return hashlib.sha256("".join(sorted(files.values())).encode()).hexdigest()
 
 
 def _metric_failure(task: str, e: BaseException) -> str | None:
@@ -267,14 +273,17 @@ def _evaluate_lm_eval(cfg: EvalConfig, progress: ProgressFn | None) -> Eval:
     leaves = sorted(loaded["tasks"])
     n = sum(results["n-samples"][t]["effective"] for t in leaves if t in results["n-samples"])
     local_mmlu = data == mmlu.SOURCE
-    return Eval(model=ready.lm.fingerprint, **engine_record(ready),
-                # MMLU offline is its wheel (its YAMLs and parquet files are derived from it in the cache)
-                inputs={**ready.inputs, **(mmlu.INPUTS if local_mmlu else _task_inputs(tm, loaded, spec))},
+    # MMLU offline is its wheel (its YAMLs and parquet files are derived from it in the cache)
+    task_inputs = mmlu.INPUTS if local_mmlu else _task_inputs(tm, loaded, spec)
+    return Eval(model=ready.lm.fingerprint, **engine_record(ready), inputs={**ready.inputs, **task_inputs},
                 task=cfg.task, metrics=metrics, stderr=stderr, n=n, unit="examples", subtasks=subtasks,
                 samples={t: [_sample(s) for s in results["samples"].get(t, [])] for t in leaves},
                 options={"num_fewshot": cfg.num_fewshot, "limit": cfg.limit, "batch_size": cfg.batch_size,
                          "include_path": str(cfg.include_path) if cfg.include_path else None,
                          "n_shot": {t: results["n-shot"].get(t) for t in leaves},
+                         # what the task's own files hold, wherever they lie: report tells two tasks of one
+                         # name apart by it (a YAML named as typed, `mc.yaml`, in two directories)
+                         "task_files": _content_digest(task_inputs) if task_inputs and not local_mmlu else None,
                          "data": data, "fewshot_from": mmlu.FEWSHOT_RULE if local_mmlu else (fewshot_from or None),
                          "cut_from_the_left": hflm.cut_from_the_left, "max_length": hflm.max_length,
                          "merged_with_context": hflm.merged_with_context,

@@ -163,13 +163,14 @@ def _choices(e: dict) -> dict[tuple[str, Any], int]:
 
 def _measures(evals: list[dict]) -> dict[int, str]:
     """Each eval's column: its task, and where one task was measured more than one way (ppl on two texts,
-    or one file's two contents, windows, limits; a task at two few-shot counts or limits) what it was
+    or one file's two contents, windows, limits; a task at two few-shot counts or limits, or of one name
+    and two contents: a task YAML named as typed in two directories, or edited) what it was
     measured on, so that one row's cell never shows one of several numbers (the last one read)."""
     def measure(e: dict) -> tuple:
         if e.get("task") == "ppl":
             return ppl_measurement(e)
         o = e.get("options") or {}
-        return (o.get("num_fewshot"), o.get("limit"))
+        return (o.get("num_fewshot"), o.get("limit"), o.get("task_files"))  # a task file's content, wherever it is
 
     kinds: dict[str, set] = defaultdict(set)
     for e in evals:
@@ -186,8 +187,10 @@ def _measures(evals: list[dict]) -> dict[int, str]:
             out[id(e)] = (f"ppl ({name}{'@' + sha[:8] if same_name and sha else ''}, context {context}"
                           f"{f', {limit} tokens' if limit else ''}{', stepwise' if stepwise else ''})")
         else:
-            shots, limit = m
-            out[id(e)] = f"{task} ({'default' if shots is None else shots}-shot{f', limit {limit}' if limit else ''})"
+            shots, limit, files = m
+            other_files = len({k[2] for k in kinds[task]}) > 1
+            out[id(e)] = (f"{task}{'@' + files[:8] if other_files and files else ''} "
+                          f"({'default' if shots is None else shots}-shot{f', limit {limit}' if limit else ''})")
     return out
 
 

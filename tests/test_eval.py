@@ -277,6 +277,7 @@ def test_include_path_and_task_yaml_run_a_user_task_offline(tiny_lm, tmp_path, m
     for f in (tasks / "colours.yaml", tasks / "_colours_template", tasks / "colour_docs.py", data):
         for ran in (by_name, by_path):
             assert ran.inputs[str(f.resolve())] == hashlib.sha256(f.read_bytes()).hexdigest(), f
+    assert by_name.options["task_files"] == by_path.options["task_files"] is not None  # what report keys it by
 
 
 def test_a_task_whose_metric_lm_eval_cannot_compute_on_its_results_is_one_sentence(tiny_lm, tmp_path, monkeypatch):

@@ -232,6 +232,23 @@ def test_quality_table_pairs_every_setting_with_resident(tmp_path):
     assert "| static bits=2 | 8 | 0.25 | 0.1 | 0.5 | 12.5 |" in md  # ppl and mc of one setting share a row
 
 
+def test_two_task_files_of_one_name_are_two_columns(tmp_path):
+    """`eval mc.yaml` run in two directories recorded one task name for two prompts: lossless lru was paired
+    question by question with resident on the other task and said to agree on 60%."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    for name, e, files in (("resident", _mc_eval("resident", {"bits": 16}, [0, 1, 2, 3]), "a" * 64),
+                           ("lru", _mc_eval("lru", {"bits": 16}, [0, 2, 1, 3]), "b" * 64),
+                           ("lru-same", _mc_eval("lru", {"bits": 16}, [0, 1, 2, 3], cache=4 << 20), "a" * 64)):
+        (d / f"{name}.eval.json").write_text(json.dumps({**e, "task": "mc.yaml", "options": {"task_files": files}}))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert ("| setting | expert cache MiB | mc.yaml@aaaaaaaa (default-shot) | ± stderr | agree w/ resident "
+            "| mc.yaml@bbbbbbbb (default-shot) | ± stderr |") in md, md
+    assert "| lru bits=16 | 4 | 0.25 | 0.1 | 1 | - | - |" in md, md  # paired only with the same task's resident
+    assert "| lru bits=16 | 8 | - | - | - | 0.25 | 0.1 |" in md, md
+
+
 def _ppl_eval(policy: str, params: dict, ppl: float) -> dict:
     return {"schema": "eval", "schema_version": 1, "model": FP.__dict__, "task": "ppl", "policy": policy,
             "params": params, "budget": {"cache_bytes": 8 << 20}, "metrics": {"ppl": ppl}, "stderr": {}}
