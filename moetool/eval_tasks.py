@@ -260,6 +260,16 @@ def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
             tokens = int(wanted["max_gen_toks"])
         except (TypeError, ValueError, KeyError) as e:
             raise MoetoolError(f"task '{name}' has generation_kwargs lm-eval cannot use: {_first_line(e)}.") from None
+        # moetool decodes greedily, one sequence per prompt (a checkpoint's do_sample is overridden too): a
+        # task's own sampling ran unseeded and unrecorded, so two policies differed by noise; beams met the
+        # engine's planned batch as a sentence about its margin.
+        asked = {k: wanted.get(k) for k in ("do_sample", "num_beams", "num_return_sequences")}
+        if asked["do_sample"] or any(asked[k] not in (None, 1) for k in ("num_beams", "num_return_sequences")):
+            said = ", ".join(f"{k}: {v}" for k, v in asked.items()
+                             if (v is True if k == "do_sample" else v not in (None, 1)))
+            raise MoetoolError(f"task '{name}' asks for {said} in its generation_kwargs, but moetool generates "
+                               "greedily, one sequence per prompt (what a policy is compared on); remove it from "
+                               "the task.")
         if tokens < 1:
             raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks in its "
                                "generation_kwargs); give it 1 or more.")

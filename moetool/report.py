@@ -153,12 +153,20 @@ def _timing(r: Run) -> tuple[str, str]:
     return machine(r.clock, r.hw, r.inputs) or "?", f"{(r.summary or {}).get('path', 'host')} path"
 
 
-def _choices(e: dict) -> dict[tuple[str, Any], int]:
-    """(leaf task, doc id) -> the choice with the highest log-likelihood, for multiple-choice evals."""
-    return {(task, r["doc_id"]): max(range(len(r["resps"])), key=lambda i: r["resps"][i][0])
-            for task, recs in (e.get("samples") or {}).items() for r in recs
-            if isinstance(r, dict) and r.get("resps") and "doc_id" in r
-            and all(isinstance(x, list) for x in r["resps"])}  # multiple choice: [log-likelihood, is-greedy] pairs
+def _choices(e: dict) -> dict[tuple[str, Any], Any]:
+    """(leaf task, doc id) -> the model's answer: for multiple choice the choice with the highest
+    log-likelihood; for one continuation (`output_type: loglikelihood`) whether it is the greedy one, what
+    lm-eval's acc scores (its argmax over one pair was always 0, so every policy "agreed" on every doc)."""
+    def answer(resps: list) -> Any:
+        if len(resps) > 1:
+            return max(range(len(resps)), key=lambda i: resps[i][0])
+        return bool(resps[0][1]) if len(resps[0]) > 1 else None
+
+    picked = {(task, r["doc_id"]): answer(r["resps"])
+              for task, recs in (e.get("samples") or {}).items() for r in recs
+              if isinstance(r, dict) and r.get("resps") and "doc_id" in r
+              and all(isinstance(x, list) and x for x in r["resps"])}  # [log-likelihood, is-greedy] pairs
+    return {k: v for k, v in picked.items() if v is not None}
 
 
 def _measures(evals: list[dict]) -> dict[int, str]:

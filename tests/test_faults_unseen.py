@@ -306,6 +306,23 @@ def test_a_task_with_only_a_test_split_never_shows_a_question_among_its_own_exam
         check_tasks(loaded["tasks"], cfg5)
 
 
+@pytest.mark.parametrize("gen,says", [("do_sample: true\n  temperature: 1.0", "asks for do_sample: True"),
+                                      ("temperature: 0.7", "asks for do_sample: True"),
+                                      ("num_beams: 3", "asks for num_beams: 3"),
+                                      ("do_sample: false\n  num_beams: 1", None)])
+def test_a_task_that_samples_or_searches_beams_is_refused(char_ckpt, tmp_path, offline, gen, says):
+    """moetool generates greedily: a task's do_sample sampled unseeded and unrecorded (two runs, two answers),
+    num_beams died on the engine's planned margin."""
+    body = ("doc_to_text: '{{q}}'\ndoc_to_target: target\ngeneration_kwargs:\n  until: ['\\n']\n"
+            f"  max_gen_toks: 3\n  {gen}\nmetric_list:\n  - metric: exact_match\n")
+    result = _cli("eval", _task(tmp_path / "tasks", "g", "generate_until", body), "--model", char_ckpt, "--limit", "1")
+    if says is None:
+        assert result.exit_code == 0, result.output
+    else:
+        line = one_error_line(result)
+        assert says in line and "generates greedily, one sequence per prompt" in line, line
+
+
 @pytest.mark.parametrize("tokens,says", [(500, "context is 128 tokens"), (0, "give it 1 or more"),
                                          (-3, "give it 1 or more")])
 def test_a_generation_as_long_as_the_context_or_of_no_token_is_one_sentence(char_ckpt, tmp_path, offline, tokens,

@@ -249,6 +249,21 @@ def test_two_task_files_of_one_name_are_two_columns(tmp_path):
     assert "| lru bits=16 | 8 | - | - | - | 0.25 | 0.1 |" in md, md
 
 
+def test_agreement_on_a_one_continuation_task_is_whether_each_answer_is_the_greedy_one(tmp_path):
+    """A loglikelihood task scores one continuation per question: the argmax over its one pair was 0 for any
+    policy, so a policy that flipped answers "agreed" with resident on all of them."""
+    d = tmp_path / "evals"
+    d.mkdir()
+    for policy, greedy in (("resident", [True, True, False, True]), ("static", [True, False, False, False])):
+        samples = [{"doc_id": i, "target": " x", "acc": float(g), "resps": [[-1.5 - i, g]]} for i, g in enumerate(greedy)]
+        e = {**_mc_eval(policy, {"bits": 16 if policy == "resident" else 2}, [0]), "task": "ll",
+             "samples": {"ll": samples}, "metrics": {"acc": sum(greedy) / 4}}
+        (d / f"{policy}.eval.json").write_text(json.dumps(e))
+    report([d], tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| static bits=2 | 8 | 0.25 | 0.1 | 0.5 |" in md, md
+
+
 def _ppl_eval(policy: str, params: dict, ppl: float) -> dict:
     return {"schema": "eval", "schema_version": 1, "model": FP.__dict__, "task": "ppl", "policy": policy,
             "params": params, "budget": {"cache_bytes": 8 << 20}, "metrics": {"ppl": ppl}, "stderr": {}}
