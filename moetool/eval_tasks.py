@@ -122,11 +122,32 @@ def _check_data_files(task: dict[str, Any], path: Path) -> None:
     for entry in listed:
         for name in entry if isinstance(entry, list) else [entry]:
             local = Path(name) if isinstance(name, str) and "://" not in name else None
-            if local is not None and not local.is_absolute():
-                local = path.parent / local if (path.parent / local).is_file() else local
+            # datasets reads a relative entry from the working directory (the file checked is the one it reads)
+            if local is not None and not local.is_absolute() and not local.is_file() \
+                    and (path.parent / local).is_file():
+                raise MoetoolError(f"task file {path} names the data file {name}, {_BESIDE.format(where=path.parent)}.")
             if local is not None and local.is_file():
                 decode_text(read_bytes(local, TEXT_BYTES, "task data file"), f"the data file {local} of task file {path}",
                             ".", wide=False)
+
+
+# lm-eval hands a task's data_files to `datasets` as written: a relative one is read from the working directory.
+_BESIDE = ("which lm-eval reads from the working directory, not the task file's directory; there is none here but one "
+           "beside the task file: run from {where} or give data_files an absolute path")
+
+
+def _beside(tm: Any, spec: str, e: BaseException) -> str:
+    """Why a data file lm-eval did not find was looked for where it was: a relative entry of a task found by
+    name (--include-path) that lies beside its YAML, not in the working directory ("" otherwise)."""
+    import re
+
+    said = re.search(r"Unable to find '([^']+)'", str(e))
+    entry = getattr(tm, "task_index", {}).get(spec)
+    task_yaml = Path(spec) if spec.endswith((".yaml", ".yml")) else Path(getattr(entry, "yaml_path", None) or ".")
+    if said is None or not task_yaml.is_file() or not Path(said.group(1)).is_relative_to(Path.cwd()):
+        return ""
+    name = Path(said.group(1)).relative_to(Path.cwd())
+    return f" ({name}: {_BESIDE.format(where=task_yaml.parent)})" if (task_yaml.parent / name).is_file() else ""
 
 
 def load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:
@@ -141,7 +162,7 @@ def load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, An
     except Exception as e:  # noqa: BLE001 - dataset loaders raise anything; the user gets one sentence
         if not online and hub_failure(e):
             raise MoetoolError(offline_sentence(cfg.task)) from None
-        raise MoetoolError(f"lm-eval cannot load task '{cfg.task}': {_task_reason(e)}.") from None
+        raise MoetoolError(f"lm-eval cannot load task '{cfg.task}': {_task_reason(e)}{_beside(tm, spec, e)}.") from None
 
 
 def hub_failure(e: BaseException) -> bool:
@@ -164,6 +185,8 @@ def _task_reason(e: BaseException) -> str:
     document of an empty data file asked for."""
     if isinstance(e, StopIteration):
         return "its data holds no documents"
+    if type(e).__name__ == "DatasetGenerationError" and e.__cause__ is not None:  # says only "An error occurred"
+        return f"the datasets library could not read its data files ({_first_line(e.__cause__)})"
     return _first_line(e)
 
 

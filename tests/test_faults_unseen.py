@@ -279,6 +279,30 @@ def test_more_few_shot_examples_than_a_packaged_task_has_is_one_sentence(char_ck
     assert "but its few-shot split holds only 5; give --num-fewshot 5 or less" in line
 
 
+@pytest.mark.parametrize("route", ["path", "include-path"])
+def test_a_relative_data_file_beside_its_task_but_not_in_the_working_directory_is_said_so(
+        char_ckpt, tmp_path, offline, monkeypatch, route):
+    """lm-eval reads a relative data_files entry from the working directory: "Unable to find
+    '/elsewhere/t.jsonl'" left the reader to guess why it looked there, the file beside the task."""
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC)
+    task.write_text(task.read_text().replace(str(tmp_path / "tasks" / "t.jsonl"), "t.jsonl"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    args = [task] if route == "path" else ["t", "--include-path", tmp_path / "tasks"]
+    line = one_error_line(_cli("eval", *args, "--model", char_ckpt))
+    assert "reads from the working directory" in line and f"run from {tmp_path / 'tasks'}" in line, line
+    monkeypatch.chdir(tmp_path / "tasks")  # where it is read from
+    assert _cli("eval", *args, "--model", char_ckpt, "--limit", "1").exit_code == 0
+
+
+def test_a_data_file_that_is_not_json_lines_says_why(char_ckpt, tmp_path, offline):
+    """datasets said only "An error occurred while generating the dataset."."""
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC)
+    (tmp_path / "tasks" / "t.jsonl").write_text(json.dumps(ROWS[0]) + '\n{"q": broken\n')
+    line = one_error_line(_cli("eval", task, "--model", char_ckpt))
+    assert "could not read its data files" in line and "JSON parse error" in line, line
+
+
 def test_a_task_with_only_a_test_split_never_shows_a_question_among_its_own_examples(tmp_path, offline):
     """lm-eval draws such a task's few-shot examples from its test split and leaves the question asked out only
     where the few-shot split is named the test split: unnamed, "The sky is" was asked after "The sky is blue"
