@@ -35,7 +35,10 @@ if TYPE_CHECKING:
     from moetool.run import RunConfig
     from moetool.run_artifact import Run
 
-SWEEP_TOKENS = 16  # tokens per run of a sweep (SMoE's alphas): enough decode steps for a mean TPOT
+# Tokens per run of a sweep (SMoE's alphas): `run`'s own default, so the R a fit says alpha meets is the TPOT
+# of the run it is then given to (TPOT grows with the context: a 16-token sweep's alpha met R there and missed
+# it at run's 32 by 0.6%).
+SWEEP_TOKENS = 32
 
 
 @dataclass(frozen=True, kw_only=True)

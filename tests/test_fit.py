@@ -59,7 +59,7 @@ def test_a_step_in_tpot_is_not_hidden_by_a_flat_polynomial(tmp_path):
     assert result.params["smoe"]["alpha"] == 0.1 and ev["guarded"] == 0.1
     assert any("smallest measured alpha that meets R" in w for w in result.evidence["warnings"])
     # a smooth trace the polynomial fits is left alone
-    assert measured_guard(0.25, [(0.0, 0.1, ""), (0.2, 0.08, ""), (0.3, 0.07, "")], 0.075) == 0.25
+    assert measured_guard(0.25, [(0.0, 0.1, ""), (0.2, 0.08, ""), (0.3, 0.07, "")], 0.075) == (0.25, True)
     # and so is a convex one, where a line between measured alphas lies above the curve: the guard used to
     # take alpha = 0.2 where every run is on T(alpha) = 10 - 20 a + 20 a^2 ms and eq. 5 gives 0.184
     convex = [(a, 0.010 - 0.020 * a + 0.020 * a * a) for a in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)]
@@ -68,8 +68,15 @@ def test_a_step_in_tpot_is_not_hidden_by_a_flat_polynomial(tmp_path):
     ev = result.evidence["smoe"]["alpha"]
     assert result.params["smoe"]["alpha"] == pytest.approx(0.1838, abs=0.006) and "guarded" not in ev
     # a choice past the last measured alpha is checked against it
-    assert measured_guard(0.6, [(0.0, 0.1, ""), (0.5, 0.09, "")], 0.08) == 0.6  # nothing met R: it stands
-    assert measured_guard(0.3, [(0.0, 0.1, ""), (0.2, 0.07, ""), (0.4, 0.09, "")], 0.08) == 0.2
+    assert measured_guard(0.6, [(0.0, 0.1, ""), (0.5, 0.09, "")], 0.08) == (0.6, False)  # nothing met R: it stands
+    assert measured_guard(0.3, [(0.0, 0.1, ""), (0.2, 0.07, ""), (0.4, 0.09, "")], 0.08) == (0.2, True)
+    # runs flat around R: the fitted line's intercept under R at alpha = 0, every run over it (h1's trace)
+    flat = [(0.0, 57.147e-6), (0.1, 57.15e-6), (0.2, 57.12e-6), (0.3, 57.82e-6), (0.4, 57.47e-6), (0.5, 57.75e-6)]
+    runs = tuple(synthetic_run("smoe", {"alpha": a}, t).save(tmp_path / f"f{a}.run.json") for a, t in flat)
+    result = fit(FitConfig(profile=prof, runs=runs, target_tpot=57.1e-6))
+    ev = result.evidence["smoe"]["alpha"]
+    assert ev["feasible"] is False and result.params["smoe"]["alpha"] == ev["alpha"]
+    assert any("no run met it" in w for w in result.evidence["warnings"]), result.evidence["warnings"]
 
 
 def test_boundary_L_on_a_synthetic_accuracy_curve():

@@ -37,7 +37,7 @@ def fit(
     hw: HwOpt = DEFAULT_HW,
     sweep_budget: Annotated[str | None, typer.Option(help=f"Budget of the --sweep runs (default: --budget, else "
                                                           f"{DEFAULT_BUDGET}).", show_default=False)] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per --sweep run (default: 16).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per --sweep run (default: 32, run's own).")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = Dtype.auto,
     as_json: JsonOpt = False,

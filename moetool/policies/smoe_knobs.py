@@ -114,8 +114,13 @@ class SMoEKnobs(Knobs):
         if not choice["feasible"]:
             out.warnings.append(f"no alpha in [{min(x):g}, {max(x):g}] meets TPOT {cfg.target_tpot:g} s; "
                                 f"chose the fastest, alpha={choice['alpha']:.3f}.")
-        alpha = measured_guard(choice["alpha"], points, cfg.target_tpot)
-        if alpha != choice["alpha"]:
+        alpha, met = measured_guard(choice["alpha"], points, cfg.target_tpot)
+        if choice["feasible"] and not met:
+            ev["feasible"] = False
+            out.warnings.append(f"the degree-{poly['degree']} T(alpha) puts alpha={alpha:.3f} at or under TPOT "
+                                f"{cfg.target_tpot:g} s, but no run met it (the one at or above it measured "
+                                f"more); alpha={alpha:.3f} is used, not meeting R.")
+        elif alpha != choice["alpha"]:
             ev["guarded"] = alpha
             out.warnings.append(f"the degree-{poly['degree']} T(alpha) chose alpha={choice['alpha']:.3f}, but the runs "
                                 f"measured around it put T above R = {cfg.target_tpot:g} s; alpha={alpha:g}, the smallest "
