@@ -12,7 +12,7 @@
 #         bench:   scripts/bench_gpu.py's whole run (policies, timing profile, accelerate)
 #         decode:  scripts/bench_decode.py on it (captured step vs host-driven vs plain transformers)
 #         sim:     the decode part's rows again on the simulated clock of the timing part's profile,
-#                  each against its wall-clock row (sim_over_wall: issue 41's "sim within 10% of wall")
+#                  each against its wall-clock row (sim_over_wall: the goal is the sim clock within 10% of the wall)
 #     Parts run in the order above, whatever order they are named in (default: tests kernels bench).
 #     T_TESTS=600 T_KERNELS=300 T_TUNE=420 T_TIMING=300 T_DECODE=600 T_SIM=300: each part's time limit in
 #         seconds, the defaults shown (a part past it is cut, not the rest); model and bench have none
@@ -48,7 +48,7 @@ if [[ $what == *tests* ]]; then
         $(grep -l "mark.cuda" tests/test_*.py) 2>&1 | tee "$out/cuda-tests.log" || rc=1
 fi
 if [[ $what == *kernels* ]]; then
-    # The fused low-bit experts kernels against dequantize-then-GEMM, per precision (issue 42's rows).
+    # The fused low-bit experts kernels against dequantize-then-GEMM, per precision (the rows docs/bench/gpu keeps).
     timeout "${T_KERNELS:-300}" $py scripts/bench_kernels.py --out "$out" ${KERNELS_ARGS:-} 2>&1 | tee "$out/bench-kernels.log" || rc=1
     # The same kernels' machine code for this device's arch and this image's Triton (registers,
     # loads, conversions: what the timings above ran), into compile_only.json. SASS=0 skips it
@@ -72,7 +72,7 @@ if [[ $what == *model* ]]; then
         --skip bandwidth,p1,policies,timing,sim,accelerate ${BENCH_ARGS:-} 2>&1 | tee "$out/model.log" || rc=1
 fi
 if [[ $what == *timing* ]]; then
-    # Only the timing profile, on the model part's checkpoint and bundle (issue 42's recalibration).
+    # Only the timing profile, on the model part's checkpoint and bundle (the kernels' recalibration of the hw profile).
     timeout "${T_TIMING:-300}" $py scripts/bench_gpu.py --out "$out" --work "$work" \
         --skip bandwidth,p1,policies,sim,accelerate ${BENCH_ARGS:-} 2>&1 | tee "$out/timing.log" || rc=1
 fi
