@@ -71,7 +71,10 @@ def find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
     include = _include(cfg)
     spec = cfg.task
     if spec.endswith((".yaml", ".yml")):
-        _check_task_yaml(Path(spec))
+        data = _check_task_yaml(Path(spec))
+        if isinstance(data.get("group"), str) and isinstance(data.get("task"), list):
+            # lm-eval loads a group's file only by the group's name ("unhashable type: 'list'" by its path)
+            return _task_manager(include + (str(Path(spec).resolve().parent),), False), data["group"], False, None
         return _task_manager(include, False), str(Path(spec).resolve()), False, None
     data = _mmlu_data(cfg)
     if data == mmlu.SOURCE:
@@ -89,7 +92,7 @@ def find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
     return tm, spec, False, data
 
 
-def _check_task_yaml(path: Path) -> None:
+def _check_task_yaml(path: Path) -> dict[str, Any]:
     """Refuse a task file that is missing or not YAML here, where it is one sentence about the file:
     lm-eval would fail to load it later, and offline that failure reads as a hub problem."""
     import yaml
@@ -110,6 +113,7 @@ def _check_task_yaml(path: Path) -> None:
     if not isinstance(data, dict) or not ({"task", "group", "include"} & set(data)):
         raise MoetoolError(f"task file {path} is not an lm-eval task (a YAML mapping with `task:` or `group:`).")
     _check_data_files(data, path)
+    return data
 
 
 def _check_data_files(task: dict[str, Any], path: Path) -> None:

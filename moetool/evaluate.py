@@ -340,6 +340,15 @@ def _engine_lm(model: torch.nn.Module, tokenizer: Any, batch_size: int, progress
 
         def generate_until(self, requests, disable_tqdm=False):  # noqa: ANN001
             self.cache_hook.start(len(requests))
+            # lm-eval keeps the last max_length - max_gen_toks tokens of a longer prompt, as for any model:
+            # counted with the scored pairs' cuts and said after the table (a short-context model lost a
+            # few-shot task's instructions unsaid)
+            from lm_eval.models.utils import normalize_gen_kwargs
+
+            for request in requests:
+                context, kwargs = request.args[0], request.args[1] if len(request.args) > 1 else {}
+                room = self.max_length - int(normalize_gen_kwargs(dict(kwargs or {}), self.max_gen_toks)["max_gen_toks"])
+                self.cut_from_the_left += len(HFLM.tok_encode(self, context)) > room
             return super().generate_until(requests, disable_tqdm=True)
 
         def _model_generate(self, context, max_length, stop, **kwargs):  # noqa: ANN001, ANN003

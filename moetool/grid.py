@@ -194,7 +194,7 @@ class _Grid:
 
     def __init__(self, grid: dict[str, Any], base: Path):
         self.base = base
-        self.written: dict[str, str] = {}  # a hardware profile's path as resolved -> as the grid wrote it
+        self.written: dict[str, str] = {}  # a hardware profile's or task file's path as resolved -> as written
         check_expansion(grid, "the grid")  # again after --with overrides, and for a grid given as a dict
         grid = dict(grid)
         self.stage = grid.pop("stage", "run")
@@ -225,6 +225,9 @@ class _Grid:
             return None
         if key == "model":
             return str(self.base / str(value)) if (self.base / str(value)).exists() else str(value)
+        if key == "task" and isinstance(value, str) and value.endswith((".yaml", ".yml")):  # the grid's file
+            self.written[str((self.base / value).resolve())] = value  # named as written in a cell's name
+            return str((self.base / value).resolve())
         if key == "hw" and isinstance(value, str):  # a path or a name of the grid's, not of where sweep runs
             from moetool.engine.clock import HW_DIR, USER_HW_DIR
 
@@ -377,7 +380,7 @@ class _Grid:
 
     def _written(self, key: str, value: Any) -> Any:
         """A setting as the grid wrote it, for a cell's name: a hardware profile's path as given, not resolved."""
-        return self.written.get(value, value) if key == "hw" else value
+        return self.written.get(value, value) if key in ("hw", "task") else value
 
     def _axis_choices(self, key: str) -> list[tuple[Any, dict[str, Any]]]:
         """(value, settings pinned with it) for each value of a non-policy axis."""

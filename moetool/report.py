@@ -178,7 +178,10 @@ def _measures(evals: list[dict]) -> dict[int, str]:
         if e.get("task") == "ppl":
             return ppl_measurement(e)
         o = e.get("options") or {}
-        return (o.get("num_fewshot"), o.get("limit"), o.get("task_files"))  # a task file's content, wherever it is
+        shots, ran = o.get("num_fewshot"), set((o.get("n_shot") or {}).values()) - {None}
+        if shots is not None and len(ran) == 1 and shots not in ran:  # a task that pins its count: what ran
+            shots = ran.pop()
+        return (shots, o.get("limit"), o.get("task_files"))  # a task file's content, wherever it is
 
     kinds: dict[str, set] = defaultdict(set)
     for e in evals:

@@ -295,6 +295,61 @@ def test_a_relative_data_file_beside_its_task_but_not_in_the_working_directory_i
     assert _cli("eval", *args, "--model", char_ckpt, "--limit", "1").exit_code == 0
 
 
+def test_a_group_file_given_by_path_runs_its_tasks(char_ckpt, tmp_path, offline):
+    """lm-eval loads a group only by its name: by its file's path it said "unhashable type: 'list'"."""
+    _task(tmp_path / "tasks", "t", "multiple_choice", MC)
+    group = tmp_path / "tasks" / "both.yaml"
+    group.write_text("group: both\ntask: [t]\naggregate_metric_list:\n  - metric: acc\n")
+    result = _cli("eval", group, "--model", char_ckpt, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["n"] == 2 and "acc" in data["metrics"] and str(group.resolve()) in data["inputs"]
+
+
+def test_a_task_that_pins_its_few_shot_count_says_the_flag_did_not_apply(char_ckpt, tmp_path, offline):
+    """lm-eval keeps a task's num_fewshot: 0 whatever --num-fewshot says; the eval ran 0-shot without a word
+    and report labelled it by the flag."""
+    task = _task(tmp_path / "tasks", "t", "multiple_choice", MC + "num_fewshot: 0\n")
+    out = tmp_path / "t.eval.json"
+    result = _cli("eval", task, "--model", char_ckpt, "--num-fewshot", "1", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "pin num_fewshot in their config, so --num-fewshot 1 did not apply to them" in result.output
+    from moetool.report import _measures
+
+    e = json.loads(out.read_text())
+    assert _measures([e, {**e, "options": {**e["options"], "num_fewshot": 0}}])[id(e)] == e["task"]  # one column
+
+
+def test_a_generation_prompt_cut_from_the_left_is_counted_and_said(char_ckpt, tmp_path, offline):
+    """lm-eval keeps the last max_length - max_gen_toks tokens of a generation prompt: a pair cut so was counted,
+    a generation's prompt was not."""
+    rows = [{"q": "word " * 40 + "the end is", "target": "near"}, {"q": "short", "target": "x"}]
+    body = ("doc_to_text: '{{q}}'\ndoc_to_target: target\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 2\n"
+            "metric_list:\n  - metric: exact_match\n")
+    result = _cli("eval", _task(tmp_path / "tasks", "g", "generate_until", body, rows=rows), "--model", char_ckpt,
+                  "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["options"]["cut_from_the_left"] == 1
+    assert "1 request(s) were longer than the 128 tokens" in result.output
+
+
+def test_a_grids_task_file_is_the_grid_directorys(char_ckpt, tmp_path, offline, monkeypatch):
+    """`task: t.yaml` in a grid was read from where sweep ran ("does not exist", or another file of that name)
+    while the grid's model, bundle and prompts are the grid's."""
+    import yaml
+
+    _task(tmp_path / "g", "t", "multiple_choice", MC)
+    grid = tmp_path / "g" / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"model": str(char_ckpt), "stage": "eval", "task": "t.yaml", "limit": 1,
+                                    "grid": {"policy": ["resident"]}}))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = _cli("sweep", grid, "--out", tmp_path / "out", "--workers", "0")
+    assert result.exit_code == 0, result.output
+    done = json.loads((tmp_path / "out" / "sweep.json").read_text())["cells"]
+    assert [c["status"] for c in done.values()] == ["done"], done
+
+
 def test_a_data_file_that_is_not_json_lines_says_why(char_ckpt, tmp_path, offline):
     """datasets said only "An error occurred while generating the dataset."."""
     task = _task(tmp_path / "tasks", "t", "multiple_choice", MC)

@@ -115,8 +115,14 @@ def eval(  # noqa: A001 - the command is `moetool eval`
                          "with \\n line ends (recorded under options.line_ends)."), highlight=False)
     if cut := result.options.get("cut_from_the_left"):  # on stderr, so --json's stdout stays one document
         err.print(styled(("note:", "yellow"), f" {cut} request(s) were longer than the {result.options['max_length']} "
-                         "tokens moetool scores at once, and lm-eval cut their context from the left (as it does "
+                         "tokens moetool scores at once (less what a generation task generates), and lm-eval cut "
+                         "their context from the left (as it does "
                          "for any model); fewer --num-fewshot keeps them whole."), highlight=False)
+    asked, ran = result.options.get("num_fewshot"), result.options.get("n_shot") or {}
+    if pinned := sorted(t for t, n in ran.items() if asked is not None and n is not None and n != asked):
+        err.print(styled(("note:", "yellow"), f" {', '.join(pinned[:3])}{' ...' if len(pinned) > 3 else ''} pin "
+                         f"num_fewshot in their config, so --num-fewshot {asked} did not apply to them (lm-eval's "
+                         f"rule); they ran {ran[pinned[0]]}-shot (options.n_shot)."), highlight=False)
     if tied := result.options.get("tied_choices"):
         err.print(styled(("note:", "yellow"), f" {tied} choice(s) tokenize to the same ids as another choice of their "
                          "document (characters the vocabulary lacks read as its unknown token, or text the tokenizer "
