@@ -277,6 +277,8 @@ def test_fit_refuses_an_unknown_hardware_preset(tmp_path):
     (["fit", "PROFILE", "--hw", "h200", "--sweep-budget", "10%", "--device", "cpu"],
      "--hw, --sweep-budget and --device are read only with --sweep, so they change nothing here; leave them out, "
      "or add --sweep."),
+    (["fit", "PROFILE", "--target-tpot", "3ms"], "--target-tpot is read only with smoe runs, so it changes nothing "
+                                                 "here; leave it out, or add --sweep or --runs."),
     (["eval", "bigbench-mc", "--bundle", "BUNDLE", "--context", "3"], "--data, --stepwise and --context are for ppl, "
                                                                        "not lm-eval tasks."),
     (["profile", "--bundle", "BUNDLE", "--what", "routing", "--bits", "4"],

@@ -58,6 +58,8 @@ def fit(
     load_hw(hw)  # an unknown preset or a bad profile file is refused even where only --sweep would read it
     if not sweep:  # the options of --sweep's runs
         only_with("--sweep", given(ctx, "alphas", "model", "bundle", "hw", "sweep_budget", "max_new_tokens", "device", "dtype"))
+        if not runs and not more:  # R is SMoE's eq. 5, read only against smoe runs
+            only_with("smoe runs", given(ctx, "target_tpot"), fix="add --sweep or --runs")
     grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
     # one budget for the whole fit unless asked otherwise: SMoE's alpha then holds where n_hi and r do
     sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget or budget or DEFAULT_BUDGET, hw=hw, device=device,
