@@ -58,8 +58,6 @@ def fit(
     load_hw(hw)  # an unknown preset or a bad profile file is refused even where only --sweep would read it
     if not sweep:  # the options of --sweep's runs
         only_with("--sweep", given(ctx, "alphas", "model", "bundle", "hw", "sweep_budget", "max_new_tokens", "device", "dtype"))
-        if not runs and not more:  # R is SMoE's eq. 5, read only against smoe runs
-            only_with("smoe runs", given(ctx, "target_tpot"), fix="add --sweep or --runs")
     grid = parse_numbers(alphas, "--alphas") if alphas is not None else ALPHAS
     # one budget for the whole fit unless asked otherwise: SMoE's alpha then holds where n_hi and r do
     sweep_runs = RunConfig(model=model, bundle=bundle, budget=sweep_budget or budget or DEFAULT_BUDGET, hw=hw, device=device,
@@ -68,6 +66,8 @@ def fit(
     cfg = FitConfig(profile=profile, runs=tuple([*(runs or []), *(more or [])]), sweep=sweep_runs if sweep else None,
                     alphas=grid, target_tpot=parse_seconds(target_tpot), max_loss=max_loss, l_threshold=l_threshold,
                     r=r, budget=budget)
+    if not sweep and not runs and not more:  # R is SMoE's eq. 5, read only against smoe runs (a value is checked first)
+        only_with("smoe runs", given(ctx, "target_tpot"), fix="add --sweep or --runs")
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("smoe sweep", total=len(grid), visible=sweep)
         result = fit_stage(cfg, progress=lambda part, done, total: bar.update(task, completed=done))
