@@ -67,6 +67,7 @@ def fit(
                     alphas=grid, target_tpot=parse_seconds(target_tpot), max_loss=max_loss, l_threshold=l_threshold,
                     r=r, budget=budget)
     if not sweep and not runs and not more:  # R is SMoE's eq. 5, read only against smoe runs (a value is checked first)
+        cfg.check()
         only_with("smoe runs", given(ctx, "target_tpot"), fix="add --sweep or --runs")
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("smoe sweep", total=len(grid), visible=sweep)
