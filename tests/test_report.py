@@ -107,6 +107,21 @@ def test_the_ablation_keeps_other_knobs_and_batches_apart(tmp_path):
                      "2. Cache (lru 16-bit, eviction=lfu)": "0.4"}
 
 
+def test_the_ablation_keeps_runs_of_other_workloads_apart(tmp_path):
+    """One prompt of 32 tokens and four of 4 were one "2. Cache" cell: the mean of two workloads' TPOTs."""
+    import dataclasses
+
+    from moetool.policies.dymoe_report import ablation
+
+    short = dataclasses.replace(synthetic_run("lru", {"bits": 16}, 0.2), prompts=["a", "b"], tokens=[[1] * 4, [2] * 4])
+    runs = [("long.json", dataclasses.replace(synthetic_run("lru", {"bits": 16}, 0.6), tokens=[[1] * 32])),
+            ("short.json", short), ("again.json", short)]
+    md = ablation(tuple((tmp_path / name, r) for name, r in runs))
+    cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in md.splitlines() if line.startswith("| 2.")}
+    assert len(cells) == 2 and sorted(cells.values()) == ["0.2", "0.6"], cells
+    assert any("2 prompt(s) x 4 tokens" in k for k in cells) and any("1 prompt(s) x 32 tokens" in k for k in cells)
+
+
 def test_artifacts_of_one_file_name_are_told_apart_and_a_copy_is_read_once(tmp_path):
     """Two lru.run.json in other directories were two rows named alike, and a backup copy of a run was averaged
     into the ablation as a second measurement."""

@@ -42,12 +42,14 @@ def ablation_row(policy: str, p: dict[str, Any]) -> str | None:
     return ABLATION[4 if prefetch else 3]
 
 
-def configuration(policy: str, p: dict[str, Any], batch: int = 1, bundle: str | None = None) -> str:
+def configuration(policy: str, p: dict[str, Any], batch: int = 1, bundle: str | None = None,
+                  workload: str | None = None) -> str:
     """What a Table 3 row's run ran, to tell apart runs that stand for one row: the policy, its
     precisions and DyMoE's r (a 16-bit `lru` and DyMoE at r = 1 in INT4 are both "2. Cache"; DyMoE at
     r = 0.75 and 0.9 both row 5), every other knob off its default (an LFU cache, eap's k, DyMoE's
-    hh_ratio: they were averaged with the defaults' runs into one cell), a batch of more than one and the
-    `bundle` where runs of several stand for a row (a group-16 and a group-8 bundle's INT4)."""
+    hh_ratio: they were averaged with the defaults' runs into one cell), a batch of more than one, the
+    `bundle` where runs of several stand for a row (a group-16 and a group-8 bundle's INT4) and the
+    `workload` (`workload`) where runs of several do (one prompt of 32 tokens and four of 4)."""
     from moetool.figures import off_default
 
     high, low = recorded_precisions(p)
@@ -58,19 +60,31 @@ def configuration(policy: str, p: dict[str, Any], batch: int = 1, bundle: str | 
         name = f"{policy} {bits}-bit" if isinstance(bits, int) else policy
     # lam is solved from r (shown); the tiers are in the name
     knobs = [f"{k}={p[k]}" for k in off_default(policy, p) if k not in ("lam", "high_bits", "low_bits")]
-    return ", ".join([name, *knobs, *([f"batch {batch}"] if batch > 1 else []), *([f"bundle {bundle}"] if bundle else [])])
+    return ", ".join([name, *knobs, *([f"batch {batch}"] if batch > 1 else []), *([f"bundle {bundle}"] if bundle else []),
+                      *([workload] if workload else [])])
+
+
+def workload(r: Any) -> str:
+    """The prompts a run decoded and how far: "4 prompt(s) x 32 tokens" and a digest of the prompts and
+    lengths, which tells two prompt sets of one size apart. TTFT and TPOT move with both (the context)."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps([r.prompts, [len(t) for t in r.tokens]]).encode()).hexdigest()[:8]
+    return f"{len(r.prompts)} prompt(s) x {max(map(len, r.tokens), default=0)} tokens @{digest}"
 
 
 def ablation(runs: tuple, shown: Any = None) -> str:
     """Table 3 from the runs present: TTFT and TPOT per row and budget, one table per clock (seconds of
     the sim clock and of the wall are not averaged together), and a row per configuration where runs of
-    more than one stand for it; a cell averages the runs of one configuration (repeats, prompts).
+    more than one stand for it; a cell averages the runs of one configuration and workload (repeats).
     `shown(path)`: how the report names a run (its file name by default)."""
     from moetool.policies.stages import bundle_names, bundle_of, machine
 
     by_clock: dict[str, list] = defaultdict(list)
     bundles = bundle_names([r.inputs for _, r in runs])
     several = len({bundle_of(r.inputs) for _, r in runs}) > 1
+    works = len({workload(r) for _, r in runs}) > 1  # a cell's runs are repeats of one workload, not others
     for path, r in runs:
         row = ablation_row(r.policy, r.params)
         if row:
@@ -80,7 +94,7 @@ def ablation(runs: tuple, shown: Any = None) -> str:
             decode = (r.summary or {}).get("path")
             bundle = bundles[bundle_of(r.inputs)] if several else None
             by_clock[f"{machine(r.clock, r.hw, r.inputs)}{f', {decode} path' if decode else ''}"].append(
-                (row, configuration(r.policy, r.params, r.batch_size, bundle), path, r))
+                (row, configuration(r.policy, r.params, r.batch_size, bundle, workload(r) if works else None), path, r))
     return "\n".join(_ablation_table(clock, rows, shown or (lambda p: p.name)) for clock, rows in sorted(by_clock.items()))
 
 
