@@ -517,8 +517,8 @@ def test_a_context_past_the_window_is_counted_and_said_and_a_choice_past_it_refu
     done = _cli("eval", _task(tmp_path / "tasks", "t", "multiple_choice", MC, rows=rows), "--model", char_ckpt,
                 "--out", out)
     assert done.exit_code == 0, done.output
-    assert ("note: 2 request(s) were longer than the 128 tokens moetool scores at once, and lm-eval cut their "
-            "context from the left") in done.stderr.replace("\n", " "), done.stderr
+    assert ("note: 2 request(s) were longer than the 128 tokens moetool scores at once (less what a generation "
+            "task generates), and lm-eval cut their context from the left") in done.stderr.replace("\n", " "), done.stderr
     options = json.loads(out.read_text())["options"]
     assert options["cut_from_the_left"] == 2 and options["max_length"] == 128  # both choices of document 1
 
