@@ -273,9 +273,11 @@ def _runs_tables(runs: list[tuple[Path, Run]], rows: list[dict], names: dict[Pat
         return setting_label(r.policy, r.params) + (f", batch {r.batch_size}" if r.batch_size > 1 else "") + (
             f", bundle {bundles[bundle_of(r.inputs)]}" if several else "")
 
-    md = ["## Runs\n\n", _table(["run", "setting", "clock", "path", "expert cache MiB", "budget MiB", "TTFT ms",
-                                 "TPOT mean ms", "hit rate"],
+    # the workload beside the times: TTFT and TPOT move with the prompts and how far they are decoded
+    md = ["## Runs\n\n", _table(["run", "setting", "clock", "path", "prompts x tokens", "expert cache MiB",
+                                 "budget MiB", "TTFT ms", "TPOT mean ms", "hit rate"],
                                 [[names[p], setting(r), _clock_cell(r), (r.summary or {}).get("path", "-"),
+                                  f"{len(r.prompts)} x {max(map(len, r.tokens), default=0)}",
                                   cache_bytes(r) / 2**20,
                                   r.budget_bytes / 2**20, r.ttft_s * 1e3 if r.ttft_s is not None else None,
                                   r.tpot_s["mean"] * 1e3 if r.tpot_s else None, r.hit_rate] for p, r in runs])]

@@ -468,7 +468,8 @@ def test_table3_and_the_runs_table_keep_decode_paths_apart_and_head_columns_by_e
     md = (tmp_path / "rep" / "summary.md").read_text()
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in md.splitlines() if line.startswith("| h.run.json") or line.startswith("| c.run.json")}
-    assert rows["h.run.json"][2:5] == ["host", "2", "40"] and rows["c.run.json"][2:5] == ["captured", "2", "40"]
+    assert rows["h.run.json"][2:6] == ["host", "1 x 1", "2", "40"] and rows["c.run.json"][2:6] == [
+        "captured", "1 x 1", "2", "40"]  # the workload (prompts x tokens) beside the cache and budget
 
 
 @pytest.mark.parametrize("deltas, verdict", [
