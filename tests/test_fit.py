@@ -517,6 +517,9 @@ def test_fates_n_holds_for_the_link_it_was_divided_by(tmp_path):
     sized = result.sizing("fate")["n"]
     t_io = result.evidence["fate"]["n"]["t_expert_s"]
     assert sized.costs == {"t_load.4": t_io} and sized.knobs == {"cache_bits": 4} and sized.budget is None
+    # the synthetic profile timed a CPU and took the preset's link: said, since the record holds the copy alone
+    assert any("divides the layer time measured on cpu by the link of hw preset x" in w
+               for w in result.evidence["warnings"]), result.evidence["warnings"]
     fitted, same = result.params["fate"], (lambda b: True)
     assert stale_fitted(POLICIES["fate"], {}, fitted, {"n": sized}, same, "25%", {"t_load.4": t_io}) == {}
     assert set(stale_fitted(POLICIES["fate"], {}, fitted, {"n": sized}, same, "25%", {"t_load.4": t_io / 3},

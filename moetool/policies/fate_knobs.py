@@ -138,6 +138,10 @@ class FateKnobs(Knobs):
                          "from": f"profile.timing.layers (T = t_moe + t_attn, the MoE block holding the gate, decode, "
                                  f"measured on {t.device}); "
                                  f"t_expert = INT4 blob / h2d ({h2d_from})"}
+            if not t.h2d_gbps:  # T is this machine's compute, the link another's: no one machine's §4.3 ratio
+                out.warnings.append(f"Fate's n = {fate['n']['value']} divides the layer time measured on {t.device} "
+                                    f"by the link of {h2d_from}; a run is held to that link's copy time only, so on "
+                                    "a machine of other compute give it --set n=0 (n from that run's own costs).")
         else:
             out.skipped["n"] = "the profile has no timing part with a host-to-device bandwidth (--what timing)"
         by_p, settings, twice, idle = {}, [], None, []
