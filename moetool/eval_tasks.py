@@ -73,8 +73,15 @@ def find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
     if spec.endswith((".yaml", ".yml")):
         data = _check_task_yaml(Path(spec))
         if isinstance(data.get("group"), str) and isinstance(data.get("task"), list):
-            # lm-eval loads a group's file only by the group's name ("unhashable type: 'list'" by its path)
-            return _task_manager(include + (str(Path(spec).resolve().parent),), False), data["group"], False, None
+            # lm-eval loads a group's file only by the group's name ("unhashable type: 'list'" by its path),
+            # from an index of its directory, where the first file of that name wins: it must be this one
+            tm = _task_manager(include + (str(Path(spec).resolve().parent),), False)
+            found = getattr(tm.task_index.get(data["group"]), "yaml_path", None)
+            if found is None or Path(found).resolve() != Path(spec).resolve():
+                raise MoetoolError(f"task file {spec} is the group '{data['group']}', which lm-eval loads by its name, "
+                                   f"and under its directory that name is {found or 'not indexed'}'s; give the group "
+                                   "a name of its own, or run it by name with --include-path.")
+            return tm, data["group"], False, None
         return _task_manager(include, False), str(Path(spec).resolve()), False, None
     data = _mmlu_data(cfg)
     if data == mmlu.SOURCE:
@@ -116,6 +123,13 @@ def _check_task_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def data_base(dataset_kwargs: Any) -> Path:
+    """Where `datasets` reads a task's relative data_files from: its `data_dir` (itself read from the
+    working directory where relative), else the working directory."""
+    data_dir = dataset_kwargs.get("data_dir") if isinstance(dataset_kwargs, dict) else None
+    return Path(data_dir) if isinstance(data_dir, str) and data_dir else Path()
+
+
 def _check_data_files(task: dict[str, Any], path: Path) -> None:
     """The task's local data files (`dataset_kwargs.data_files` of a json, csv or text loader) read as
     text here, one sentence naming the file: `datasets` says "An error occurred while generating the
@@ -123,12 +137,13 @@ def _check_data_files(task: dict[str, Any], path: Path) -> None:
     kwargs = task.get("dataset_kwargs")
     files = kwargs.get("data_files") if isinstance(kwargs, dict) and task.get("dataset_path") in ("json", "csv", "text") else None
     listed = files.values() if isinstance(files, dict) else [files]
+    base = data_base(kwargs)
     for entry in listed:
         for name in entry if isinstance(entry, list) else [entry]:
-            local = Path(name) if isinstance(name, str) and "://" not in name else None
+            local = base / name if isinstance(name, str) and "://" not in name else None
             # datasets reads a relative entry from the working directory (the file checked is the one it reads)
-            if local is not None and not local.is_absolute() and not local.is_file() \
-                    and (path.parent / local).is_file():
+            if local is not None and not Path(name).is_absolute() and not local.is_file() \
+                    and (path.parent / name).is_file() and base == Path():
                 raise MoetoolError(f"task file {path} names the data file {name}, {_BESIDE.format(where=path.parent)}.")
             if local is not None and local.is_file():
                 decode_text(read_bytes(local, TEXT_BYTES, "task data file"), f"the data file {local} of task file {path}",
@@ -290,10 +305,13 @@ def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
         # moetool decodes greedily, one sequence per prompt (a checkpoint's do_sample is overridden too): a
         # task's own sampling ran unseeded and unrecorded, so two policies differed by noise; beams met the
         # engine's planned batch as a sentence about its margin.
-        asked = {k: wanted.get(k) for k in ("do_sample", "num_beams", "num_return_sequences")}
-        if asked["do_sample"] or any(asked[k] not in (None, 1) for k in ("num_beams", "num_return_sequences")):
-            said = ", ".join(f"{k}: {v}" for k, v in asked.items()
-                             if (v is True if k == "do_sample" else v not in (None, 1)))
+        given = dict(task.get_config("generation_kwargs") or {})
+        said = [f"{k}: {given[k]!r}" for k in ("num_beams", "num_return_sequences") if wanted.get(k) not in (None, 1)]
+        if wanted.get("do_sample"):  # as written, or the temperature that turned sampling on (lm-eval's rule)
+            said.insert(0, f"do_sample: {given['do_sample']!r}" if "do_sample" in given
+                        else f"temperature: {given.get('temperature')!r} (which samples)")
+        if said:
+            said = ", ".join(said)
             raise MoetoolError(f"task '{name}' asks for {said} in its generation_kwargs, but moetool generates "
                                "greedily, one sequence per prompt (what a policy is compared on); remove it from "
                                "the task.")

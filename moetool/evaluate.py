@@ -45,7 +45,7 @@ from moetool.datasets import line_ends, read_text_file
 from moetool.errors import MoetoolError, not_a_file
 from moetool.eval_artifact import Eval
 from moetool.eval_tasks import (PPL, TASKS_DIR, check_generation, check_tasks, find_task, headline, hub_failure,
-                                is_mmlu, load_task, offline_sentence, set_fewshot, task_files)
+                                is_mmlu, load_task, offline_sentence, set_fewshot, task_files, data_base)
 from moetool.hub import cache_only, hub_reachable
 from moetool.inference import NonFiniteRows, context_length, context_words, nonfinite_sentence, vocab_size
 from moetool.model import LoadedModel
@@ -128,9 +128,10 @@ def _task_inputs(tm: Any, loaded: dict[str, Any], spec: str) -> dict[str, str]:
         if getattr(entry, "yaml_path", None):
             files += task_files(Path(entry.yaml_path))
     for task in loaded["tasks"].values():
-        data = (getattr(getattr(task, "config", None), "dataset_kwargs", None) or {}).get("data_files")
+        kwargs = getattr(getattr(task, "config", None), "dataset_kwargs", None) or {}
+        data, base = kwargs.get("data_files"), data_base(kwargs)  # relative to its data_dir where it has one
         for value in (data.values() if isinstance(data, dict) else [data]):
-            files += [Path(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
+            files += [base / v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str)]
     return {str(f.resolve()): sha256_file(f) for f in dict.fromkeys(files)
             if f.is_file() and not any(f.resolve().is_relative_to(d) for d in shipped)}
 

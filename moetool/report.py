@@ -181,8 +181,13 @@ def _measures(evals: list[dict]) -> dict[int, str]:
         shots, ran = o.get("num_fewshot"), set((o.get("n_shot") or {}).values()) - {None}
         if shots is not None and len(ran) == 1 and shots not in ran:  # a task that pins its count: what ran
             shots = ran.pop()
-        return (shots, o.get("limit"), o.get("task_files"))  # a task file's content, wherever it is
+        return (shots, o.get("limit"), o.get("task_files") or known.get(e.get("task")))  # its files' content
 
+    # an eval written before task files were recorded is of the one content its task's others record, if one
+    contents: dict[str, set] = defaultdict(set)
+    for e in evals:
+        contents[e.get("task")].add((e.get("options") or {}).get("task_files"))
+    known = {t: next(iter(c - {None})) for t, c in contents.items() if len(c - {None}) == 1}
     kinds: dict[str, set] = defaultdict(set)
     for e in evals:
         kinds[e.get("task", "?")].add(measure(e))

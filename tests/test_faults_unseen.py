@@ -293,6 +293,12 @@ def test_a_relative_data_file_beside_its_task_but_not_in_the_working_directory_i
     assert "reads from the working directory" in line and f"run from {tmp_path / 'tasks'}" in line, line
     monkeypatch.chdir(tmp_path / "tasks")  # where it is read from
     assert _cli("eval", *args, "--model", char_ckpt, "--limit", "1").exit_code == 0
+    # datasets reads them from the task's data_dir where it names one: such a task runs from anywhere
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    task.write_text(task.read_text().replace("dataset_kwargs:\n", f"dataset_kwargs:\n  data_dir: {tmp_path / 'tasks'}\n"))
+    ran = _cli("eval", *args, "--model", char_ckpt, "--limit", "1", "--json")
+    assert ran.exit_code == 0, ran.output
+    assert str(tmp_path / "tasks" / "t.jsonl") in json.loads(ran.stdout)["inputs"]  # an input where it was read
 
 
 def test_a_group_file_given_by_path_runs_its_tasks(char_ckpt, tmp_path, offline):
@@ -304,6 +310,18 @@ def test_a_group_file_given_by_path_runs_its_tasks(char_ckpt, tmp_path, offline)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["n"] == 2 and "acc" in data["metrics"] and str(group.resolve()) in data["inputs"]
+
+
+def test_a_group_file_whose_name_another_file_under_its_directory_holds_is_refused(char_ckpt, tmp_path, offline):
+    """lm-eval indexes the group's directory and keeps the first file of a name: `eval tasks/both.yaml` ran
+    tasks/backup/both.yaml's group, and recorded that file, not the one named."""
+    _task(tmp_path / "tasks", "t", "multiple_choice", MC)
+    _task(tmp_path / "tasks" / "backup", "u", "multiple_choice", MC)
+    group = tmp_path / "tasks" / "both.yaml"
+    group.write_text("group: both\ntask: [t]\naggregate_metric_list:\n  - metric: acc\n")
+    (tmp_path / "tasks" / "backup" / "both.yaml").write_text(group.read_text().replace("[t]", "[u]"))
+    line = one_error_line(_cli("eval", group, "--model", char_ckpt))
+    assert "is the group 'both'" in line and str(tmp_path / "tasks" / "backup" / "both.yaml") in line, line
 
 
 def test_a_task_that_pins_its_few_shot_count_says_the_flag_did_not_apply(char_ckpt, tmp_path, offline):
@@ -386,7 +404,8 @@ def test_a_task_with_only_a_test_split_never_shows_a_question_among_its_own_exam
 
 
 @pytest.mark.parametrize("gen,says", [("do_sample: true\n  temperature: 1.0", "asks for do_sample: True"),
-                                      ("temperature: 0.7", "asks for do_sample: True"),
+                                      ("temperature: 0.7", "asks for temperature: 0.7 (which samples)"),
+                                      ("do_sample: 'yes'", "asks for do_sample: 'yes'"),
                                       ("num_beams: 3", "asks for num_beams: 3"),
                                       ("do_sample: false\n  num_beams: 1", None)])
 def test_a_task_that_samples_or_searches_beams_is_refused(char_ckpt, tmp_path, offline, gen, says):

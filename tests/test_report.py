@@ -262,6 +262,12 @@ def test_two_task_files_of_one_name_are_two_columns(tmp_path):
             "| mc.yaml@bbbbbbbb (default-shot) | ± stderr |") in md, md
     assert "| lru bits=16 | 4 | 0.25 | 0.1 | 1 | - | - |" in md, md  # paired only with the same task's resident
     assert "| lru bits=16 | 8 | - | - | - | 0.25 | 0.1 |" in md, md
+    # an eval written before task files were recorded is of its task's one recorded content
+    from moetool.report import _measures
+
+    old, new = (_mc_eval("resident", {"bits": 16}, [0]), _mc_eval("lru", {"bits": 16}, [0]))
+    new["options"] = {"task_files": "c" * 64}
+    assert len(set(_measures([old, new]).values())) == 1
 
 
 def test_agreement_on_a_one_continuation_task_is_whether_each_answer_is_the_greedy_one(tmp_path):
