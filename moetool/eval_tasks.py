@@ -221,7 +221,7 @@ def check_tasks(tasks: dict[str, Any], cfg: EvalConfig) -> dict[str, str]:
     for name, task in tasks.items():
         if (rule := _fewshot_pool(task)) is not None:
             fewshot_from[name] = rule
-        _check_fewshot(name, task, cfg.num_fewshot is not None)
+        _check_fewshot(name, task, cfg.num_fewshot is not None, cfg.limit)
         if task.get_config("output_type") != "multiple_choice" or getattr(task, "multiple_input", False):
             continue
         for i, doc in enumerate(islice(task.eval_docs, cfg.limit)):
@@ -271,19 +271,34 @@ def _fewshot_pool(task: Any) -> str | None:
     return f"its test split '{cfg.split}', the question asked left out"
 
 
-def _check_fewshot(name: str, task: Any, asked: bool) -> None:
+def _check_fewshot(name: str, task: Any, asked: bool, limit: int | float | None = None) -> None:
     """Refuse a few-shot count `task`'s few-shot split cannot give: it holds as many examples as that,
-    plus the question asked where the few-shot split is the test split (lm-eval leaves it out)."""
+    plus the question asked where the few-shot split is the test split (lm-eval leaves out every copy of
+    it: a question the data holds twice left one too few, "Sample larger than population" after the model
+    loaded). The questions counted are those --limit lets lm-eval score."""
+    import json
+    from collections import Counter
+    from itertools import islice
+
     shots = task.get_config("num_fewshot") or 0
     sampler = getattr(task, "sampler", None)
     if shots <= 0 or sampler is None:
         return
-    pool = len(sampler.fewshot_docs())
+    docs = sampler.fewshot_docs()
+    pool = len(docs)
     fewshot = getattr(getattr(task, "fewshot_cfg", None), "split", None)
-    same = int(fewshot is not None and fewshot == task.get_config("test_split"))
+    same = 0
+    if fewshot is not None and fewshot == task.get_config("test_split"):
+        def key(doc: Any) -> str:
+            return json.dumps(doc, sort_keys=True, default=str)
+
+        copies = Counter(map(key, docs))
+        scored = islice(task.eval_docs, None if limit is None else int(limit))
+        same = max((copies[key(d)] for d in scored), default=1) or 1
     if pool < shots + same:
         where = " (--num-fewshot)" if asked else " (its num_fewshot)"
-        among = ", the question asked among them" if same else ""
+        among = ("" if not same else ", the question asked among them" if same == 1 else
+                 f", a question asked {same} times among them (every copy left out when it is asked)")
         raise MoetoolError(f"task '{name}' asks for {shots} few-shot examples{where}, but its few-shot split holds "
                            f"only {pool}{among}; give --num-fewshot {max(pool - same, 0)} or less.")
 
@@ -310,11 +325,16 @@ def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
         if wanted.get("do_sample"):  # as written, or the temperature that turned sampling on (lm-eval's rule)
             said.insert(0, f"do_sample: {given['do_sample']!r}" if "do_sample" in given
                         else f"temperature: {given.get('temperature')!r} (which samples)")
+        # what else makes transformers' generate other than greedy, or its length other than max_gen_toks
+        # (lm-eval hands max_length to generate as prompt + answer: 375 tokens past a 128-token context)
+        said += [f"{k}: {given[k]!r}" for k in ("penalty_alpha", "dola_layers", "custom_generate", "assistant_model",
+                                               "prompt_lookup_num_tokens", "max_length", "min_length",
+                                               "min_new_tokens") if given.get(k) not in (None, 0)]
         if said:
             said = ", ".join(said)
             raise MoetoolError(f"task '{name}' asks for {said} in its generation_kwargs, but moetool generates "
-                               "greedily, one sequence per prompt (what a policy is compared on); remove it from "
-                               "the task.")
+                               "greedily, one sequence per prompt, max_gen_toks long (what a policy is compared "
+                               "on); remove it from the task.")
         if tokens < 1:
             raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks in its "
                                "generation_kwargs); give it 1 or more.")

@@ -401,12 +401,24 @@ def test_a_task_with_only_a_test_split_never_shows_a_question_among_its_own_exam
         set_fewshot(task, 5)
     with pytest.raises(MoetoolError, match="holds only 5, the question asked among them; give --num-fewshot 4"):
         check_tasks(loaded["tasks"], cfg5)
+    # a question the data holds twice: lm-eval leaves out both copies ("Sample larger than population" had
+    # been a traceback after the model loaded)
+    twice = _task(tmp_path / "tasks", "twice", "multiple_choice", MC, rows=rows[:4] + rows[:1])
+    cfg4 = EvalConfig(task=str(twice), num_fewshot=4)
+    tm, spec, _, _ = find_task(cfg4)
+    loaded = load_task(tm, spec, cfg4, False)
+    for task in loaded["tasks"].values():
+        set_fewshot(task, 4)
+    with pytest.raises(MoetoolError, match="holds only 5, a question asked 2 times among them .*give --num-fewshot 3"):
+        check_tasks(loaded["tasks"], cfg4)
 
 
 @pytest.mark.parametrize("gen,says", [("do_sample: true\n  temperature: 1.0", "asks for do_sample: True"),
                                       ("temperature: 0.7", "asks for temperature: 0.7 (which samples)"),
                                       ("do_sample: 'yes'", "asks for do_sample: 'yes'"),
                                       ("num_beams: 3", "asks for num_beams: 3"),
+                                      ("max_length: 400", "asks for max_length: 400"),
+                                      ("penalty_alpha: 0.6\n  top_k: 4", "asks for penalty_alpha: 0.6"),
                                       ("do_sample: false\n  num_beams: 1", None)])
 def test_a_task_that_samples_or_searches_beams_is_refused(char_ckpt, tmp_path, offline, gen, says):
     """moetool generates greedily: a task's do_sample sampled unseeded and unrecorded (two runs, two answers),
@@ -418,7 +430,7 @@ def test_a_task_that_samples_or_searches_beams_is_refused(char_ckpt, tmp_path, o
         assert result.exit_code == 0, result.output
     else:
         line = one_error_line(result)
-        assert says in line and "generates greedily, one sequence per prompt" in line, line
+        assert says in line and "generates greedily, one sequence per prompt, max_gen_toks long" in line, line
 
 
 @pytest.mark.parametrize("tokens,says", [(500, "context is 128 tokens"), (0, "give it 1 or more"),
