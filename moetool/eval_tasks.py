@@ -169,8 +169,42 @@ def _beside(tm: Any, spec: str, e: BaseException) -> str:
     return f" ({name}: {_BESIDE.format(where=task_yaml.parent)})" if (task_yaml.parent / name).is_file() else ""
 
 
+def _members_elsewhere(tm: Any, spec: str) -> Any | None:
+    """A TaskManager that also knows lm-eval's built-in tasks, where `spec` is a group of `tm`'s whose
+    `task:` list names one only they hold (lm-eval builds an unknown member as a task of no dataset, then
+    fails on "expected str, bytes or os.PathLike object, not NoneType"); None where `tm` knows them all.
+    A member no index holds is one sentence."""
+    import yaml
+
+    path = getattr(getattr(tm, "task_index", {}).get(spec), "yaml_path", None)
+    if path is None:
+        return None
+
+    class TagTolerant(yaml.SafeLoader):
+        pass
+
+    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
+    try:
+        data = yaml.load(Path(path).read_bytes(), Loader=TagTolerant)  # noqa: S506 - a SafeLoader
+    except (OSError, yaml.YAMLError):
+        return None  # lm-eval's to say
+    members = data.get("task") if isinstance(data, dict) else None
+    unknown = [m for m in members if isinstance(m, str) and m not in tm.all_tasks] if isinstance(members, list) else []
+    if not unknown:
+        return None
+    wide = _task_manager(tuple(str(p) for p in (tm.include_path or ())), True)
+    missing = [m for m in unknown if m not in wide.all_tasks]
+    if missing:
+        near = difflib.get_close_matches(missing[0], wide.all_tasks, n=3)
+        raise MoetoolError(f"group '{spec}' ({path}) lists the task '{missing[0]}', which no task index holds"
+                           f"{f' (did you mean {chr(44).join(near)}?)' if near else ''}; give the directory of its "
+                           "YAML with --include-path.")
+    return wide
+
+
 def load_task(tm: Any, spec: str, cfg: EvalConfig, online: bool) -> dict[str, Any]:
     """lm-eval's task dict for `spec`; with the hub out of reach, a failure to load is that."""
+    tm = _members_elsewhere(tm, spec) or tm
     try:
         try:
             return tm.load([spec])

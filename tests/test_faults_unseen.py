@@ -312,6 +312,16 @@ def test_a_group_file_given_by_path_runs_its_tasks(char_ckpt, tmp_path, offline)
     assert data["n"] == 2 and "acc" in data["metrics"] and str(group.resolve()) in data["inputs"]
 
 
+def test_a_group_listing_a_task_no_index_holds_is_one_sentence(char_ckpt, tmp_path, offline):
+    """lm-eval built the unknown member as a task of no dataset: "expected str, bytes or os.PathLike object,
+    not NoneType"."""
+    _task(tmp_path / "tasks", "t", "multiple_choice", MC)
+    group = tmp_path / "tasks" / "both.yaml"
+    group.write_text("group: both\ntask: [t, nosuchtask_xyz]\naggregate_metric_list:\n  - metric: acc\n")
+    line = one_error_line(_cli("eval", group, "--model", char_ckpt))
+    assert "group 'both'" in line and "lists the task 'nosuchtask_xyz', which no task index holds" in line, line
+
+
 def test_a_group_file_whose_name_another_file_under_its_directory_holds_is_refused(char_ckpt, tmp_path, offline):
     """lm-eval indexes the group's directory and keeps the first file of a name: `eval tasks/both.yaml` ran
     tasks/backup/both.yaml's group, and recorded that file, not the one named."""
