@@ -322,7 +322,7 @@ def _check_fewshot(name: str, task: Any, asked: bool, limit: int | float | None 
     pool = len(docs)
     fewshot = getattr(getattr(task, "fewshot_cfg", None), "split", None)
     same = 0
-    if fewshot is not None and fewshot == task.get_config("test_split"):
+    if fewshot == task.get_config("test_split"):  # lm-eval's test; None == None is a validation-only task
         def key(doc: Any) -> str:
             return json.dumps(doc, sort_keys=True, default=str)
 
@@ -369,6 +369,10 @@ def check_generation(tasks: dict[str, Any], hflm: Any, path: str) -> None:
             raise MoetoolError(f"task '{name}' asks for {said} in its generation_kwargs, but moetool generates "
                                "greedily, one sequence per prompt, max_gen_toks long (what a policy is compared "
                                "on); remove it from the task.")
+        until = wanted.get("until")
+        if not isinstance(until, list) or not all(isinstance(u, str) for u in until):
+            raise MoetoolError(f"task '{name}' stops its generations at {quote(given.get('until'))} (until in its "
+                               "generation_kwargs); give a text or a list of texts.")
         if tokens < 1:
             raise MoetoolError(f"task '{name}' generates up to {tokens} tokens (max_gen_toks in its "
                                "generation_kwargs); give it 1 or more.")

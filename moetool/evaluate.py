@@ -122,8 +122,9 @@ def _task_inputs(tm: Any, loaded: dict[str, Any], spec: str) -> dict[str, str]:
     import lm_eval
 
     shipped = (Path(lm_eval.__file__).parent.resolve(), TASKS_DIR.resolve())
-    files: list[Path] = task_files(Path(spec)) if spec.endswith((".yaml", ".yml")) else []
-    for name in [*loaded["tasks"], *loaded.get("group_map", {})]:  # a group's own YAML too
+    by_path = spec.endswith((".yaml", ".yml"))  # its tasks are its file's, not the index's of their names
+    files: list[Path] = task_files(Path(spec)) if by_path else []
+    for name in [] if by_path else [*loaded["tasks"], *loaded.get("group_map", {})]:  # a group's own YAML too
         entry = getattr(tm, "task_index", {}).get(name)
         if getattr(entry, "yaml_path", None):
             files += task_files(Path(entry.yaml_path))

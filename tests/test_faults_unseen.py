@@ -312,6 +312,35 @@ def test_a_group_file_given_by_path_runs_its_tasks(char_ckpt, tmp_path, offline)
     assert data["n"] == 2 and "acc" in data["metrics"] and str(group.resolve()) in data["inputs"]
 
 
+@pytest.mark.parametrize("until", ["null", "[123]", "{a: 1}"])
+def test_a_stop_sequence_that_is_not_text_is_one_sentence(char_ckpt, tmp_path, offline, until):
+    """A tokenizer's error after the model had loaded."""
+    body = (f"doc_to_text: '{{{{q}}}}'\ndoc_to_target: target\ngeneration_kwargs:\n  until: {until}\n  max_gen_toks: 2\n"
+            "metric_list:\n  - metric: exact_match\n")
+    line = one_error_line(_cli("eval", _task(tmp_path / "tasks", "g", "generate_until", body), "--model", char_ckpt))
+    assert "stops its generations at" in line and "give a text or a list of texts" in line, line
+
+
+def test_a_validation_only_task_counts_the_question_asked_in_its_few_shot_pool(char_ckpt, tmp_path, offline):
+    """lm-eval leaves the question out where the few-shot and test splits are both unnamed: 2 shots of 2
+    documents was "Sample larger than population" after the model loaded."""
+    task = _task(tmp_path / "tasks", "v", "multiple_choice", MC)
+    task.write_text(task.read_text().replace("    test: ", "    validation: ").replace("test_split: test",
+                                                                                      "validation_split: validation"))
+    line = one_error_line(_cli("eval", task, "--model", char_ckpt, "--num-fewshot", "2"))
+    assert "holds only 2, the question asked among them; give --num-fewshot 1" in line, line
+
+
+def test_a_task_file_by_path_records_its_own_file_not_one_of_its_name_elsewhere(char_ckpt, tmp_path, offline):
+    """A task of the same name in --include-path (never read) was recorded as an input too."""
+    task = _task(tmp_path / "mine", "t", "multiple_choice", MC)
+    other = _task(tmp_path / "lib", "t", "multiple_choice", MC + "description: other\n")
+    ran = _cli("eval", task, "--include-path", tmp_path / "lib", "--model", char_ckpt, "--limit", "1", "--json")
+    assert ran.exit_code == 0, ran.output
+    inputs = json.loads(ran.stdout)["inputs"]
+    assert str(task.resolve()) in inputs and str(other.resolve()) not in inputs, inputs
+
+
 def test_a_group_listing_a_task_no_index_holds_is_one_sentence(char_ckpt, tmp_path, offline):
     """lm-eval built the unknown member as a task of no dataset: "expected str, bytes or os.PathLike object,
     not NoneType"."""
