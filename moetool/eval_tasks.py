@@ -99,6 +99,18 @@ def find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
     return tm, spec, False, data
 
 
+def _load_yaml(text: str | bytes) -> Any:
+    """A task YAML's data, its tags left unread: lm-eval resolves its own (`!function utils.process_docs`);
+    here only the syntax and the keys count."""
+    import yaml
+
+    class TagTolerant(yaml.SafeLoader):
+        pass
+
+    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
+    return yaml.load(text, Loader=TagTolerant)  # noqa: S506 - a SafeLoader that ignores unknown tags
+
+
 def _check_task_yaml(path: Path) -> dict[str, Any]:
     """Refuse a task file that is missing or not YAML here, where it is one sentence about the file:
     lm-eval would fail to load it later, and offline that failure reads as a hub problem."""
@@ -109,12 +121,8 @@ def _check_task_yaml(path: Path) -> dict[str, Any]:
     # A regular file of bounded size, in UTF-8 only: lm-eval reads it again as UTF-8.
     text = decode_text(read_bytes(path, CONFIG_BYTES, "task file"), f"task file {path}", ".", wide=False)
 
-    class TagTolerant(yaml.SafeLoader):
-        """lm-eval resolves its own tags (`!function utils.process_docs`); here only the syntax counts."""
-
-    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
     try:
-        data = yaml.load(text, Loader=TagTolerant)  # noqa: S506 - a SafeLoader that ignores unknown tags
+        data = _load_yaml(text)
     except yaml.YAMLError as e:
         raise yaml_error(f"task file {path}", e) from None
     if not isinstance(data, dict) or not ({"task", "group", "include"} & set(data)):
@@ -180,12 +188,8 @@ def _members_elsewhere(tm: Any, spec: str) -> Any | None:
     if path is None:
         return None
 
-    class TagTolerant(yaml.SafeLoader):
-        pass
-
-    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
     try:
-        data = yaml.load(Path(path).read_bytes(), Loader=TagTolerant)  # noqa: S506 - a SafeLoader
+        data = _load_yaml(Path(path).read_bytes())
     except (OSError, yaml.YAMLError):
         return None  # lm-eval's to say
     members = data.get("task") if isinstance(data, dict) else None
