@@ -49,7 +49,8 @@ def configuration(policy: str, p: dict[str, Any], batch: int = 1, bundle: str | 
     r = 0.75 and 0.9 both row 5), every other knob off its default (an LFU cache, eap's k, DyMoE's
     hh_ratio: they were averaged with the defaults' runs into one cell), a batch of more than one, the
     `bundle` where runs of several stand for a row (a group-16 and a group-8 bundle's INT4) and the
-    `workload` (`workload`) where runs of several do (one prompt of 32 tokens and four of 4)."""
+    workload (the prompts and how far they ran, `workload`) where runs of several do (one prompt of 32
+    tokens and four of 4)."""
     from moetool.figures import off_default
 
     high, low = recorded_precisions(p)
