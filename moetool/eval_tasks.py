@@ -99,15 +99,19 @@ def find_task(cfg: EvalConfig) -> tuple[Any, str, bool, str | None]:
     return tm, spec, False, data
 
 
-def _load_yaml(text: str | bytes) -> Any:
+def _load_yaml(text: str | bytes, functions: list[str] | None = None) -> Any:
     """A task YAML's data, its tags left unread: lm-eval resolves its own (`!function utils.process_docs`);
-    here only the syntax and the keys count."""
+    here only the syntax and the keys count. `functions` gets what each `!function` tag names."""
     import yaml
 
     class TagTolerant(yaml.SafeLoader):
         pass
 
-    TagTolerant.add_multi_constructor("", lambda loader, suffix, node: None)
+    def tag(loader: Any, suffix: str, node: Any) -> None:
+        if functions is not None and suffix == "!function" and isinstance(node, yaml.ScalarNode):
+            functions.append(loader.construct_scalar(node))
+
+    TagTolerant.add_multi_constructor("", tag)
     return yaml.load(text, Loader=TagTolerant)  # noqa: S506 - a SafeLoader that ignores unknown tags
 
 
@@ -400,14 +404,9 @@ def task_files(path: Path) -> list[Path]:
         if yaml_path in found or not yaml_path.is_file():
             return
         found.append(yaml_path)
-        functions: list[str] = []
-
-        class Loader(yaml.SafeLoader):  # lm-eval's own loader imports the functions; this one only names them
-            pass
-
-        Loader.add_constructor("!function", lambda loader, node: functions.append(loader.construct_scalar(node)))
+        functions: list[str] = []  # lm-eval's own loader imports them; this one only names them
         try:
-            cfg = yaml.load(yaml_path.read_bytes(), Loader=Loader)  # noqa: S506 (a SafeLoader subclass)
+            cfg = _load_yaml(yaml_path.read_bytes(), functions)
         except (OSError, yaml.YAMLError):
             return
         for qual in functions:
