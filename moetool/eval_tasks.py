@@ -47,8 +47,29 @@ def _mmlu_data(cfg: EvalConfig) -> str | None:
     return mmlu.HUB if hub else mmlu.SOURCE
 
 
-@lru_cache(maxsize=4)
 def _task_manager(include: tuple[str, ...], defaults: bool) -> Any:
+    """lm-eval's TaskManager over `include` (and its built-in tasks with `defaults`). Its index maps names
+    to files once, when built: it is kept only while no task file under `include` has changed, so a
+    process that evaluates again after a task file is edited, renamed or added (a notebook) finds
+    what a fresh process would (a kept index had run one task's questions recorded as another's)."""
+    return _indexed(include, defaults, _task_files_state(include))
+
+
+def _task_files_state(include: tuple[str, ...]) -> tuple:
+    """Every YAML under the include directories, with its size and modification time."""
+    state = []
+    for root in include:
+        for path in sorted(Path(root).rglob("*.y*ml")) if Path(root).is_dir() else ():
+            try:
+                st = path.stat()
+            except OSError:  # gone since it was listed: the index will not find it either
+                continue
+            state.append((str(path), st.st_mtime_ns, st.st_size))
+    return tuple(state)
+
+
+@lru_cache(maxsize=4)
+def _indexed(include: tuple[str, ...], defaults: bool, state: tuple) -> Any:
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(include), include_defaults=defaults)

@@ -163,11 +163,12 @@ def _candidates(lm: Any, block: nn.Module, router: nn.Module, num_experts: int) 
     if isinstance(named, str) and named not in funcs and _activation(named) is not None:
         funcs.append(named)
     bias = None
-    for owner in (router, block):
+    # The router's or block's own, or one a module inside the router keeps (ERNIE 4.5: `gate.moe_statics`, [1, E])
+    for owner in (router, block, *(m for _, m in router.named_modules() if m is not router)):
         for name in BIAS_NAMES:
             t = getattr(owner, name, None)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == (num_experts,) and t.device.type != "meta":
-                bias = t.detach().float().cpu()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == num_experts and t.device.type != "meta":
+                bias = t.detach().float().cpu().reshape(num_experts)
                 break
         if bias is not None:
             break

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import copy
+from helpers import copy, save_char_tokenizer
 from tiny import MORE_CONFIGS, RELEASES, TINY_CONFIGS, save_tiny, save_tiny_release
 
 from moetool.engine import build_engine
@@ -277,6 +277,29 @@ def test_a_budget_the_host_path_holds_and_the_captured_step_does_not_falls_back(
     one = run(RunConfig(model=str(path), policy="lru", budget="50%", decode="captured", prompts=("ab",),
                         max_new_tokens=1, clock="sim"))  # the step was compiled, and never ran
     assert one.summary["path"] == "host" and "no decode step to capture" in one.summary["path_reason"]
+
+
+@pytest.mark.parametrize("ks", [[2, 1], [1, 2]])
+def test_a_top_k_per_layer_falls_back_in_the_open_and_plans_the_widest(tmp_path, ks):
+    """HunYuan routes each layer to its own count (`moe_topk` a list). The step's log is one [layers, k]
+    array sized by the first layer: [2, 1] counted layer 1's one expert twice (7 misses too many, 64% more
+    bytes), and [1, 2] fell back with a raw shape error. The budget's margin plans the widest layer."""
+    from moetool.engine.budget import kv_margin, plan_margin
+    from moetool.run import RunConfig, run
+
+    path = save_tiny("hunyuan_v1_moe", tmp_path / "hy", moe_topk=ks)
+    save_char_tokenizer(path)
+    lm = load_model(str(path))
+    assert [g.top_k for g in lm.geometry.layers] == ks
+    margin = plan_margin(lm.model.config, lm.geometry.layers, 64, 1, torch.float32, decoded=False)
+    assert margin == kv_margin(lm.model.config, 64, 1, torch.float32, top_k=2)
+    got = {d: run(RunConfig(model=str(path), policy="lod", budget="10%", decode=d, prompts=("The quick brown fox",),
+                            max_new_tokens=5, clock="sim")) for d in ("host", "captured")}
+    assert got["captured"].summary["path"] == "host"
+    assert got["captured"].summary["path_reason"] == (
+        "the captured step fell back: this model's MoE layers differ in expert count or top-k (4 experts top-1, "
+        "4 experts top-2), and the step logs one of each")
+    assert got["captured"].tokens == got["host"].tokens and got["captured"].layers == got["host"].layers
 
 
 def test_a_model_that_refuses_a_static_cache_is_said_to_at_its_first_step(tiny_ckpt):

@@ -79,6 +79,21 @@ def test_a_router_no_rule_reproduces_keeps_softmax_and_is_named(tmp_path):
     assert torch.equal(rules.scores(lm.geometry.layers[0].index, logits), torch.softmax(logits, -1))
 
 
+def test_a_selection_bias_kept_inside_the_router_is_found(tmp_path):
+    """ERNIE 4.5 keeps its bias in a module of its router (`gate.moe_statics`), shaped [1, E]: trained,
+    it steers the choice, and only a rule with it reproduces the router (softmax alone had been unmatched)."""
+    lm = load_model(str(save_tiny("ernie4_5_moe", tmp_path / "ernie", moe_num_experts=8)))
+    gen = torch.Generator().manual_seed(1)
+    for g in lm.geometry.layers:
+        statics = lm.model.get_submodule(g.path).get_submodule(g.router).moe_statics
+        assert statics.e_score_correction_bias.shape == (1, g.num_experts)
+        statics.e_score_correction_bias.data.copy_(torch.randn(1, g.num_experts, generator=gen))
+    rules = score_rules(lm)
+    assert rules.unmatched == ()
+    assert all(r.func == "softmax" and r.bias is not None and r.bias.shape == (8,) for r in rules.by_layer.values())
+    assert set(rules.by_layer) == {g.index for g in lm.geometry.layers}
+
+
 def test_grouped_scores_compile_whole():
     """The rule runs inside the captured step: no graph break, the eager values."""
     rule = ScoreRule(func="sigmoid", bias=torch.rand(16), groups=4, topk_groups=2)

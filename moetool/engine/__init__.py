@@ -179,7 +179,7 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
         if matched is not None:
             policy_cost, _ = cost_model(lm, store, matched)
     ctx = EngineContext(moe_layers=tuple(g.index for g in lm.geometry.layers),
-                        num_experts=lm.geometry.layers[0].num_experts, top_k=lm.geometry.layers[0].top_k,
+                        num_experts=lm.geometry.layers[0].num_experts, top_k=max(g.top_k for g in lm.geometry.layers),
                         expert_bytes={b: store.slot_bytes(b) for b in store.bits}, cache_bytes=0,
                         available_bits=store.bits, hw=policy_cost.policy_view(captured), routers=score_rules(lm).place(device))
 

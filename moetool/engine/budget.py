@@ -147,7 +147,7 @@ def plan_margin(config: Any, layers: Any, max_tokens: int, batch: int, dtype: to
     """The margin a budget plans beside weights and experts: the KV cache and activations
     (`kv_margin`), plus the grouped path's decode workspace where some stored precision is decoded
     rather than read in place (`decode_workspace`, a chunk of top-k experts)."""
-    top_k = layers[0].top_k
+    top_k = max(g.top_k for g in layers)  # a model may route each layer to its own count (Hunyuan's list)
     workspace = decode_workspace(max(expert_params(g) for g in layers), dtype, top_k) if decoded else 0
     return kv_margin(config, max_tokens, batch, dtype, top_k) + workspace
 

@@ -74,6 +74,10 @@ def unavailable(engine: Any) -> str | None:
     reason = engine.policy.captured_unsupported()
     if reason:
         return reason
+    shapes = sorted({(g.num_experts, g.top_k) for g in engine.layers})
+    if len(shapes) > 1:  # the step's log and slot table are one [layers, k] array: a wider layer would not fit
+        return (f"this model's MoE layers differ in expert count or top-k "
+                f"({', '.join(f'{e} experts top-{k}' for e, k in shapes)}), and the step logs one of each")
     core, passes = looped_layers(engine.lm.model.config)
     if len(core):  # the step's log holds one row a MoE layer: the other passes' counts and bookkeeping lost
         return (f"the model runs decoder layers {core.start}-{core.stop - 1} {passes} times a token (a looped model), "

@@ -238,7 +238,7 @@ class EngineContext:
 
     moe_layers: tuple[int, ...]  # decoder indices of MoE layers, shallow to deep
     num_experts: int
-    top_k: int
+    top_k: int  # the most experts a MoE layer routes a token to (HunYuan gives each layer its own count)
     expert_bytes: dict[int, int]  # bits -> bytes of one expert's blob
     cache_bytes: int  # device bytes for expert slots (the budget minus non-expert weights and margin)
     available_bits: tuple[int, ...]  # precisions present in the bundle
