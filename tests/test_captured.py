@@ -369,6 +369,46 @@ def test_the_sim_clock_charges_a_look_ahead_router_on_both_paths(tiny_ckpt, monk
     assert captured.tpot_s["p50"] == pytest.approx(host.tpot_s["p50"], rel=1e-9)
 
 
+def test_the_sim_clock_carries_in_place_reads_and_fills_on_one_link(tmp_path, monkeypatch):
+    """A miss the captured step reads in place is copied into its slot after: its bytes cross the link
+    twice. The sim clock had charged the reads on the compute timeline and the fills on the link's, both
+    at full rate at once: LRU at 25% modelled its decode steps in 0.9x the time the link needs for them."""
+    from moetool.engine.clock import SimClock
+    from moetool.engine.decode import ZERO_COPY_SHARE, DecodeProgram
+    from moetool.run import RunConfig, run
+
+    path = save_tiny("qwen2_moe", tmp_path / "big", hidden_size=256, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=256, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4)
+    init, half, copy_ = DecodeProgram.__init__, DecodeProgram._host_half, SimClock.copy
+    seen = {"link_s": 0.0, "steps_s": 0.0, "in_step": False, "tail_s": 0.0}
+
+    def host_half(self, host, done, past=0):
+        clock, read0 = self.engine.clock, self.zero_copy_bytes
+        now0, seen["in_step"] = clock.now, True
+        token = half(self, host, done, past)
+        seen["in_step"] = False
+        hw = self.engine.cost.hw
+        seen["link_s"] += (self.zero_copy_bytes - read0) / (hw.h2d_gbps * 1e9 * ZERO_COPY_SHARE)
+        seen["steps_s"] += clock.now - now0
+        seen["tail_s"] = max(0.0, clock.copy_free - clock.now)  # fills still on the link when the run ends
+        return token
+
+    def fill(self, nbytes, staged=False):
+        if seen["in_step"]:
+            seen["link_s"] += self.cost.t_copy(nbytes)
+        return copy_(self, nbytes, staged)
+
+    monkeypatch.setattr(DecodeProgram, "__init__", lambda self, *a, backend=None, **k: init(self, *a, backend="eager",
+                                                                                          **k))
+    monkeypatch.setattr(DecodeProgram, "_host_half", host_half)
+    monkeypatch.setattr(SimClock, "copy", fill)
+    got = run(RunConfig(model=str(path), policy="lru", budget="25%", clock="sim", hw="rtx3090", decode="captured",
+                        prompts=("hello world again",), max_new_tokens=12))
+    assert got.summary["path"] == "captured" and got.hit_rate < 0.9  # misses crossed the link
+    assert seen["link_s"] > 0.5 * seen["steps_s"]  # a run the link bounds, not one that hides the question
+    assert seen["link_s"] <= seen["steps_s"] + seen["tail_s"] + 1e-12
+
+
 def _with_generation_config(src, dst, **fields):
     """A copy of checkpoint `src` whose generation_config.json sets `fields` (as a real checkpoint's does)."""
     from transformers import GenerationConfig

@@ -263,6 +263,14 @@ class SimClock:
         self.copy_free = start + self.cost.t_copy(nbytes)
         return self.copy_free
 
+    def read_in_place(self, seconds: float, after: float) -> float:
+        """A kernel's reads of pinned host memory, from `after` or when the link is next idle: they cross
+        the link the copies use, so they queue behind copies in flight and copies queue behind them.
+        Returns when they end."""
+        start = max(self.copy_free, after)
+        self.copy_free = start + seconds
+        return self.copy_free
+
     def cpu(self, seconds: float) -> float:
         start = max(self.cpu_free, self.now)
         self.cpu_free = start + seconds

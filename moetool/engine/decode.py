@@ -407,7 +407,11 @@ class DecodeProgram:
             if sim:
                 # The kernel streams the missed experts' weights over the link as it computes them: the
                 # layer's misses take the longer of their reads and their math; the excess is a stall.
-                over = max(0.0, self._read_s(read) - miss_s) if read else 0.0
+                # The reads share the link with the fills in flight (each miss a caching policy keeps
+                # crosses twice: read here, copied into its slot), so they wait for it to be free.
+                begin = clock.now + hit_s
+                end = clock.read_in_place(self._read_s(read), begin) if read else begin
+                over = max(0.0, end - begin - miss_s)
                 clock.compute(hit_s + miss_s + over)
                 st.stall_s += over
             if log["scores"].shape[1]:
