@@ -197,6 +197,25 @@ def test_a_policy_module_named_in_moetool_policies_answers_to_policy_and_a_shipp
     with pytest.raises(MoetoolError, match="the policy name 'lru' is taken"):
         register("lru")(type("LossyLRU", (LRUCache,), {}))
     assert POLICIES["lru"] is LRUCache
+    with pytest.raises(MoetoolError, match="the policy name 'lru' is taken"):  # a shipped class's own name too
+        register("lru")(type("LRUCache", (Policy,), {"__module__": LRUCache.__module__}))
+
+
+def test_a_notebook_cell_that_defines_a_policy_runs_again():
+    """A researcher edits the cell that defines their policy and runs it again: the same class, defined
+    again where it was, replaces itself (it was "the policy name is taken", until the kernel restarted);
+    another class of that name elsewhere is still refused."""
+    cell = POLICY_FILE.replace("t-skip-light", "t-cell-policy")
+    first, second = {"__name__": "notebook_cell"}, {"__name__": "notebook_cell"}
+    try:
+        exec(compile(cell, "cell", "exec"), first)
+        exec(compile(cell.replace("0.3", "0.2"), "cell", "exec"), second)
+        assert POLICIES["t-cell-policy"] is second["SkipLight"] is not first["SkipLight"]
+        with pytest.raises(MoetoolError, match="the policy name 't-cell-policy' is taken"):
+            exec(compile(cell, "cell", "exec"), {"__name__": "another_module"})
+        assert POLICIES["t-cell-policy"] is second["SkipLight"]
+    finally:
+        POLICIES.pop("t-cell-policy", None)  # other tests list every registered policy
 
 
 def test_settings_that_differ_in_a_knob_beyond_the_papers_headline_ones_are_told_apart():

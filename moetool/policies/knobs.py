@@ -84,10 +84,13 @@ def register(name: str) -> Callable[[K], K]:
     """Register a policy class under `name`. A name is taken once, except by the engine half of the
     knobs registered under it (a subclass of a class with no `plan`): a policy's engine half takes the
     place of its knobs. A subclass of a whole policy registered under that policy's name would run as it,
-    recorded as it (a lossy tweak of `lru` recorded as the lossless baseline)."""
+    recorded as it (a lossy tweak of `lru` recorded as the lossless baseline). A researcher's class defined
+    again where it was (a notebook cell run again after an edit) replaces itself."""
     def deco(cls: K) -> K:
         have = POLICIES.get(name)
-        if have is not None and have is not cls and (not issubclass(cls, have) or hasattr(have, "plan")):
+        again = (have is not None and (have.__module__, have.__qualname__) == (cls.__module__, cls.__qualname__)
+                 and not have.__module__.startswith("moetool."))
+        if have is not None and have is not cls and not again and (not issubclass(cls, have) or hasattr(have, "plan")):
             raise MoetoolError(f"the policy name {name!r} is taken (by {have.__module__}.{have.__qualname__}); register "
                                f"{cls.__qualname__} under a name of its own.")
         cls.name = name
