@@ -90,7 +90,7 @@ class ActivationPathPrefetch(ActivationPathPrefetchKnobs, LRUCache):
 
     def log_layer(self, view: LayerView) -> list[Fetch]:
         """The captured step: the counts and the prediction read only the routing, so they run on the
-        host one step behind; the next layer's experts are fetched for the next token."""
+        host one step behind; the next layer's experts are fetched for the token after next (the next is in flight)."""
         return self.prefetch(view)
 
     def prefetch(self, view: LayerView) -> list[Fetch]:

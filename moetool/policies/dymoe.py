@@ -14,8 +14,8 @@
 
 In the captured decode step (`plan_step`) the decode rules run on the device as written; the cache's
 admissions (rules 1 and 2) and the look-ahead's copies happen one step behind, from the step's log:
-an expert eq. 8 predicts for layer l+1 is fetched for the next token, not for this one (measured
-against the host path in docs/engine.md "The captured decode step").
+an expert eq. 8 predicts for layer l+1 is fetched for the token after next (the next is already in
+flight), not for this one (measured against the host path in docs/engine.md "The captured decode step").
 
     policy = make_policy("dymoe", {"config": "4/0", "r": "0.9"}, ctx)
 """

@@ -298,9 +298,9 @@ class Fate(FateKnobs, Policy):
     def plan_step(self, view: DeviceView) -> DevicePlan:
         """A decode token inside the captured step: every routed expert at `cache_bits` (§4.5), and the
         cross-layer prefetch (§4.3). Its copies start one step behind, from the step's log: an expert
-        predicted for layer i+1 arrives for the next token, not this one (the paper's overlap within
-        a token is what a host-driven step does; measured against it in docs/engine.md "The captured
-        decode step")."""
+        predicted for layer i+1 arrives for the token after next (the next is in flight), not this one
+        (the paper's overlap within a token is what a host-driven step does; measured against it in
+        docs/engine.md "The captured decode step")."""
         plan = DevicePlan.of_router(view, self.params.cache_bits)
         if self.prefetcher is not None:
             plan.prefetch, plan.prefetch_bits = self.prefetcher.on_device(view)
