@@ -131,6 +131,9 @@ def _joined(runs: list[tuple[Path, Run]], evals: list[tuple[Path, dict]], names:
         source = f"{names[same[0][0]]} ({', '.join(_timing(same[0][1]))})" if tpot is not None else None
         if source and _eval_clock(e) and _timing(same[0][1])[0] != _eval_clock(e):  # a residency-reading policy
             source += f"; quality on the {_eval_clock(e)} clock"
+        eval_path = f"{(e.get('summary') or {}).get('path', 'host')} path"  # an eval decodes on the host path
+        if source and _timing(same[0][1])[1] != eval_path:  # a policy that reads residency decides a token late there
+            source += f"; quality on the {eval_path}"
         if tpot is None:  # no matching run: the eval's own engine counters, when they hold decode steps
             tpot = ((e.get("summary") or {}).get("tpot_s") or {}).get("mean")
             source = "eval counters" if tpot is not None else None

@@ -511,7 +511,8 @@ def test_dynaexq_with_no_expert_at_4_bits_is_no_evidence_against_static_int2(tmp
 
 def test_evals_take_their_tpot_from_runs_of_one_clock_and_path(tmp_path):
     """Two runs match each eval (host and captured path): every row takes the timing most runs have,
-    not the first file name, and says which it took."""
+    not the first file name, and says which it took, and that the eval's quality is the host path's (a
+    policy that reads residency decides a token late on the captured one: SMoE's tokens part there)."""
     import dataclasses
 
     d = tmp_path / "art"
@@ -528,7 +529,8 @@ def test_evals_take_their_tpot_from_runs_of_one_clock_and_path(tmp_path):
     report([d], tmp_path / "rep")
     md = (tmp_path / "rep" / "summary.md").read_text()
     for pol in ("lru", "eap"):
-        assert f"| {pol}.eval.json | b-{pol}-captured.run.json (sim/rtx3090, captured path) |" in md, md
+        assert (f"| {pol}.eval.json | b-{pol}-captured.run.json (sim/rtx3090, captured path); quality on the host "
+                f"path |") in md, md
 
 
 def test_evals_of_one_setting_on_two_clocks_are_two_rows_and_a_pairing_across_clocks_is_said(tmp_path):
