@@ -230,8 +230,10 @@ def refuse_unroutable(model: nn.Module, layers: Any, source: str) -> None:
         with torch.no_grad():
             for x in (hidden, hidden[None]):
                 try:
-                    type(probe).forward(probe, x, **extra)
+                    _refuse_other_width(type(probe).forward(probe, x, **extra), g, type(router).__name__, source)
                     break
+                except MoetoolError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - transformers' router on the config's values: any failure
                     errors.append(e)
             else:
@@ -242,6 +244,19 @@ def refuse_unroutable(model: nn.Module, layers: Any, source: str) -> None:
                                    f"the router of MoE layer {g.index} ({type(router).__name__}) raises "
                                    f"{type(errors[0]).__name__}: {first_line(errors[0])} on two random tokens; check "
                                    f"config.json's routing fields ({fields}).")
+
+
+def _refuse_other_width(output: Any, g: Any, router: str, source: str) -> None:
+    """Refuse a router that routes a token to more or fewer experts than the top-k moetool read (its
+    attribute or the config's): PhiMoE's sparsemixer always chooses 2 whatever `num_experts_per_tok`
+    says, and every plan, record and budget would be sized for the config's count."""
+    found = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)
+             and not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2 and t.shape[-2] == 2]
+    if found and found[-1].shape[-1] != g.top_k:
+        raise MoetoolError(f"the router of MoE layer {g.index} of '{source}' ({router}) routes each token to "
+                           f"{found[-1].shape[-1]} experts, and its top-k (the router's or config.json's, e.g. "
+                           f"num_experts_per_tok) says {g.top_k}; moetool sizes plans and budgets by the top-k, so "
+                           f"set it to {found[-1].shape[-1]}.")
 
 
 def _materialized(value: Any) -> Any:

@@ -66,6 +66,21 @@ def test_a_grouped_router_transformers_can_run_still_runs(grouped_ckpt, tmp_path
     assert len(json.loads((tmp_path / "r.json").read_text())["tokens"][0]) == 2
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_top_k_the_router_does_not_route_is_refused(tiny_ckpt, tmp_path, k):
+    """PhiMoE's sparsemixer chooses 2 experts a token whatever `num_experts_per_tok` says: with 1, a
+    DyMoE run recorded a critical share of 1.0 where 42% of its experts ran at high bits, and the
+    captured step fell back on a raw shape error. Every stage refuses before a weight is read; 2 runs."""
+    bad = _edited(tiny_ckpt("phimoe"), tmp_path / "bad", num_experts_per_tok=k)
+    for args in (("run", "--model", bad, "--max-new-tokens", "2", "--out", tmp_path / "r.json"),
+                 ("quantize", bad, "--out", tmp_path / "b")):
+        line = one_error_line(_cli(*args))
+        assert "(PhimoeTopKRouter) routes each token to 2 experts" in line and f"says {k}" in line, line
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "b").exists()
+    good = _cli("run", "--model", tiny_ckpt("phimoe"), "--max-new-tokens", "2", "--out", tmp_path / "r.json")
+    assert good.exit_code == 0, good.output
+
+
 # ---- a dtype torch does not have ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [("dtype", "float7"), ("dtype", "int8"), ("torch_dtype", "auto"),
