@@ -319,6 +319,13 @@ def _has_fused_experts_class(model: nn.Module) -> bool:
     return module is not None and getattr(module, "use_experts_implementation", None) is not None
 
 
+# Config fields that decide which decoder layers are MoE, across architectures (named where none is).
+_LAYOUT_KEYS = ("mlp_layer_types", "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq",
+                "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "expert_layer_period",
+                "expert_layer_offset", "interleave_moe_layer_step", "enable_moe_block", "num_experts",
+                "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 def inspect_geometry(model: nn.Module) -> MoeGeometry:
     """Describe every MoE block of `model`; refuse dense models and unfused MoE architectures."""
     cfg = model.config
@@ -327,9 +334,9 @@ def inspect_geometry(model: nn.Module) -> MoeGeometry:
     experts = find_experts_modules(model)
     if not experts:
         if _has_fused_experts_class(model):
+            fields = ", ".join(f"{k}={v!r}" for k in _LAYOUT_KEYS if (v := getattr(text, k, None)) is not None)
             raise MoetoolError(f"this '{model_type}' config builds no Mixture-of-Experts layer (every layer is dense "
-                               "under its mlp_layer_types / first_k_dense_replace / enable_moe_block / num_experts); "
-                               "moetool needs at least one MoE layer.")
+                               f"under its {fields or 'config'}); moetool needs at least one MoE layer.")
         if any(getattr(cfg, k, None) for k in _MOE_CONFIG_KEYS):
             raise MoetoolError(f"moetool does not support the '{model_type}' architecture: its experts are not a "
                                "fused transformers experts module (supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "

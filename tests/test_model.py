@@ -112,6 +112,10 @@ def test_a_fused_experts_architecture_configured_without_a_moe_layer_says_so(tmp
     # beam's default mlp_layer_types make its first three layers dense: two layers build no MoE block.
     with pytest.raises(MoetoolError, match="builds no Mixture-of-Experts layer"):
         load_model(save_tiny("beam", tmp_path / "beam", mlp_layer_types=None))
+    # The sentence names the fields of the config at hand (it had named other architectures' fields).
+    with pytest.raises(MoetoolError, match=r"under its mlp_only_layers=\[\], decoder_sparse_step=3, num_experts=4\)") as e:
+        load_model(save_tiny("qwen2_moe", tmp_path / "q", decoder_sparse_step=3))
+    assert "first_k_dense_replace" not in str(e.value)
 
 
 def test_an_experts_module_that_normalises_each_experts_output_is_refused(tmp_path):
