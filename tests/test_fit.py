@@ -192,6 +192,11 @@ def test_smoe_alpha_from_given_runs_holds_for_their_cache_knobs_and_machine(tmp_
                                              "run's is 2.0 MiB"}
     assert drops({"window": "5"}) == {"alpha": "sized for window=3, and this run has window=5"}
     assert set(drops(t=t_load / 4)) == {"alpha"}
+    # T(alpha) of host-path runs: a captured run (the policy a step late, misses read in place) missed R unsaid
+    assert sized.path == "host"
+    assert stale_fitted(POLICIES["smoe"], {}, fitted, {"alpha": sized}, same, "25%", {"t_load.16": t_load}, "h200",
+                        1 << 20, path="captured") == {
+        "alpha": "sized for a decode step on the host path, and this run decodes on the captured path"}
     # runs on a machine fit cannot read (a --hw file since moved): fitted, and said to be unchecked
     gone = [dataclasses.replace(synthetic_run("smoe", {"alpha": a}, 0.1 - 0.1 * a), hw=str(tmp_path / "moved.json"))
             .save(tmp_path / f"g{a}.run.json") for a in (0.0, 0.2)]
@@ -509,7 +514,8 @@ def test_fate_evals_of_one_path_but_two_texts_fit_no_p(tmp_path):
 def test_fates_n_holds_for_the_link_it_was_divided_by(tmp_path):
     """§4.3's n = T / t_expert is the profiled machine's: a run whose costs give another copy time (a sim
     run on another --hw) took it as it was, without a word. It now derives n from its own costs (the
-    default n = 0), and a fitted n beside `--set prefetcher=none` (which reads no n) is not taken either."""
+    default n = 0), and a fitted n beside `--set prefetcher=none` (which reads no n), or on the captured
+    step, whose layer time it did not divide, is not taken either."""
     from moetool.policies import POLICIES
     from moetool.policies.knobs import stale_fitted
 
@@ -517,6 +523,7 @@ def test_fates_n_holds_for_the_link_it_was_divided_by(tmp_path):
     sized = result.sizing("fate")["n"]
     t_io = result.evidence["fate"]["n"]["t_expert_s"]
     assert sized.costs == {"t_load.4": t_io} and sized.knobs == {"cache_bits": 4} and sized.budget is None
+    assert sized.path == "host"  # T is the host path's layer, timed by hooks on the eager forward
     # the synthetic profile timed a CPU and took the preset's link: said, since the record holds the copy alone
     assert any("divides the layer time measured on cpu by the link of hw preset x" in w
                for w in result.evidence["warnings"]), result.evidence["warnings"]
@@ -527,6 +534,11 @@ def test_fates_n_holds_for_the_link_it_was_divided_by(tmp_path):
     assert stale_fitted(POLICIES["fate"], {"prefetcher": "none"}, fitted, {"n": sized}, same, "25%",
                         {"t_load.4": t_io}) == {"n": "read only with prefetcher=fate (§4.3's cap on its transfers), "
                                                      "and this run has prefetcher=none"}
+    # The captured step's layer is shorter (0.16 against 1.6 ms on an H100), so its own n is smaller: a
+    # captured run took the host path's n (8 where its rule gave 2), unsaid.
+    assert stale_fitted(POLICIES["fate"], {}, fitted, {"n": sized}, same, "25%", {"t_load.4": t_io},
+                        path="captured") == {"n": "sized for a decode step on the host path, and this run decodes "
+                                                  "on the captured path"}
 
 
 def test_a_sweep_over_a_bundle_runs_the_bundles_model_as_run_does(tiny_ckpt, bundle, tmp_path, monkeypatch):

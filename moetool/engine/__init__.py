@@ -110,8 +110,8 @@ def default_host_budget() -> int:
 
 
 def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | None,
-               sizing: dict[str, Sizing] | None, budget: str, ctx: EngineContext) -> tuple[dict[str, Any] | None,
-                                                                                         dict[str, str]]:
+               sizing: dict[str, Sizing] | None, budget: str, ctx: EngineContext,
+               path: str = "host") -> tuple[dict[str, Any] | None, dict[str, str]]:
     """The fitted knobs this run takes, and those it drops with why: sized for another --budget (compared
     as read: `25%` and `25.0%` are one budget; a size fitted from runs, which record no --budget, by the
     expert cache it left), other tiers or knobs, or another machine's costs than the
@@ -128,7 +128,7 @@ def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | N
 
     costs = {f"t_load.{b}": t for b, t in (ctx.hw.get("t_load") or {}).items()}
     drops = stale_fitted(POLICIES[policy], settings, fitted, sizing or {}, same, budget, costs, ctx.hw.get("name", ""),
-                         ctx.cache_bytes)
+                         ctx.cache_bytes, path)
     mine = {k: v for k, v in fitted.items() if k not in settings and k not in drops}
     drops.update(POLICIES[policy].fitted_disagree(mine, len(ctx.moe_layers), ctx.top_k))
     return {k: v for k, v in fitted.items() if k not in drops}, drops
@@ -185,7 +185,8 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
 
     def made(split: BudgetSplit) -> tuple[Policy, EngineContext, dict[str, str]]:
         here = dataclasses.replace(ctx, cache_bytes=split.cache_bytes)
-        mine, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, here)
+        mine, dropped = _fresh_fit(policy, settings or {}, fitted, fit_sizing, budget, here,
+                                   "captured" if captured else "host")
         try:
             return make_policy(policy, settings or {}, here, mine), here, dropped
         except MoetoolError as e:

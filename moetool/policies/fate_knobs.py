@@ -134,7 +134,8 @@ class FateKnobs(Knobs):
                          "expert_bytes": nbytes, "bits": bits, "h2d_gbps": h2d,
                          # §4.3's n is the machine's whose link it divides by: a run whose costs give
                          # another copy time takes n from its own (the default n = 0), `knobs.stale_fitted`
-                         "sized_for": {"knobs": {"cache_bits": bits}, "costs": {f"t_load.{bits}": t_io}},
+                         # and T is the host path's layer (hooks on the eager forward): the captured step's is shorter
+                         "sized_for": {"knobs": {"cache_bits": bits}, "costs": {f"t_load.{bits}": t_io}, "path": "host"},
                          "from": f"profile.timing.layers (T = t_moe + t_attn, the MoE block holding the gate, decode, "
                                  f"measured on {t.device}); "
                                  f"t_expert = INT4 blob / h2d ({h2d_from})"}

@@ -239,6 +239,9 @@ class Sizing:
     cache_bytes: int | None = None
     knobs: dict[str, Any] | None = None
     costs: dict[str, float] | None = None
+    # The decode path whose step the knob was sized on (Fate's n divides a layer's time, which the
+    # captured step shortens; SMoE's alpha was read off runs of one path): None, any path.
+    path: str | None = None
 
 
 COST_TOLERANCE = 0.1  # relative: a cost within it is the same machine's (a hw profile written from a profile)
@@ -258,10 +261,10 @@ def resolved(cls: type[Knobs], params: Params) -> dict[str, Any]:
 def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, Any],
                  sizing: dict[str, Sizing],
                  same_budget: Callable[[str], bool], budget: str, costs: dict[str, float] | None = None,
-                 machine: str = "", cache_bytes: int | None = None) -> dict[str, str]:
+                 machine: str = "", cache_bytes: int | None = None, path: str = "host") -> dict[str, str]:
     """The fitted knobs a run does not take, each with why: sized (`Sizing`) for another --budget than
     `budget` (`same_budget` compares them as the engine reads budgets; without one, for another expert
-    cache than `cache_bytes`), for other values of the knobs the size assumed than this run's, or
+    cache than `cache_bytes`), for another decode `path`, for other values of the knobs the size assumed than this run's, or
     for other costs than `costs` (this run's, of `machine`) beyond
     COST_TOLERANCE; then any fitted knob `derived` from one of those, and any the
     policy does not read beside this run's other knobs (`Knobs.applies`). A knob `--set`
@@ -293,6 +296,9 @@ def stale_fitted(cls: type[Knobs], settings: dict[str, str], fitted: dict[str, A
             # a share of 27% against the runs' 25% does not
             drops[knob] = (f"sized for the expert cache of the runs it was fitted from, {size_text(size.cache_bytes)}, "
                            f"and this run's is {size_text(cache_bytes)}")
+            continue
+        if size.path is not None and size.path != path:
+            drops[knob] = f"sized for a decode step on the {size.path} path, and this run decodes on the {path} path"
             continue
         asked = size.knobs or {}
         other = [f"{k}={_spelled(v)}" for k, v in asked.items() if here.get(k, v) != v]

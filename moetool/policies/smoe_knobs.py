@@ -185,6 +185,7 @@ def _sized_for(cls: type[Knobs], inputs: FitInputs, run: Any) -> dict[str, Any]:
             except MoetoolError:  # the runs' recorded copy time (below) still says the machine, if they have it
                 pass
     sized["knobs"] = knobs
+    sized["path"] = (run.summary or {}).get("path", "host")  # T(alpha) of the runs' decode step
     bits = knobs.get("bits", cls.Params().bits)
     recorded = run.params.get("c_load")  # the copy time the runs' policy decided with: their slots' bytes
     if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0 and run.clock == "sim":
