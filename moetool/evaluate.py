@@ -51,7 +51,7 @@ from moetool.inference import NonFiniteRows, context_length, context_words, nonf
 from moetool.model import LoadedModel
 from moetool.perplexity import perplexity_windows, tokenize
 from moetool.run import engine_record, prepare
-from moetool.spec import EngineSpec, check_positive
+from moetool.spec import EngineSpec, check_positive, check_types
 from moetool.tokenizer import check_ids, dropped_characters, framing, head, unknown_tokens, without_tail
 
 PPL_CONTEXT = 512  # ppl's default window
@@ -79,6 +79,7 @@ class EvalConfig(EngineSpec):
     batch_size: int = 1
 
     def check(self) -> None:
+        check_types(self)
         check_positive(batch_size=self.batch_size, **({"limit": self.limit} if self.limit is not None else {}))
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise MoetoolError(f"--num-fewshot must be 0 or more, not {self.num_fewshot}.")

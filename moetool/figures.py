@@ -1,4 +1,4 @@
-"""The report's general figures (matplotlib, Agg), the helpers a paper's own figures use, and labels.
+"""The report's general figures (matplotlib, saved through Agg, without pyplot), the helpers a paper's own figures use, and labels.
 
 Drawn here: the routing heat map and adjacent-layer similarity of a profile (DyMoE Fig. 6 and Fate
 Table 1 share it), and TPOT vs quality with one point per evaluated setting. A figure built for one
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,10 +26,11 @@ _mpl_log = logging.getLogger("matplotlib")
 _level = _mpl_log.level
 _mpl_log.setLevel(logging.ERROR)
 try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # Figures are made without pyplot: pyplot's backend and its list of open figures are the process's,
+    # and a report drawn from a notebook had switched the notebook's backend to Agg (`matplotlib.use`). A
+    # Figure alone saves a PNG through Agg whatever backend the caller has.
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 finally:
     _mpl_log.setLevel(_level)
@@ -81,10 +83,19 @@ def off_default(policy: str, params: dict[str, Any]) -> list[str]:
             and f.default is not dataclasses.MISSING and f.name in params and params[f.name] != f.default]
 
 
+def subplots(*args: Any, figsize: tuple[float, float] | None = None, **kwargs: Any) -> tuple[Any, Any]:
+    """A figure and its axes, as `pyplot.subplots` gives them, made without pyplot (see the imports)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)
+
+
+# A report hook written with pyplot's names (`plt.subplots`) draws the same way, without pyplot.
+plt = SimpleNamespace(subplots=subplots, Line2D=Line2D, close=lambda fig=None: None)
+
+
 def save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -99,7 +110,7 @@ def profile_figures(prof: ProfileRecord, out_dir: Path, tag: str, out: list[Path
         r, layers = prof.routing, list(prof.info.moe_layers)
         load = np.array([np.add(lr.prefill, lr.decode) for lr in r.layers], float)
         load = load / np.maximum(load.sum(1, keepdims=True), 1)
-        fig, ax = plt.subplots(figsize=(max(6, 0.12 * r.num_experts + 3), max(3.5, 0.2 * len(layers) + 1.5)))
+        fig, ax = subplots(figsize=(max(6, 0.12 * r.num_experts + 3), max(3.5, 0.2 * len(layers) + 1.5)))
         im = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set_yticks(range(len(layers)), [str(x) for x in layers], fontsize=7)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -108,7 +119,7 @@ def profile_figures(prof: ProfileRecord, out_dir: Path, tag: str, out: list[Path
         out.append(save(fig, out_dir / f"routing_heatmap{tag}.png"))
     if prof.similarity and prof.similarity.adjacent:
         s = prof.similarity
-        fig, ax = plt.subplots(figsize=(6.5, 4))
+        fig, ax = subplots(figsize=(6.5, 4))
         ax.plot(range(len(s.adjacent)), s.adjacent, "o-", label="h(l) vs h(l+1), decoder layer outputs")
         for pos, name in (("1", "Attn_in(i+1)"), ("2", "Gate_in(i)"), ("3", "Attn_in(i)")):
             ax.plot([ls.previous for ls in s.layers], [ls.positions[pos] for ls in s.layers], ".--",
@@ -122,7 +133,7 @@ def profile_figures(prof: ProfileRecord, out_dir: Path, tag: str, out: list[Path
 
 def metric_axes(metrics: list[str], width: float, height: float):
     """One panel per metric side by side: accuracy and perplexity never share a y axis."""
-    fig, axes = plt.subplots(1, len(metrics), figsize=(width * len(metrics), height), squeeze=False)
+    fig, axes = subplots(1, len(metrics), figsize=(width * len(metrics), height), squeeze=False)
     return fig, dict(zip(metrics, axes[0]))
 
 
@@ -146,10 +157,9 @@ def comparison_figures(rows: list[dict], out_dir: Path, out: list[Path]) -> None
             ax.set(xlabel="mean TPOT (ms)", ylabel=ylabel(pts, metric), title=metric)
             ax.margins(x=0.12, y=0.12)
             ax.grid(alpha=0.3)
-        handles = [plt.Line2D([], [], color=c, marker=m, linestyle="", label=lab) for lab, (c, m) in style.items()]
+        handles = [Line2D([], [], color=c, marker=m, linestyle="", label=lab) for lab, (c, m) in style.items()]
         fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=8, frameon=False)
         fig.suptitle("Policies: TPOT vs quality (one point per setting)")
         fig.tight_layout(rect=(0, 0.07 * ((len(handles) + 2) // 3), 1, 1))
         fig.savefig(out_dir / "policies.png", dpi=120)
-        plt.close(fig)
         out.append(out_dir / "policies.png")

@@ -32,7 +32,7 @@ from moetool.inference import NonFiniteRows, context_length, context_words, nonf
 from moetool.model import LoadedModel, load_model
 from moetool.quant.bundle import load_bundle_model
 from moetool.run_artifact import Run
-from moetool.spec import EngineSpec, check_positive, resolve_dtype
+from moetool.spec import EngineSpec, check_positive, check_types, resolve_dtype
 from moetool.tokenizer import (check_ids, encode, framing, refuse_dropped, refuse_unknown, unknown_tokens,
                                without_tail)
 
@@ -46,6 +46,7 @@ class RunConfig(EngineSpec):
     batch_size: int = 1
 
     def check(self) -> None:
+        check_types(self)
         check_positive(max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
         if not self.prompts:
             raise MoetoolError("there are no prompts to run.")

@@ -53,6 +53,7 @@ class EngineSpec:
         from moetool.policies import POLICIES
         from moetool.policies.knobs import load_user_policies, parse_params
 
+        check_types(self)
         load_user_policies()
         if self.policy not in POLICIES:
             raise MoetoolError(f"unknown policy '{self.policy}' (known: {', '.join(sorted(POLICIES))}).")
@@ -71,6 +72,40 @@ class EngineSpec:
             raise MoetoolError(f"--decode must be {', '.join(DECODE_PATHS[:-1])} or {DECODE_PATHS[-1]}, not '{self.decode}'.")
         if self.fit is not None and not Path(self.fit).is_file():
             raise not_a_file(self.fit, "--fit")
+
+
+def check_types(cfg: Any) -> None:
+    """Each field of a config built in Python (a notebook, a script) holds what its type hint says, or
+    one sentence naming it: the CLI's options are typed as they are parsed, a caller's values are not
+    (`prompts="Hello"` ran five one-letter prompts, `max_new_tokens=2.5` three tokens, `budget=0.25`
+    failed inside the planner). A path may be text; a knob's value any scalar, as `--set` text is read."""
+    import os
+    import typing
+
+    from moetool.schema import SchemaError, build
+
+    def lenient(hint: Any) -> Any:
+        if hint is Path:
+            return str | os.PathLike
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, type(str | None)):
+            return typing.Union[tuple(lenient(a) for a in args)]
+        if typing.get_origin(hint) is dict and args == (str, str):
+            return dict[str, str | int | float | bool]
+        return hint
+
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, hint = getattr(cfg, f.name), lenient(hints[f.name])
+        if isinstance(value, str) and typing.get_origin(hint) in (tuple, list):
+            raise MoetoolError(f"{f.name} is one string, {value[:40]!r}; give a tuple of them, such as "
+                               f"{f.name}=({value[:40]!r},).")
+        try:
+            build(hint, value, f.name)
+        except SchemaError as e:
+            raise MoetoolError(f"{type(cfg).__name__}.{e}.") from None
+        if isinstance(value, float) and hints[f.name] is int:  # build takes 3.0 for 3 (JSON's); a config holds 3
+            raise MoetoolError(f"{type(cfg).__name__}.{f.name} must be an integer, not {value!r}.")
 
 
 def check_positive(**values: int) -> None:

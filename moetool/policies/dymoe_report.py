@@ -149,9 +149,9 @@ def depth_claim(s: Any, name: str) -> list[str]:
 
 def sensitivity_figure(s: Any, path: Path) -> Path:
     """Fig. 5: held-out perplexity with one MoE layer quantized, per layer and precision."""
-    from moetool.figures import plt, save
+    from moetool.figures import save, subplots
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(s.layers) + 3), 4))
+    fig, ax = subplots(figsize=(max(6, 0.3 * len(s.layers) + 3), 4))
     width = 0.8 / len(s.bits)
     for i, b in enumerate(s.bits):
         ax.bar(np.arange(len(s.layers)) + i * width, [ls.delta[b] for ls in s.layers], width, label=f"INT{b}")

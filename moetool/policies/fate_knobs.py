@@ -228,10 +228,10 @@ def _eval_setting(e: Any, metric: str) -> dict[str, str]:
 
 
 def _int2_figure(prof: Any, fits: list, path: Path) -> Path:
-    from moetool.figures import plt, save
+    from moetool.figures import save, subplots
 
     curve = sorted((float(k), v) for k, v in prof.sensitivity.int2_share.items())
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     ax.plot([100 * p for p, _ in curve], [v for _, v in curve], "o-")
     for f in fits:
         if "p" in f.params.get("fate", {}):
@@ -243,10 +243,10 @@ def _int2_figure(prof: Any, fits: list, path: Path) -> Path:
 
 
 def _prefetch_figure(prof: Any, fits: list, path: Path) -> Path:
-    from moetool.figures import int_axis, plt, save
+    from moetool.figures import int_axis, save, subplots
 
     p, layers = prof.prefetch, list(prof.info.moe_layers)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = subplots(figsize=(6.5, 4))
     xs = [lp.layer for lp in p.layers]
     for name, style, get in (("decode, top-k", "o-", lambda lp: lp.recall_topk.get("decode")),
                              ("decode, 75th pct", "s--", lambda lp: lp.recall_p75.get("decode")),

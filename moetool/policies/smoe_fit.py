@@ -95,9 +95,9 @@ def measured_guard(alpha: float, points: list[tuple[float, float, Any]], target:
 
 def alpha_figure(a: dict[str, Any], path: Path) -> Path:
     """Eq. 5 as fitted: the measured (alpha, TPOT) points, T(alpha), R and the chosen alpha."""
-    from moetool.figures import plt, save
+    from moetool.figures import save, subplots
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     pts = np.array([p[:2] for p in a["points"]], float)
     ax.plot(pts[:, 0], pts[:, 1] * 1e3, "o", label="measured TPOT")
     ax.plot(a["grid"], np.array(a["predicted"]) * 1e3, "-", label=f"degree-{a['degree']} fit (LOO)")

@@ -223,9 +223,9 @@ def _setting(run: Any) -> dict[str, str]:
 def _gate_scores_figure(r: Any, path: Path) -> Path:
     """Fig. 4: mean gate score by rank (shallow, middle, deep layer) and the score distribution of
     selected vs unselected experts, from the profile's routing part."""
-    from moetool.figures import MaxNLocator, plt, save
+    from moetool.figures import MaxNLocator, save, subplots
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax, ax2) = subplots(1, 2, figsize=(11, 4))
     for i in sorted({0, len(r.layers) // 2, len(r.layers) - 1}):
         ax.plot(range(1, r.num_experts + 1), r.layers[i].mean_sorted_score, label=f"layer {r.layers[i].layer}")
     ax.axvline(r.top_k + 0.5, color="gray", ls="--", label=f"top-k = {r.top_k}")
