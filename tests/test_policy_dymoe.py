@@ -245,6 +245,20 @@ def test_a_fits_r_edited_by_hand_is_taken_and_its_lam_solved_again_said():
     assert ran == pytest.approx(critical_share(solve_lambda(0.7, 5, 2), 5, 2)) and ran < 0.9  # lam solved from 0.7
 
 
+@pytest.mark.parametrize("layers, k", [(48, 8), (58, 8), (16, 8), (32, 2)])
+def test_a_fit_at_the_cosine_floor_is_taken_as_written(tmp_path, layers, k):
+    """A tight budget fits lam = 0, whose share (0.5598958 over Qwen3-30B's 48 layers of top-8) the fit
+    writes as r = 0.5599: a run read the rounding up as an edit, dropped the fitted lam and ran the next
+    step of 1/(L k) (1/384 more experts at INT4), saying "r = 0.56 ... not the fit's r = 0.56"."""
+    from moetool.engine import _fresh_fit
+    from moetool.policies.knobs import Sizing
+
+    share = critical_share(0.0, layers, k)
+    written = {"r": round(share, 4), "lam": 0.0}
+    mine, dropped = _fresh_fit("dymoe", {}, written, {"r": Sizing()}, "25%", make_ctx(layers=range(layers), k=k))
+    assert dropped == {} and mine == written
+
+
 def test_lookahead_prefill_ties_go_to_the_larger_mean_score_at_any_prompt_length():
     """Eq. 7 ranks by c_e; equal counts go to the larger mean predicted score (the code's stated tie
     rule). Folded into one float32 key c + 1e-3 * score, that tie-break vanished once c_e reached a

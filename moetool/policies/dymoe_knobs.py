@@ -16,6 +16,7 @@ from moetool.policies.stages import FitInputs, Fitted, ReportInputs, Section, ta
 
 EPS = 1e-9  # r(l) * M is computed in floats: 0.75 * 4 must give 3, not 4
 RETENTION_FLOOR = 0.5  # the cosine schedule's mean at lam = 0 (eq. 4): no share below it is kept, whatever M
+R_DECIMALS = 5e-5  # half the last place of the r a fit writes (4 decimals): a share that close is the fit's
 
 
 # -- depth-aware precision scheduling (§4.3) -------------------------------------------------------
@@ -135,9 +136,11 @@ class DyMoEKnobs(Knobs):
         if not isinstance(r, (int, float)) or not isinstance(lam, (int, float)) or lam < 0 or not moe_layers:
             return {}
         got, step = critical_share(lam, moe_layers, top_k), 1 / (moe_layers * top_k)
-        if r - 1e-9 <= got < r + step - 1e-9:  # lam gives the least share of at least r, in steps of 1 / (L M)
+        # lam gives the least share of at least r, in steps of 1 / (L M); the fit writes r to 4 decimals, so a
+        # share it rounded up (0.5598958 as 0.5599 at the cosine floor, most real depths) is the fit's own
+        if r - R_DECIMALS - 1e-9 <= got < r + step - 1e-9:
             return {}
-        return {"lam": f"it gives r = {got:.3g} on this model, not the fit's r = {r:.3g} beside it (edited?): lam is "
+        return {"lam": f"it gives r = {got:.6g} on this model, not the fit's r = {r:.6g} beside it (edited?): lam is "
                        "solved again from r"}
 
     @classmethod
@@ -170,7 +173,7 @@ class DyMoEKnobs(Knobs):
             out.warnings.append(f"--r {r:g} is below the {floor:.3f} the cosine schedule keeps at least of a token's "
                                 f"top-{info.top_k} over {len(info.moe_layers)} layers; lam = 0 keeps {floor:.3f}.")
         lam, rows = schedule_table(r, len(info.moe_layers), info.top_k)
-        out.knobs = {"r": round(r, 4), "lam": lam}  # lam: to 1e-6 and just past its step (`solve_lambda`)
+        out.knobs = {"r": round(r, 4), "lam": lam}  # lam: to 1e-6 and just past its step (`solve_lambda`); r: R_DECIMALS
         out.evidence = {"r": {"value": r, "from": how, **sized},
                         "lam": {"value": lam, "r": r, "from": f"r = {r:.4f} via eq. 4-5", "M": info.top_k,
                                 "share": critical_share(lam, len(info.moe_layers), info.top_k), "schedule": rows,
