@@ -51,8 +51,8 @@ class FakeCache:
     def loading_bits(self, layer, expert):
         return tuple(b for b, h in self.held.items() if h.get((layer, expert)) is False)
 
-    def residents(self, bits):
-        return list(self.held.get(bits, {}))
+    def residents(self, bits, layer=None):
+        return [k for k in self.held.get(bits, {}) if layer is None or k[0] == layer]
 
     def capacity(self, bits):
         return self.cap.get(bits, 0)

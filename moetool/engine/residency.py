@@ -62,6 +62,9 @@ class _PoolState:
     free: list[int]  # free slot indices, next one last
     holders: dict[Key, None]  # keys holding a slot (resident or loading), in admission order
     orders: dict[int | None, Eviction]  # scope (layer, or None for a global pool) -> eviction order
+    # layer -> its keys among `holders`, in admission order: a layer's admission reads its own, not the
+    # pool's (a pass over 3,712 slots an admission at DeepSeek-V3's 58 x 256 experts, 25%)
+    by_layer: dict[int, dict[Key, None]] = field(default_factory=dict)
 
 
 class Residency:
@@ -117,10 +120,13 @@ class Residency:
     def loading_bits(self, layer: int, expert: int) -> tuple[int, ...]:
         return tuple(b for b in self.pools if (h := self.table.get((layer, expert, b))) and h.state == State.LOADING)
 
-    def residents(self, bits: int) -> list[Key]:
-        """Every key holding a slot at `bits` (resident or still loading), oldest admission first."""
+    def residents(self, bits: int, layer: int | None = None) -> list[Key]:
+        """Every key holding a slot at `bits` (resident or still loading), oldest admission first; `layer`'s alone
+        if given (read from its own list, not a pass over the pool)."""
         pool = self.pools.get(bits)
-        return list(pool.holders) if pool else []
+        if pool is None:
+            return []
+        return list(pool.holders) if layer is None else list(pool.by_layer.get(layer, ()))
 
     def capacity(self, bits: int) -> int:
         pool = self.pools.get(bits)
@@ -160,7 +166,7 @@ class Residency:
             return None
         order = self.order(want.bits, want.layer)
         if spec.quota is not None:
-            mine = [k for k in pool.holders if k[0] == want.layer]
+            mine = list(pool.by_layer.get(want.layer, ()))
             if len(mine) < limit and pool.free:
                 candidates = None
             else:
@@ -268,6 +274,7 @@ class Residency:
         self.table[want.layer, want.expert, want.bits] = handle
         self._in_flight.add((want.layer, want.expert, want.bits))
         pool.holders[want.layer, want.expert] = None
+        pool.by_layer.setdefault(want.layer, {})[want.layer, want.expert] = None
         return handle, pool.slots[handle.slot]
 
     def staging_slot(self, bits: int) -> torch.Tensor:
@@ -299,6 +306,7 @@ class Residency:
             self.changes.append((layer, expert, bits, -1))
         pool = self.pools[bits]
         del pool.holders[layer, expert]
+        del pool.by_layer[layer][layer, expert]
         pool.free.append(handle.slot)
 
     def pool_bytes(self, bits: int) -> torch.Tensor:

@@ -98,7 +98,7 @@ class ResidencyView(Protocol):
 
     def resident_bits(self, layer: int, expert: int) -> tuple[int, ...]: ...  # bits with a usable copy
     def loading_bits(self, layer: int, expert: int) -> tuple[int, ...]: ...  # bits with a copy in flight
-    def residents(self, bits: int) -> list[Key]: ...  # every (layer, expert) held at `bits`
+    def residents(self, bits: int, layer: int | None = None) -> list[Key]: ...  # (layer, expert)s held at `bits`
     def capacity(self, bits: int) -> int: ...  # slots of that precision
     def free(self, bits: int) -> int: ...
     def make_room(self, want: Fetch, shield: set[Key], demand: bool) -> list[Fetch] | None: ...  # the generic rule

@@ -148,7 +148,7 @@ class DynaExq(DynaExqKnobs, Policy):
             return [] if cache.free(self.lo) > 0 else None
         if want.bits != self.hi or want.expert not in self.target.get(want.layer, ()):
             return None
-        holders = [k for k in cache.residents(self.hi) if k[0] == want.layer]
+        holders = cache.residents(self.hi, want.layer)
         if len(holders) < self.n_hi and cache.free(self.hi) > 0:
             return []
         pos = self.pos[want.layer]

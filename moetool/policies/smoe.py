@@ -257,7 +257,10 @@ class SMoE(SMoEKnobs, Policy):
         if view.router_logits.numel() == 0:
             return plan  # no scores: run as routed
         scores = self.ctx.routers.scores(view.layer, view.router_logits)  # [T, E] (softmax for the paper's models)
-        resident = torch.tensor([bits in view.residency.resident_bits(view.layer, e) for e in range(E)])  # [E]
+        # [E]: the layer's usable copies, read off its own holders (a call per expert had been 0.5 ms a layer at 128)
+        res = view.residency
+        resident = torch.zeros(E, dtype=torch.bool)
+        resident[[e for _, e in res.residents(bits, view.layer) if bits in res.resident_bits(view.layer, e)]] = True
         real = view.real_rows
         if real is None:
             plan.expert = cache_router(scores, view.top_k_index, resident, self.params.alpha)
