@@ -619,6 +619,21 @@ def test_a_budget_that_leaves_moe_layers_without_a_slot_says_so(tiny_ckpt):
     assert sum("caches none" in n for n in fate.policy.notes) == 1 and not any("no slot" in n for n in fate.policy.notes)
     roomy, _ = build_engine(lm, store, "lru", budget="50%", clock="sim")
     assert not roomy.policy.notes
+    # Under one expert in all (0.1% of 256 experts is a quarter of one): every caching policy ran as lod, unsaid
+    for policy in ("lru", "eap", "smoe"):
+        none, split = build_engine(lm, store, policy, budget="5%", clock="sim")
+        assert all(p.slots.shape[0] == 0 for p in none.residency.pools.values())
+        assert [n for n in none.policy.notes if "no slot" in n] == [
+            f"the expert cache of {size_text(split.cache_bytes)} gives every MoE layer no slot, so they load every "
+            "expert they run anew; raise --budget for a slot a layer."], policy
+    lod, _ = build_engine(lm, store, "lod", budget="5%", clock="sim")  # no cache by design: nothing to raise
+    assert not any("no slot" in n for n in lod.policy.notes)
+
+
+def test_layers_are_named_as_runs():
+    from moetool.engine import spans
+
+    assert spans([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8" and spans([4]) == "4" and spans([]) == ""
 
 
 def test_the_sim_clock_charges_a_cpu_expert_its_rows_round_trip(tiny_ckpt):

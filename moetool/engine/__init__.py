@@ -109,6 +109,17 @@ def default_host_budget() -> int:
     return max(0, free - max(1 << 30, free // 10))
 
 
+def spans(numbers: list[int]) -> str:
+    """Sorted numbers as runs: [1, 2, 3, 5] -> "1-3, 5" (a note had listed 57 layers one by one)."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _fresh_fit(policy: str, settings: dict[str, str], fitted: dict[str, Any] | None,
                sizing: dict[str, Sizing] | None, budget: str, ctx: EngineContext,
                path: str = "host") -> tuple[dict[str, Any] | None, dict[str, str]]:
@@ -219,12 +230,16 @@ def build_engine(lm: LoadedModel, store: HostStore, policy: str, *, settings: di
     if any(p.slots < 0 for p in pools):
         raise MoetoolError(f"policy '{pol.name}' asks for a pool of {min(p.slots for p in pools)} slots in its pools(): "
                            "a pool holds 0 slots or more.")
-    bare = bare_layers(pools, ctx.moe_layers) if any(p.slots > 0 for p in pools) else []  # no pool: no cache to raise
+    # No pool (lod) is no cache to raise; pools the budget sized to nothing are (0.1% of 256 experts is a
+    # quarter of one: every caching policy had run as lod, unsaid)
+    bare = bare_layers(pools, ctx.moe_layers) if pools else []
     if bare and not pol.says_bare_layers:  # a budget under one expert a layer: the tail layers cache nothing
         many = len(bare) > 1
-        pol.notes.append(f"the expert cache of {size_text(split.cache_bytes)} gives MoE layer{'s' if many else ''} "
-                         f"{', '.join(map(str, bare))} no slot, so {'they load' if many else 'it loads'} every expert "
-                         f"{'they run' if many else 'it runs'} anew; raise --budget for a slot a layer.")
+        which = "every MoE layer" if len(bare) == len(ctx.moe_layers) and many else \
+            f"MoE layer{'s' if many else ''} {spans(bare)}"
+        pol.notes.append(f"the expert cache of {size_text(split.cache_bytes)} gives {which} no slot, so "
+                         f"{'they load' if many else 'it loads'} every expert {'they run' if many else 'it runs'} "
+                         f"anew; raise --budget for a slot a layer.")
     budget_tracker = Budget(split.total_bytes)
     budget_tracker.reserve(split.non_expert_bytes + split.margin_bytes, "non-expert weights and the KV margin")
     residency = Residency(store, pools, budget_tracker, device, staged)
