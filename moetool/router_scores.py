@@ -45,6 +45,7 @@ class ScoreRule:
     groups: int = 1  # a token chooses among the best `topk_groups` of `groups` equal groups
     topk_groups: int = 1
     group_score: str = "top2"  # a group's rank: its two best choice scores summed, or its best ("max")
+    bias_on_logits: bool = False  # the bias is added to the logits to choose, not to f(logits) (Kolibri1)
     _on: dict = field(default_factory=dict, compare=False, repr=False)  # device -> the bias there
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ class ScoreRule:
     def describe(self) -> str:
         parts = [self.func]
         if self.bias is not None:
-            parts.append("a selection bias")
+            parts.append("a selection bias on the logits" if self.bias_on_logits else "a selection bias")
         if self.groups > 1 and self.topk_groups < self.groups:
             parts.append(f"the best {self.topk_groups} of {self.groups} groups ({self.group_score})")
         return ", ".join(parts)
@@ -182,6 +183,8 @@ def _candidates(lm: Any, block: nn.Module, router: nn.Module, num_experts: int) 
                 out += [ScoreRule(func=func, bias=b, groups=groups, topk_groups=topk_groups, group_score=how)
                         for how in ("top2", "max")]
             out.append(ScoreRule(func=func, bias=b))
+            if b is not None:
+                out.append(ScoreRule(func=func, bias=b, bias_on_logits=True))
     return out
 
 
@@ -189,7 +192,7 @@ def _reproduces(rule: ScoreRule, logits: torch.Tensor, chosen: torch.Tensor, wei
     """Whether `rule` chooses the block's experts for every probe token and weights them in the same
     proportions (the block may normalise its top-k weights and scale them: proportions survive that)."""
     s = rule.weights(logits)  # [T, E]
-    pick = s if rule.bias is None else s + rule.bias
+    pick = s if rule.bias is None else (logits.float() if rule.bias_on_logits else s) + rule.bias
     keep = rule.allowed(s)
     if keep is not None:
         pick = torch.where(keep, pick, torch.full_like(pick, float("-inf")))

@@ -94,6 +94,19 @@ def test_a_selection_bias_kept_inside_the_router_is_found(tmp_path):
     assert set(rules.by_layer) == {g.index for g in lm.geometry.layers}
 
 
+def test_a_selection_bias_added_to_the_logits_is_found(tmp_path):
+    """Kolibri1 chooses by logits + bias and weights by sigmoid(logits): with a trained bias no rule that
+    adds it to the scores reproduced the choice, and every layer was left on softmax."""
+    lm = load_model(str(save_tiny("kolibri1", tmp_path / "k", norm_topk_prob=True)))
+    gen = torch.Generator().manual_seed(2)
+    for g in lm.geometry.layers:
+        router = lm.model.get_submodule(g.path).get_submodule(g.router)
+        router.e_score_correction_bias.copy_(torch.randn(g.num_experts, generator=gen) * 2)
+    rules = score_rules(lm)
+    assert rules.unmatched == ()
+    assert rules.kinds() == {"sigmoid, a selection bias on the logits": ", ".join(str(g.index) for g in lm.geometry.layers)}
+
+
 def test_grouped_scores_compile_whole():
     """The rule runs inside the captured step: no graph break, the eager values."""
     rule = ScoreRule(func="sigmoid", bias=torch.rand(16), groups=4, topk_groups=2)
