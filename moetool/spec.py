@@ -74,6 +74,9 @@ class EngineSpec:
             raise not_a_file(self.fit, "--fit")
 
 
+NAMES_A_FILE = ("model",)  # text fields a caller may give as a path: a checkpoint directory
+
+
 def check_types(cfg: Any) -> None:
     """Each field of a config built in Python (a notebook, a script) holds what its type hint says, or
     one sentence naming it: the CLI's options are typed as they are parsed, a caller's values are not
@@ -84,19 +87,19 @@ def check_types(cfg: Any) -> None:
 
     from moetool.schema import SchemaError, build
 
-    def lenient(hint: Any) -> Any:
-        if hint is Path:
+    def lenient(hint: Any, name: str = "") -> Any:
+        if hint is Path or hint is str and name in NAMES_A_FILE:
             return str | os.PathLike
         args = typing.get_args(hint)
         if typing.get_origin(hint) in (typing.Union, type(str | None)):
-            return typing.Union[tuple(lenient(a) for a in args)]
+            return typing.Union[tuple(lenient(a, name) for a in args)]
         if typing.get_origin(hint) is dict and args == (str, str):
             return dict[str, str | int | float | bool]
         return hint
 
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        value, hint = getattr(cfg, f.name), lenient(hints[f.name])
+        value, hint = getattr(cfg, f.name), lenient(hints[f.name], f.name)
         if isinstance(value, str) and typing.get_origin(hint) in (tuple, list):
             raise MoetoolError(f"{f.name} is one string, {value[:40]!r}; give a tuple of them, such as "
                                f"{f.name}=({value[:40]!r},).")
