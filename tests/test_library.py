@@ -36,6 +36,15 @@ def test_a_config_built_in_python_holds_its_types_or_is_one_sentence(fields, sai
         EvalConfig(task="ppl", limit=3.5).check()
 
 
+def test_a_profile_config_built_in_python_holds_its_types():
+    from moetool.profile import ProfileConfig, profile
+
+    with pytest.raises(MoetoolError, match=r"^data is one string, 'heldout'; give a tuple of them"):
+        profile(ProfileConfig(data="heldout"))
+    with pytest.raises(MoetoolError, match=r"^ProfileConfig.seq_len must be an integer, not the number 64.5\.$"):
+        profile(ProfileConfig(seq_len=64.5))
+
+
 def test_a_config_built_in_python_takes_what_the_cli_would_pass():
     """Paths as text, prompts as a list, knobs as numbers: each as the CLI's own values run."""
     RunConfig(bundle="somewhere", prompts=["a", "b"], policy="smoe", settings={"alpha": 0.3}).check()

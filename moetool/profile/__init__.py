@@ -35,7 +35,7 @@ from moetool.profile.timing import measure_timing
 from moetool.profile.trace import Tracer, route
 from moetool.profile_artifact import WHAT, ModelInfo, Profile
 from moetool.router_scores import ScoreRules, score_rules
-from moetool.spec import check_device, resolve_dtype
+from moetool.spec import check_device, check_types, resolve_dtype
 
 Progress = Callable[[str, int, int], None]  # (part, done, total)
 
@@ -107,6 +107,7 @@ def _info(lm: LoadedModel, bundle, dtype: torch.dtype, dtype_name: str) -> Model
 
 
 def _check(cfg: ProfileConfig) -> None:
+    check_types(cfg)  # a config built in Python (`data="heldout"` had been seven one-letter data sets)
     check_device(cfg.device)  # before the model loads: a device this machine lacks is one sentence
     resolve_dtype(cfg.dtype, cfg.device)  # refuses an unknown dtype in one sentence
     if cfg.seqs_per_data < 1:
