@@ -107,7 +107,8 @@ def check_types(cfg: Any) -> None:
             build(hint, value, f.name)
         except SchemaError as e:
             raise MoetoolError(f"{type(cfg).__name__}.{e}.") from None
-        if isinstance(value, float) and hints[f.name] is int:  # build takes 3.0 for 3 (JSON's); a config holds 3
+        whole = int in (hints[f.name], *typing.get_args(hints[f.name])) and float not in typing.get_args(hints[f.name])
+        if isinstance(value, float) and whole:  # build takes 3.0 for 3 (JSON's); a config holds 3
             raise MoetoolError(f"{type(cfg).__name__}.{f.name} must be an integer, not {value!r}.")
 
 

@@ -34,6 +34,8 @@ def test_a_config_built_in_python_holds_its_types_or_is_one_sentence(fields, sai
     assert str(e.value) == said
     with pytest.raises(MoetoolError, match=r"EvalConfig.limit must be an integer, not the number 3.5"):
         EvalConfig(task="ppl", limit=3.5).check()
+    with pytest.raises(MoetoolError, match=r"EvalConfig.limit must be an integer, not 40.0"):
+        EvalConfig(task="ppl", limit=40.0).check()
 
 
 def test_a_profile_config_built_in_python_holds_its_types():
